@@ -1,0 +1,194 @@
+"""The CUDA backend: a bounded device weight cache fed from pinned host staging.
+
+Entries per layer are the layout the device computes from: fused QKV, o, fused
+gate-up, down. Each layer's host copy is pinned once at load, so an upload is one
+DMA per entry (no memset, transpose or sync). With ``prefetch = d``, layers
+``l+1..l+d`` upload on a side stream while ``l`` computes; events order the two
+streams, and a released buffer is refilled only after its last reader is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel_core.backend import Backend, BackendContext
+from kestrel_core.errors import BudgetError, ConfigError, KestrelError
+from kestrel_core.model import linear_specs
+from kestrel_core.residency import Geometry
+
+from .budget import resolve_budget
+from .rawcuda import RawBlock, raw_empty
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    @classmethod
+    def available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def __init__(self, ctx: BackendContext):
+        if not torch.cuda.is_available():
+            raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
+        super().__init__(ctx)
+        want = ctx.backend.dtype or "bfloat16"
+        if want not in _DTYPES:
+            raise ConfigError(f"cuda computes in {', '.join(_DTYPES)}, not {want!r}; set [backend] dtype")
+        self.dtype = _DTYPES[want]
+        self.device = torch.device(ctx.backend.device or "cuda")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        self.prefetch_depth = ctx.backend.prefetch
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"prefetch must be >= 0, got {self.prefetch_depth}")
+        self.compute_stream = torch.cuda.current_stream(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else self.compute_stream
+        self._ready: dict[int, torch.cuda.Event] = {}
+        self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
+        self._raw = ctx.residency.allocator == "free"
+        self._check_budget(ctx)
+        self._stage_host()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        RawBlock.peak_bytes = RawBlock.live_bytes
+        try:
+            self.load_globals()
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom("loading embeddings and lm_head") from None
+
+    # --- budget ------------------------------------------------------------------
+    def _layer_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(s[0] * s[1] for _, s in linear_specs(self.cfg, 0).values()) * item
+
+    def _global_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        vh = self.cfg.vocab_size * self.cfg.hidden_size
+        return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
+
+    def _check_budget(self, ctx: BackendContext) -> None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        self.budget, self.budget_source = resolve_budget(ctx.residency.budget_mb, free)
+        layer, glob = self._layer_bytes(), self._global_bytes()
+        mib = 2**20
+        if self.budget < glob + layer:
+            raise BudgetError(
+                f"weight-cache budget {self.budget // mib} MiB ({self.budget_source}) is below one layer's working set: "
+                f"need at least {(glob + layer + mib - 1) // mib} MiB ({layer // mib} MiB a layer + {glob // mib} MiB resident); "
+                "raise --budget-mb or KESTREL_WCACHE_MB"
+            )
+        L = self.cfg.num_hidden_layers
+        peak = L if not ctx.residency.windowed else min(L, ctx.peak_layers + self.prefetch_depth)
+        need = glob + peak * layer
+        if need > self.budget:
+            fit = max(1, (self.budget - glob) // layer)
+            hint = f"use keep <= {max(1, (fit - self.prefetch_depth) // 2)}" if ctx.residency.windowed else f"turn the window on (e.g. --keep {max(1, fit // 2)})"
+            raise BudgetError(
+                f"this run peaks at {peak} resident layers = {need // mib} MiB, over the weight-cache budget of "
+                f"{self.budget // mib} MiB ({self.budget_source}); {hint}, or raise --budget-mb / KESTREL_WCACHE_MB"
+            )
+
+    def _oom(self, what: str) -> BudgetError:
+        mib = 2**20
+        return BudgetError(
+            f"CUDA out of memory while {what} ({self.counters.resident_bytes // mib} MiB of weights resident, "
+            f"budget {self.budget // mib} MiB); set --budget-mb / KESTREL_WCACHE_MB below "
+            f"{torch.cuda.mem_get_info(self.device)[0] // mib + self.counters.resident_bytes // mib} MiB or lower keep"
+        )
+
+    # --- host staging --------------------------------------------------------------
+    def _stage_host(self) -> None:
+        """Pin each layer once, already fused and in compute dtype: an upload is then a plain DMA."""
+        self._host: list[dict[str, torch.Tensor]] = []
+        for layer in range(self.cfg.num_hidden_layers):
+            specs = linear_specs(self.cfg, layer)
+            staged = {}
+            for fused, parts in FUSED:
+                rows = sum(specs[p][1][0] for p in parts)
+                buf = torch.empty((rows, specs[parts[0]][1][1]), dtype=self.dtype, pin_memory=True)
+                at = 0
+                for p in parts:
+                    src = self.ckpt.view(specs[p][0])
+                    buf[at : at + src.shape[0]].copy_(src)
+                    at += src.shape[0]
+                staged[fused] = buf
+            self._host.append(staged)
+            self.ckpt.drop_pages([n for n, _ in specs.values()])  # the pinned copy is the host staging now
+
+    # --- Backend contract ----------------------------------------------------------
+    def layer_sources(self, layer):
+        for name, host in self._host[layer].items():
+            nbytes = host.numel() * host.element_size()
+            yield name, host, Geometry(tuple(host.shape), str(self.dtype), nbytes, str(self.device))
+
+    def new_buffer(self, geometry):
+        try:
+            if self._raw:
+                return raw_empty(geometry.shape, self.dtype, self.device)
+            buf = torch.empty(geometry.shape, dtype=self.dtype, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom("allocating a weight buffer") from None
+        if self.copy_stream is not self.compute_stream:
+            buf.record_stream(self.copy_stream)
+        return buf
+
+    def free_buffer(self, buffer):
+        del buffer  # raw: cudaFree runs as the last view dies; pool fallback: back to torch's cache
+
+    def fill(self, buffer, source):
+        waits = self._last_read.pop(buffer.data_ptr(), None)
+        if waits is not None and self.copy_stream is not self.compute_stream:
+            self.copy_stream.wait_event(waits)
+        with torch.cuda.stream(self.copy_stream):
+            buffer.copy_(source, non_blocking=True)
+
+    def load_resident(self, host):
+        return host.to(device=self.device, dtype=self.dtype)
+
+    def upload_layer(self, layer):
+        try:
+            weights = super().upload_layer(layer)
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom(f"uploading layer {layer}") from None
+        if self.copy_stream is not self.compute_stream:
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            self._ready[layer] = ev
+        return weights
+
+    def prefetch_layer(self, layer):
+        return self.upload_layer(layer)
+
+    def before_use(self, layer):
+        ev = self._ready.pop(layer, None)
+        if ev is not None:
+            self.compute_stream.wait_event(ev)
+
+    def evict_layer(self, layer, weights):
+        if self.copy_stream is not self.compute_stream:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)  # the last reader of these buffers is queued before this point
+            for buf in weights.values():
+                self._last_read[buf.data_ptr()] = ev
+            self._ready.pop(layer, None)
+        super().evict_layer(layer, weights)
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.device)
+
+    def memory_stats(self):
+        return {
+            "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+            "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+            "raw_peak_bytes": RawBlock.peak_bytes,
+            "budget_bytes": self.budget,
+        }
+
+    def close(self):
+        super().close()
+        self._host = []
+        self._ready.clear()
+        self._last_read.clear()

@@ -1,0 +1,39 @@
+"""The ``kestrel`` command. Each subcommand lives in ``kestrel_core/commands/<name>.py``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import KestrelError
+
+SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kestrel", description="Run models whose weights do not fit in device memory.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f".commands.{name}", __package__)
+        p = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except KestrelError as exc:
+        print(f"kestrel: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kestrel: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

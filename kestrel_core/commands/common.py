@@ -1,0 +1,116 @@
+"""Flags shared by the commands that run a model, and how they override kestrel.toml."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import KestrelConfig, load_config, parse_keep
+from ..errors import ConfigError
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--config", help="kestrel.toml; flags override it")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    add_model_flags(p)
+    many = " (comma-separated list)" if sweep else ""
+    p.add_argument("--backend", help=f"backend name{many}: see `kestrel plugins`")
+    p.add_argument("--policy", help=f"residency policy{many}")
+    p.add_argument("--keep", help=f"layers kept resident by the window, or 'off'{many}")
+    p.add_argument("--allocator", help=f"weight-buffer allocator{many}")
+    p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
+    p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")
+    p.add_argument("--pool-slots", type=int, help="buffers the pool may hold (default 128)")
+    p.add_argument("--dtype", help="compute dtype (cpu_ref: float32|float64; cuda: bfloat16|float16|float32)")
+    p.add_argument("--device", help="device, e.g. cuda:1")
+    p.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
+    p.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+
+
+def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelConfig:
+    """kestrel.toml, then flags. List-valued sweep flags are applied per run, not here."""
+    cfg = load_config(args.config)
+    single = lambda v: None if sweep else v  # noqa: E731
+    prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    if args.prompt is not None and not args.prompt.strip():
+        raise ConfigError("the prompt is empty: pass some text to --prompt, or --prompt-ids 1,2,3")
+    if args.prompt_ids is not None and not prompt_ids:
+        raise ConfigError("the prompt is empty: --prompt-ids has no ids")
+    return cfg.override(
+        model=args.model,
+        backend__name=single(args.backend),
+        backend__dtype=args.dtype,
+        backend__device=args.device,
+        backend__prefetch=single(_int(args.prefetch, "--prefetch")),
+        residency__policy=single(args.policy),
+        residency__keep=single(parse_keep(args.keep) if args.keep is not None else None),
+        residency__allocator=single(args.allocator),
+        residency__budget_mb=args.budget_mb,
+        residency__pool_slots=args.pool_slots,
+        generation__prompt=args.prompt,
+        generation__prompt_ids=prompt_ids,
+        generation__max_new_tokens=args.max_new_tokens,
+        generation__temperature=args.temperature,
+        generation__top_k=args.top_k,
+        generation__top_p=args.top_p,
+        generation__seed=args.seed,
+        generation__stop_at_eos=False if args.ignore_eos else None,
+    )
+
+
+def _int(value, flag):
+    if value is None or "," in str(value):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a whole number, got {value!r}") from None
+
+
+def model_dir(cfg: KestrelConfig) -> str:
+    if not cfg.model:
+        raise ConfigError("no model given: pass --model DIR (or model = \"DIR\" in kestrel.toml); `kestrel demo` needs none")
+    return cfg.model
+
+
+def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:
+    gen = cfg.generation
+    if gen.prompt_ids:
+        return list(gen.prompt_ids)
+    if gen.prompt:
+        if model.tokenizer is None:
+            raise ConfigError(f"--prompt needs a tokenizer: {model.dir} has no usable tokenizer.json; pass --prompt-ids instead")
+        ids = model.tokenizer.encode(gen.prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty after tokenization")
+        return ids
+    if default is not None:
+        return default
+    raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+
+
+def emit_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"

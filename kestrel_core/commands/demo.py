@@ -1,0 +1,50 @@
+"""kestrel demo: the embedded default model, swept on every available backend."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..config import KestrelConfig, load_config
+from ..engine import Model
+from ..presets import preset_config, write_checkpoint
+from ..sweep import available_backends, run_sweep, stderr_progress
+from .sweep import report
+
+HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
+KEEPS = [1, 2, 3, 4, 7, 8, "off"]
+POLICIES = ["asymmetric", "future_evicting", "pinned_set"]
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def default_cache() -> Path:
+    root = os.environ.get("KESTREL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "kestrel")
+    return Path(root) / "demo-qwen3"
+
+
+def add_arguments(p):
+    p.add_argument("--cache-dir", help="where the demo checkpoint lives (default: $KESTREL_CACHE or ~/.cache/kestrel)")
+    p.add_argument("--config", help="kestrel.toml for generation settings")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
+
+
+def ensure_demo_model(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        print(f"demo: writing the demo checkpoint to {path}", file=sys.stderr, flush=True)
+        write_checkpoint(preset_config("demo"), path, seed=0)
+    return path
+
+
+def run(args) -> int:
+    path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
+    base: KestrelConfig = load_config(args.config).override(
+        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
+    )
+    backends = available_backends(None)
+    print(f"demo: model {path}, backends: {', '.join(backends)}", file=sys.stderr, flush=True)
+    with Model(path) as model:
+        rows = run_sweep(model, base, PROMPT, KEEPS, POLICIES, ["pool", "free"], backends, progress=stderr_progress)
+    return report(rows, args.json, args.plot, {"model": str(path), "prompt_ids": PROMPT})

@@ -1,0 +1,48 @@
+"""kestrel generate: run one model with one residency setting and report the counters."""
+
+from __future__ import annotations
+
+from ..engine import Model, open_run
+from ..generate import generate
+from .common import add_run_flags, config_from_args, emit_json, mib, model_dir, prompt_ids_for
+
+HELP = "generate tokens with a policy, keep, allocator and backend; print ids, ms/token and counters"
+
+
+def add_arguments(p):
+    add_run_flags(p)
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    with Model(model_dir(cfg)) as model:
+        prompt = prompt_ids_for(cfg, model)
+        with open_run(model, cfg) as r:
+            result = generate(r, prompt, cfg.generation)
+            policy = r.policy.name
+        text = model.tokenizer.decode(result.token_ids) if model.tokenizer else None
+    res = cfg.residency
+    if args.json:
+        out = {"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
+               "allocator": res.allocator, "prefetch": cfg.backend.prefetch, **result.to_json()}
+        if text is not None:
+            out["text"] = text
+        emit_json(out)
+        return 0
+    c = result.counters
+    steps = len(result.decode_ms)
+    print(f"token ids: {' '.join(map(str, result.token_ids))}")
+    if text is not None:
+        print(f"text: {text!r}")
+    print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} prefetch={cfg.backend.prefetch}")
+    print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {result.ms_per_token:.2f} ms/token (median of {steps})")
+    print(f"uploaded: {c['layer_uploads']} layers, {c['uploads']} entries, {mib(c['bytes_uploaded'])}; "
+          f"evicted: {c['layer_evictions']} layers, {mib(c['bytes_evicted'])}")
+    if result.per_token:
+        per = result.per_token[-1]
+        print(f"per decoded token (last): {per['layer_uploads']} layers, {mib(per['bytes_uploaded'])} uploaded")
+    print(f"peak resident: {mib(c['peak_resident_bytes'])} ({c['peak_resident_entries']} entries); "
+          f"allocations: {c['allocations']}, pool hits: {c['pool_hits']}, real frees: {c['frees']}")
+    for k, v in result.memory.items():
+        print(f"{k.replace('_', ' ')}: {mib(v)}")
+    return 0

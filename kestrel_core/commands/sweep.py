@@ -1,0 +1,56 @@
+"""kestrel sweep: the cost curve over keep, policy, allocator and backend, with the invariance verdict."""
+
+from __future__ import annotations
+
+from ..config import parse_keep
+from ..engine import Model
+from ..errors import ConfigError
+from ..sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot,
+                     run_sweep, stderr_progress)
+from .common import add_run_flags, config_from_args, emit_json, model_dir, prompt_ids_for
+
+HELP = "sweep keep x policy x allocator (x backend); print the cost table and whether token ids stayed identical"
+DEFAULT_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def add_arguments(p):
+    add_run_flags(p, sweep=True)
+    p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
+
+
+def _list(value, default):
+    return [v.strip() for v in value.split(",") if v.strip()] if value else default
+
+
+def sweep_lists(args, cfg):
+    keeps = [parse_keep(k) for k in _list(args.keep, ["1", "2", "4", "off"])]
+    policies = _list(args.policy, [cfg.residency.policy])
+    allocators = _list(args.allocator, [cfg.residency.allocator])
+    try:
+        prefetches = [int(x) for x in _list(args.prefetch, [str(cfg.backend.prefetch)])]
+    except ValueError:
+        raise ConfigError(f"--prefetch must be whole numbers, got {args.prefetch!r}") from None
+    backends = available_backends(_list(args.backend, None) or ([cfg.backend.name] if cfg.backend.name != "cpu_ref" else None))
+    return keeps, policies, allocators, prefetches, backends
+
+
+def report(rows, as_json: bool, plot_path: str | None, extra: dict | None = None) -> int:
+    verdict = invariance(rows)
+    comparison = equal_peak_comparison(rows)
+    if plot_path:
+        plot(rows, plot_path)
+    if as_json:
+        emit_json({**(extra or {}), "rows": [r.to_json() for r in rows], "invariance": verdict, "pinned_vs_asymmetric": comparison})
+    else:
+        print(format_table(rows))
+        print(format_verdict(verdict, comparison))
+    return 0 if verdict["identical"] else 1
+
+
+def run(args) -> int:
+    cfg = config_from_args(args, sweep=True)
+    keeps, policies, allocators, prefetches, backends = sweep_lists(args, cfg)
+    with Model(model_dir(cfg)) as model:
+        prompt = prompt_ids_for(cfg, model, default=DEFAULT_PROMPT)
+        rows = run_sweep(model, cfg, prompt, keeps, policies, allocators, backends, prefetches, progress=stderr_progress)
+    return report(rows, args.json, args.plot, {"model": cfg.model, "prompt_ids": prompt})

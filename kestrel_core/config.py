@@ -1,0 +1,137 @@
+"""Run configuration: attrs classes loaded from ``kestrel.toml``; flags override the file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+OFF = "off"
+
+
+def parse_keep(value: Any) -> int | str:
+    """``keep`` is a positive layer count or 'off' (no window: every layer stays resident)."""
+    if value is None or value == OFF:
+        return OFF
+    if isinstance(value, bool):
+        raise ConfigError(f"keep must be a layer count or 'off', got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"keep must be a layer count or 'off', got {value!r}") from None
+
+
+@attrs.frozen
+class BackendConfig:
+    name: str = "cpu_ref"
+    dtype: str = ""  # compute dtype; empty means the backend's default
+    prefetch: int = 0  # layers uploaded ahead on a side stream (backends that can)
+    device: str = ""  # e.g. "cuda:1"; empty means the backend's default
+
+
+@attrs.frozen
+class ResidencyConfig:
+    policy: str = "asymmetric"
+    keep: int | str = attrs.field(default=OFF, converter=parse_keep)
+    allocator: str = "pool"
+    pool_slots: int = 128
+    budget_mb: int = 0  # device weight-cache budget; 0 means the backend's default
+
+    @property
+    def windowed(self) -> bool:
+        return self.keep != OFF and self.policy != OFF
+
+
+@attrs.frozen
+class GenerationConfig:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+    prompt: str = ""
+    prompt_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+
+@attrs.frozen
+class KestrelConfig:
+    model: str = ""
+    backend: BackendConfig = BackendConfig()
+    residency: ResidencyConfig = ResidencyConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+    def override(self, **flags: Any) -> "KestrelConfig":
+        """Apply flags given as ``section__field=value``, or ``model=...``; None means 'not given'."""
+        cfg = self
+        for key, value in flags.items():
+            if value is None:
+                continue
+            if "__" not in key:
+                cfg = attrs.evolve(cfg, **{key: value})
+                continue
+            section, field = key.split("__", 1)
+            cfg = attrs.evolve(cfg, **{section: attrs.evolve(getattr(cfg, section), **{field: value})})
+        return cfg
+
+
+_SECTIONS = {"backend": BackendConfig, "residency": ResidencyConfig, "generation": GenerationConfig}
+
+
+def _build(cls: type, table: dict, where: str):
+    fields = {f.name: f for f in attrs.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
+    for key, value in table.items():
+        default = fields[key].default
+        if key == "keep" or isinstance(default, tuple):
+            continue  # converters check these
+        want = type(default)
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+        ok = ok or (want is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{where}: {key} must be {want.__name__}, got {value!r}")
+    try:
+        return cls(**table)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def config_from_dict(raw: dict, where: str = "config") -> KestrelConfig:
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"model"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: model, {', '.join(_SECTIONS)}")
+    kwargs: dict[str, Any] = {}
+    if "model" in raw:
+        if not isinstance(raw["model"], str):
+            raise ConfigError(f"{where}: model must be a path string")
+        kwargs["model"] = raw["model"]
+    for section, cls in _SECTIONS.items():
+        table = raw.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+        kwargs[section] = _build(cls, table, f"{where} [{section}]")
+    return KestrelConfig(**kwargs)
+
+
+def load_config(path: str | Path | None) -> KestrelConfig:
+    if not path:
+        return KestrelConfig()
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    return config_from_dict(raw, str(p))

@@ -1,0 +1,187 @@
+"""The Qwen3 / Llama dense decoder: its tensor table and its per-layer math (as in HF modeling_qwen3.py)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import FLOAT_DTYPES, Checkpoint
+from .errors import CheckpointError
+from .modelconfig import ModelConfig
+
+# The seven streamed linear weights of a layer, in compute order.
+LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+_HF = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, int]]]:
+    """role -> (tensor name, [out, in]) for the streamed linear weights of one layer."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {
+        "q": (cfg.q_dim, h),
+        "k": (cfg.kv_dim, h),
+        "v": (cfg.kv_dim, h),
+        "o": (h, cfg.q_dim),
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+    }
+    return {r: (f"model.layers.{layer}.{_HF[r]}.weight", shapes[r]) for r in LINEAR_ROLES}
+
+
+def small_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Per-layer norms (and biases): small, kept resident for the whole run."""
+    p = f"model.layers.{layer}."
+    out = {
+        "input_norm": (p + "input_layernorm.weight", (cfg.hidden_size,)),
+        "post_norm": (p + "post_attention_layernorm.weight", (cfg.hidden_size,)),
+    }
+    if cfg.qk_norm:
+        out["q_norm"] = (p + "self_attn.q_norm.weight", (cfg.head_dim,))
+        out["k_norm"] = (p + "self_attn.k_norm.weight", (cfg.head_dim,))
+    if cfg.attention_bias:
+        for r, dim in (("q", cfg.q_dim), ("k", cfg.kv_dim), ("v", cfg.kv_dim)):
+            out[f"{r}_bias"] = (p + f"{_HF[r]}.bias", (dim,))
+    return out
+
+
+def global_specs(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Embeddings, final norm and lm_head: never evicted."""
+    out = {
+        "embed": ("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
+        "norm": ("model.norm.weight", (cfg.hidden_size,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+    return out
+
+
+def all_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    specs = {name: shape for name, shape in global_specs(cfg).values()}
+    for layer in range(cfg.num_hidden_layers):
+        specs.update({n: s for n, s in linear_specs(cfg, layer).values()})
+        specs.update({n: s for n, s in small_specs(cfg, layer).values()})
+    return specs
+
+
+def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] = frozenset()) -> None:
+    """Every tensor config.json implies is present, of a float dtype, and of the right shape."""
+    for name, shape in all_specs(cfg).items():
+        info = ckpt.info(name)
+        if name in quantized:
+            continue  # checked by the q8 loader against its own layout
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+            )
+        if tuple(info.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}; "
+                "config.json and the weights do not match"
+            )
+
+
+@attrs.define
+class KVCache:
+    """Static per-layer K/V buffers: [max_seq, n_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device) -> list["KVCache"]:
+        shape = (max_seq, cfg.num_key_value_heads, cfg.head_dim)
+        return [
+            cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, head_dim] for the HF rotate-half convention."""
+    inv = cfg.inv_freq().to(device)
+    freqs = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos/sin: [T, head_dim]
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def decoder_layer(
+    h: torch.Tensor,  # [T, hidden]
+    w: dict[str, torch.Tensor],  # linear weights: q,k,v,o,gate,up,down or fused qkv / gate_up
+    small: dict[str, torch.Tensor],  # norms and biases
+    cache: KVCache,
+    start: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cfg: ModelConfig,
+    linear=F.linear,
+) -> torch.Tensor:
+    T = h.shape[0]
+    eps = cfg.rms_norm_eps
+    x = rms_norm(h, small["input_norm"], eps)
+    if "qkv" in w:
+        q, k, v = linear(x, w["qkv"]).split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+    else:
+        q, k, v = linear(x, w["q"]), linear(x, w["k"]), linear(x, w["v"])
+    if cfg.attention_bias:
+        q, k, v = q + small["q_bias"], k + small["k_bias"], v + small["v_bias"]
+    q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+    v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, small["q_norm"], eps)
+        k = rms_norm(k, small["k_norm"], eps)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.k[start : start + T] = k
+    cache.v[start : start + T] = v
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    keys = cache.k[: start + T].transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S, hd]
+    vals = cache.v[: start + T].transpose(0, 1).repeat_interleave(groups, dim=0)
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, heads, T, hd]
+        keys[None],
+        vals[None],
+        attn_mask=_causal_mask(T, start, h.device) if T > 1 else None,
+        scale=cfg.head_dim**-0.5,
+    )[0]
+    attn = attn.transpose(0, 1).reshape(T, cfg.q_dim)
+    h = h + linear(attn, w["o"])
+    x = rms_norm(h, small["post_norm"], eps)
+    if "gate_up" in w:
+        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x, w["gate"]), linear(x, w["up"])
+    return h + linear(F.silu(gate) * up, w["down"])
+
+
+def _causal_mask(T: int, start: int, device) -> torch.Tensor:
+    # Query i (absolute position start+i) sees keys 0..start+i.
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(start + T, device=device)[None, :]
+    return k_pos <= q_pos

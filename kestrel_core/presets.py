@@ -1,0 +1,159 @@
+"""``kestrel make-model``: real Hugging Face-format checkpoints with seeded random weights."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from .errors import ConfigError
+from .model import all_specs
+from .modelconfig import ModelConfig, parse_model_config
+
+_QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, attention_bias=False, bos_token_id=None)
+
+PRESETS: dict[str, dict] = {
+    # For tests: small enough for a float64 reference.
+    "tiny": dict(_QWEN3, vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                 rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=256),
+    # Llama path: no q/k norm, untied lm_head, Llama 3 RoPE scaling.
+    "tiny-llama": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=160,
+                       num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                       max_position_embeddings=512, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, attention_bias=False, eos_token_id=256,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # The embedded default for `kestrel demo`.
+    "demo": dict(_QWEN3, vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=2048,
+                 rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=256),
+    # About 320 MB in bf16: the preset the RSS bound is measured on.
+    "small-300m": dict(_QWEN3, vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=10,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                       rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=256),
+    # Real shapes (for the GPU machine).
+    "qwen3-1.7b": dict(_QWEN3, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(_QWEN3, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                     rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def preset_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; available: {', '.join(DTYPES)}")
+    return parse_model_config(dict(PRESETS[name], torch_dtype=dtype), f"preset {name}")
+
+
+def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Generator, device) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    if "embed_tokens" in name or name == "lm_head.weight":
+        # Logit std ~2 after the final norm: a clear top choice, and varied text.
+        return torch.randn(shape, generator=gen, device=device) * (2.0 / cfg.hidden_size**0.5)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=gen, device=device) * (1.5 / fan_in**0.5)
+
+
+def write_checkpoint(
+    cfg: ModelConfig,
+    out: Path,
+    seed: int = 0,
+    shard_mb: int = 0,
+    device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write config.json, *.safetensors (sharded above ``shard_mb``) and a byte-level tokenizer.json."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = DTYPES[cfg.torch_dtype]
+    specs = all_specs(cfg)
+    limit = shard_mb * 2**20 if shard_mb > 0 else None
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    written: list[tuple[str, dict[str, torch.Tensor]]] = []
+    weight_map: dict[str, str] = {}
+    total = sum(int(torch.Size(s).numel()) for s in specs.values()) * torch.empty((), dtype=dtype).element_size()
+
+    def flush(final: bool) -> None:
+        names_so_far = len(written) + 1
+        fname = "model.safetensors" if final and not written else f"shard-{names_so_far:05d}.safetensors"
+        written.append((fname, shards[-1]))
+        save_file(shards[-1], str(out / fname), metadata={"format": "pt"})
+        for t in shards[-1]:
+            weight_map[t] = fname
+        shards[-1] = {}
+        sizes[-1] = 0
+
+    done = 0
+    for i, (name, shape) in enumerate(specs.items()):
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = _init(name, shape, cfg, gen, device).to(dtype).cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        if limit and sizes[-1] and sizes[-1] + nbytes > limit:
+            flush(final=False)
+        shards[-1][name] = t
+        sizes[-1] += nbytes
+        done += nbytes
+        if progress and (i % 64 == 0 or done == total):
+            progress(f"make-model: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB")
+    flush(final=True)
+    if len(written) > 1:
+        n = len(written)
+        renamed = {}
+        for k, (fname, _) in enumerate(written, 1):
+            new = f"model-{k:05d}-of-{n:05d}.safetensors"
+            (out / fname).rename(out / new)
+            renamed[fname] = new
+        index = {"metadata": {"total_size": total}, "weight_map": {t: renamed[f] for t, f in weight_map.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "do_sample": False}))
+    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg)))
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel pre-tokenizers use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_level_tokenizer(cfg: ModelConfig) -> dict:
+    """A Hugging Face tokenizer.json: ids 0..255 are bytes, 256 is <|endoftext|>; no merges."""
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    special = [{"id": 256, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                "rstrip": False, "normalized": False, "special": True}]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special if cfg.vocab_size > 256 else [],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": []},
+    }

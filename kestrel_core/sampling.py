@@ -1,0 +1,41 @@
+"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import GenerationConfig
+from .errors import ConfigError
+
+
+def check_sampling(gen: GenerationConfig) -> None:
+    if gen.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {gen.temperature}")
+    if gen.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 means no cut), got {gen.top_k}")
+    if not 0 < gen.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {gen.top_p}")
+
+
+class Sampler:
+    def __init__(self, gen: GenerationConfig):
+        check_sampling(gen)
+        self.gen = gen
+        self.rng = torch.Generator().manual_seed(gen.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] float32 (any device)."""
+        if self.gen.temperature == 0:
+            return int(torch.argmax(logits))
+        probs_logits = logits.float().cpu() / self.gen.temperature
+        if self.gen.top_k:
+            kth = torch.topk(probs_logits, min(self.gen.top_k, probs_logits.numel())).values[-1]
+            probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))
+        probs = torch.softmax(probs_logits, dim=-1)
+        if self.gen.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = cum - sorted_p > self.gen.top_p  # keep the smallest prefix reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self.rng))

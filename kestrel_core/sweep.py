@@ -1,0 +1,191 @@
+"""``kestrel sweep``: the cost curve over keep x policy x allocator x backend, and the invariance verdict."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Callable
+
+import attrs
+
+from . import plugins
+from .config import OFF, KestrelConfig
+from .engine import Model, open_run
+from .generate import GenerationResult, generate
+
+
+@attrs.frozen
+class Row:
+    backend: str
+    policy: str
+    keep: int | str
+    allocator: str
+    prefetch: int
+    result: GenerationResult
+
+    def to_json(self) -> dict:
+        r = self.result
+        steady = r.per_token[1:] or r.per_token  # from the second decoded token on: after warm-up
+        mean = lambda key: statistics.fmean(p[key] for p in steady) if steady else 0.0  # noqa: E731
+        return {
+            "backend": self.backend,
+            "policy": self.policy,
+            "keep": self.keep,
+            "allocator": self.allocator,
+            "prefetch": self.prefetch,
+            "ms_per_token": round(r.ms_per_token, 3),
+            "prefill_ms": round(r.prefill_ms, 3),
+            "layer_uploads_per_token": mean("layer_uploads"),
+            "bytes_uploaded_per_token": mean("bytes_uploaded"),
+            "allocations_after_warmup": sum(p["allocations"] for p in steady) if len(r.per_token) > 1 else None,
+            "peak_resident_bytes": r.counters["peak_resident_bytes"],
+            "peak_resident_entries": r.counters["peak_resident_entries"],
+            "token_ids": r.token_ids,
+            "counters": r.counters,
+            "memory": r.memory,
+        }
+
+
+def available_backends(names: list[str] | None) -> list[str]:
+    regs = plugins.registry("backends")
+    if names:
+        for n in names:
+            plugins.lookup("backends", n)
+        return names
+    return [n for n, reg in sorted(regs.items()) if getattr(reg.factory, "available", lambda: True)()]
+
+
+def run_sweep(
+    model: Model,
+    base: KestrelConfig,
+    prompt_ids: list[int],
+    keeps: list,
+    policies: list[str],
+    allocators: list[str],
+    backends: list[str],
+    prefetches: list[int] = (0,),
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    settings = []
+    for backend in backends:
+        for keep in keeps:
+            for policy in policies if keep != OFF else [OFF]:
+                for allocator in allocators:
+                    for prefetch in prefetches if (keep != OFF and backend != "cpu_ref") else [0]:
+                        settings.append((backend, policy, keep, allocator, prefetch))
+    rows = []
+    for i, (backend, policy, keep, allocator, prefetch) in enumerate(settings, 1):
+        if progress:
+            progress(f"sweep [{i}/{len(settings)}] {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
+        cfg = base.override(
+            backend__name=backend,
+            backend__prefetch=prefetch,
+            residency__policy=policy,
+            residency__keep=keep,
+            residency__allocator=allocator,
+        )
+        with open_run(model, cfg) as run:
+            result = generate(run, prompt_ids, cfg.generation)
+        rows.append(Row(backend, policy, keep, allocator, prefetch, result))
+    return rows
+
+
+def invariance(rows: list[Row]) -> dict:
+    """Greedy ids must be identical across every setting on one backend."""
+    verdict = {"identical": True, "backends": {}}
+    for backend in dict.fromkeys(r.backend for r in rows):
+        mine = [r for r in rows if r.backend == backend]
+        ref = mine[0].result.token_ids
+        differing = [f"{r.policy} keep={r.keep} {r.allocator} prefetch={r.prefetch}" for r in mine if r.result.token_ids != ref]
+        verdict["backends"][backend] = {"runs": len(mine), "reference": ref, "differing": differing}
+        verdict["identical"] &= not differing
+    return verdict
+
+
+def equal_peak_comparison(rows: list[Row]) -> list[dict]:
+    """asymmetric against pinned_set at the same keep: same peak resident bytes, bytes moved per token."""
+    out = []
+    by = {(r.backend, r.policy, r.keep, r.allocator, r.prefetch): r.to_json() for r in rows}
+    for (backend, policy, keep, allocator, prefetch), a in by.items():
+        p = by.get((backend, "pinned_set", keep, allocator, prefetch))
+        if policy != "asymmetric" or p is None:
+            continue
+        saved = a["bytes_uploaded_per_token"] - p["bytes_uploaded_per_token"]
+        out.append({
+            "backend": backend, "keep": keep, "allocator": allocator, "prefetch": prefetch,
+            "peak_resident_bytes": [a["peak_resident_bytes"], p["peak_resident_bytes"]],
+            "bytes_per_token": [a["bytes_uploaded_per_token"], p["bytes_uploaded_per_token"]],
+            "saved_fraction": saved / a["bytes_uploaded_per_token"] if a["bytes_uploaded_per_token"] else 0.0,
+        })
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'backend':8} {'policy':16} {'keep':>4} {'alloc':5} {'pf':>2} {'ms/tok':>8} {'prefill':>8} {'layers/tok':>10} {'MiB/tok':>9} {'peak MiB':>9} {'entries':>7} {'allocs*':>7} ids"
+    lines = [head, "-" * len(head)]
+    ref: dict[str, list[int]] = {}
+    for r in rows:
+        j = r.to_json()
+        same = ref.setdefault(r.backend, j["token_ids"]) == j["token_ids"]
+        allocs = "-" if j["allocations_after_warmup"] is None else str(j["allocations_after_warmup"])
+        lines.append(
+            f"{r.backend:8} {r.policy:16} {str(r.keep):>4} {r.allocator:5} {r.prefetch:>2} {j['ms_per_token']:8.2f} "
+            f"{j['prefill_ms']:8.2f} {j['layer_uploads_per_token']:10.2f} {_mib(j['bytes_uploaded_per_token']):>9} "
+            f"{_mib(j['peak_resident_bytes']):>9} {j['peak_resident_entries']:7} {allocs:>7} {'same' if same else 'DIFF'}"
+        )
+    lines.append("allocs* = real allocations from the second decoded token on; ids = token ids against the first row of the backend")
+    return "\n".join(lines)
+
+
+def format_verdict(verdict: dict, comparison: list[dict]) -> str:
+    lines = []
+    for backend, v in verdict["backends"].items():
+        if v["differing"]:
+            lines.append(f"invariance on {backend}: FAILED - ids differ from the first run in: {'; '.join(v['differing'])}")
+        else:
+            lines.append(f"invariance on {backend}: token ids identical across all {v['runs']} runs")
+    for c in comparison:
+        a, p = c["peak_resident_bytes"]
+        lines.append(
+            f"pinned_set vs asymmetric on {c['backend']} at keep={c['keep']} ({c['allocator']}): peak {_mib(a)} vs {_mib(p)} MiB, "
+            f"{_mib(c['bytes_per_token'][0])} vs {_mib(c['bytes_per_token'][1])} MiB/token uploaded "
+            f"({c['saved_fraction']:.0%} fewer bytes)"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    from .errors import ConfigError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.keep != OFF:
+            groups.setdefault((r.backend, r.policy, r.allocator, r.prefetch), []).append(r)
+    for (backend, policy, allocator, prefetch), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.keep)
+        ax.plot([r.keep for r in rs], [r.result.ms_per_token for r in rs], marker="o",
+                label=f"{backend} {policy} {allocator}" + (f" pf{prefetch}" if prefetch else ""))
+    for r in rows:
+        if r.keep == OFF:
+            ax.axhline(r.result.ms_per_token, linestyle="--", linewidth=1, label=f"{r.backend} off")
+    ax.set_xlabel("keep (layers)")
+    ax.set_ylabel("decode ms/token (median)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def stderr_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

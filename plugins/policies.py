@@ -1,0 +1,126 @@
+"""Built-in residency policies.
+
+The layer loop is cyclic: 0..L-1 every token. A policy answers, at the boundary
+before ``layer`` runs, which resident layers to evict.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kestrel_core.hookspecs import hookimpl
+from kestrel_core.residency import Advice
+
+
+@attrs.define
+class Off:
+    """No window: every layer is preloaded and stays resident."""
+
+    n_layers: int
+    keep: int | str = "off"
+    name = "off"
+    windowed = False
+
+    def peak_layers(self) -> int:
+        return self.n_layers
+
+    def uploads_per_token(self) -> int:
+        return 0
+
+    @hookimpl
+    def preload(self, window):
+        return range(self.n_layers)
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        return None
+
+
+@attrs.define
+class Asymmetric:
+    """Evict only past layers, ``l < cur - keep + 1``; keep ``cur`` and everything upcoming.
+
+    After a token the last ``keep`` layers stay, so each token re-uploads ``L - keep``
+    layers, and up to ``2*keep`` are resident at the peak.
+    """
+
+    n_layers: int
+    keep: int
+    name = "asymmetric"
+    windowed = True
+
+    def peak_layers(self) -> int:
+        return min(self.n_layers, 2 * self.keep)
+
+    def uploads_per_token(self) -> int:
+        return self.n_layers - self.keep
+
+    @hookimpl
+    def preload(self, window):
+        return ()  # a preload would be evicted at the first boundary
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        return Advice(evict=[l for l in window.resident if l < layer - self.keep + 1])
+
+
+@attrs.define
+class FutureEvicting(Asymmetric):
+    """The pitfall baseline: also evicts upcoming layers, so every token re-uploads every layer."""
+
+    name = "future_evicting"
+
+    def uploads_per_token(self) -> int:
+        return self.n_layers
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        return Advice(evict=[l for l in window.resident if l < layer - self.keep + 1 or l > layer])
+
+
+@attrs.define
+class PinnedSet:
+    """Belady's MIN for a cyclic loop: at asymmetric's peak budget, pin a fixed set and stream the rest.
+
+    With a budget of ``P = min(L, 2*keep)`` layers (asymmetric's peak at the same keep),
+    ``P - 1`` layers stay for good and one slot streams the others: ``L - P + 1`` uploads
+    a token instead of ``L - keep``.
+    """
+
+    n_layers: int
+    keep: int
+    name = "pinned_set"
+    windowed = True
+
+    @property
+    def budget(self) -> int:
+        return min(self.n_layers, 2 * self.keep)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        if self.budget >= self.n_layers:
+            return frozenset(range(self.n_layers))
+        return frozenset(range(self.n_layers - self.budget + 1, self.n_layers))
+
+    def peak_layers(self) -> int:
+        return self.budget
+
+    def uploads_per_token(self) -> int:
+        return 0 if self.budget >= self.n_layers else self.n_layers - self.budget + 1
+
+    @hookimpl
+    def preload(self, window):
+        return ()
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        keep = self.pinned | {layer, *window.horizon(layer)}  # the horizon is being prefetched
+        return Advice(evict=[l for l in window.resident if l not in keep])
+
+
+@hookimpl
+def register_policies(register):
+    register("asymmetric", Asymmetric)
+    register("future_evicting", FutureEvicting)
+    register("pinned_set", PinnedSet)
+    register("off", Off)
