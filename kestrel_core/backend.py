@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 import attrs
@@ -27,6 +28,7 @@ class BackendContext:
     residency: ResidencyConfig
     counters: Counters
     peak_layers: int  # the policy's peak of resident layers (before any prefetch)
+    shared: dict  # lives as long as the opened Model: host staging reused across runs
 
 
 class Backend:
@@ -86,7 +88,15 @@ class Backend:
         """Order the compute after the layer's upload (a side-stream backend waits on an event)."""
 
     def synchronize(self) -> None:
-        """Wait for queued device work (timing reads a host clock after this)."""
+        """Wait for queued device work."""
+
+    def start_timer(self) -> Any:
+        return time.perf_counter()
+
+    def stop_timer(self, start: Any) -> float:
+        """Milliseconds since ``start_timer``, with the device's work finished."""
+        self.synchronize()
+        return (time.perf_counter() - start) * 1e3
 
     def memory_stats(self) -> dict[str, int]:
         return {}

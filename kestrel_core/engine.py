@@ -27,12 +27,14 @@ class Model:
         self.checkpoint = Checkpoint(self.dir)
         validate_checkpoint(self.checkpoint, self.config)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
+        self.shared: dict = {}  # backend host staging, reused by every run on this model
 
     @property
     def n_layers(self) -> int:
         return self.config.num_hidden_layers
 
     def close(self) -> None:
+        self.shared.clear()
         self.checkpoint.close()
 
     def __enter__(self):
@@ -79,7 +81,7 @@ def open_run(model: Model, config: KestrelConfig):
     backend_reg = plugins.lookup("backends", config.backend.name)
     with plugins.activated(policy, allocator):
         peak = policy.peak_layers() if hasattr(policy, "peak_layers") else model.n_layers
-        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak)
+        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak, model.shared)
         try:
             backend = backend_reg.factory(ctx)
         except KestrelError:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import attrs
 import torch
 
 from .config import GenerationConfig
 from .engine import Run
-from .errors import ConfigError
+from .errors import BudgetError, ConfigError
 from .model import KVCache, decoder_layer, rope_tables
 from .residency import delta
 from .sampling import Sampler
@@ -81,6 +80,17 @@ def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], phase: s
 
 
 def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool = False) -> GenerationResult:
+    try:
+        return _generate(run, prompt_ids, gen, keep_logits)
+    except torch.cuda.OutOfMemoryError:
+        budget = getattr(run.backend, "budget", None)
+        hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
+        raise BudgetError(
+            f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, keep, or --max-new-tokens"
+        ) from None
+
+
+def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool) -> GenerationResult:
     check_prompt(run, prompt_ids, gen)
     cfg, backend = run.model.config, run.backend
     sampler = Sampler(gen)
@@ -91,11 +101,10 @@ def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits
     with torch.inference_mode():
         run.window.preload()
         backend.synchronize()
-        t0 = time.perf_counter()
+        t0 = backend.start_timer()
         logits = forward(run, prompt_ids, 0, cache, "prefill")
         token = sampler(logits)
-        backend.synchronize()
-        prefill_ms = (time.perf_counter() - t0) * 1e3
+        prefill_ms = backend.stop_timer(t0)
         tokens = [token]
         if keep_logits:
             all_logits.append(logits.cpu())
@@ -104,11 +113,10 @@ def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits
         while len(tokens) < gen.max_new_tokens and not (gen.stop_at_eos and token in eos_ids):
             run.window.token += 1
             before = run.counters.snapshot()
-            t0 = time.perf_counter()
+            t0 = backend.start_timer()
             logits = forward(run, [token], pos, cache, "decode")
             token = sampler(logits)
-            backend.synchronize()
-            decode_ms.append((time.perf_counter() - t0) * 1e3)
+            decode_ms.append(backend.stop_timer(t0))
             per_token.append(delta(run.counters.snapshot(), before))
             tokens.append(token)
             pos += 1

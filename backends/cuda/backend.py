@@ -101,7 +101,14 @@ class CudaBackend(Backend):
 
     # --- host staging --------------------------------------------------------------
     def _stage_host(self) -> None:
-        """Pin each layer once, already fused and in compute dtype: an upload is then a plain DMA."""
+        """Pin each layer once, already fused and in compute dtype: an upload is then a plain DMA.
+
+        The staging lives with the opened model, so a sweep pins the weights once.
+        """
+        key = ("cuda-pinned-staging", self.dtype)
+        if key in self.ctx.shared:
+            self._host = self.ctx.shared[key]
+            return
         self._host: list[dict[str, torch.Tensor]] = []
         for layer in range(self.cfg.num_hidden_layers):
             specs = linear_specs(self.cfg, layer)
@@ -117,6 +124,7 @@ class CudaBackend(Backend):
                 staged[fused] = buf
             self._host.append(staged)
             self.ckpt.drop_pages([n for n, _ in specs.values()])  # the pinned copy is the host staging now
+        self.ctx.shared[key] = self._host
 
     # --- Backend contract ----------------------------------------------------------
     def layer_sources(self, layer):
@@ -179,8 +187,21 @@ class CudaBackend(Backend):
     def synchronize(self):
         torch.cuda.synchronize(self.device)
 
+    def start_timer(self):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.compute_stream)
+        return start
+
+    def stop_timer(self, start):
+        """CUDA events on the compute stream (which waits on every upload it reads)."""
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record(self.compute_stream)
+        stop.synchronize()
+        return start.elapsed_time(stop)
+
     def memory_stats(self):
         return {
+            "device_peak_bytes": torch.cuda.max_memory_allocated(self.device) + RawBlock.peak_bytes,
             "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
             "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
             "raw_peak_bytes": RawBlock.peak_bytes,

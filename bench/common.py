@@ -1,0 +1,89 @@
+"""Shared bits of the benchmarks: hardware facts, the commit, CUDA-event timing, the JSON record."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def commit() -> str:
+    if os.environ.get("KESTREL_COMMIT"):
+        return os.environ["KESTREL_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def hardware() -> dict:
+    hw = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+          "machine": platform.machine()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        hw.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count,
+                  cuda=torch.version.cuda, capability=f"{p.major}.{p.minor}")
+        try:
+            hw["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return hw
+
+
+def time_cuda(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median milliseconds of ``fn`` by CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_ceilings(nbytes: int = 2**30) -> dict:
+    """Pinned and pageable host->device, and device->device (bytes read + written), in GB/s."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).pin_memory()
+    pageable = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dev2 = torch.empty_like(dev)
+    ms_pinned = time_cuda(lambda: dev.copy_(pinned, non_blocking=True))
+    ms_pageable = time_cuda(lambda: dev.copy_(pageable), warmup=1, reps=5)
+    ms_d2d = time_cuda(lambda: dev2.copy_(dev))
+    out = {
+        "copy_bytes": nbytes,
+        "pinned_h2d_GBps": nbytes / ms_pinned / 1e6,
+        "pageable_h2d_GBps": nbytes / ms_pageable / 1e6,
+        "d2d_GBps_read_plus_write": 2 * nbytes / ms_d2d / 1e6,
+    }
+    del dev, dev2, pinned, pageable
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_record(name: str, record: dict, out_dirs: list[Path]) -> list[Path]:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    record = {"bench": name, "date_utc": stamp, "commit": commit(), "command": " ".join(sys.argv),
+              "hardware": hardware(), **record}
+    paths = []
+    for d in out_dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"{name}_{stamp}.json"
+        p.write_text(json.dumps(record, indent=1))
+        paths.append(p)
+    return paths

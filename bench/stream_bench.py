@@ -1,0 +1,245 @@
+"""Streaming benchmark on a GPU: kestrel's window against the pinned-copy ceiling and Hugging Face peers.
+
+    python bench/stream_bench.py --preset qwen3-8b --models /tmp/models [--out DIR] [--skip-peers]
+
+One run measures, side by side: pinned/pageable/device copy bandwidth; kestrel `off`;
+asymmetric at keep in {L, L-1, L/2, 4, 1} with prefetch off and on; future_evicting at
+the same keeps; pool against free at keep 1 and 4; pinned_set at asymmetric's peak;
+and transformers on the same weights, fully resident and with accelerate offloading
+every decoder layer to the CPU. The JSON record goes to bench/results/ (and --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, copy_ceilings, write_record  # noqa: E402
+
+from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
+from kestrel_core.engine import Model, open_run  # noqa: E402
+from kestrel_core.generate import generate  # noqa: E402
+from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
+
+PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_model(preset: str, root: Path) -> Path:
+    path = root / preset
+    if not (path / "config.json").is_file():
+        log(f"writing {preset} to {path}")
+        write_checkpoint(preset_config(preset), path, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+    return path
+
+
+def kestrel_row(model: Model, label: str, gen: GenerationConfig, **flags) -> dict:
+    cfg = KestrelConfig().override(backend__name="cuda", **flags)
+    with open_run(model, cfg) as run:
+        r = generate(run, PROMPT, gen)
+    steady = r.per_token[1:]
+    bytes_tok = statistics.fmean(p["bytes_uploaded"] for p in steady) if steady else 0.0
+    res = cfg.residency
+    row = {
+        "label": label, "policy": res.policy if res.windowed else "off", "keep": res.keep,
+        "allocator": res.allocator, "prefetch": cfg.backend.prefetch,
+        "ms_per_token": r.ms_per_token, "ms_per_token_mean": statistics.fmean(r.decode_ms),
+        "prefill_ms": r.prefill_ms, "decode_steps": len(r.decode_ms),
+        "layer_uploads_per_token": statistics.fmean(p["layer_uploads"] for p in steady) if steady else 0.0,
+        "bytes_uploaded_per_token": bytes_tok,
+        "effective_GBps": bytes_tok / r.ms_per_token / 1e6 if r.ms_per_token else 0.0,
+        "peak_resident_bytes": r.counters["peak_resident_bytes"],
+        "peak_device_bytes": r.memory.get("device_peak_bytes"),
+        "allocations_after_warmup": sum(p["allocations"] for p in steady),
+        "frees_after_warmup": sum(p["frees"] for p in steady),
+        "pool_hits": r.counters["pool_hits"],
+        "token_ids": r.token_ids,
+    }
+    log(f"{label:34} {row['ms_per_token']:8.2f} ms/tok  {bytes_tok / 1e9:6.2f} GB/tok  "
+        f"{row['effective_GBps']:6.1f} GB/s  allocs*={row['allocations_after_warmup']}")
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def kestrel_rows(model: Model, gen: GenerationConfig) -> list[dict]:
+    L = model.n_layers
+    keeps = [L, L - 1, L // 2, 4, 1]
+    rows = [kestrel_row(model, "off", gen, residency__keep="off")]
+    for keep in keeps:
+        for pf in (0, 1):
+            rows.append(kestrel_row(model, f"asymmetric keep={keep} pf={pf}", gen, residency__keep=keep, backend__prefetch=pf))
+    for keep in keeps:
+        rows.append(kestrel_row(model, f"future_evicting keep={keep}", gen, residency__keep=keep,
+                                residency__policy="future_evicting"))
+    for keep in (4, 1):
+        rows.append(kestrel_row(model, f"asymmetric keep={keep} free", gen, residency__keep=keep,
+                                residency__allocator="free"))
+    for keep in (4, 1):
+        rows.append(kestrel_row(model, f"pinned_set keep={keep} pf=1", gen, residency__keep=keep,
+                                residency__policy="pinned_set", backend__prefetch=1))
+    ref = rows[0]["token_ids"]
+    for row in rows:
+        row["ids_match_off"] = row["token_ids"] == ref
+    return rows
+
+
+def hf_decode(model, n_new: int) -> tuple[list[int], list[float], float]:
+    """Greedy decode with the HF KV cache; CUDA-event ms per decode step."""
+    ids = torch.tensor([PROMPT], device="cuda")
+    times, out = [], []
+    with torch.inference_mode():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        res = model(input_ids=ids, use_cache=True)
+        tok = int(res.logits[0, -1].argmax())
+        b.record()
+        b.synchronize()
+        prefill = a.elapsed_time(b)
+        past = res.past_key_values
+        out.append(tok)
+        for _ in range(n_new - 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            res = model(input_ids=torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
+            tok = int(res.logits[0, -1].argmax())
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+            past = res.past_key_values
+            out.append(tok)
+    return out, times, prefill
+
+
+def peer_rows(path: Path, n_layers: int, n_new: int, n_offload: int) -> dict:
+    import accelerate
+    from accelerate.hooks import remove_hook_from_submodules
+    from transformers import AutoModelForCausalLM
+
+    log("transformers: loading on the CPU")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    hf.eval()
+    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    device_map.update({f"model.layers.{i}": "cpu" for i in range(n_layers)})
+    hf = accelerate.dispatch_model(hf, device_map=device_map, main_device=0)
+    ids_off, t_off, pre_off = hf_decode(hf, n_offload)
+    log(f"accelerate offload: {statistics.median(t_off):.1f} ms/tok")
+    remove_hook_from_submodules(hf)
+    hf = hf.to("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    ids_res, t_res, pre_res = hf_decode(hf, n_new)
+    peak = torch.cuda.max_memory_allocated()
+    log(f"transformers resident: {statistics.median(t_res):.1f} ms/tok")
+    out = {
+        "transformers_version": __import__("transformers").__version__,
+        "accelerate_version": accelerate.__version__,
+        "hf_resident": {"ms_per_token": statistics.median(t_res), "prefill_ms": pre_res, "decode_ms": t_res,
+                        "token_ids": ids_res, "peak_device_bytes": peak},
+        "accelerate_offload": {"ms_per_token": statistics.median(t_off), "prefill_ms": pre_off, "decode_ms": t_off,
+                               "token_ids": ids_off},
+    }
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def leading_match(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def targets(rows: list[dict], ceil: dict, peers: dict | None) -> dict:
+    by = {r["label"]: r for r in rows}
+    L = max(r["keep"] for r in rows if r["keep"] != "off")
+    stream = by["asymmetric keep=1 pf=1"]
+    off = by["off"]
+    keepL = by[f"asymmetric keep={L} pf=0"]
+    t = {
+        "stream_keep1_prefetch_fraction_of_pinned": stream["effective_GBps"] / ceil["pinned_h2d_GBps"],
+        "stream_keep1_prefetch_ms_per_token": stream["ms_per_token"],
+        "keepL_over_off": keepL["ms_per_token"] / off["ms_per_token"],
+        "pool_allocations_after_warmup": sum(r["allocations_after_warmup"] for r in rows if r["allocator"] == "pool"),
+        "free_allocations_after_warmup_keep1": by["asymmetric keep=1 free"]["allocations_after_warmup"],
+        "all_ids_match_off": all(r["ids_match_off"] for r in rows),
+    }
+    t["met_stream_80pct_of_pinned"] = t["stream_keep1_prefetch_fraction_of_pinned"] >= 0.8
+    t["met_keepL_within_3pct"] = t["keepL_over_off"] <= 1.03
+    t["met_pool_zero_allocations"] = t["pool_allocations_after_warmup"] == 0
+    if peers:
+        acc = peers["accelerate_offload"]["ms_per_token"]
+        res = peers["hf_resident"]["ms_per_token"]
+        t["speedup_vs_accelerate_offload"] = acc / stream["ms_per_token"]
+        t["met_5x_accelerate"] = t["speedup_vs_accelerate_offload"] >= 5
+        t["off_over_hf_resident"] = off["ms_per_token"] / res
+        t["met_off_no_slower_than_hf"] = off["ms_per_token"] <= res
+        t["leading_ids_matching_hf_resident"] = leading_match(off["token_ids"], peers["hf_resident"]["token_ids"])
+    return t
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--models", default="/tmp/kestrel-models")
+    p.add_argument("--max-new-tokens", type=int, default=10)
+    p.add_argument("--offload-tokens", type=int, default=4)
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--out", action="append", default=[], help="also write the record here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("stream_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    path = ensure_model(args.preset, Path(args.models))
+    ceil = copy_ceilings()
+    log(f"ceilings: pinned {ceil['pinned_h2d_GBps']:.1f} GB/s, pageable {ceil['pageable_h2d_GBps']:.1f}, d2d {ceil['d2d_GBps_read_plus_write']:.0f}")
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    with Model(path) as model:
+        cfg = model.config
+        n_layers = model.n_layers
+        weight_bytes = sum(i.nbytes for f in model.checkpoint.files.values() for i in f.tensors.values())
+        rows = kestrel_rows(model, gen)
+    peers = None if args.skip_peers else peer_rows(path, n_layers, args.max_new_tokens, args.offload_tokens)
+    record = {
+        "model": {"preset": args.preset, "dtype": cfg.torch_dtype, "layers": n_layers, "weight_bytes": weight_bytes},
+        "prompt_ids": PROMPT, "max_new_tokens": args.max_new_tokens,
+        "ceilings": ceil, "rows": rows, "peers": peers, "targets": targets(rows, ceil, peers),
+    }
+    paths = write_record(f"stream_{args.preset}", record, [RESULTS, *map(Path, args.out)])
+    print(format_summary(record))
+    print("record:", *paths)
+    return 0
+
+
+def format_summary(rec: dict) -> str:
+    c = rec["ceilings"]
+    lines = [f"{rec['model']['preset']} ({rec['model']['weight_bytes'] / 1e9:.1f} GB, {rec['hardware'].get('gpu', '?') if 'hardware' in rec else ''})",
+             f"pinned h2d {c['pinned_h2d_GBps']:.1f} GB/s | pageable {c['pageable_h2d_GBps']:.1f} | d2d {c['d2d_GBps_read_plus_write']:.0f}",
+             f"{'setting':34} {'ms/tok':>8} {'GB/tok':>7} {'GB/s':>6} {'%pin':>5} {'peak GB':>8} {'allocs*':>7} ids"]
+    for r in rec["rows"]:
+        pk = (r["peak_device_bytes"] or 0) / 1e9
+        lines.append(f"{r['label']:34} {r['ms_per_token']:8.2f} {r['bytes_uploaded_per_token'] / 1e9:7.2f} "
+                     f"{r['effective_GBps']:6.1f} {100 * r['effective_GBps'] / c['pinned_h2d_GBps']:5.0f} {pk:8.2f} "
+                     f"{r['allocations_after_warmup']:7} {'same' if r['ids_match_off'] else 'DIFF'}")
+    if rec["peers"]:
+        lines.append(f"transformers resident: {rec['peers']['hf_resident']['ms_per_token']:.1f} ms/tok; "
+                     f"accelerate offload: {rec['peers']['accelerate_offload']['ms_per_token']:.1f} ms/tok")
+    lines.append("targets: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec["targets"].items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

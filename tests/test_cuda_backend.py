@@ -1,0 +1,110 @@
+"""The CUDA backend on a real GPU: invariance, counters, budget and OOM errors. Skips without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kestrel_core.config import GenerationConfig, KestrelConfig
+from kestrel_core.engine import Model, open_run
+from kestrel_core.errors import BudgetError
+from kestrel_core.generate import generate
+from kestrel_core.presets import preset_config, write_checkpoint
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GEN = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+PROMPT = [3, 14, 15, 92, 65]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_checkpoint(preset_config("tiny"), tmp_path_factory.mktemp("cuda") / "tiny", seed=1)
+    with Model(path) as m:
+        yield m
+
+
+def run(model, **flags):
+    cfg = KestrelConfig().override(backend__name="cuda", **flags)
+    with open_run(model, cfg) as r:
+        return generate(r, PROMPT, GEN)
+
+
+def test_ids_identical_across_keep_policy_allocator_prefetch(model):
+    L = model.n_layers
+    ref = run(model, residency__keep="off").token_ids
+    keeps = sorted({1, 2, 4, L // 2, L - 1, L})
+    settings = itertools.product(keeps, ["asymmetric", "future_evicting", "pinned_set"], ["pool", "free"], [0, 1, 2])
+    for keep, policy, allocator, prefetch in settings:
+        got = run(model, residency__keep=keep, residency__policy=policy, residency__allocator=allocator,
+                  backend__prefetch=prefetch).token_ids
+        assert got == ref, (keep, policy, allocator, prefetch)
+
+
+def test_uploads_per_token_follow_the_policy(model):
+    L = model.n_layers
+    for keep in (1, 2, L - 1):
+        r = run(model, residency__keep=keep, residency__policy="asymmetric")
+        assert [p["layer_uploads"] for p in r.per_token] == [L - keep] * len(r.per_token)
+        r = run(model, residency__keep=keep, residency__policy="future_evicting")
+        assert [p["layer_uploads"] for p in r.per_token] == [L] * len(r.per_token)
+
+
+def test_four_device_entries_per_layer(model):
+    r = run(model, residency__keep=1, residency__policy="future_evicting")
+    assert r.counters["uploads"] == 4 * r.counters["layer_uploads"]
+
+
+def test_pool_allocates_nothing_after_warmup_and_free_every_token(model):
+    pool = run(model, residency__keep=1, residency__allocator="pool", backend__prefetch=1)
+    assert [p["allocations"] for p in pool.per_token[1:]] == [0] * (len(pool.per_token) - 1)
+    assert pool.counters["pool_hits"] > 0
+    free = run(model, residency__keep=1, residency__allocator="free")
+    L = model.n_layers
+    assert all(p["allocations"] == 4 * (L - 1) for p in free.per_token)
+    assert all(p["frees"] == 4 * (L - 1) for p in free.per_token)
+    assert free.memory["raw_peak_bytes"] > 0
+
+
+def test_budget_below_one_layer_is_rejected_with_the_number_needed(model, monkeypatch):
+    import kestrel_cuda.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "resolve_budget", lambda mb, free: (10_000, "test"))
+    with pytest.raises(BudgetError) as exc:
+        run(model, residency__keep=1)
+    assert "below one layer's working set" in str(exc.value) and "need at least" in str(exc.value)
+
+
+def test_window_off_over_budget_suggests_a_keep(model, monkeypatch):
+    import kestrel_cuda.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "resolve_budget", lambda mb, free: (int(1.6 * 2**20) // 2, "test"))
+    with pytest.raises(BudgetError) as exc:
+        run(model, residency__keep="off")
+    assert "turn the window on" in str(exc.value)
+
+
+def test_real_out_of_memory_becomes_a_budget_error(model):
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = []
+    try:
+        while True:  # take the device's memory for real, in large blocks, then smaller ones
+            free, _ = torch.cuda.mem_get_info()
+            if free < 4 * 2**20:
+                break
+            try:
+                hog.append(torch.empty(max(free - 2 * 2**20, 2**20), dtype=torch.uint8, device="cuda"))
+            except torch.cuda.OutOfMemoryError:
+                hog.append(torch.empty(2**20, dtype=torch.uint8, device="cuda"))
+        with pytest.raises(BudgetError) as exc:
+            run(model, residency__keep="off", residency__budget_mb=1024)
+        assert "CUDA out of memory" in str(exc.value) and "budget" in str(exc.value)
+    finally:
+        hog.clear()
+        torch.cuda.empty_cache()
