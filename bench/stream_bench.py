@@ -75,6 +75,7 @@ def kestrel_row(model: Model, label: str, gen: GenerationConfig, **flags) -> dic
 def kestrel_rows(model: Model, gen: GenerationConfig) -> list[dict]:
     L = model.n_layers
     keeps = [L, L - 1, L // 2, 4, 1]
+    kestrel_row(model, "warm-up (not recorded)", gen, residency__keep="off")
     rows = [kestrel_row(model, "off", gen, residency__keep="off")]
     for keep in keeps:
         for pf in (0, 1):

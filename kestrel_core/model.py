@@ -76,9 +76,9 @@ def all_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] = frozenset()) -> None:
     """Every tensor config.json implies is present, of a float dtype, and of the right shape."""
     for name, shape in all_specs(cfg).items():
-        info = ckpt.info(name)
         if name in quantized:
-            continue  # checked by the q8 loader against its own layout
+            continue  # stored as .qweight/.scales: quant.read_quant checks those against their layout
+        info = ckpt.info(name)
         if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"tensor {name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
@@ -108,7 +108,7 @@ class KVCache:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(dtype, torch.float32))  # at least float32; float64 stays float64
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 

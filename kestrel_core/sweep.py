@@ -74,6 +74,9 @@ def run_sweep(
                     for prefetch in prefetches if (keep != OFF and backend != "cpu_ref") else [0]:
                         settings.append((backend, policy, keep, allocator, prefetch))
     rows = []
+    for backend in backends:  # warm up (kernel loads, clocks) so the first row is not paying for it
+        with open_run(model, base.override(backend__name=backend, residency__keep=OFF, backend__prefetch=0)) as run:
+            generate(run, prompt_ids[:2], attrs.evolve(base.generation, max_new_tokens=2))
     for i, (backend, policy, keep, allocator, prefetch) in enumerate(settings, 1):
         if progress:
             progress(f"sweep [{i}/{len(settings)}] {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
