@@ -83,7 +83,8 @@ class SafetensorsFile:
         try:
             header = json.loads(bytes(self._mm[8 : 8 + n]))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{self.path}: header is not valid JSON ({exc.msg}); the file is corrupt") from None
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg
+            raise CheckpointError(f"{self.path}: header is not valid JSON ({why}); the file is corrupt") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object; the file is corrupt")
         base = 8 + n
@@ -96,6 +97,8 @@ class SafetensorsFile:
                 dtype, shape, (lo, hi) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed; the file is corrupt") from None
+            if not (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int) and isinstance(hi, int)):
+                raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed; the file is corrupt")
             if dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
             want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
@@ -158,6 +161,8 @@ class Checkpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object)") from None
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                raise CheckpointError(f"{index}: not a valid index ('weight_map' must map tensor names to file names)")
             names = sorted(set(weight_map.values()))
         else:
             names = sorted(p.name for p in self.dir.glob("*.safetensors"))

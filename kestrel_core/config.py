@@ -22,7 +22,7 @@ def parse_keep(value: Any) -> int | str:
     """``keep`` is a positive layer count or 'off' (no window: every layer stays resident)."""
     if value is None or value == OFF:
         return OFF
-    if isinstance(value, bool):
+    if isinstance(value, (bool, float)):  # int(2.5) would quietly give 2
         raise ConfigError(f"keep must be a layer count or 'off', got {value!r}")
     try:
         return int(value)
@@ -94,8 +94,12 @@ def _build(cls: type, table: dict, where: str):
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
     for key, value in table.items():
         default = fields[key].default
-        if key == "keep" or isinstance(default, tuple):
-            continue  # converters check these
+        if key == "keep":
+            continue  # its converter checks it
+        if isinstance(default, tuple):
+            if not (isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+                raise ConfigError(f"{where}: {key} must be a list of integers, got {value!r}")
+            continue
         want = type(default)
         ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
         ok = ok or (want is float and isinstance(value, int) and not isinstance(value, bool))
@@ -103,7 +107,7 @@ def _build(cls: type, table: dict, where: str):
             raise ConfigError(f"{where}: {key} must be {want.__name__}, got {value!r}")
     try:
         return cls(**table)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ConfigError) as exc:  # ConfigError: from a converter such as parse_keep
         raise ConfigError(f"{where}: {exc}") from None
 
 

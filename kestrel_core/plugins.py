@@ -18,6 +18,8 @@ pm.add_hookspecs(hookspecs)
 
 _loaded = False
 
+SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate"}
+
 
 def load_plugins() -> pluggy.PluginManager:
     """Load every plugin of the entry-point group once; a misspelt hook is an error."""
@@ -71,7 +73,7 @@ def registry(kind: str) -> dict[str, Registration]:
         def register(name: str, factory: Callable[..., Any], _impl=impl, _pkg=package, _ver=version) -> None:
             if name in found:
                 raise PluginError(
-                    f"{kind[:-1]} {name!r} is registered twice: by {found[name].plugin} and by {_impl.plugin_name}"
+                    f"{SINGULAR.get(kind, kind)} {name!r} is registered twice: by {found[name].plugin} and by {_impl.plugin_name}"
                 )
             found[name] = Registration(kind, name, factory, _impl.plugin_name, _pkg, _ver)
 
@@ -84,7 +86,7 @@ def lookup(kind: str, name: str) -> Registration:
     regs = registry(kind)
     if name not in regs:
         available = ", ".join(sorted(regs)) or "none (is kestrel installed? pip install -e .)"
-        raise PluginError(f"unknown {kind[:-1]} {name!r}; available: {available}")
+        raise PluginError(f"unknown {SINGULAR.get(kind, kind)} {name!r}; available: {available}")
     return regs[name]
 
 

@@ -10,7 +10,7 @@ import attrs
 
 from . import plugins
 from .config import OFF, KestrelConfig
-from .engine import Model, open_run
+from .engine import Model, make_policy, open_run
 from .generate import GenerationResult, generate
 
 
@@ -66,6 +66,12 @@ def run_sweep(
     prefetches: list[int] = (0,),
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
+    # Check every name and keep before the first run, not minutes into the sweep.
+    for keep in keeps:
+        for policy in policies:
+            make_policy(policy, keep, model.n_layers)
+    for allocator in allocators:
+        plugins.lookup("allocators", allocator)
     settings = []
     for backend in backends:
         for keep in keeps:

@@ -1,0 +1,315 @@
+"""The plugin contract: meta-tests over the hook specs (datasette style), and fake plugins registered in fixtures."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kestrel_core import hookspecs, plugins
+from kestrel_core.config import KestrelConfig
+from kestrel_core.engine import Model, open_run
+from kestrel_core.errors import PluginError
+from kestrel_core.generate import generate
+from kestrel_core.hookspecs import hookimpl
+from kestrel_core.residency import Advice
+from kestrel_cpu_ref.backend import CpuRefBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTINS = {
+    "backend": {"cpu_ref", "cuda"},
+    "policy": {"asymmetric", "future_evicting", "pinned_set", "off"},
+    "allocator": {"pool", "free"},
+}
+
+
+def hook_specs() -> dict:
+    """name -> function for every hook spec in kestrel_core.hookspecs."""
+    return {n: f for n, f in vars(hookspecs).items() if inspect.isfunction(f) and hasattr(f, "kestrel_spec")}
+
+
+# --- meta-tests ------------------------------------------------------------------------
+
+def test_the_specs_are_the_documented_set():
+    assert set(hook_specs()) >= {"on_layer_advance", "alloc", "release", "preload", "register_backends",
+                                 "register_policies", "register_allocators", "register_gates"}
+    assert all(inspect.getdoc(f) for f in hook_specs().values()), "every hook has a docstring"
+
+
+@pytest.mark.parametrize("name", sorted(hook_specs()))
+def test_every_hook_has_a_test(name):
+    here = Path(__file__).name
+    text = "\n".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py") if p.name != here)
+    text += _own_tests_text()
+    assert re.search(rf"\b{name}\b", text), f"no test references the hook {name!r}"
+
+
+def _own_tests_text() -> str:
+    """This file minus its meta-tests, so that the list of names above does not count as a test."""
+    src = Path(__file__).read_text()
+    return src[src.index("# --- fake plugins"):]
+
+
+@pytest.mark.parametrize("name", sorted(hook_specs()))
+def test_every_hook_signature_is_in_the_readme(name):
+    readme = ROOT / "README.md"
+    signature = f"{name}{inspect.signature(hook_specs()[name])}"
+    assert readme.is_file() and signature in readme.read_text(), f"README.md does not document {signature}"
+
+
+def test_kestrel_plugins_lists_every_builtin_with_package_kestrel(capsys):
+    from kestrel_core.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    version = importlib.metadata.version("kestrel")
+    for kind, names in BUILTINS.items():
+        listed = {r["name"]: r for r in rows if r["kind"] == kind}
+        assert names <= set(listed), (kind, sorted(listed))
+        for name in names:
+            assert (listed[name]["package"], listed[name]["version"]) == ("kestrel", version), listed[name]
+    # Every plugin module the kestrel distribution declares is loaded, and only through the entry-point group.
+    declared = {ep.name for ep in importlib.metadata.distribution("kestrel").entry_points if ep.group == "kestrel"}
+    loaded = {name for name, _ in plugins.pm.list_name_plugin()}
+    assert declared and declared <= loaded
+
+
+# --- fake plugins ----------------------------------------------------------------------
+
+GEN = dict(generation__max_new_tokens=5, generation__stop_at_eos=False)
+PROMPT = [9, 8, 7, 6]
+
+
+def run(model_dir, **flags):
+    cfg = KestrelConfig().override(**{**GEN, **flags})
+    with Model(model_dir) as model, open_run(model, cfg) as r:
+        return generate(r, PROMPT, cfg.generation)
+
+
+class KeepNothing:
+    """A third-party policy: evict every layer but the one about to run."""
+
+    name = "keep_nothing"
+    windowed = True
+
+    def __init__(self, n_layers, keep):
+        self.n_layers, self.keep = n_layers, keep
+
+    @hookimpl
+    def preload(self, window):
+        return ()
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        return Advice(evict=[l for l in window.resident if l != layer])
+
+
+class ThirdPartyPolicies:
+    @hookimpl
+    def register_policies(self, register):
+        register("keep_nothing", KeepNothing)
+
+
+def test_a_third_party_policy_changes_behaviour(tiny_ckpt, register_plugin):
+    with pytest.raises(PluginError, match="unknown policy 'keep_nothing'"):
+        run(tiny_ckpt, residency__policy="keep_nothing", residency__keep=3)
+    register_plugin(ThirdPartyPolicies(), "third-party-policies")
+    reg = plugins.lookup("policies", "keep_nothing")
+    assert reg.package == "(registered at run time)" and reg.factory is KeepNothing
+    base = run(tiny_ckpt, residency__policy="asymmetric", residency__keep=3)
+    fake = run(tiny_ckpt, residency__policy="keep_nothing", residency__keep=3)
+    assert [p["layer_uploads"] for p in base.per_token] == [3] * 4
+    assert [p["layer_uploads"] for p in fake.per_token] == [6] * 4
+    assert fake.counters["peak_resident_bytes"] < base.counters["peak_resident_bytes"]
+    assert fake.token_ids == base.token_ids
+
+
+def test_a_name_registered_twice_is_an_error(register_plugin):
+    class Again:
+        @hookimpl
+        def register_policies(self, register):
+            register("asymmetric", KeepNothing)
+
+    register_plugin(Again(), "again")
+    with pytest.raises(PluginError, match="policy 'asymmetric' is registered twice"):
+        plugins.registry("policies")
+
+
+def test_an_on_layer_advance_observer_sees_every_boundary(tiny_ckpt, register_plugin):
+    seen = []
+
+    class Observer:
+        @hookimpl
+        def on_layer_advance(self, window, layer, phase):
+            seen.append((window.token, phase, layer, tuple(sorted(window.resident))))
+            return None
+
+    register_plugin(Observer(), "observer")
+    r = run(tiny_ckpt, residency__policy="asymmetric", residency__keep=2)
+    L = 6
+    expected = [(0, "prefill", l) for l in range(L)] + [(t, "decode", l) for t in range(1, 5) for l in range(L)]
+    assert [s[:3] for s in seen] == expected
+    assert len(r.token_ids) == 5
+    # What it sees is the window before that boundary's evictions: asymmetric keep=2 holds layers 4,5 into layer 0.
+    assert seen[L][3] == (4, 5)
+
+
+def test_a_misspelt_hook_fails_loudly(tiny_ckpt, register_plugin, capsys):
+    from kestrel_core.cli import main
+
+    class Misspelt:
+        @hookimpl
+        def on_layer_advnce(self, window, layer, phase):
+            return None
+
+    register_plugin(Misspelt(), "misspelt")
+    with pytest.raises(PluginError, match="on_layer_advnce"):
+        plugins.check_plugins()
+    rc = main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--keep", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kestrel: error:") and "on_layer_advnce" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "advice, message",
+    [(lambda layer: "evict everything", "must return an Advice"),
+     (lambda layer: Advice(evict=[layer]), "which is about to run"),
+     (lambda layer: Advice(evict=[99]), "layers are 0..5"),
+     (lambda layer: Advice(prefetch=[-1]), "layers are 0..5")],
+)
+def test_a_policy_breaking_the_contract_is_a_plugin_error(tiny_ckpt, register_plugin, advice, message):
+    class Broken:
+        @hookimpl
+        def on_layer_advance(self, window, layer, phase):
+            return advice(layer) if layer == 3 else None
+
+    register_plugin(Broken(), "broken")
+    with pytest.raises(PluginError, match=message):
+        run(tiny_ckpt, residency__keep=2)
+
+
+def test_preload_from_a_plugin_is_honoured_and_windowed_policies_preload_nothing(tiny_ckpt, register_plugin):
+    first = {}
+
+    class FirstBoundary:
+        @hookimpl
+        def on_layer_advance(self, window, layer, phase):
+            first.setdefault("uploads", window.backend.counters.layer_uploads)
+            first.setdefault("resident", window.resident)
+
+    register_plugin(FirstBoundary(), "first-boundary")
+    run(tiny_ckpt, residency__keep=2)
+    assert first == {"uploads": 0, "resident": frozenset()}  # windowed: no preload
+    first.clear()
+    run(tiny_ckpt, residency__keep="off")
+    assert first == {"uploads": 6, "resident": frozenset(range(6))}  # off: everything up front
+    first.clear()
+
+    class WarmStart:
+        @hookimpl
+        def preload(self, window):
+            return [4, 5]
+
+    register_plugin(WarmStart(), "warm-start")
+    run(tiny_ckpt, residency__keep=2)
+    assert first == {"uploads": 2, "resident": frozenset({4, 5})}
+
+
+class CountingBackend(CpuRefBackend):
+    """A third-party backend: cpu_ref that counts the host-to-buffer fills it does."""
+
+    name = "counting"
+    fills = 0
+
+    def fill(self, buffer, source):
+        type(self).fills += 1
+        super().fill(buffer, source)
+
+
+class ThirdPartyBackend:
+    @hookimpl
+    def register_backends(self, register):
+        register("counting", CountingBackend)
+
+
+def test_a_third_party_backend_runs_the_same_model(tiny_ckpt, register_plugin):
+    register_plugin(ThirdPartyBackend(), "third-party-backend")
+    CountingBackend.fills = 0
+    r = run(tiny_ckpt, backend__name="counting", residency__keep=1)
+    assert CountingBackend.fills == r.counters["uploads"] > 0
+    assert r.token_ids == run(tiny_ckpt, residency__keep=1).token_ids
+
+
+class Bump:
+    """A third-party allocator: never reuses, never frees until the run ends (counts what it handed out)."""
+
+    name = "bump"
+
+    def __init__(self, counters, slots=0):
+        self.counters, self.live = counters, []
+
+    @hookimpl
+    def alloc(self, entry):
+        self.counters.allocations += 1
+        buf = entry.factory.new_buffer(entry.geometry)
+        self.live.append(buf)
+        return buf
+
+    @hookimpl
+    def release(self, entry, buffer):
+        pass  # keeps it in self.live: a leak on purpose, visible in the counters
+
+    def drain(self):
+        self.counters.frees += len(self.live)
+        self.live.clear()
+
+
+class ThirdPartyAllocators:
+    @hookimpl
+    def register_allocators(self, register):
+        register("bump", Bump)
+
+
+def test_a_third_party_allocator_answers_alloc_and_release(tiny_ckpt, register_plugin):
+    register_plugin(ThirdPartyAllocators(), "third-party-allocators")
+    r = run(tiny_ckpt, residency__keep=2, residency__allocator="bump")
+    assert r.counters["allocations"] == r.counters["uploads"] and r.counters["pool_hits"] == 0
+    assert r.counters["frees"] == 0  # releases went to the plugin, which kept them
+    assert r.token_ids == run(tiny_ckpt, residency__keep=2).token_ids
+
+
+def test_an_alloc_observer_returning_none_lets_the_allocator_answer(tiny_ckpt, register_plugin):
+    asked = []
+
+    class AllocObserver:
+        @hookimpl(tryfirst=True)  # the run's allocator registers later, and pluggy calls the latest first
+        def alloc(self, entry):
+            asked.append((entry.layer, entry.name, entry.geometry.nbytes))
+            return None
+
+    register_plugin(AllocObserver(), "alloc-observer")
+    r = run(tiny_ckpt, residency__keep=2, residency__allocator="pool")
+    assert len(asked) == r.counters["uploads"] == r.counters["allocations"] + r.counters["pool_hits"]
+    assert sum(n for *_, n in asked) == r.counters["bytes_uploaded"]
+
+
+def test_a_third_party_gate_is_registered_and_listed(register_plugin, capsys):
+    from kestrel_core.cli import main
+
+    gate = object()
+
+    class ThirdPartyGates:
+        @hookimpl
+        def register_gates(self, register):
+            register("always_no", gate)
+
+    register_plugin(ThirdPartyGates(), "third-party-gates")
+    assert plugins.lookup("gates", "always_no").factory is gate
+    assert main(["plugins", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["name"] == "always_no"]
+    assert rows == [{"kind": "gate", "name": "always_no", "package": "(registered at run time)", "version": "-",
+                     "plugin": "third-party-gates"}]
