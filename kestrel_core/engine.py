@@ -14,6 +14,7 @@ from .config import OFF, KestrelConfig
 from .errors import ConfigError, KestrelError
 from .model import validate_checkpoint
 from .modelconfig import ModelConfig, read_model_config
+from .quant import read_quant
 from .residency import Counters, Window
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -25,7 +26,8 @@ class Model:
         self.dir = Path(model_dir)
         self.config: ModelConfig = read_model_config(self.dir)
         self.checkpoint = Checkpoint(self.dir)
-        validate_checkpoint(self.checkpoint, self.config)
+        self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint
+        validate_checkpoint(self.checkpoint, self.config, self.quant.names if self.quant else frozenset())
         self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
         self.shared: dict = {}  # backend host staging, reused by every run on this model
 

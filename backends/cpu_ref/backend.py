@@ -2,12 +2,16 @@
 
 While a layer is resident its mapped pages stay touched, so the mapping's RSS in
 /proc/self/smaps follows the window; ``MADV_DONTNEED`` takes them out again.
+
+A q8 checkpoint is dequantized on upload (W[n, k] = qweight[k, n] * scales[k // g, n])
+into the same [N, K] compute-dtype buffers, so the math after upload is the float path's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.errors import ConfigError
 from kestrel_core.model import linear_specs
@@ -18,6 +22,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 class CpuRefBackend(Backend):
     name = "cpu_ref"
+    supports_q8 = True  # loads kestrel quantize checkpoints (see kestrel_core.quant)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
@@ -29,16 +34,37 @@ class CpuRefBackend(Backend):
         self.dtype = _DTYPES[want]
         self.device = torch.device("cpu")
         self._specs = [linear_specs(self.cfg, layer) for layer in range(self.cfg.num_hidden_layers)]
+        self.quant = quant.read_quant(self.ckpt, self.cfg)  # None for a float checkpoint
+        self._q8 = self.quant.tensors if self.quant else {}
         self.load_globals()
 
     def layer_sources(self, layer):
         item = torch.empty((), dtype=self.dtype).element_size()
         for role, (name, shape) in self._specs[layer].items():
-            nbytes = shape[0] * shape[1] * item
-            yield role, name, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu")
+            nbytes = shape[0] * shape[1] * item  # the resident buffer: [N, K] in compute dtype
+            q8 = self._q8.get(name)
+            if q8 is None:
+                yield role, name, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu")
+            else:
+                yield role, q8, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu", q8.layout)
 
     def fill(self, buffer, source):
-        buffer.copy_(self.ckpt.view(source))  # touches the mapped pages
+        if isinstance(source, quant.Q8Tensor):
+            self._dequantize(buffer, source)
+        else:
+            buffer.copy_(self.ckpt.view(source))  # touches the mapped pages
+
+    def _dequantize(self, out, q8):
+        return quant.dequantize_into(out, self.ckpt.view(q8.qweight), self.ckpt.view(q8.scales), q8.group)
+
+    def _resident(self, name):
+        q8 = self._q8.get(name)  # a q8 lm_head: dequantized once, resident for the run
+        if q8 is None:
+            return super()._resident(name)
+        t = self._dequantize(torch.empty((q8.n, q8.k), dtype=self.dtype), q8)
+        self.counters.add_resident(t.numel() * t.element_size())
+        self.ckpt.drop_pages([q8.qweight, q8.scales])
+        return t
 
     def new_buffer(self, geometry):
         return torch.empty(geometry.shape, dtype=self.dtype)
@@ -51,7 +77,11 @@ class CpuRefBackend(Backend):
         return host.to(self.dtype, copy=True)
 
     def after_evict(self, layer):
-        self.ckpt.drop_pages([name for name, _ in self._specs[layer].values()])
+        names = []
+        for name, _ in self._specs[layer].values():
+            q8 = self._q8.get(name)
+            names += [name] if q8 is None else [q8.qweight, q8.scales]
+        self.ckpt.drop_pages(names)
 
     def memory_stats(self):
         return {"mapping_rss_bytes": self.ckpt.mapping_rss()}

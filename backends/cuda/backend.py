@@ -10,12 +10,15 @@ streams, and a released buffer is refilled only after its last reader is done.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError
 from kestrel_core.model import linear_specs
 from kestrel_core.residency import Geometry
 
+from . import q8
 from .budget import resolve_budget
 from .rawcuda import RawBlock, raw_empty
 
@@ -25,6 +28,7 @@ FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), (
 
 class CudaBackend(Backend):
     name = "cuda"
+    supports_q8 = True  # tests/test_q8.py runs its q8 invariance test on this backend
 
     @classmethod
     def available(cls) -> bool:
@@ -50,6 +54,10 @@ class CudaBackend(Backend):
         self._ready: dict[int, torch.cuda.Event] = {}
         self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
         self._raw = ctx.residency.allocator == "free"
+        self.quant = quant.read_quant(ctx.checkpoint, ctx.model)  # None for a float checkpoint
+        self._q8 = self.quant.tensors if self.quant else {}
+        if self.quant:
+            q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
         self._check_budget(ctx)
         self._stage_host()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -61,12 +69,17 @@ class CudaBackend(Backend):
 
     # --- budget ------------------------------------------------------------------
     def _layer_bytes(self) -> int:
+        if self.quant:
+            return q8.q8_layer_bytes(self.cfg, self.quant, FUSED)
         item = torch.empty((), dtype=self.dtype).element_size()
         return sum(s[0] * s[1] for _, s in linear_specs(self.cfg, 0).values()) * item
 
     def _global_bytes(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
         vh = self.cfg.vocab_size * self.cfg.hidden_size
+        lm_head = self._q8.get("lm_head.weight")
+        if lm_head is not None:
+            return vh * item + lm_head.nbytes
         return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
 
     def _check_budget(self, ctx: BackendContext) -> None:
@@ -105,11 +118,17 @@ class CudaBackend(Backend):
 
         The staging lives with the opened model, so a sweep pins the weights once.
         """
-        key = ("cuda-pinned-staging", self.dtype)
+        key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
         if key in self.ctx.shared:
             self._host = self.ctx.shared[key]
             return
         self._host: list[dict[str, torch.Tensor]] = []
+        if self.quant:  # already in device layout: pin (and fuse along N) once, no dtype change
+            for layer in range(self.cfg.num_hidden_layers):
+                self._host.append(q8.stage_q8_layer(self.ckpt, self.cfg, self.quant, layer, FUSED))
+                self.ckpt.drop_pages(q8.layer_page_names(self.cfg, self.quant, layer))
+            self.ctx.shared[key] = self._host
+            return
         for layer in range(self.cfg.num_hidden_layers):
             specs = linear_specs(self.cfg, layer)
             staged = {}
@@ -129,14 +148,22 @@ class CudaBackend(Backend):
     # --- Backend contract ----------------------------------------------------------
     def layer_sources(self, layer):
         for name, host in self._host[layer].items():
+            if isinstance(host, q8.Q8Weight):
+                yield name, host, host.geometry(self.device)  # layout = ("q8", Npad, ngroups)
+                continue
             nbytes = host.numel() * host.element_size()
             yield name, host, Geometry(tuple(host.shape), str(self.dtype), nbytes, str(self.device))
 
     def new_buffer(self, geometry):
         try:
-            if self._raw:
+            if q8.is_q8_geometry(geometry):  # one byte buffer: qweight then scales
+                if self._raw:
+                    return q8.new_q8_buffer(geometry, self.device, empty=raw_empty)
+                buf = q8.new_q8_buffer(geometry, self.device)
+            elif self._raw:
                 return raw_empty(geometry.shape, self.dtype, self.device)
-            buf = torch.empty(geometry.shape, dtype=self.dtype, device=self.device)
+            else:
+                buf = torch.empty(geometry.shape, dtype=self.dtype, device=self.device)
         except torch.cuda.OutOfMemoryError:
             raise self._oom("allocating a weight buffer") from None
         if self.copy_stream is not self.compute_stream:
@@ -155,6 +182,19 @@ class CudaBackend(Backend):
 
     def load_resident(self, host):
         return host.to(device=self.device, dtype=self.dtype)
+
+    def _resident(self, name):
+        t = self._q8.get(name)  # a q8 lm_head stays q8 on the device
+        if t is None:
+            return super()._resident(name)
+        w = q8.load_resident_q8(self.ckpt, t, self.device)
+        self.counters.add_resident(w.nbytes)
+        return w
+
+    def linear(self, x, w):
+        if isinstance(w, q8.Q8Weight):
+            return q8.q8_linear(x, w)  # T == 1: the csrc kernel; T > 1: dequantize + matmul
+        return F.linear(x, w)
 
     def upload_layer(self, layer):
         try:

@@ -1,0 +1,367 @@
+"""q8 weights on the CUDA backend: the device entry, the GEMV kernel (built lazily), the pure-torch path.
+
+A ``Q8Weight`` is one linear in device layout, held in a single byte buffer: qweight int8
+``[K, Npad]`` and right after it scales f32 ``[K/group, Npad]`` (see kestrel_core.quant). One
+buffer means one DMA per entry on upload and one pool key per geometry. It quacks like the
+torch tensor the CUDA backend's upload flow expects (``copy_``, ``data_ptr``,
+``record_stream``), so pooled buffers, side-stream prefetch and events work unchanged.
+
+``q8_linear(x, w)`` runs one row (batch-1 decode) through the csrc kernel, int8 GEMV with fused
+dequant and float32 accumulation. Anything else (prefill, T > 1), or any call where the kernel
+did not build, dequantizes into a reused buffer and runs a matmul. The kernel is compiled on
+first use with torch.utils.cpp_extension for the current device's arch (sm_90 on the H200;
+override with KESTREL_CUDA_ARCH=9.0) and cached by torch in its extensions directory; a
+failed build raises KernelNotBuilt from ``load_kernel()`` (cached, no rebuild), and
+``q8_linear`` then says so once on stderr and keeps to the torch path. KESTREL_Q8_KERNEL=0
+turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Callable, Iterable, Sequence
+
+import attrs
+import torch
+
+from kestrel_core import quant
+from kestrel_core.checkpoint import Checkpoint
+from kestrel_core.errors import KestrelError
+from kestrel_core.model import linear_specs
+from kestrel_core.modelconfig import ModelConfig
+from kestrel_core.residency import Geometry
+
+DTYPE = "q8"  # Geometry.dtype of a q8 entry
+# Largest dequantized slice the torch path materializes at once (elements): bounds its buffer.
+WORKSPACE_ELEMS = 64 * 2**20
+
+
+class KernelNotBuilt(KestrelError):
+    """The q8 GEMV kernel could not be built or loaded here; the pure-torch path still works."""
+
+
+# --- the device entry --------------------------------------------------------------------
+class Q8Weight:
+    """One q8 linear ``W [n, k]``: ``raw`` bytes = qweight int8 [k, n_pad] ++ scales f32 [k/group, n_pad]."""
+
+    __slots__ = ("raw", "qweight", "scales", "n", "k", "group", "n_pad")
+
+    def __init__(self, raw: torch.Tensor, n: int, k: int, group: int, n_pad: int):
+        qbytes = k * n_pad
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != q8_bytes(k, group, n_pad):
+            raise ValueError(f"raw must be a uint8 vector of {q8_bytes(k, group, n_pad)} bytes")
+        self.raw = raw
+        self.qweight = raw[:qbytes].view(torch.int8).view(k, n_pad)
+        self.scales = raw[qbytes:].view(torch.float32).view(k // group, n_pad)  # offset is a multiple of 64
+        self.n, self.k, self.group, self.n_pad = n, k, group, n_pad
+
+    @classmethod
+    def empty(cls, n: int, k: int, group: int, n_pad: int | None = None, device="cpu", pin_memory: bool = False,
+              empty: Callable = torch.empty) -> "Q8Weight":
+        n_pad = quant.pad_n(n) if n_pad is None else n_pad
+        nbytes = q8_bytes(k, group, n_pad)
+        if pin_memory:
+            raw = torch.empty((nbytes,), dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = empty((nbytes,), dtype=torch.uint8, device=device)
+        return cls(raw, n, k, group, n_pad)
+
+    @classmethod
+    def from_tensors(cls, qweight: torch.Tensor, scales: torch.Tensor, n: int, group: int, device="cpu",
+                     pin_memory: bool = False) -> "Q8Weight":
+        k, n_pad = qweight.shape
+        w = cls.empty(n, k, group, n_pad, device=device, pin_memory=pin_memory)
+        w.qweight.copy_(qweight)
+        w.scales.copy_(scales)
+        return w
+
+    # the tensor-like surface the CUDA upload flow uses
+    def copy_(self, src: "Q8Weight", non_blocking: bool = False) -> "Q8Weight":
+        if (src.k, src.group, src.n_pad) != (self.k, self.group, self.n_pad):
+            raise ValueError(f"q8 geometry mismatch: [{src.k}, {src.n_pad}]/g{src.group} into [{self.k}, {self.n_pad}]/g{self.group}")
+        self.raw.copy_(src.raw, non_blocking=non_blocking)
+        self.n = src.n  # a pooled buffer may have held another entry of the same geometry
+        return self
+
+    def data_ptr(self) -> int:
+        return self.raw.data_ptr()
+
+    def record_stream(self, stream) -> None:
+        self.raw.record_stream(stream)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def n_groups(self) -> int:
+        return self.k // self.group
+
+    def to(self, device, non_blocking: bool = False) -> "Q8Weight":
+        return Q8Weight(self.raw.to(device, non_blocking=non_blocking), self.n, self.k, self.group, self.n_pad)
+
+    def geometry(self, device) -> Geometry:
+        """The pool key of a device buffer for this entry: shape [K, Npad], Npad and ngroups in the layout."""
+        return q8_geometry(self.k, self.group, self.n_pad, device)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """W [n, k] (a fresh tensor; for tests and references)."""
+        return quant.dequantize(self.qweight, self.scales, self.n, self.group, dtype)
+
+    def __repr__(self) -> str:
+        return f"Q8Weight(n={self.n}, k={self.k}, group={self.group}, n_pad={self.n_pad}, device={self.device})"
+
+
+def q8_bytes(k: int, group: int, n_pad: int) -> int:
+    return k * n_pad + (k // group) * n_pad * 4
+
+
+def q8_geometry(k: int, group: int, n_pad: int, device) -> Geometry:
+    return Geometry((k, n_pad), DTYPE, q8_bytes(k, group, n_pad), str(device), (DTYPE, n_pad, k // group))
+
+
+def new_q8_buffer(geometry: Geometry, device, empty: Callable = torch.empty) -> Q8Weight:
+    """A device buffer for a q8 geometry; ``empty`` may be rawcuda.raw_empty (the ``free`` allocator)."""
+    k, n_pad = geometry.shape
+    n_groups = geometry.layout[2]
+    return Q8Weight.empty(n_pad, k, k // n_groups, n_pad, device=device, empty=empty)
+
+
+def is_q8_geometry(geometry: Geometry) -> bool:
+    return geometry.dtype == DTYPE
+
+
+# --- host staging (what the CUDA backend pins once per model) ------------------------------
+def stage_q8(ckpt: Checkpoint, parts: Sequence[quant.Q8Tensor], pin_memory: bool = True) -> Q8Weight:
+    """One host entry in device layout. A single part is copied as stored; several (q, k, v or
+    gate, up, which share K and the group) are fused along N: their real columns side by side,
+    then one padding, so the fused output splits exactly like the float path's."""
+    k, group = parts[0].k, parts[0].group
+    if any((p.k, p.group) != (k, group) for p in parts):
+        raise ValueError("fused q8 parts must share K and the group size")
+    n = sum(p.n for p in parts)
+    n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(n)
+    w = Q8Weight.empty(n, k, group, n_pad, pin_memory=pin_memory)
+    if len(parts) == 1:
+        w.qweight.copy_(ckpt.view(parts[0].qweight))
+        w.scales.copy_(ckpt.view(parts[0].scales))
+        return w
+    w.raw.zero_()
+    at = 0
+    for p in parts:
+        w.qweight[:, at : at + p.n].copy_(ckpt.view(p.qweight)[:, : p.n])
+        w.scales[:, at : at + p.n].copy_(ckpt.view(p.scales)[:, : p.n])
+        at += p.n
+    return w
+
+
+def stage_q8_layer(ckpt: Checkpoint, cfg: ModelConfig, info: quant.QuantInfo, layer: int,
+                   fused: Iterable[tuple[str, Sequence[str]]], pin_memory: bool = True) -> dict[str, Q8Weight]:
+    """entry name -> pinned host Q8Weight for one layer, with ``fused`` like CudaBackend.FUSED
+    (e.g. (("qkv", ("q", "k", "v")), ("o", ("o",)), ...))."""
+    specs = linear_specs(cfg, layer)
+    return {
+        name: stage_q8(ckpt, [info.tensors[specs[role][0]] for role in roles], pin_memory=pin_memory)
+        for name, roles in fused
+    }
+
+
+def layer_page_names(cfg: ModelConfig, info: quant.QuantInfo, layer: int) -> list[str]:
+    """The checkpoint tensors behind one q8 layer (for Checkpoint.drop_pages after staging)."""
+    out = []
+    for name, _ in linear_specs(cfg, layer).values():
+        t = info.tensors[name]
+        out += [t.qweight, t.scales]
+    return out
+
+
+def q8_layer_bytes(cfg: ModelConfig, info: quant.QuantInfo, fused: Iterable[tuple[str, Sequence[str]]]) -> int:
+    """Device bytes of one layer's q8 entries (for the budget check, before staging)."""
+    specs = linear_specs(cfg, 0)
+    total = 0
+    for _, roles in fused:
+        parts = [info.tensors[specs[r][0]] for r in roles]
+        n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(sum(p.n for p in parts))
+        total += q8_bytes(parts[0].k, parts[0].group, n_pad)
+    return total
+
+
+def load_resident_q8(ckpt: Checkpoint, t: quant.Q8Tensor, device) -> Q8Weight:
+    """A never-evicted device copy (lm_head)."""
+    return stage_q8(ckpt, [t], pin_memory=False).to(device)
+
+
+# --- the kernel -----------------------------------------------------------------------------
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+_said_fallback = False
+
+
+def _arch() -> str:
+    env = os.environ.get("KESTREL_CUDA_ARCH")
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
+def load_kernel():
+    """The compiled extension (built on the first call, then cached); raises KernelNotBuilt."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise KernelNotBuilt(_error)
+        if os.environ.get("KESTREL_Q8_KERNEL", "1") == "0":
+            _error = "the q8 GEMV kernel is turned off (KESTREL_Q8_KERNEL=0)"
+            raise KernelNotBuilt(_error)
+        if not torch.cuda.is_available() or torch.version.cuda is None:
+            _error = "the q8 GEMV kernel needs a CUDA GPU and a CUDA build of torch"
+            raise KernelNotBuilt(_error)
+        try:
+            from torch.utils.cpp_extension import load
+
+            from kestrel_csrc import SOURCE_DIR
+
+            arch = _arch()
+            saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+            try:
+                _module = load(
+                    name=f"kestrel_q8_gemv_sm{arch.replace('.', '')}",
+                    sources=[str(SOURCE_DIR / "q8_gemv.cpp"), str(SOURCE_DIR / "q8_gemv.cu")],
+                    extra_include_paths=[str(SOURCE_DIR)],
+                    extra_cflags=["-O3"],
+                    extra_cuda_cflags=["-O3", "-lineinfo"],
+                    verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1",
+                )
+            finally:
+                if saved is None:
+                    os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+                else:
+                    os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+        except Exception as exc:  # a compiler or loader failure of any kind
+            first = str(exc).strip().splitlines()
+            detail = first[-1] if first else type(exc).__name__
+            _error = (
+                f"the q8 GEMV kernel did not build ({type(exc).__name__}: {detail[:300]}); it needs nvcc matching "
+                f"torch's CUDA {torch.version.cuda} (CUDA_HOME) and a host C++ compiler; KESTREL_BUILD_VERBOSE=1 shows the log"
+            )
+            raise KernelNotBuilt(_error) from exc
+        return _module
+
+
+def kernel_available() -> bool:
+    """Whether the kernel is (or can be) built here; builds it on the first call."""
+    try:
+        load_kernel()
+        return True
+    except KernelNotBuilt:
+        return False
+
+
+def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The kernel alone: one row ``x [K]`` or ``[1, K]`` -> ``[N]`` / ``[1, N]`` (raises KernelNotBuilt)."""
+    module = load_kernel()
+    if x.shape[-1] != w.k or x.numel() != w.k:
+        raise ValueError(f"q8_gemv takes one row of K={w.k}, got x of shape {list(x.shape)}")
+    y = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype or x.dtype, device=x.device)
+    module.gemv(x.reshape(-1).contiguous(), w.qweight, w.scales, w.group, y.view(-1))
+    return y
+
+
+# --- the pure-torch path --------------------------------------------------------------------
+_workspace: dict[tuple, torch.Tensor] = {}
+
+
+def _buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A flat scratch buffer reused across calls (same device and dtype; stream order keeps it safe)."""
+    key = (device, dtype)
+    buf = _workspace.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _workspace[key] = torch.empty((numel,), dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def dequantize_columns(w: Q8Weight, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """W^T[:, lo:hi] = qweight[:, lo:hi] * scales[k // group, lo:hi], as [K, hi - lo] in the reused buffer."""
+    G, g, cols = w.n_groups, w.group, hi - lo
+    out = _buffer(w.device, dtype, w.k * cols).view(G, g, cols)
+    scales = w.scales[:, None, lo:hi]
+    if dtype == torch.float64:
+        scales = scales.double()  # else the product rounds to float32 first (it is float32 or narrower otherwise)
+    torch.mul(w.qweight[:, lo:hi].view(G, g, cols), scales, out=out)
+    return out.view(w.k, cols)
+
+
+def q8_linear_torch(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
+    """``x [..., K] -> [..., N]`` by dequantize-then-matmul, in x's dtype, N in column chunks that
+    keep the scratch buffer at most WORKSPACE_ELEMS."""
+    chunk = max(64, (WORKSPACE_ELEMS // max(1, w.k)) // 64 * 64)
+    if w.n <= chunk:
+        return x @ dequantize_columns(w, 0, w.n, x.dtype)
+    y = torch.empty((*x.shape[:-1], w.n), dtype=x.dtype, device=x.device)
+    for lo in range(0, w.n, chunk):
+        hi = min(w.n, lo + chunk)
+        y[..., lo:hi] = x @ dequantize_columns(w, lo, hi, x.dtype)
+    return y
+
+
+def q8_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
+    """The linear the CUDA backend calls for a q8 entry: ``x [T, K] -> [T, N]`` in x's dtype.
+
+    T == 1 on a GPU goes through the kernel; prefill (T > 1), CPU tensors, or a kernel that
+    did not build take the torch path (the last says so once on stderr).
+    """
+    global _said_fallback
+    if x.is_cuda and x.numel() == w.k and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        try:
+            return q8_gemv(x, w)
+        except KernelNotBuilt as exc:
+            if not _said_fallback:
+                _said_fallback = True
+                print(f"kestrel: {exc}; q8 runs on the pure-torch path", file=sys.stderr)
+    return q8_linear_torch(x, w)
+
+
+# --- for benchmarks (times nothing itself) --------------------------------------------------
+@attrs.frozen
+class GemvCase:
+    """A ready q8 GEMV: ``run()`` does one product; ``bytes_moved`` is what it must read and write."""
+
+    weight: Q8Weight
+    x: torch.Tensor
+    run: Callable[[], torch.Tensor]
+    bytes_moved: int
+    path: str
+
+
+def gemv_case(n: int, k: int, group: int = 128, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0,
+              path: str = "kernel") -> GemvCase:
+    """Random q8 weights ``[n, k]`` and one input row on ``device``; ``path``: "kernel" or "torch".
+
+    For effective bandwidth: bytes_moved / seconds, next to the same run's device copy bandwidth.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scales = quant.quantize(torch.randn((n, k), generator=gen), group)
+    w = Q8Weight.from_tensors(qweight, scales, n, group).to(device)
+    x = torch.randn((1, k), generator=gen).to(device=device, dtype=dtype)
+    if path == "kernel":
+        load_kernel()
+        fn = lambda: q8_gemv(x, w)  # noqa: E731
+    elif path == "torch":
+        fn = lambda: q8_linear_torch(x, w)  # noqa: E731
+    else:
+        raise ValueError(f"path must be 'kernel' or 'torch', got {path!r}")
+    item = torch.empty((), dtype=dtype).element_size()
+    return GemvCase(w, x, fn, w.nbytes + (k + n) * item, path)

@@ -1,0 +1,380 @@
+"""q8 checkpoints: symmetric int8 with one scale per group of input columns, stored in device layout.
+
+A linear weight ``W [N, K]`` (out, in) named ``<p>.weight`` is replaced by two tensors::
+
+    <p>.qweight  I8  [K, Npad]         q[k, n] = round(W[n, k] / s[k // g, n]), clamped to -127..127
+    <p>.scales   F32 [K // g, Npad]    s[j, n] = max |W[n, k]| over the g inputs k of group j, / 127
+
+``Npad`` is ``N`` rounded up to a multiple of ``N_ALIGN`` (64): every row of both tensors
+then starts 64-byte aligned, and a kernel thread can load 8 (or 16) columns at once without
+bounds checks. Pad columns are zero in both tensors. A group whose weights are all zero has
+scale 0 (and q 0). The writer puts each ``qweight`` right before its ``scales`` in the file,
+so one entry is one contiguous byte range of the mapping.
+
+Embeddings and norms keep their original dtype. ``lm_head`` is quantized unless
+``keep_lm_head``. A tied model (``tie_word_embeddings``) with a quantized lm_head is untied:
+the embedding stays full precision for the lookup, a q8 copy of it becomes ``lm_head``, and
+config.json says ``tie_word_embeddings: false``. With ``keep_lm_head`` a tied model stays tied.
+
+The safetensors metadata records it: ``kestrel.quant = "q8"``, ``kestrel.group_size``,
+``kestrel.lm_head = "q8" | "full"``, ``kestrel.n_align``, ``kestrel.layout`` and
+``kestrel.untied`` (``"true"`` when a tied lm_head was split off). The output is
+deterministic: the same input gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import attrs
+import torch
+
+from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
+from .errors import CheckpointError, KestrelError
+from .model import all_specs, linear_specs
+from .modelconfig import ModelConfig
+
+GROUP_SIZES = (32, 64, 128)
+N_ALIGN = 64
+METHOD = "q8"
+META_QUANT = "kestrel.quant"
+META_GROUP = "kestrel.group_size"
+META_LM_HEAD = "kestrel.lm_head"
+META_N_ALIGN = "kestrel.n_align"
+META_LAYOUT = "kestrel.layout"
+META_UNTIED = "kestrel.untied"
+LAYOUT = "qweight I8 [K, Npad] then scales F32 [K/group, Npad]; W[n, k] = qweight[k, n] * scales[k // group, n]"
+QMAX = 127
+OUT_FILE = "model.safetensors"
+
+
+class QuantError(KestrelError):
+    """A quantization request that cannot be carried out."""
+
+
+class GroupSizeError(QuantError):
+    """The group size is not supported, or does not divide a weight's input dimension."""
+
+
+class AlreadyQuantizedError(QuantError):
+    """The input checkpoint holds quantized weights already."""
+
+
+# --- layout -----------------------------------------------------------------------
+def pad_n(n: int, align: int = N_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def q8_names(weight_name: str) -> tuple[str, str]:
+    """``<p>.weight`` -> (``<p>.qweight``, ``<p>.scales``)."""
+    prefix = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return prefix + ".qweight", prefix + ".scales"
+
+
+def q8_nbytes(n: int, k: int, group: int, align: int = N_ALIGN) -> int:
+    """Bytes of one q8 linear in device layout (qweight + scales)."""
+    npad = pad_n(n, align)
+    return k * npad + (k // group) * npad * 4
+
+
+@attrs.frozen
+class Q8Tensor:
+    """Where one quantized linear ``W [n, k]`` lives in a checkpoint."""
+
+    name: str  # the ``.weight`` name it stands for
+    qweight: str
+    scales: str
+    n: int
+    k: int
+    group: int
+    n_pad: int
+
+    @property
+    def n_groups(self) -> int:
+        return self.k // self.group
+
+    @property
+    def nbytes(self) -> int:
+        return self.k * self.n_pad + self.n_groups * self.n_pad * 4
+
+    @property
+    def layout(self) -> tuple:
+        """Geometry.layout for a buffer of this entry: q8 and float buffers never share a pool key."""
+        return (METHOD, self.n_pad, self.n_groups)
+
+
+@attrs.frozen
+class QuantInfo:
+    """A q8 checkpoint's quantization, read from its metadata and checked against its tensors."""
+
+    method: str
+    group_size: int
+    lm_head: str  # "q8" or "full"
+    n_align: int
+    tensors: dict  # ``.weight`` name -> Q8Tensor
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.tensors)
+
+    def get(self, weight_name: str) -> Q8Tensor | None:
+        return self.tensors.get(weight_name)
+
+
+def quantized_specs(cfg: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int]]:
+    """``.weight`` name -> [N, K] of every linear a q8 checkpoint stores quantized."""
+    out = {name: tuple(shape) for layer in range(cfg.num_hidden_layers) for name, shape in linear_specs(cfg, layer).values()}
+    if lm_head:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
+
+
+def _looks_quantized(ckpt: Checkpoint) -> bool:
+    return any(n.endswith((".qweight", ".scales")) for n in ckpt.names())
+
+
+def read_quant(ckpt: Checkpoint, cfg: ModelConfig) -> QuantInfo | None:
+    """The checkpoint's q8 description, or None for a float checkpoint. A q8 tensor of the wrong
+    dtype or shape is a CheckpointError naming it."""
+    meta = ckpt.metadata
+    method = meta.get(META_QUANT)
+    if method is None:
+        if _looks_quantized(ckpt):
+            raise CheckpointError(
+                f"{ckpt.dir}: has .qweight/.scales tensors but no {META_QUANT!r} metadata; re-create it with kestrel quantize"
+            )
+        return None
+    if method != METHOD:
+        raise CheckpointError(f"{ckpt.dir}: quantization {method!r} is not supported; supported: {METHOD}")
+    try:
+        group = int(meta.get(META_GROUP, ""))
+        align = int(meta.get(META_N_ALIGN, str(N_ALIGN)))
+    except ValueError:
+        raise CheckpointError(f"{ckpt.dir}: metadata {META_GROUP}/{META_N_ALIGN} must be integers; the file is corrupt") from None
+    if group not in GROUP_SIZES:
+        raise CheckpointError(f"{ckpt.dir}: {META_GROUP}={group} is not one of {', '.join(map(str, GROUP_SIZES))}")
+    if align <= 0 or align % 8:
+        raise CheckpointError(f"{ckpt.dir}: {META_N_ALIGN}={align} must be a positive multiple of 8")
+    lm_head = meta.get(META_LM_HEAD, "full")
+    if lm_head not in ("q8", "full"):
+        raise CheckpointError(f"{ckpt.dir}: {META_LM_HEAD}={lm_head!r} must be 'q8' or 'full'")
+    if lm_head == "q8" and cfg.tie_word_embeddings:
+        raise CheckpointError(f"{ckpt.dir}: lm_head is q8 but config.json ties it to the embeddings; set tie_word_embeddings false")
+    tensors = {}
+    for name, (n, k) in quantized_specs(cfg, lm_head == "q8").items():
+        if k % group:
+            raise CheckpointError(f"{ckpt.dir}: {META_GROUP}={group} does not divide K={k} of {name!r}; the file is corrupt")
+        qname, sname = q8_names(name)
+        npad = pad_n(n, align)
+        for tname, dtype, shape in ((qname, "I8", (k, npad)), (sname, "F32", (k // group, npad))):
+            info = ckpt.info(tname)
+            if info.dtype != dtype or tuple(info.shape) != shape:
+                raise CheckpointError(
+                    f"tensor {tname!r} is {info.dtype} {list(info.shape)} but a q8 [{n}, {k}] weight with group {group} "
+                    f"needs {dtype} {list(shape)}; config.json and the weights do not match"
+                )
+        tensors[name] = Q8Tensor(name, qname, sname, n, k, group, npad)
+    return QuantInfo(method, group, lm_head, align, tensors)
+
+
+# --- the math ---------------------------------------------------------------------
+def quantize(w: torch.Tensor, group: int, align: int = N_ALIGN) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> qweight int8 [K, Npad], scales f32 [K/group, Npad]."""
+    n, k = w.shape
+    if group not in GROUP_SIZES:
+        raise GroupSizeError(f"group size {group} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+    if k % group:
+        raise GroupSizeError(f"group size {group} does not divide K={k}")
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = torch.aminmax(g, dim=-1)
+    scale = torch.maximum(hi, -lo) / QMAX  # [N, G]: max |W| of each group / 127
+    if not torch.isfinite(scale).all():
+        raise QuantError("the weight holds inf or nan values; cannot quantize it")
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.div(g, safe[..., None])  # a true division (not a reciprocal multiply): the bound holds to an ulp
+    q.round_().clamp_(-QMAX, QMAX)  # round half to even
+    q = q.to(torch.int8).reshape(n, k)
+    npad = pad_n(n, align)
+    qweight = torch.zeros((k, npad), dtype=torch.int8, device=w.device)
+    qweight[:, :n] = q.T
+    scales = torch.zeros((k // group, npad), dtype=torch.float32, device=w.device)
+    scales[:, :n] = scale.T
+    return qweight, scales
+
+
+def dequantize_into(out: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Fill ``out [N, K]`` (float) with W[n, k] = qweight[k, n] * scales[k // group, n]."""
+    n, k = out.shape
+    q = qweight[:, :n].to(out.dtype).reshape(k // group, group, n)
+    q.mul_(scales[:, None, :n].to(out.dtype))
+    return out.copy_(q.reshape(k, n).T)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, group: int, dtype=torch.float32) -> torch.Tensor:
+    return dequantize_into(torch.empty((n, qweight.shape[0]), dtype=dtype), qweight, scales, group)
+
+
+# --- the converter ----------------------------------------------------------------
+def parse_group_size(value) -> int:
+    try:
+        group = int(value)
+    except (TypeError, ValueError):
+        group = None
+    if group not in GROUP_SIZES:
+        raise GroupSizeError(f"group size {value!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+    return group
+
+
+@attrs.frozen
+class _Item:
+    name: str
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * DTYPES[self.dtype][2]
+
+
+def quantize_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    group: int = 32,
+    keep_lm_head: bool = False,
+    progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
+) -> dict:
+    """Write a q8 copy of a float Hugging Face directory; returns a summary."""
+    from .engine import Model  # engine imports this module
+
+    group = parse_group_size(group)
+    src, out = Path(model_dir), Path(out_dir)
+    if src.is_dir() and out.exists() and out.resolve() == src.resolve():
+        raise QuantError("--out must be a different directory from --model")
+    if src.is_dir() and any(src.glob("*.safetensors")):
+        probe = Checkpoint(src)
+        try:
+            if probe.metadata.get(META_QUANT) or _looks_quantized(probe):
+                raise AlreadyQuantizedError(
+                    f"{src} is already quantized ({META_QUANT}={probe.metadata.get(META_QUANT, '?')}); quantize the original float checkpoint"
+                )
+        finally:
+            probe.close()
+    with Model(src) as model:
+        cfg, ckpt = model.config, model.checkpoint
+        q_lm_head = not keep_lm_head
+        qspecs = quantized_specs(cfg, q_lm_head)
+        bad = {name: k for name, (_, k) in qspecs.items() if k % group}
+        if bad:
+            name, k = next(iter(bad.items()))
+            fits = [g for g in GROUP_SIZES if all(kk % g == 0 for _, kk in qspecs.values())]
+            hint = f"use --group-size {' or '.join(map(str, fits))}" if fits else "no supported group size divides every K"
+            raise GroupSizeError(f"group size {group} does not divide K={k} of {name!r} (in_features); {hint}")
+        untie = q_lm_head and cfg.tie_word_embeddings
+        # The q8 source of each quantized name: lm_head of a tied model is the embedding.
+        source = {name: name for name in qspecs}
+        if untie:
+            source["lm_head.weight"] = "model.embed_tokens.weight"
+        items: list[_Item] = []
+        for name, (n, k) in qspecs.items():
+            qname, sname = q8_names(name)
+            items += [_Item(qname, "I8", (k, pad_n(n))), _Item(sname, "F32", (k // group, pad_n(n)))]
+        floats = sorted(
+            (_Item(name, ckpt.info(name).dtype, tuple(ckpt.info(name).shape)) for name in all_specs(cfg) if name not in qspecs),
+            key=lambda it: (-DTYPES[it.dtype][2], it.name),  # widest first: every tensor stays aligned to its itemsize
+        )
+        items += floats
+        metadata = {
+            "format": "pt",
+            META_QUANT: METHOD,
+            META_GROUP: str(group),
+            META_LM_HEAD: "q8" if q_lm_head else "full",
+            META_N_ALIGN: str(N_ALIGN),
+            META_LAYOUT: LAYOUT,
+            META_UNTIED: "true" if untie else "false",
+        }
+
+        def tensors() -> Iterator[torch.Tensor]:
+            for i, (name, (n, k)) in enumerate(qspecs.items()):
+                # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
+                qweight, scales = quantize(ckpt.view(source[name]).to(device), group)
+                yield qweight.cpu()
+                yield scales.cpu()
+                ckpt.drop_pages([source[name]])  # keep the reader's RSS to about one tensor on big models
+                if progress and (i % 16 == 0 or i == len(qspecs) - 1):
+                    progress(f"quantize: {i + 1}/{len(qspecs)} linear weights")
+            for it in floats:
+                yield ckpt.view(it.name)
+
+        out.mkdir(parents=True, exist_ok=True)
+        stale = sorted(p.name for p in out.iterdir() if (p.suffix == ".safetensors" and p.name != OUT_FILE) or p.name.endswith(".index.json"))
+        if stale:
+            raise QuantError(f"{out} already holds {stale[0]}; write to an empty directory")
+        write_safetensors(out / OUT_FILE, items, tensors(), metadata)
+        raw = json.loads((src / "config.json").read_text())
+        if untie:
+            raw["tie_word_embeddings"] = False
+        (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        for p in sorted(src.iterdir()):
+            if p.is_file() and p.suffix != ".safetensors" and not p.name.endswith(".index.json") and p.name != "config.json":
+                shutil.copyfile(p, out / p.name)
+        src_bytes = sum(f.size for f in ckpt.files.values())
+    return {
+        "out": str(out),
+        "group_size": group,
+        "lm_head": metadata[META_LM_HEAD],
+        "untied": untie,
+        "quantized": len(qspecs),
+        "source_bytes": src_bytes,
+        "bytes": (out / OUT_FILE).stat().st_size,
+    }
+
+
+def write_safetensors(path: Path, items: list[_Item], tensors: Iterator[torch.Tensor], metadata: dict[str, str]) -> None:
+    """Stream tensors into one safetensors file in ``items`` order (the header is known up front).
+
+    The header is compact sorted JSON padded with spaces to a 64-byte boundary, so the data
+    region is aligned; the file is written to a temporary name and renamed when complete.
+    """
+    header: dict = {"__metadata__": dict(metadata)}
+    at = 0
+    for it in items:
+        header[it.name] = {"dtype": it.dtype, "shape": list(it.shape), "data_offsets": [at, at + it.nbytes]}
+        at += it.nbytes
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % 64)  # data starts 64-byte aligned in the file (and so every q8 entry)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        for it, t in zip(items, tensors, strict=True):
+            if TORCH_TO_ST[t.dtype] != it.dtype or tuple(t.shape) != it.shape:
+                raise AssertionError(f"{it.name}: produced {t.dtype} {list(t.shape)}, header says {it.dtype} {list(it.shape)}")
+            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "AlreadyQuantizedError",
+    "GROUP_SIZES",
+    "GroupSizeError",
+    "N_ALIGN",
+    "Q8Tensor",
+    "QuantError",
+    "QuantInfo",
+    "dequantize",
+    "dequantize_into",
+    "pad_n",
+    "q8_names",
+    "q8_nbytes",
+    "quantize",
+    "quantize_checkpoint",
+    "read_quant",
+]

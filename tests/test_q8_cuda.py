@@ -1,0 +1,121 @@
+"""The q8 GEMV kernel and the torch path on a GPU, against a float64 reference.
+
+Skips without a GPU (conftest) and, for the kernel tests, when the kernel did not build here
+("kernel not built": no nvcc, a mismatched CUDA, ...). Tolerance: relative error (Frobenius,
+against the float64 product of the same int8 weights and scales and the same input values)
+below 1e-3 with a float32 output; the kernel accumulates in float32 and measures about 1e-7 in
+the host emulation. A bf16 output rounds each value to 8 bits of mantissa, so it is held to 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel_core import quant
+
+pytestmark = pytest.mark.cuda
+
+# (n, k, group): N and K on and off the 256-column / 32-row tiles, and the 8B shapes.
+SHAPES = [
+    (1, 32, 32),
+    (7, 64, 32),
+    (130, 96, 32),
+    (256, 256, 128),
+    (999, 4160, 64),
+    (2049, 384, 32),
+    (4097, 1024, 128),
+    (12288, 4096, 128),
+    (4096, 12288, 128),
+]
+
+
+@pytest.fixture(scope="module")
+def q8():
+    from kestrel_cuda import q8 as mod
+
+    try:
+        mod.load_kernel()
+    except mod.KernelNotBuilt as exc:
+        pytest.skip(f"kernel not built: {exc}")
+    return mod
+
+
+def _case(n, k, group, seed=0, device="cuda"):
+    from kestrel_cuda.q8 import Q8Weight
+
+    gen = torch.Generator().manual_seed(seed * 7919 + n * 31 + k)
+    qweight, scales = quant.quantize(torch.randn((n, k), generator=gen) * 0.05, group)
+    ref_w = quant.dequantize(qweight, scales, n, group, torch.float64)  # [n, k], exact
+    return Q8Weight.from_tensors(qweight, scales, n, group).to(device), ref_w.to(device), gen
+
+
+def _rel(got, ref):
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_float64(q8, n, k, group, xdtype):
+    w, ref_w, gen = _case(n, k, group)
+    x = torch.randn((1, k), generator=gen).to("cuda", xdtype)
+    ref = x.double() @ ref_w.T  # the same input values the kernel reads
+    y = q8.q8_gemv(x, w, out_dtype=torch.float32)
+    assert y.shape == (1, n) and y.dtype == torch.float32
+    assert _rel(y, ref) < 1e-3
+    yb = q8.q8_gemv(x, w)  # output in x's dtype
+    assert yb.dtype == xdtype and _rel(yb, ref) < (1e-3 if xdtype == torch.float32 else 1e-2)
+
+
+def test_kernel_is_deterministic_and_writes_only_n_columns(q8):
+    w, ref_w, gen = _case(999, 4160, 64)
+    x = torch.randn((4160,), generator=gen).to("cuda")  # a 1-D row works too
+    y = torch.full((w.n_pad,), 7.0, device="cuda")
+    q8.load_kernel().gemv(x, w.qweight, w.scales, w.group, y[: w.n])
+    assert (y[w.n :] == 7.0).all()
+    again = q8.q8_gemv(x, w, out_dtype=torch.float32)
+    assert torch.equal(y[: w.n], again)  # fixed-order reduction: bitwise the same
+    assert again.shape == (999,) and _rel(again, ref_w @ x.double()) < 1e-3
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_torch_path_matches_float64_on_the_gpu(n, k, group):
+    from kestrel_cuda import q8 as mod
+
+    w, ref_w, gen = _case(n, k, group, seed=1)
+    for T in (1, 7):
+        x = torch.randn((T, k), generator=gen).to("cuda")
+        y = mod.q8_linear_torch(x, w)
+        assert y.shape == (T, n) and _rel(y, x.double() @ ref_w.T) < 1e-3
+    xb = x.to(torch.bfloat16)
+    assert _rel(mod.q8_linear_torch(xb, w), xb.double() @ ref_w.T) < 1e-2  # weights rounded to bf16 too
+
+
+def test_q8_linear_dispatch(q8):
+    w, ref_w, gen = _case(2049, 384, 32)
+    one = torch.randn((1, 384), generator=gen).to("cuda", torch.bfloat16)
+    assert torch.equal(q8.q8_linear(one, w), q8.q8_gemv(one, w))  # decode: the kernel
+    many = torch.randn((5, 384), generator=gen).to("cuda", torch.bfloat16)
+    assert torch.equal(q8.q8_linear(many, w), q8.q8_linear_torch(many, w))  # prefill: dequant + matmul
+    assert _rel(q8.q8_linear(many, w), many.double() @ ref_w.T) < 1e-2
+
+
+def test_pooled_buffer_upload_roundtrip(q8):
+    """Pinned host staging -> a device buffer made from the geometry alone -> same product."""
+    from kestrel_cuda.q8 import Q8Weight, new_q8_buffer
+
+    host_w, ref_w, gen = _case(130, 96, 32, device="cpu")
+    pinned = Q8Weight.from_tensors(host_w.qweight, host_w.scales, host_w.n, host_w.group, pin_memory=True)
+    buf = new_q8_buffer(pinned.geometry("cuda:0"), torch.device("cuda", 0))
+    buf.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    x = torch.randn((1, 96), generator=gen).to("cuda")
+    assert buf.n == 130 and _rel(q8.q8_gemv(x, buf, out_dtype=torch.float32), x.double() @ ref_w.cuda().T) < 1e-3
+
+
+def test_gemv_case_for_benchmarks(q8):
+    case = q8.gemv_case(4096, 1024, group=128)
+    y = case.run()
+    assert y.shape == (1, 4096) and case.bytes_moved > case.weight.nbytes
+    torch_case = q8.gemv_case(4096, 1024, group=128, path="torch")
+    assert _rel(torch_case.run(), y.double()) < 1e-2
