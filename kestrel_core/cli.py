@@ -8,7 +8,7 @@ import sys
 
 from .errors import KestrelError
 
-SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo")
+SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo", "quantize", "gate")
 
 
 def build_parser() -> argparse.ArgumentParser:
