@@ -171,6 +171,73 @@ def peer_rows(path: Path, n_layers: int, n_new: int, n_offload: int) -> dict:
     return out
 
 
+def q8_gemv_rows(group: int, d2d_GBps: float) -> list[dict]:
+    """The int8 GEMV kernel against the torch fallback, rotating 4 weight sets so L2 does not flatter it."""
+    from kestrel_cuda import q8
+
+    from common import time_cuda
+
+    out = []
+    for n, k in ((4096, 12288), (12288, 4096)):
+        for path in ("kernel", "torch"):
+            cases = [q8.gemv_case(n, k, group, torch.bfloat16, seed=i, path=path) for i in range(4)]
+            state = {"i": 0}
+
+            def step():
+                cases[state["i"] % 4].run()
+                state["i"] += 1
+
+            ms = time_cuda(step, warmup=8, reps=200)
+            gbps = cases[0].bytes_moved / ms / 1e6
+            out.append({"n": n, "k": k, "group": group, "path": path, "ms": ms, "bytes_moved": cases[0].bytes_moved,
+                        "GBps": gbps, "fraction_of_d2d": gbps / d2d_GBps})
+            log(f"q8 gemv {n}x{k} {path}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s ({100 * gbps / d2d_GBps:.0f}% of d2d)")
+            del cases
+    return out
+
+
+def q8_section(path: Path, group: int, gen: GenerationConfig, bf16_rows: list[dict], ceil: dict) -> dict:
+    from kestrel_core.quant import quantize_checkpoint
+
+    qpath = path.parent / f"{path.name}-q8g{group}"
+    if not (qpath / "config.json").is_file():
+        log(f"quantizing to {qpath} (group {group}, on the GPU)")
+        quantize_checkpoint(path, qpath, group, device="cuda")
+    gemv = q8_gemv_rows(group, ceil["d2d_GBps_read_plus_write"])
+    bf16 = {r["label"]: r for r in bf16_rows}
+    rows = []
+    with Model(qpath) as qmodel:
+        kestrel_row(qmodel, "q8 warm-up (not recorded)", gen, residency__keep="off")
+        rows.append(kestrel_row(qmodel, "q8 off", gen, residency__keep="off"))
+        for keep in (4, 1):
+            for pf in (0, 1):
+                rows.append(kestrel_row(qmodel, f"q8 asymmetric keep={keep} pf={pf}", gen, residency__keep=keep,
+                                        backend__prefetch=pf))
+        long = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+        q_ids = kestrel_row(qmodel, "q8 off, 32 tokens", long, residency__keep="off")["token_ids"]
+    for r in rows:
+        r["ids_match_q8_off"] = r["token_ids"] == rows[0]["token_ids"]
+        twin = bf16.get(r["label"][3:])
+        r["ratio_to_bf16"] = r["ms_per_token"] / twin["ms_per_token"] if twin else None
+    with Model(path) as model:
+        b_ids = kestrel_row(model, "bf16 off, 32 tokens", long, residency__keep="off")["token_ids"]
+    return {"group": group, "checkpoint_bytes": sum(p.stat().st_size for p in qpath.glob("*.safetensors")),
+            "gemv": gemv, "rows": rows, "q8_vs_bf16_leading_ids_of_32": leading_match(q_ids, b_ids),
+            "q8_ids_32": q_ids, "bf16_ids_32": b_ids}
+
+
+def q8_targets(q8: dict) -> dict:
+    kernel = [g for g in q8["gemv"] if g["path"] == "kernel"]
+    by = {r["label"]: r for r in q8["rows"]}
+    t = {"q8_gemv_min_fraction_of_d2d": min(g["fraction_of_d2d"] for g in kernel)}
+    t["met_q8_gemv_70pct_of_d2d"] = t["q8_gemv_min_fraction_of_d2d"] >= 0.7
+    for keep in (1, 4):
+        t[f"q8_over_bf16_keep{keep}_pf1"] = by[f"q8 asymmetric keep={keep} pf=1"]["ratio_to_bf16"]
+    t["met_q8_streaming_0.6x_bf16"] = all(t[f"q8_over_bf16_keep{k}_pf1"] <= 0.6 for k in (1, 4))
+    t["q8_vs_bf16_leading_ids_of_32"] = q8["q8_vs_bf16_leading_ids_of_32"]
+    return t
+
+
 def leading_match(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -219,6 +286,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=10)
     p.add_argument("--offload-tokens", type=int, default=4)
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--q8-group", type=int, default=0, help="also quantize (this group size) and add the q8 rows")
     p.add_argument("--out", action="append", default=[], help="also write the record here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -234,13 +302,16 @@ def main() -> int:
         weight_bytes = sum(i.nbytes for f in model.checkpoint.files.values() for i in f.tensors.values())
         rows = kestrel_rows(model, gen)
         ab = off_vs_keep_all(model)
+    q8 = q8_section(path, args.q8_group, gen, rows, ceil) if args.q8_group else None
     peers = None if args.skip_peers else peer_rows(path, n_layers, args.max_new_tokens, args.offload_tokens)
     record = {
         "model": {"preset": args.preset, "dtype": cfg.torch_dtype, "layers": n_layers, "weight_bytes": weight_bytes},
         "prompt_ids": PROMPT, "max_new_tokens": args.max_new_tokens,
-        "ceilings": ceil, "rows": rows, "off_vs_keep_all_interleaved": ab, "peers": peers,
+        "ceilings": ceil, "rows": rows, "off_vs_keep_all_interleaved": ab, "peers": peers, "q8": q8,
         "targets": targets(rows, ceil, peers, ab),
     }
+    if q8:
+        record["targets"].update(q8_targets(q8))
     paths = write_record(f"stream_{args.preset}", record, [RESULTS, *map(Path, args.out)])
     print(format_summary(record))
     print("record:", *paths)
@@ -260,6 +331,15 @@ def format_summary(rec: dict) -> str:
     if rec["peers"]:
         lines.append(f"transformers resident: {rec['peers']['hf_resident']['ms_per_token']:.1f} ms/tok; "
                      f"accelerate offload: {rec['peers']['accelerate_offload']['ms_per_token']:.1f} ms/tok")
+    if rec.get("q8"):
+        q = rec["q8"]
+        for g in q["gemv"]:
+            lines.append(f"q8 gemv {g['n']}x{g['k']} {g['path']:6} {g['ms'] * 1e3:8.1f} us {g['GBps']:7.0f} GB/s {100 * g['fraction_of_d2d']:4.0f}% of d2d")
+        for r in q["rows"]:
+            ratio = f"x{r['ratio_to_bf16']:.3f} of bf16" if r["ratio_to_bf16"] else ""
+            lines.append(f"{r['label']:34} {r['ms_per_token']:8.2f} {r['bytes_uploaded_per_token'] / 1e9:7.2f} "
+                         f"{r['effective_GBps']:6.1f} {ratio} {'same' if r['ids_match_q8_off'] else 'DIFF'}")
+        lines.append(f"q8 vs bf16 greedy ids: {q['q8_vs_bf16_leading_ids_of_32']}/32 leading tokens match")
     lines.append("targets: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec["targets"].items()))
     return "\n".join(lines)
 
