@@ -72,6 +72,18 @@ def kestrel_row(model: Model, label: str, gen: GenerationConfig, **flags) -> dic
     return row
 
 
+def baseline_rows(model: Model, gen: GenerationConfig) -> list[dict]:
+    """Only the bf16 rows the q8 rows are compared with (--rows q8)."""
+    kestrel_row(model, "warm-up (not recorded)", gen, residency__keep="off")
+    rows = [kestrel_row(model, "off", gen, residency__keep="off")]
+    for keep in (4, 1):
+        for pf in (0, 1):
+            rows.append(kestrel_row(model, f"asymmetric keep={keep} pf={pf}", gen, residency__keep=keep, backend__prefetch=pf))
+    for row in rows:
+        row["ids_match_off"] = row["token_ids"] == rows[0]["token_ids"]
+    return rows
+
+
 def kestrel_rows(model: Model, gen: GenerationConfig) -> list[dict]:
     L = model.n_layers
     keeps = [L, L - 1, L // 2, 4, 1]
@@ -286,6 +298,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=10)
     p.add_argument("--offload-tokens", type=int, default=4)
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--rows", choices=("all", "q8"), default="all",
+                   help="q8: only the bf16 rows the q8 rows are compared with (with --q8-group)")
     p.add_argument("--q8-group", type=int, default=0, help="also quantize (this group size) and add the q8 rows")
     p.add_argument("--out", action="append", default=[], help="also write the record here")
     args = p.parse_args()
@@ -300,7 +314,7 @@ def main() -> int:
         cfg = model.config
         n_layers = model.n_layers
         weight_bytes = sum(i.nbytes for f in model.checkpoint.files.values() for i in f.tensors.values())
-        rows = kestrel_rows(model, gen)
+        rows = kestrel_rows(model, gen) if args.rows == "all" else baseline_rows(model, gen)
         ab = off_vs_keep_all(model)
     q8 = q8_section(path, args.q8_group, gen, rows, ceil) if args.q8_group else None
     peers = None if args.skip_peers else peer_rows(path, n_layers, args.max_new_tokens, args.offload_tokens)
@@ -308,7 +322,7 @@ def main() -> int:
         "model": {"preset": args.preset, "dtype": cfg.torch_dtype, "layers": n_layers, "weight_bytes": weight_bytes},
         "prompt_ids": PROMPT, "max_new_tokens": args.max_new_tokens,
         "ceilings": ceil, "rows": rows, "off_vs_keep_all_interleaved": ab, "peers": peers, "q8": q8,
-        "targets": targets(rows, ceil, peers, ab),
+        "targets": targets(rows, ceil, peers, ab) if args.rows == "all" else {"keepL_over_off": ab["ratio"]},
     }
     if q8:
         record["targets"].update(q8_targets(q8))
