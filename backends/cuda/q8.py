@@ -289,7 +289,10 @@ def _buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tenso
     key = (device, dtype)
     buf = _workspace.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _workspace[key] = torch.empty((numel,), dtype=dtype, device=device)
+        # A normal tensor, even when first made during generation: an inference tensor could
+        # not be written outside inference mode later.
+        with torch.inference_mode(False):
+            buf = _workspace[key] = torch.empty((numel,), dtype=dtype, device=device)
     return buf[:numel]
 
 
