@@ -201,6 +201,15 @@ def test_bad_generation_and_backend_numbers(tiny_ckpt, capsys, flags, needle):
     fails(gen(tiny_ckpt, "--keep", "2", *flags), capsys, needle)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_backend_without_a_gpu(tiny_ckpt, capsys):
+    fails(gen(tiny_ckpt, "--backend", "cuda"), capsys, "needs an NVIDIA GPU", "--backend cpu_ref")
+
+
+def test_prefetch_on_the_cpu_reference(tiny_ckpt, capsys):
+    fails(gen(tiny_ckpt, "--keep", "2", "--prefetch", "1"), capsys, "prefetch")
+
+
 # --- config files ----------------------------------------------------------------------
 
 @pytest.mark.parametrize(
