@@ -29,6 +29,7 @@ class BackendContext:
     counters: Counters
     peak_layers: int  # the policy's peak of resident layers (before any prefetch)
     shared: dict  # lives as long as the opened Model: host staging reused across runs
+    quant: Any = None  # the checkpoint's kestrel_core.quant.QuantInfo, None for a float checkpoint
 
 
 class Backend:

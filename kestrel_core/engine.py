@@ -83,7 +83,7 @@ def open_run(model: Model, config: KestrelConfig):
     backend_reg = plugins.lookup("backends", config.backend.name)
     with plugins.activated(policy, allocator):
         peak = policy.peak_layers() if hasattr(policy, "peak_layers") else model.n_layers
-        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak, model.shared)
+        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak, model.shared, model.quant)
         try:
             backend = backend_reg.factory(ctx)
         except KestrelError:

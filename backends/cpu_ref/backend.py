@@ -34,7 +34,7 @@ class CpuRefBackend(Backend):
         self.dtype = _DTYPES[want]
         self.device = torch.device("cpu")
         self._specs = [linear_specs(self.cfg, layer) for layer in range(self.cfg.num_hidden_layers)]
-        self.quant = quant.read_quant(self.ckpt, self.cfg)  # None for a float checkpoint
+        self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.load_globals()
 

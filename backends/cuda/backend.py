@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError
 from kestrel_core.model import linear_specs
@@ -54,7 +53,7 @@ class CudaBackend(Backend):
         self._ready: dict[int, torch.cuda.Event] = {}
         self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
         self._raw = ctx.residency.allocator == "free"
-        self.quant = quant.read_quant(ctx.checkpoint, ctx.model)  # None for a float checkpoint
+        self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         if self.quant:
             q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
