@@ -86,8 +86,6 @@ def open_run(model: Model, config: KestrelConfig):
         ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak, model.shared, model.quant)
         try:
             backend = backend_reg.factory(ctx)
-        except KestrelError:
-            raise
         except MemoryError:
             raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
         window = Window(backend, policy, model.n_layers)

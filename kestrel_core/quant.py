@@ -75,10 +75,14 @@ def q8_names(weight_name: str) -> tuple[str, str]:
     return prefix + ".qweight", prefix + ".scales"
 
 
-def q8_nbytes(n: int, k: int, group: int, align: int = N_ALIGN) -> int:
-    """Bytes of one q8 linear in device layout (qweight + scales)."""
-    npad = pad_n(n, align)
+def layout_nbytes(k: int, group: int, npad: int) -> int:
+    """Bytes of one q8 linear in device layout: int8 qweight [K, Npad] + f32 scales [K/group, Npad]."""
     return k * npad + (k // group) * npad * 4
+
+
+def q8_nbytes(n: int, k: int, group: int, align: int = N_ALIGN) -> int:
+    """Bytes of one q8 linear of N outputs in device layout (qweight + scales)."""
+    return layout_nbytes(k, group, pad_n(n, align))
 
 
 @attrs.frozen

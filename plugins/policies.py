@@ -24,9 +24,6 @@ class Off:
     def peak_layers(self) -> int:
         return self.n_layers
 
-    def uploads_per_token(self) -> int:
-        return 0
-
     @hookimpl
     def preload(self, window):
         return range(self.n_layers)
@@ -52,9 +49,6 @@ class Asymmetric:
     def peak_layers(self) -> int:
         return min(self.n_layers, 2 * self.keep)
 
-    def uploads_per_token(self) -> int:
-        return self.n_layers - self.keep
-
     @hookimpl
     def preload(self, window):
         return ()  # a preload would be evicted at the first boundary
@@ -69,9 +63,6 @@ class FutureEvicting(Asymmetric):
     """The pitfall baseline: also evicts upcoming layers, so every token re-uploads every layer."""
 
     name = "future_evicting"
-
-    def uploads_per_token(self) -> int:
-        return self.n_layers
 
     @hookimpl
     def on_layer_advance(self, window, layer, phase):
@@ -104,9 +95,6 @@ class PinnedSet:
 
     def peak_layers(self) -> int:
         return self.budget
-
-    def uploads_per_token(self) -> int:
-        return 0 if self.budget >= self.n_layers else self.n_layers - self.budget + 1
 
     @hookimpl
     def preload(self, window):

@@ -206,9 +206,6 @@ class CudaBackend(Backend):
             self._ready[layer] = ev
         return weights
 
-    def prefetch_layer(self, layer):
-        return self.upload_layer(layer)
-
     def before_use(self, layer):
         ev = self._ready.pop(layer, None)
         if ev is not None:

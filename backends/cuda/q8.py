@@ -50,8 +50,8 @@ class Q8Weight:
 
     def __init__(self, raw: torch.Tensor, n: int, k: int, group: int, n_pad: int):
         qbytes = k * n_pad
-        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != q8_bytes(k, group, n_pad):
-            raise ValueError(f"raw must be a uint8 vector of {q8_bytes(k, group, n_pad)} bytes")
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != quant.layout_nbytes(k, group, n_pad):
+            raise ValueError(f"raw must be a uint8 vector of {quant.layout_nbytes(k, group, n_pad)} bytes")
         self.raw = raw
         self.qweight = raw[:qbytes].view(torch.int8).view(k, n_pad)
         self.scales = raw[qbytes:].view(torch.float32).view(k // group, n_pad)  # offset is a multiple of 64
@@ -61,7 +61,7 @@ class Q8Weight:
     def empty(cls, n: int, k: int, group: int, n_pad: int | None = None, device="cpu", pin_memory: bool = False,
               empty: Callable = torch.empty) -> "Q8Weight":
         n_pad = quant.pad_n(n) if n_pad is None else n_pad
-        nbytes = q8_bytes(k, group, n_pad)
+        nbytes = quant.layout_nbytes(k, group, n_pad)
         if pin_memory:
             raw = torch.empty((nbytes,), dtype=torch.uint8, pin_memory=True)
         else:
@@ -118,12 +118,8 @@ class Q8Weight:
         return f"Q8Weight(n={self.n}, k={self.k}, group={self.group}, n_pad={self.n_pad}, device={self.device})"
 
 
-def q8_bytes(k: int, group: int, n_pad: int) -> int:
-    return k * n_pad + (k // group) * n_pad * 4
-
-
 def q8_geometry(k: int, group: int, n_pad: int, device) -> Geometry:
-    return Geometry((k, n_pad), DTYPE, q8_bytes(k, group, n_pad), str(device), (DTYPE, n_pad, k // group))
+    return Geometry((k, n_pad), DTYPE, quant.layout_nbytes(k, group, n_pad), str(device), (DTYPE, n_pad, k // group))
 
 
 def new_q8_buffer(geometry: Geometry, device, empty: Callable = torch.empty) -> Q8Weight:
@@ -188,7 +184,7 @@ def q8_layer_bytes(cfg: ModelConfig, info: quant.QuantInfo, fused: Iterable[tupl
     for _, roles in fused:
         parts = [info.tensors[specs[r][0]] for r in roles]
         n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(sum(p.n for p in parts))
-        total += q8_bytes(parts[0].k, parts[0].group, n_pad)
+        total += quant.layout_nbytes(parts[0].k, parts[0].group, n_pad)
     return total
 
 
