@@ -56,6 +56,25 @@ def time_cuda(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def time_cuda_graph(fn, calls: int = 16, warmup: int = 3, reps: int = 30) -> float:
+    """Median device milliseconds of one ``fn`` call: a CUDA graph of ``calls`` back-to-back
+    calls, replayed and timed by CUDA events, divided by ``calls``. Host launch cost stays out,
+    so this is the kernels' own time (``time_cuda`` on the eager call gives what a caller waits)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = time_cuda(graph.replay, warmup=warmup, reps=reps) / calls
+    del graph
+    return ms
+
+
 def copy_ceilings(nbytes: int = 2**30) -> dict:
     """Pinned and pageable host->device, and device->device (bytes read + written), in GB/s."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -184,28 +184,11 @@ def peer_rows(path: Path, n_layers: int, n_new: int, n_offload: int) -> dict:
 
 
 def q8_gemv_rows(group: int, d2d_GBps: float) -> list[dict]:
-    """The int8 GEMV kernel against the torch fallback, rotating 4 weight sets so L2 does not flatter it."""
-    from kestrel_cuda import q8
+    """The int8 GEMV kernel (the launcher's own split choice) against the torch path on the
+    issue's two shapes, timed as q8_gemv_bench does (device time from graph replays, and eager)."""
+    from q8_gemv_bench import TARGET_SHAPES, gemv_rows
 
-    from common import time_cuda
-
-    out = []
-    for n, k in ((4096, 12288), (12288, 4096)):
-        for path in ("kernel", "torch"):
-            cases = [q8.gemv_case(n, k, group, torch.bfloat16, seed=i, path=path) for i in range(4)]
-            state = {"i": 0}
-
-            def step():
-                cases[state["i"] % 4].run()
-                state["i"] += 1
-
-            ms = time_cuda(step, warmup=8, reps=200)
-            gbps = cases[0].bytes_moved / ms / 1e6
-            out.append({"n": n, "k": k, "group": group, "path": path, "ms": ms, "bytes_moved": cases[0].bytes_moved,
-                        "GBps": gbps, "fraction_of_d2d": gbps / d2d_GBps})
-            log(f"q8 gemv {n}x{k} {path}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s ({100 * gbps / d2d_GBps:.0f}% of d2d)")
-            del cases
-    return out
+    return gemv_rows(TARGET_SHAPES, group, d2d_GBps, variants=("auto", "torch"), log=log)
 
 
 def q8_section(path: Path, group: int, gen: GenerationConfig, bf16_rows: list[dict], ceil: dict) -> dict:
@@ -348,7 +331,8 @@ def format_summary(rec: dict) -> str:
     if rec.get("q8"):
         q = rec["q8"]
         for g in q["gemv"]:
-            lines.append(f"q8 gemv {g['n']}x{g['k']} {g['path']:6} {g['ms'] * 1e3:8.1f} us {g['GBps']:7.0f} GB/s {100 * g['fraction_of_d2d']:4.0f}% of d2d")
+            lines.append(f"q8 gemv {g['n']}x{g['k']} {g['path']:6} device {g['device_ms'] * 1e3:7.1f} us {g['GBps']:6.0f} GB/s "
+                         f"{100 * g['fraction_of_d2d']:4.0f}% of d2d | eager {g['eager_ms'] * 1e3:7.1f} us")
         for r in q["rows"]:
             ratio = f"x{r['ratio_to_bf16']:.3f} of bf16" if r["ratio_to_bf16"] else ""
             lines.append(f"{r['label']:34} {r['ms_per_token']:8.2f} {r['bytes_uploaded_per_token'] / 1e9:7.2f} "

@@ -1,35 +1,53 @@
 // q8 GEMV, the part shared by the CUDA kernel (q8_gemv.cu) and its host emulation test:
 //   y[n] = sum_k x[k] * q[k, n] * s[k / group, n]
-// q is int8 [K, Npad] (row k contiguous over n), s is f32 [K / group, Npad], Npad % 8 == 0.
+// q is int8 [K, Npad] (row k contiguous over n), s is f32 [K / group, Npad]; Npad % 16 == 0,
+// K % 32 == 0, and x, q and s start on 16-byte boundaries.
 //
-// Tiling: a thread owns kCols = 8 adjacent columns and reads them with one 8-byte load per
-// row, so a warp reads 256 contiguous bytes of a row (coalesced over n). Rows go in units of
-// kUnitRows = 32 (every supported group size is a multiple): a thread sums x[k] * q[k, n] over
-// a unit in float32, then multiplies by the unit's group scale once. The kWarps warps of a
-// block take interleaved units; blocks along y take disjoint unit ranges (split-K), and their
-// partial sums are added in a fixed order, so results are deterministic run to run.
+// Tiling. A block is 4 warps over kBlockCols = 128 columns. A lane owns kCols = 16 adjacent
+// columns, 16 bytes of a row; 8 lanes span the block's columns, so a warp covers 4 rows x 128
+// contiguous bytes at a time. Rows go in units of kUnitRows = 32 (every supported group size
+// is a multiple): lane row r (= lane / 8) takes rows 8r..8r+7 of a unit. Per unit a lane sums
+// x[k] * q[k, n] in float32, then multiplies by the unit's group scale once. The warps of a
+// block take interleaved units; the `splits` blocks along y take disjoint unit ranges (split-K).
+//
+// Loads. Each warp streams its units through a ring of kStages = 3 stages in shared memory
+// with cp.async, two units ahead of its arithmetic, so loads and arithmetic overlap and no
+// register is held by a load in flight (measured on the H200 against loading each unit into
+// registers and then computing: bench/results/q8_gemv_*.json and the README).
+//
+// int8 -> float without I2F (a quarter-rate instruction on sm_90): byte b + 128 put under the
+// exponent of 2^23 is the float 2^23 + 128 + b exactly, so one PRMT and one FADD convert it.
+//
+// Reduction, in a fixed order so that results are bitwise reproducible: the 4 lane rows by
+// shuffles (xor 8, then xor 16), the warps through shared memory in warp order, then the
+// splits blocks, which form one thread-block cluster (sm_90), through distributed shared
+// memory in rank order: rank r sums and writes columns [r * 128/splits, (r+1) * 128/splits).
+// No global scratch and no second kernel.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <vector_types.h>
 
 #define Q8_HD __host__ __device__ __forceinline__
 
-#ifdef __CUDA_ARCH__
-#define Q8_LOAD(p) __ldg(p)
-#else
-#define Q8_LOAD(p) (*(p))
-#endif
-
 namespace kestrel_q8 {
 
-constexpr int kCols = 8;                   // columns per thread (one int2 load per row)
 constexpr int kWarp = 32;
-constexpr int kWarps = 8;                  // warps per block
-constexpr int kBlockCols = kWarp * kCols;  // 256 columns per block
-constexpr int kUnitRows = 32;              // rows per work unit
+constexpr int kWarps = 4;                            // warps per block
+constexpr int kThreads = kWarp * kWarps;
+constexpr int kMinBlocksPerSm = 3;                   // what the ring's shared memory allows
+constexpr int kCols = 16;                            // columns per lane: 16 bytes of a row
+constexpr int kLanesN = 8;                           // lanes across a block's columns
+constexpr int kLaneRows = kWarp / kLanesN;           // 4 lane rows per warp
+constexpr int kBlockCols = kLanesN * kCols;          // 128 columns per block
+constexpr int kRowsPerLane = 8;                      // rows of a unit per lane
+constexpr int kUnitRows = kLaneRows * kRowsPerLane;  // 32 rows per work unit
+constexpr int kMaxSplits = 8;                        // the portable cluster size
+constexpr int kStages = 3;                           // the ring: units in flight + the one in use
+static_assert(32 % kUnitRows == 0, "a unit must lie inside one group (every group is a multiple of 32)");
 
 Q8_HD float to_float(float v) { return v; }
 Q8_HD float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -40,111 +58,205 @@ template <> Q8_HD float from_float<float>(float v) { return v; }
 template <> Q8_HD __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 template <> Q8_HD __half from_float<__half>(float v) { return __float2half(v); }
 
-// Signed byte i (0..3) of a packed int, as float.
-Q8_HD float byte_at(int v, int i) { return static_cast<float>(static_cast<int8_t>((v >> (8 * i)) & 0xff)); }
+Q8_HD float bits_to_float(uint32_t v) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(v);
+#else
+  float f;
+  std::memcpy(&f, &v, sizeof f);
+  return f;
+#endif
+}
 
-// One thread's share: for units u = u_begin, u_begin + u_step, ... < u_end, and c < kCols,
-//   acc[c] += s[g(u), n0 + c] * sum_{r < kUnitRows} x[u*32 + r] * q[u*32 + r, n0 + c].
-// Needs n0 % kCols == 0 and n0 + kCols <= npad.
-template <typename XT>
-Q8_HD void accumulate_units(const XT* __restrict__ x, const int8_t* __restrict__ q, const float* __restrict__ s,
-                            int64_t npad, int group, int u_begin, int u_end, int u_step, int n0, float acc[kCols]) {
-  for (int u = u_begin; u < u_end; u += u_step) {
-    const int64_t k0 = static_cast<int64_t>(u) * kUnitRows;
-    const int8_t* row = q + k0 * npad + n0;
-    float part[kCols];
+// PTX prmt in its default mode, for selector nibbles 0..7: byte i of the result is byte
+// (sel >> 4i) & 7 of the 8-byte value b:a.
+Q8_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t v = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+#endif
+}
+
+// The 4 signed bytes of v (byte 0 first) as floats, exactly.
+Q8_HD void bytes_to_floats(uint32_t v, float out[4]) {
+  const uint32_t biased = v ^ 0x80808080u;  // each byte b -> b + 128, as unsigned
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) part[c] = 0.f;
-#pragma unroll 8
-    for (int r = 0; r < kUnitRows; ++r) {
-      const float xv = to_float(x[k0 + r]);
-      const int2 packed = Q8_LOAD(reinterpret_cast<const int2*>(row + r * npad));
+  for (int i = 0; i < 4; ++i)
+    out[i] = bits_to_float(byte_perm(biased, 0x4B000000u, 0x7440u | i)) - 8388736.f;  // (2^23 + 128 + b) - (2^23 + 128)
+}
+
+// Where a thread works: its 16 columns start at n0; lane_row picks its 8 rows of each unit.
+struct LaneSpot {
+  int n0;
+  int lane_row;
+};
+Q8_HD LaneSpot lane_spot(int bx, int lane) {
+  return {bx * kBlockCols + (lane % kLanesN) * kCols, lane / kLanesN};
+}
+
+// Units [begin, end) of split `by`.
+Q8_HD int split_begin(int by, int units_per_split) { return by * units_per_split; }
+Q8_HD int split_end(int by, int units_per_split, int units) {
+  const int e = (by + 1) * units_per_split;
+  return e < units ? e : units;
+}
+
+// The arithmetic of one unit for one lane: 8 rows of 16 int8 weights, their 8 x values and
+// the unit's 16 group scales, added into acc.
+Q8_HD void unit_math(const int4 w[kRowsPerLane], const float xv[kRowsPerLane], const float4 sv[kCols / 4],
+                     float acc[kCols]) {
+  float part[kCols];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        part[c] = fmaf(xv, byte_at(packed.x, c), part[c]);
-        part[c + 4] = fmaf(xv, byte_at(packed.y, c), part[c + 4]);
-      }
+  for (int c = 0; c < kCols; ++c) part[c] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; ++r) {
+    const uint32_t words[4] = {static_cast<uint32_t>(w[r].x), static_cast<uint32_t>(w[r].y),
+                               static_cast<uint32_t>(w[r].z), static_cast<uint32_t>(w[r].w)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float f[4];
+      bytes_to_floats(words[j], f);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) part[4 * j + b] = fmaf(xv[r], f[b], part[4 * j + b]);
     }
-    const float* srow = s + (k0 / group) * npad + n0;
-    const float4 s0 = Q8_LOAD(reinterpret_cast<const float4*>(srow));
-    const float4 s1 = Q8_LOAD(reinterpret_cast<const float4*>(srow + 4));
-    acc[0] = fmaf(part[0], s0.x, acc[0]);
-    acc[1] = fmaf(part[1], s0.y, acc[1]);
-    acc[2] = fmaf(part[2], s0.z, acc[2]);
-    acc[3] = fmaf(part[3], s0.w, acc[3]);
-    acc[4] = fmaf(part[4], s1.x, acc[4]);
-    acc[5] = fmaf(part[5], s1.y, acc[5]);
-    acc[6] = fmaf(part[6], s1.z, acc[6]);
-    acc[7] = fmaf(part[7], s1.w, acc[7]);
+  }
+#pragma unroll
+  for (int i = 0; i < kCols / 4; ++i) {
+    acc[4 * i + 0] = fmaf(part[4 * i + 0], sv[i].x, acc[4 * i + 0]);
+    acc[4 * i + 1] = fmaf(part[4 * i + 1], sv[i].y, acc[4 * i + 1]);
+    acc[4 * i + 2] = fmaf(part[4 * i + 2], sv[i].z, acc[4 * i + 2]);
+    acc[4 * i + 3] = fmaf(part[4 * i + 3], sv[i].w, acc[4 * i + 3]);
   }
 }
 
-// Shared-memory slot of (lane, column c) of one warp: [c][lane], conflict-free on the write.
-Q8_HD int red_slot(int lane, int c) { return c * kWarp + lane; }
-// The slot that holds block column j (= lane * kCols + c).
-Q8_HD int red_slot_of_column(int j) { return red_slot(j / kCols, j % kCols); }
+Q8_HD int64_t lane_first_row(int u, LaneSpot at) { return static_cast<int64_t>(u) * kUnitRows + at.lane_row * kRowsPerLane; }
+Q8_HD int64_t scale_row(int u, int group) { return u / (group / kUnitRows); }  // 32-bit: a 64-bit division is a long call
 
-// The kernel body in two phases around its one __syncthreads(), so the host test can run the
-// very same code block by block. red is the block's shared [kWarps][kBlockCols] array.
+// --- the ring ---------------------------------------------------------------------------
+// A stage holds one unit of a warp: its 8 x 32 weight vectors (each lane copies, and later
+// reads, its own), the block columns' 128 scales (copied by lane row 0) and the unit's 32 x
+// values (copied by the lane with lane_n == 0 of each lane row). A __syncwarp makes the shared
+// parts visible before use and frees a stage before it is refilled.
+constexpr int kStageWeightBytes = kRowsPerLane * kWarp * 16;
+constexpr int kStageScaleBytes = kBlockCols * 4;
+constexpr int kStageXBytes = kUnitRows * 4;  // room for float x
+constexpr int kStageBytes = kStageWeightBytes + kStageScaleBytes + kStageXBytes;
+constexpr int kWarpRingBytes = kStages * kStageBytes;
+constexpr int kRingBytes = kWarps * kWarpRingBytes;  // dynamic shared memory per block
+
+Q8_HD void copy16_async(void* smem_dst, const void* gmem_src) {
+#ifdef __CUDA_ARCH__
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src) : "memory");
+#else
+  std::memcpy(smem_dst, gmem_src, 16);
+#endif
+}
+Q8_HD void async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+Q8_HD void async_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+#endif
+}
+
+Q8_HD unsigned char* stage_at(unsigned char* warp_ring, int i) { return warp_ring + (i % kStages) * kStageBytes; }
+
+// Lane `lane`'s copies for unit u into one stage.
 template <typename XT>
-Q8_HD void block_phase1(const XT* __restrict__ x, const int8_t* __restrict__ q, const float* __restrict__ s,
-                        int64_t npad, int group, int units, int units_per_split, int bx, int by, int warp, int lane,
-                        float (*red)[kBlockCols]) {
-  const int n0 = bx * kBlockCols + lane * kCols;
-  const int u_begin = by * units_per_split;
-  const int u_end = units < u_begin + units_per_split ? units : u_begin + units_per_split;
-  float acc[kCols];
+Q8_HD void issue_unit(const XT* __restrict__ x, const int8_t* __restrict__ q, const float* __restrict__ s,
+                      int64_t npad, int group, int u, LaneSpot at, int lane, bool active, unsigned char* stage) {
+  const int64_t k0 = lane_first_row(u, at);
+  if (active) {
+    const int8_t* row = q + k0 * npad + at.n0;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) acc[c] = 0.f;
-  if (n0 < npad) accumulate_units(x, q, s, npad, group, u_begin + warp, u_end, kWarps, n0, acc);
+    for (int r = 0; r < kRowsPerLane; ++r) copy16_async(stage + (r * kWarp + lane) * 16, row + r * npad);
+    if (at.lane_row == 0) {
+      const float* srow = s + scale_row(u, group) * npad + at.n0;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) red[warp][red_slot(lane, c)] = acc[c];
-}
-
-// Thread j of the block sums block column j over the warps, in warp order, and writes it:
-// straight to y when there is one split, else to partial[by, col] for the reduce pass.
-template <typename YT>
-Q8_HD void block_phase2(float* __restrict__ partial, YT* __restrict__ y, int n, int splits, int bx, int by, int j,
-                        const float (*red)[kBlockCols]) {
-  const int col = bx * kBlockCols + j;
-  float sum = 0.f;
+      for (int i = 0; i < kCols / 4; ++i)
+        copy16_async(stage + kStageWeightBytes + (lane % kLanesN) * kCols * 4 + 16 * i, srow + 4 * i);
+    }
+  }
+  if (lane % kLanesN == 0) {  // lane_n 0 is active in every column block
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(x + k0);
+    unsigned char* dst = stage + kStageWeightBytes + kStageScaleBytes + at.lane_row * kRowsPerLane * sizeof(XT);
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) sum += red[w][red_slot_of_column(j)];
-  if (col < n) {
-    if (splits == 1)
-      y[col] = from_float<YT>(sum);
-    else
-      partial[static_cast<int64_t>(by) * n + col] = sum;
+    for (int b = 0; b < static_cast<int>(kRowsPerLane * sizeof(XT)); b += 16) copy16_async(dst + b, src + b);
   }
 }
 
-// The reduce pass: column col summed over the splits in split order (no atomics).
-template <typename YT>
-Q8_HD void reduce_column(const float* __restrict__ partial, YT* __restrict__ y, int n, int splits, int col) {
-  float sum = 0.f;
-  for (int i = 0; i < splits; ++i) sum += partial[static_cast<int64_t>(i) * n + col];
-  y[col] = from_float<YT>(sum);
+Q8_HD void read_x8(const float* p, float out[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = p[i];
 }
+Q8_HD void read_x8(const __nv_bfloat16* p, float out[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(p[i]);
+}
+Q8_HD void read_x8(const __half* p, float out[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = __half2float(p[i]);
+}
+
+// Lane `lane`'s arithmetic on a landed stage.
+template <typename XT>
+Q8_HD void compute_stage(const unsigned char* stage, LaneSpot at, int lane, float acc[kCols]) {
+  int4 w[kRowsPerLane];
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; ++r) w[r] = *reinterpret_cast<const int4*>(stage + (r * kWarp + lane) * 16);
+  float4 sv[kCols / 4];
+  const float4* sp = reinterpret_cast<const float4*>(stage + kStageWeightBytes + (lane % kLanesN) * kCols * 4);
+#pragma unroll
+  for (int i = 0; i < kCols / 4; ++i) sv[i] = sp[i];
+  float xv[kRowsPerLane];
+  read_x8(reinterpret_cast<const XT*>(stage + kStageWeightBytes + kStageScaleBytes) + at.lane_row * kRowsPerLane, xv);
+  unit_math(w, xv, sv, acc);
+}
+
+// The columns rank `rank` of a cluster of `splits` blocks sums and writes: [first, first + count).
+Q8_HD int rank_first_column(int rank, int splits) { return rank * (kBlockCols / splits); }
+Q8_HD int rank_column_count(int splits) { return kBlockCols / splits; }
 
 struct Plan {
   int col_blocks;       // gridDim.x
-  int splits;           // gridDim.y: disjoint unit ranges, reduced afterwards when > 1
-  int units_per_split;  // a multiple of kWarps unless one split covers every unit
+  int splits;           // gridDim.y = the cluster size: 1, 2, 4 or 8
+  int units_per_split;  // the last split may get fewer (or none)
 };
 
-// Enough blocks to fill the device (target_blocks, e.g. 4 per SM), splitting K only as needed.
-inline Plan make_plan(int64_t npad, int units, int target_blocks) {
+Q8_HD int floor_pow2_splits(int s) {
+  int p = 1;
+  while (p * 2 <= s && p * 2 <= kMaxSplits) p *= 2;
+  return p;
+}
+
+// splits: a requested count (rounded down to 1, 2, 4 or 8, and to at most one unit per split).
+inline Plan make_plan(int64_t npad, int units, int splits) {
   Plan p;
   p.col_blocks = static_cast<int>((npad + kBlockCols - 1) / kBlockCols);
-  int want = (target_blocks + p.col_blocks - 1) / p.col_blocks;
-  if (want < 1) want = 1;
-  int ups = (units + want - 1) / want;
-  ups = (ups + kWarps - 1) / kWarps * kWarps;
-  if (ups >= units) ups = units;
-  if (ups < 1) ups = 1;
-  p.units_per_split = ups;
-  p.splits = (units + ups - 1) / ups;
+  if (splits > units) splits = units;
+  p.splits = floor_pow2_splits(splits < 1 ? 1 : splits);
+  p.units_per_split = (units + p.splits - 1) / p.splits;
   return p;
+}
+
+// The split count when the caller names none: the most splits (1, 2, 4 or 8) that keep the
+// grid within target_blocks. On the H200 the best split count for every 8B-shape layer put
+// about two blocks per SM on the device, not the three that fit (bench/results/q8_gemv_*).
+inline int auto_splits(int64_t npad, int units, int target_blocks) {
+  const int64_t col_blocks = (npad + kBlockCols - 1) / kBlockCols;
+  int s = 1;
+  while (s < kMaxSplits && col_blocks * s * 2 <= target_blocks) s *= 2;
+  return make_plan(npad, units, s).splits;
 }
 
 }  // namespace kestrel_q8

@@ -16,7 +16,7 @@ from kestrel_core import quant
 
 pytestmark = pytest.mark.cuda
 
-# (n, k, group): N and K on and off the 256-column / 32-row tiles, and the 8B shapes.
+# (n, k, group): N and K on and off the 128-column / 32-row tiles, and the 8B shapes.
 SHAPES = [
     (1, 32, 32),
     (7, 64, 32),
@@ -76,6 +76,50 @@ def test_kernel_is_deterministic_and_writes_only_n_columns(q8):
     again = q8.q8_gemv(x, w, out_dtype=torch.float32)
     assert torch.equal(y[: w.n], again)  # fixed-order reduction: bitwise the same
     assert again.shape == (999,) and _rel(again, ref_w @ x.double()) < 1e-3
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k,group", [(130, 96, 32), (999, 4160, 64), (4096, 12288, 128)])
+def test_every_split_count_matches_float64_and_repeats_bitwise(q8, n, k, group, splits):
+    """Forced split-K counts: each cluster size sums its ranks in a fixed order."""
+    w, ref_w, gen = _case(n, k, group, seed=splits)
+    x = torch.randn((k,), generator=gen).to("cuda", torch.bfloat16)
+    y = q8.q8_gemv(x, w, out_dtype=torch.float32, splits=splits)
+    assert _rel(y, ref_w @ x.double()) < 1e-3
+    assert torch.equal(y, q8.q8_gemv(x, w, out_dtype=torch.float32, splits=splits))
+    col_blocks, used, per_split = q8.gemv_plan(w, splits)
+    units = k // 32
+    assert col_blocks == -(-w.n_pad // 128) and used <= min(splits, units) and used * per_split >= units
+    assert used == splits or units < splits  # rounded down only when K has fewer units than splits
+
+
+def test_auto_plan_fills_the_device(q8):
+    w, _, _ = _case(4096, 12288, 64)
+    col_blocks, splits, _ = q8.gemv_plan(w)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert col_blocks == 32 and (splits == 8 or col_blocks * splits >= sms)
+
+
+def test_unaligned_input_view_is_copied_not_misread(q8):
+    w, ref_w, gen = _case(256, 256, 128)
+    buf = torch.randn((257,), generator=gen).to("cuda")
+    x = buf[1:]  # starts 4 bytes past a 16-byte boundary
+    assert x.data_ptr() % 16 != 0
+    assert _rel(q8.q8_gemv(x, w, out_dtype=torch.float32), ref_w @ x.double()) < 1e-3
+
+
+def test_kernel_captures_into_a_cuda_graph(q8):
+    w, ref_w, gen = _case(4097, 1024, 128)
+    x = torch.randn((1, 1024), generator=gen).to("cuda", torch.bfloat16)
+    q8.q8_gemv(x, w)  # warm (plan cached) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = q8.q8_gemv(x, w, out_dtype=torch.float32)
+    x.copy_(torch.randn((1, 1024), generator=gen).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(y, x.double() @ ref_w.T) < 1e-3
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)

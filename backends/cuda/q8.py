@@ -266,14 +266,23 @@ def kernel_available() -> bool:
         return False
 
 
-def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The kernel alone: one row ``x [K]`` or ``[1, K]`` -> ``[N]`` / ``[1, N]`` (raises KernelNotBuilt)."""
+def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None, splits: int = 0) -> torch.Tensor:
+    """The kernel alone: one row ``x [K]`` or ``[1, K]`` -> ``[N]`` / ``[1, N]`` (raises KernelNotBuilt).
+
+    ``splits``: 0 lets the launcher pick the split-K count (a thread-block cluster of that many
+    blocks per 128 columns); 1, 2, 4 or 8 forces one, for tests and tuning.
+    """
     module = load_kernel()
     if x.shape[-1] != w.k or x.numel() != w.k:
         raise ValueError(f"q8_gemv takes one row of K={w.k}, got x of shape {list(x.shape)}")
     y = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype or x.dtype, device=x.device)
-    module.gemv(x.reshape(-1).contiguous(), w.qweight, w.scales, w.group, y.view(-1))
+    module.gemv(x.reshape(-1).contiguous(), w.qweight, w.scales, w.group, y.view(-1), splits)
     return y
+
+
+def gemv_plan(w: Q8Weight, splits: int = 0, device: int = 0) -> tuple[int, int, int]:
+    """(column blocks, splits, units per split) the kernel launches for ``w`` on ``device``."""
+    return tuple(load_kernel().plan(w.k, w.n_pad, splits, device))
 
 
 # --- the pure-torch path --------------------------------------------------------------------
@@ -346,18 +355,19 @@ class GemvCase:
 
 
 def gemv_case(n: int, k: int, group: int = 128, dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0,
-              path: str = "kernel") -> GemvCase:
-    """Random q8 weights ``[n, k]`` and one input row on ``device``; ``path``: "kernel" or "torch".
+              path: str = "kernel", splits: int = 0) -> GemvCase:
+    """Random q8 weights ``[n, k]`` and one input row on ``device``; ``path``: "kernel" (with
+    ``splits`` as in q8_gemv) or "torch".
 
     For effective bandwidth: bytes_moved / seconds, next to the same run's device copy bandwidth.
     """
-    gen = torch.Generator().manual_seed(seed)
-    qweight, scales = quant.quantize(torch.randn((n, k), generator=gen), group)
-    w = Q8Weight.from_tensors(qweight, scales, n, group).to(device)
-    x = torch.randn((1, k), generator=gen).to(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn and quantized where they run
+    qweight, scales = quant.quantize(torch.randn((n, k), generator=gen, device=device), group)
+    w = Q8Weight.from_tensors(qweight, scales, n, group, device=device)
+    x = torch.randn((1, k), generator=gen, device=device).to(dtype)
     if path == "kernel":
         load_kernel()
-        fn = lambda: q8_gemv(x, w)  # noqa: E731
+        fn = lambda: q8_gemv(x, w, splits=splits)  # noqa: E731
     elif path == "torch":
         fn = lambda: q8_linear_torch(x, w)  # noqa: E731
     else:
