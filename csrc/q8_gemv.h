@@ -12,8 +12,9 @@
 //
 // Loads. Each warp streams its units through a ring of kStages = 3 stages in shared memory
 // with cp.async, two units ahead of its arithmetic, so loads and arithmetic overlap and no
-// register is held by a load in flight (measured on the H200 against loading each unit into
-// registers and then computing: bench/results/q8_gemv_*.json and the README).
+// register is held by a load in flight. On the H200 this beat loading each unit into
+// registers and then computing, at 2 or 3 blocks per SM, with or without L2 prefetches
+// (bench/results/q8_gemv_variants_20261202.json; the README sums it up).
 //
 // int8 -> float without I2F (a quarter-rate instruction on sm_90): byte b + 128 put under the
 // exponent of 2^23 is the float 2^23 + 128 + b exactly, so one PRMT and one FADD convert it.
@@ -250,8 +251,9 @@ inline Plan make_plan(int64_t npad, int units, int splits) {
 }
 
 // The split count when the caller names none: the most splits (1, 2, 4 or 8) that keep the
-// grid within target_blocks. On the H200 the best split count for every 8B-shape layer put
-// about two blocks per SM on the device, not the three that fit (bench/results/q8_gemv_*).
+// grid within target_blocks. With target_blocks = 2 x SMs (not the 3 x SMs that fit), its
+// pick timed within 3% of the fastest forced split count for every 8B-shape layer on the
+// H200 (bench/results/q8_gemv_20261202T165131Z.json).
 inline int auto_splits(int64_t npad, int units, int target_blocks) {
   const int64_t col_blocks = (npad + kBlockCols - 1) / kBlockCols;
   int s = 1;

@@ -375,3 +375,20 @@ def test_the_kernel_indexing_on_the_host(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("all ok"), res.stdout[-3000:]
     assert res.stdout.count("\nok ") >= 70
+
+
+def test_kernel_refuses_a_gpu_older_than_sm80_with_a_clear_reason(monkeypatch):
+    """Checked before any build: the kernel streams with cp.async (sm_80+); the torch path remains."""
+    from kestrel_cuda import q8
+
+    monkeypatch.setattr(q8, "_module", None)
+    monkeypatch.setattr(q8, "_error", None)
+    monkeypatch.delenv("KESTREL_Q8_KERNEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    with pytest.raises(q8.KernelNotBuilt, match=r"compute capability 8\.0 or newer.*this GPU is 7\.5"):
+        q8.load_kernel()
+    with pytest.raises(q8.KernelNotBuilt, match="7.5"):  # cached: no second attempt
+        q8.load_kernel()
+    assert not q8.kernel_available()

@@ -7,7 +7,8 @@ torch tensor the CUDA backend's upload flow expects (``copy_``, ``data_ptr``,
 ``record_stream``), so pooled buffers, side-stream prefetch and events work unchanged.
 
 ``q8_linear(x, w)`` runs one row (batch-1 decode) through the csrc kernel, int8 GEMV with fused
-dequant and float32 accumulation. Anything else (prefill, T > 1), or any call where the kernel
+dequant and float32 accumulation (sm_80 or newer; its split-K runs as thread-block clusters on
+sm_90 and newer, a single split below). Anything else (prefill, T > 1), or any call where the kernel
 did not build, dequantizes into a reused buffer and runs a matmul. The kernel is compiled on
 first use with torch.utils.cpp_extension for the current device's arch (sm_90 on the H200;
 override with KESTREL_CUDA_ARCH=9.0) and cached by torch in its extensions directory; a
@@ -223,6 +224,11 @@ def load_kernel():
             raise KernelNotBuilt(_error)
         if not torch.cuda.is_available() or torch.version.cuda is None:
             _error = "the q8 GEMV kernel needs a CUDA GPU and a CUDA build of torch"
+            raise KernelNotBuilt(_error)
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            _error = (f"the q8 GEMV kernel needs compute capability 8.0 or newer (it streams weights with cp.async); "
+                      f"this GPU is {major}.{minor}")
             raise KernelNotBuilt(_error)
         try:
             from torch.utils.cpp_extension import load
