@@ -116,14 +116,18 @@ static DeviceFacts device_facts(int device) {
   return cached[device];
 }
 
-// Lets an instantiation use the ring's dynamic shared memory (over the 48 KiB default); once.
+// Lets an instantiation use the ring's dynamic shared memory (over the 48 KiB default), once
+// per device; the attribute applies on the current device, which the caller's guard set.
 template <typename XT, typename YT>
-static void enable_ring() {
-  static const bool done = [] {
+static void enable_ring(int device) {
+  static std::mutex mu;
+  static bool done[64] = {};
+  if (device < 0 || device >= 64) device = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done[device]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(q8_gemv_kernel<XT, YT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes));
-    return true;
-  }();
-  (void)done;
+    done[device] = true;
+  }
 }
 
 // Clusters need sm_90; below it split-K stays within a block's warps. With no split count
@@ -146,7 +150,7 @@ static void launch(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   const int n = static_cast<int>(y.numel());
   const int units = static_cast<int>(qweight.size(0) / kUnitRows);
   const Plan plan = choose_plan(npad, units, splits, x.get_device());
-  enable_ring<XT, YT>();
+  enable_ring<XT, YT>(x.get_device());
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(plan.col_blocks, plan.splits);
