@@ -47,20 +47,17 @@ def weight_sets(n: int, k: int, group: int, dtype=torch.bfloat16) -> list:
     return [first] + [q8.gemv_case(n, k, group, dtype, seed=i) for i in range(1, _sets_for(first.bytes_moved))]
 
 
-def measure(cases: list, variant, d2d_GBps: float) -> dict:
-    """One row: device and eager time of one variant over the rotating sets, with its error."""
+def measure(cases: list, ref: torch.Tensor, variant, d2d_GBps: float) -> dict:
+    """One row: device and eager time of one variant over the rotating sets, with its error
+    against ``ref``, the float64 product of the first set."""
     from kestrel_cuda import q8
 
     first = cases[0]
     w = first.weight
-    if variant == "torch":
-        fns = [lambda c=c: q8.q8_linear_torch(c.x, c.weight) for c in cases]
-        plan = None
-    else:
-        splits = 0 if variant == "auto" else int(variant)
-        fns = [lambda c=c: q8.q8_gemv(c.x, c.weight, splits=splits) for c in cases]
-        plan = list(q8.gemv_plan(w, splits))
-    ref = first.x.double() @ w.dequantize(torch.float64).to(first.x.device).T
+    path = "torch" if variant == "torch" else "kernel"
+    splits = 0 if variant in ("auto", "torch") else int(variant)
+    fns = [q8.gemv_runner(c.x, c.weight, path, splits) for c in cases]
+    plan = list(q8.gemv_plan(w, splits)) if path == "kernel" else None
     rel = ((fns[0]().double() - ref).norm() / ref.norm()).item()
     state = {"i": 0}
 
@@ -72,7 +69,7 @@ def measure(cases: list, variant, d2d_GBps: float) -> dict:
     eager_ms = time_cuda(step, warmup=8, reps=200)
     return {
         "n": w.n, "k": w.k, "group": w.group, "variant": str(variant),
-        "path": "torch" if variant == "torch" else "kernel", "plan": plan,
+        "path": path, "plan": plan,
         "weight_sets": len(cases), "bytes_moved": first.bytes_moved,
         "device_ms": device_ms, "eager_ms": eager_ms,
         "GBps": first.bytes_moved / device_ms / 1e6,
@@ -86,10 +83,12 @@ def gemv_rows(shapes, group: int, d2d_GBps: float, variants=VARIANTS, log=print)
     rows = []
     for n, k in shapes:
         cases = weight_sets(n, k, group)
+        first = cases[0]
+        ref = first.x.double() @ first.weight.dequantize(torch.float64).to(first.x.device).T  # once per shape
         for v in variants:
-            rows.append(measure(cases, v, d2d_GBps))
+            rows.append(measure(cases, ref, v, d2d_GBps))
             log(format_row(rows[-1]))
-        del cases
+        del cases, first, ref
         torch.cuda.empty_cache()
     return rows
 

@@ -276,7 +276,8 @@ def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None, 
     """The kernel alone: one row ``x [K]`` or ``[1, K]`` -> ``[N]`` / ``[1, N]`` (raises KernelNotBuilt).
 
     ``splits``: 0 lets the launcher pick the split-K count (a thread-block cluster of that many
-    blocks per 128 columns); 1, 2, 4 or 8 forces one, for tests and tuning.
+    blocks per 128 columns); 1..8 forces one, rounded down to 1, 2, 4 or 8 and to at most one
+    32-row unit per split, for tests and tuning.
     """
     module = load_kernel()
     if x.shape[-1] != w.k or x.numel() != w.k:
@@ -371,12 +372,15 @@ def gemv_case(n: int, k: int, group: int = 128, dtype: torch.dtype = torch.bfloa
     qweight, scales = quant.quantize(torch.randn((n, k), generator=gen, device=device), group)
     w = Q8Weight.from_tensors(qweight, scales, n, group, device=device)
     x = torch.randn((1, k), generator=gen, device=device).to(dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    return GemvCase(w, x, gemv_runner(x, w, path, splits), w.nbytes + (k + n) * item, path)
+
+
+def gemv_runner(x: torch.Tensor, w: Q8Weight, path: str = "kernel", splits: int = 0) -> Callable[[], torch.Tensor]:
+    """One product ``x @ W^T`` as a call: "kernel" (``splits`` as in q8_gemv) or "torch"."""
     if path == "kernel":
         load_kernel()
-        fn = lambda: q8_gemv(x, w, splits=splits)  # noqa: E731
-    elif path == "torch":
-        fn = lambda: q8_linear_torch(x, w)  # noqa: E731
-    else:
-        raise ValueError(f"path must be 'kernel' or 'torch', got {path!r}")
-    item = torch.empty((), dtype=dtype).element_size()
-    return GemvCase(w, x, fn, w.nbytes + (k + n) * item, path)
+        return lambda: q8_gemv(x, w, splits=splits)
+    if path == "torch":
+        return lambda: q8_linear_torch(x, w)
+    raise ValueError(f"path must be 'kernel' or 'torch', got {path!r}")
