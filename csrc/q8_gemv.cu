@@ -65,23 +65,21 @@ q8_gemv_kernel(const XT* __restrict__ x, const int8_t* __restrict__ q, const flo
 
   // The warps, in warp order: thread t owns block columns t, t + kThreads, ...
   const int t = warp * kWarp + lane;
+  auto warps_sum = [&](int j) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w][j];
+    return sum;
+  };
   if (splits == 1) {
     for (int j = t; j < kBlockCols; j += kThreads) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += red[w][j];
       const int col = blockIdx.x * kBlockCols + j;
-      if (col < n) y[col] = from_float<YT>(sum);
+      if (col < n) y[col] = from_float<YT>(warps_sum(j));
     }
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (int j = t; j < kBlockCols; j += kThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w][j];
-    block_sum[j] = sum;
-  }
+  for (int j = t; j < kBlockCols; j += kThreads) block_sum[j] = warps_sum(j);
   // The splits, in rank order, through distributed shared memory.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();

@@ -100,6 +100,14 @@ def test_auto_plan_fills_the_device(q8):
     assert col_blocks == 32 and (splits == 8 or col_blocks * splits >= sms)
 
 
+@pytest.mark.parametrize("splits", [-1, 9])
+def test_split_count_out_of_range_is_refused(q8, splits):
+    w, _, gen = _case(130, 96, 32)
+    x = torch.randn((96,), generator=gen).to("cuda")
+    with pytest.raises(RuntimeError, match=r"splits must be 0 \(auto\) or 1\.\.8"):
+        q8.q8_gemv(x, w, splits=splits)
+
+
 def test_unaligned_input_view_is_copied_not_misread(q8):
     w, ref_w, gen = _case(256, 256, 128)
     buf = torch.randn((257,), generator=gen).to("cuda")
