@@ -104,8 +104,14 @@ def test_auto_plan_fills_the_device(q8):
 def test_split_count_out_of_range_is_refused(q8, splits):
     w, _, gen = _case(130, 96, 32)
     x = torch.randn((96,), generator=gen).to("cuda")
-    with pytest.raises(RuntimeError, match=r"splits must be 0 \(auto\) or 1\.\.8"):
+    with pytest.raises(ValueError, match=r"splits must be 0 \(auto\) or 1\.\.8"):
         q8.q8_gemv(x, w, splits=splits)
+
+
+def test_input_on_another_device_is_refused(q8):
+    w, _, gen = _case(130, 96, 32)
+    with pytest.raises(ValueError, match="x is on cpu but the weights are on cuda"):
+        q8.q8_gemv(torch.randn((96,), generator=gen), w)
 
 
 def test_unaligned_input_view_is_copied_not_misread(q8):

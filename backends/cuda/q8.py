@@ -282,6 +282,12 @@ def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None, 
     module = load_kernel()
     if x.shape[-1] != w.k or x.numel() != w.k:
         raise ValueError(f"q8_gemv takes one row of K={w.k}, got x of shape {list(x.shape)}")
+    # Checked here, not left to the binding: on the H200 image a C++ exception thrown inside
+    # the extension kills the process (README, q8 weights) instead of reaching Python.
+    if not isinstance(splits, int) or not 0 <= splits <= 8:
+        raise ValueError(f"q8_gemv: splits must be 0 (auto) or 1..8, got {splits!r}")
+    if x.device != w.qweight.device:
+        raise ValueError(f"q8_gemv: x is on {x.device} but the weights are on {w.qweight.device}; move x there")
     y = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype or x.dtype, device=x.device)
     module.gemv(x.reshape(-1).contiguous(), w.qweight, w.scales, w.group, y.view(-1), splits)
     return y
