@@ -128,7 +128,11 @@ def main() -> int:
     if auto:
         targets["min_fraction_of_d2d_target_shapes"] = min(r["fraction_of_d2d"] for r in auto)
         targets["met_70pct_of_d2d"] = targets["min_fraction_of_d2d_target_shapes"] >= 0.7
-    record = {"group": args.group, "ceilings": ceil, "rows": rows, "targets": targets}
+    from kestrel_cuda import q8
+
+    sms, peak, per_sm = q8.gemv_device_facts()
+    split_rule = {"sms": sms, "peak_dram_GBps": peak, "blocks_per_sm_aimed_at": per_sm}
+    record = {"group": args.group, "ceilings": ceil, "auto_split_rule": split_rule, "rows": rows, "targets": targets}
     paths = write_record("q8_gemv", record, [RESULTS, *map(Path, args.out)])
     print("targets:", targets)
     print("record:", *paths)

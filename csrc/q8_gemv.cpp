@@ -6,6 +6,7 @@
 void q8_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group, at::Tensor& y,
                   int64_t splits);
 std::vector<int64_t> q8_gemv_plan(int64_t K, int64_t npad, int64_t splits, int64_t device);
+std::vector<double> q8_gemv_device_facts(int64_t device);
 
 static bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -47,4 +48,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("splits") = 0);
   m.def("plan", &plan, "[col_blocks, splits, units_per_split] the launcher uses for K x Npad on a device",
         pybind11::arg("K"), pybind11::arg("npad"), pybind11::arg("splits") = 0, pybind11::arg("device") = 0);
+  m.def("device_facts", &q8_gemv_device_facts, "[SMs, peak DRAM GB/s (0: unknown), blocks per SM the split choice aims at]",
+        pybind11::arg("device") = 0);
 }

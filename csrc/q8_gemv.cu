@@ -99,6 +99,10 @@ q8_gemv_kernel(const XT* __restrict__ x, const int8_t* __restrict__ q, const flo
 struct DeviceFacts {
   int sms = 0;
   int major = 0;
+  int mem_clock_khz = 0;  // peak DRAM clock; 0 where the driver does not say
+  int bus_width_bits = 0;
+  double peak_gbps() const { return 2.0 * mem_clock_khz * 1e3 * (bus_width_bits / 8) / 1e9; }  // double data rate
+  int blocks_per_sm() const { return blocks_per_sm_target(peak_gbps() / sms); }
 };
 
 static DeviceFacts device_facts(int device) {
@@ -110,6 +114,12 @@ static DeviceFacts device_facts(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].sms, cudaDevAttrMultiProcessorCount, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].major, cudaDevAttrComputeCapabilityMajor, device));
     if (cached[device].sms < 1) cached[device].sms = 1;
+    // Only the split heuristic reads these: a driver that lacks them leaves 0 (two blocks per SM).
+    if (cudaDeviceGetAttribute(&cached[device].mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&cached[device].bus_width_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      cached[device].mem_clock_khz = cached[device].bus_width_bits = 0;
+    }
   }
   return cached[device];
 }
@@ -129,14 +139,14 @@ static void enable_ring(int device) {
 }
 
 // Clusters need sm_90; below it split-K stays within a block's warps. With no split count
-// given, auto_splits aims at two blocks per SM.
+// given, auto_splits aims at blocks_per_sm_target blocks per SM.
 static Plan choose_plan(int64_t npad, int units, int64_t splits, int device) {
   const DeviceFacts dev = device_facts(device);
   int want = static_cast<int>(splits);
   if (dev.major < 9) {
     want = 1;
   } else if (want <= 0) {
-    want = auto_splits(npad, units, 2 * dev.sms);
+    want = auto_splits(npad, units, dev.blocks_per_sm() * dev.sms);
   }
   return make_plan(npad, units, want);
 }
@@ -202,4 +212,11 @@ std::vector<int64_t> q8_gemv_plan(int64_t K, int64_t npad, int64_t splits, int64
   using namespace kestrel_q8;
   const Plan p = choose_plan(npad, static_cast<int>(K / kUnitRows), splits, static_cast<int>(device));
   return {p.col_blocks, p.splits, p.units_per_split};
+}
+
+// What the split heuristic saw on a device: {SMs, peak DRAM GB/s (0: unknown), blocks per SM aimed at}.
+std::vector<double> q8_gemv_device_facts(int64_t device) {
+  using namespace kestrel_q8;
+  const DeviceFacts dev = device_facts(static_cast<int>(device));
+  return {static_cast<double>(dev.sms), dev.peak_gbps(), static_cast<double>(dev.blocks_per_sm())};
 }

@@ -251,14 +251,21 @@ inline Plan make_plan(int64_t npad, int units, int splits) {
 }
 
 // The split count when the caller names none: the most splits (1, 2, 4 or 8) that keep the
-// grid within target_blocks. With target_blocks = 2 x SMs (not the 3 x SMs that fit), its
-// pick timed within 3% of the fastest forced split count for every 8B-shape layer on the
-// H200 (bench/results/q8_gemv_20261202T165131Z.json).
+// grid within target_blocks; the launcher passes blocks_per_sm_target x SMs.
 inline int auto_splits(int64_t npad, int units, int target_blocks) {
   const int64_t col_blocks = (npad + kBlockCols - 1) / kBlockCols;
   int s = 1;
   while (s < kMaxSplits && col_blocks * s * 2 <= target_blocks) s *= 2;
   return make_plan(npad, units, s).splits;
 }
+
+// Blocks per SM the automatic split count aims at, from the device's peak DRAM bandwidth per SM
+// (GB/s). With target 2 x SMs the H200 (about 37 GB/s per SM) timed within 3% of the fastest
+// forced split count on every 8B-shape layer; on the H100 (about 25 GB/s per SM) one block per
+// SM was faster, by up to 10% (12288x4096), and within 1% of the fastest everywhere
+// (bench/results/q8_gemv_variants_20261202_c.json). The threshold lies between those two cards;
+// an unknown bandwidth (0) keeps two.
+inline int blocks_per_sm_target(double peak_gbps_per_sm) { return peak_gbps_per_sm > 0 && peak_gbps_per_sm < 30 ? 1 : 2; }
+
 
 }  // namespace kestrel_q8

@@ -149,8 +149,16 @@ static int check_byte_conversion() {
   return 0;
 }
 
+// The automatic split count's blocks-per-SM rule at the bandwidths per SM of an H100 and an H200.
+static int check_blocks_per_sm() {
+  const bool ok = blocks_per_sm_target(3352.0 / 132) == 1 && blocks_per_sm_target(4916.0 / 132) == 2 &&
+                  blocks_per_sm_target(0.0) == 2;
+  std::printf(ok ? "ok blocks per SM\n" : "FAIL blocks per SM\n");
+  return ok ? 0 : 1;
+}
+
 int main() {
-  int bad = check_byte_conversion();
+  int bad = check_byte_conversion() + check_blocks_per_sm();
   struct Shape { int n, k, group; };
   const Shape shapes[] = {
       {1, 32, 32}, {7, 64, 32}, {64, 128, 64}, {130, 96, 32}, {256, 256, 128}, {999, 4160, 64},

@@ -93,11 +93,19 @@ def test_every_split_count_matches_float64_and_repeats_bitwise(q8, n, k, group, 
     assert used == splits or units < splits  # rounded down only when K has fewer units than splits
 
 
-def test_auto_plan_fills_the_device(q8):
-    w, _, _ = _case(4096, 12288, 64)
-    col_blocks, splits, _ = q8.gemv_plan(w)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert col_blocks == 32 and (splits == 8 or col_blocks * splits >= sms)
+def test_auto_plan_aims_at_the_device_blocks_per_sm(q8):
+    """The automatic split count: the most splits (up to 8) whose grid stays within the blocks per
+    SM that the device's DRAM bandwidth per SM calls for (1 below 30 GB/s per SM, else 2)."""
+    sms, peak, per_sm = q8.gemv_device_facts()
+    assert sms == torch.cuda.get_device_properties(0).multi_processor_count
+    assert peak > 0, "the driver did not report the memory clock or bus width"
+    assert per_sm == (1 if peak / sms < 30 else 2)
+    target = per_sm * sms
+    for n, k in ((4096, 12288), (12288, 4096), (6144, 4096)):
+        w, _, _ = _case(n, k, 64)
+        col_blocks, splits, _ = q8.gemv_plan(w)
+        assert col_blocks * splits <= max(target, col_blocks), (n, k, splits)
+        assert splits == 8 or col_blocks * splits * 2 > target, (n, k, splits)
 
 
 @pytest.mark.parametrize("splits", [-1, 9])

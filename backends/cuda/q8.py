@@ -298,6 +298,13 @@ def gemv_plan(w: Q8Weight, splits: int = 0, device: int = 0) -> tuple[int, int, 
     return tuple(load_kernel().plan(w.k, w.n_pad, splits, device))
 
 
+def gemv_device_facts(device: int = 0) -> tuple[int, float, int]:
+    """(SMs, peak DRAM GB/s or 0 where the driver does not say, blocks per SM) behind the kernel's
+    automatic split count on ``device``."""
+    sms, peak, per_sm = load_kernel().device_facts(device)
+    return int(sms), float(peak), int(per_sm)
+
+
 # --- the pure-torch path --------------------------------------------------------------------
 _workspace: dict[tuple, torch.Tensor] = {}
 
