@@ -260,11 +260,11 @@ inline int auto_splits(int64_t npad, int units, int target_blocks) {
 }
 
 // Blocks per SM the automatic split count aims at, from the device's peak DRAM bandwidth per SM
-// (GB/s). With target 2 x SMs the H200 (about 37 GB/s per SM) timed within 3% of the fastest
-// forced split count on every 8B-shape layer; on the H100 (about 25 GB/s per SM) one block per
-// SM was faster, by up to 10% (12288x4096), and within 1% of the fastest everywhere
-// (bench/results/q8_gemv_variants_20261202_c.json). The threshold lies between those two cards;
-// an unknown bandwidth (0) keeps two.
+// (GB/s). Aiming at 2 per SM, the H200 (36.5 GB/s per SM) timed within 3% of the fastest forced
+// split count on every 8B-shape layer; on the H100 (25.4 GB/s per SM) 1 per SM was 9-11%
+// faster than 2 on 12288x4096 and within 3% of the fastest forced count on every layer
+// (bench/results/q8_gemv_variants_20261202_c.json, q8_gemv_20261202T184739Z.json). The
+// threshold lies between those two cards; an unknown bandwidth (0) keeps two.
 inline int blocks_per_sm_target(double peak_gbps_per_sm) { return peak_gbps_per_sm > 0 && peak_gbps_per_sm < 30 ? 1 : 2; }
 
 

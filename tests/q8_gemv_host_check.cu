@@ -151,7 +151,7 @@ static int check_byte_conversion() {
 
 // The automatic split count's blocks-per-SM rule at the bandwidths per SM of an H100 and an H200.
 static int check_blocks_per_sm() {
-  const bool ok = blocks_per_sm_target(3352.0 / 132) == 1 && blocks_per_sm_target(4916.0 / 132) == 2 &&
+  const bool ok = blocks_per_sm_target(3352.0 / 132) == 1 && blocks_per_sm_target(4814.0 / 132) == 2 &&
                   blocks_per_sm_target(0.0) == 2;
   std::printf(ok ? "ok blocks per SM\n" : "FAIL blocks per SM\n");
   return ok ? 0 : 1;
