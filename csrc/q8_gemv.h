@@ -267,5 +267,4 @@ inline int auto_splits(int64_t npad, int units, int target_blocks) {
 // threshold lies between those two cards; an unknown bandwidth (0) keeps two.
 inline int blocks_per_sm_target(double peak_gbps_per_sm) { return peak_gbps_per_sm > 0 && peak_gbps_per_sm < 30 ? 1 : 2; }
 
-
 }  // namespace kestrel_q8

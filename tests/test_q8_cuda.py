@@ -104,6 +104,9 @@ def test_auto_plan_aims_at_the_device_blocks_per_sm(q8):
     for n, k in ((4096, 12288), (12288, 4096), (6144, 4096)):
         w, _, _ = _case(n, k, 64)
         col_blocks, splits, _ = q8.gemv_plan(w)
+        if torch.cuda.get_device_capability()[0] < 9:
+            assert splits == 1  # no clusters before sm_90
+            continue
         assert col_blocks * splits <= max(target, col_blocks), (n, k, splits)
         assert splits == 8 or col_blocks * splits * 2 > target, (n, k, splits)
 
