@@ -392,3 +392,15 @@ def test_kernel_refuses_a_gpu_older_than_sm80_with_a_clear_reason(monkeypatch):
     with pytest.raises(q8.KernelNotBuilt, match="7.5"):  # cached: no second attempt
         q8.load_kernel()
     assert not q8.kernel_available()
+
+
+@pytest.mark.parametrize("device", [-1, 64, "0"])
+def test_kernel_queries_refuse_a_device_that_is_not_here(device):
+    """Checked before the binding, which would fall back to device 0 or fail inside the extension."""
+    from kestrel_cuda import q8
+
+    w = q8.Q8Weight.empty(8, 32, 32)
+    with pytest.raises(ValueError, match=rf"no CUDA device {device!r} here; this machine has"):
+        q8.gemv_device_facts(device)
+    with pytest.raises(ValueError, match=rf"no CUDA device {device!r} here"):
+        q8.gemv_plan(w, device=device)

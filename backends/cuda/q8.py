@@ -293,14 +293,26 @@ def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None, 
     return y
 
 
+def _device_index(device: int) -> int:
+    """A CUDA device index that exists here (checked in Python: the binding would otherwise fall
+    back to device 0 silently, or fail inside the extension)."""
+    count = torch.cuda.device_count()
+    if not isinstance(device, int) or not 0 <= device < count:
+        raise ValueError(f"no CUDA device {device!r} here; this machine has {count} (use 0..{count - 1})" if count
+                         else f"no CUDA device {device!r} here; this machine has none")
+    return device
+
+
 def gemv_plan(w: Q8Weight, splits: int = 0, device: int = 0) -> tuple[int, int, int]:
     """(column blocks, splits, units per split) the kernel launches for ``w`` on ``device``."""
+    device = _device_index(device)
     return tuple(load_kernel().plan(w.k, w.n_pad, splits, device))
 
 
 def gemv_device_facts(device: int = 0) -> tuple[int, float, int]:
     """(SMs, peak DRAM GB/s or 0 where the driver does not say, blocks per SM) behind the kernel's
     automatic split count on ``device``."""
+    device = _device_index(device)
     sms, peak, per_sm = load_kernel().device_facts(device)
     return int(sms), float(peak), int(per_sm)
 
