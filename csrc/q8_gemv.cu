@@ -102,7 +102,7 @@ struct DeviceFacts {
   int mem_clock_khz = 0;  // peak DRAM clock; 0 where the driver does not say
   int bus_width_bits = 0;
   double peak_gbps() const { return 2.0 * mem_clock_khz * 1e3 * (bus_width_bits / 8) / 1e9; }  // double data rate
-  int blocks_per_sm() const { return blocks_per_sm_target(peak_gbps() / sms); }
+  int blocks_per_sm() const { return kBlocksPerSmTarget; }  // the peak is reported, not used
 };
 
 static DeviceFacts device_facts(int device) {
@@ -114,7 +114,7 @@ static DeviceFacts device_facts(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].sms, cudaDevAttrMultiProcessorCount, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].major, cudaDevAttrComputeCapabilityMajor, device));
     if (cached[device].sms < 1) cached[device].sms = 1;
-    // Only the split heuristic reads these: a driver that lacks them leaves 0 (two blocks per SM).
+    // Reported to benchmarks (device_facts); a driver that lacks them leaves 0.
     if (cudaDeviceGetAttribute(&cached[device].mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
         cudaDeviceGetAttribute(&cached[device].bus_width_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -139,7 +139,7 @@ static void enable_ring(int device) {
 }
 
 // Clusters need sm_90; below it split-K stays within a block's warps. With no split count
-// given, auto_splits aims at blocks_per_sm_target blocks per SM.
+// given, auto_splits aims at kBlocksPerSmTarget blocks per SM.
 static Plan choose_plan(int64_t npad, int units, int64_t splits, int device) {
   const DeviceFacts dev = device_facts(device);
   int want = static_cast<int>(splits);

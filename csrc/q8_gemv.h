@@ -7,8 +7,9 @@
 // columns, 16 bytes of a row; 8 lanes span the block's columns, so a warp covers 4 rows x 128
 // contiguous bytes at a time. Rows go in units of kUnitRows = 32 (every supported group size
 // is a multiple): lane row r (= lane / 8) takes rows 8r..8r+7 of a unit. Per unit a lane sums
-// x[k] * q[k, n] in float32, then multiplies by the unit's group scale once. The warps of a
-// block take interleaved units; the `splits` blocks along y take disjoint unit ranges (split-K).
+// x[k] * q[k, n] over its 8 rows, then multiplies by the unit's group scale once and adds into
+// float32. The warps of a block take interleaved units; the `splits` blocks along y take
+// disjoint unit ranges (split-K).
 //
 // Loads. Each warp streams its units through a ring of kStages = 3 stages in shared memory
 // with cp.async, two units ahead of its arithmetic, so loads and arithmetic overlap and no
@@ -16,8 +17,13 @@
 // registers and then computing, at 2 or 3 blocks per SM, with or without L2 prefetches
 // (bench/results/q8_gemv_variants_20261202.json; the README sums it up).
 //
-// int8 -> float without I2F (a quarter-rate instruction on sm_90): byte b + 128 put under the
-// exponent of 2^23 is the float 2^23 + 128 + b exactly, so one PRMT and one FADD convert it.
+// The 8-row sums. With bf16 or f16 x (the decode path), in integers: the lane's 8 x become
+// 16-bit integers against their largest magnitude (exact for bf16 x within 2^7 of it, f16
+// within 2^4; else rounded to 2^-15 of it), one PRMT interleaves two rows' bytes and dp2a adds
+// two products per instruction into an exact int32, converted to float once per unit: about
+// half the instructions of the float sums (bench/results/q8_gemv_variants_20261202_d.json,
+// run 9). With float32 x, in float32: byte b + 128 put under the exponent of 2^23 is the float
+// 2^23 + 128 + b exactly, so one PRMT and one FADD convert it (I2F is quarter rate on sm_90).
 //
 // Reduction, in a fixed order so that results are bitwise reproducible: the 4 lane rows by
 // shuffles (xor 8, then xor 16), the warps through shared memory in warp order, then the
@@ -26,6 +32,7 @@
 // No global scratch and no second kernel.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <cuda_bf16.h>
@@ -135,7 +142,17 @@ Q8_HD void unit_math(const int4 w[kRowsPerLane], const float xv[kRowsPerLane], c
 }
 
 Q8_HD int64_t lane_first_row(int u, LaneSpot at) { return static_cast<int64_t>(u) * kUnitRows + at.lane_row * kRowsPerLane; }
-Q8_HD int64_t scale_row(int u, int group) { return u / (group / kUnitRows); }  // 32-bit: a 64-bit division is a long call
+Q8_HD int64_t scale_row(int u, int group) {
+  const int upg = group / kUnitRows;
+  if ((upg & (upg - 1)) == 0) {  // 1, 2, 4, ...: a shift, not a 32-bit division (about 20 instructions)
+#ifdef __CUDA_ARCH__
+    return u >> (31 - __clz(upg));
+#else
+    return u >> (31 - __builtin_clz(static_cast<unsigned>(upg)));
+#endif
+  }
+  return u / upg;
+}  // 32-bit: a 64-bit division is a long call
 
 // --- the ring ---------------------------------------------------------------------------
 // A stage holds one unit of a warp: its 8 x 32 weight vectors (each lane copies, and later
@@ -200,13 +217,93 @@ Q8_HD void read_x8(const float* p, float out[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = p[i];
 }
-Q8_HD void read_x8(const __nv_bfloat16* p, float out[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(p[i]);
+
+// --- 16-bit x: integer dot products (dp2a) ------------------------------------------------
+Q8_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#endif
 }
-Q8_HD void read_x8(const __half* p, float out[8]) {
+// max(|a|, |b|), NaN if either is NaN (fmaxf would drop it).
+Q8_HD float max_abs_nan(float m, float b) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(b)));
+  return r;
+#else
+  return (m != m || b != b) ? bits_to_float(0x7fffffffu) : std::fmax(m, std::fabs(b));
+#endif
+}
+// a: two int16 (low half first); b: four int8. lo: a0*b0 + a1*b1, hi: a0*b2 + a1*b3; plus c.
+Q8_HD int dp2a_lo(uint32_t a, uint32_t b, int c) {
+#ifdef __CUDA_ARCH__
+  return __dp2a_lo(static_cast<int>(a), static_cast<int>(b), c);
+#else
+  return c + int16_t(a & 0xffff) * int8_t(b & 0xff) + int16_t(a >> 16) * int8_t((b >> 8) & 0xff);
+#endif
+}
+Q8_HD int dp2a_hi(uint32_t a, uint32_t b, int c) {
+#ifdef __CUDA_ARCH__
+  return __dp2a_hi(static_cast<int>(a), static_cast<int>(b), c);
+#else
+  return c + int16_t(a & 0xffff) * int8_t((b >> 16) & 0xff) + int16_t(a >> 16) * int8_t(b >> 24);
+#endif
+}
+// The lane's 8 x as 16-bit integers against their largest magnitude m = 1.f * 2^E:
+// x[r] ~ xi[r] * back with |xi| < 2^15, back = 2^(E - 14); exact for x within 2^7 of m in bf16
+// (2^4 in f16), else rounded to the nearest back. xp[i] holds rows 2i (low half) and 2i + 1.
+// NaN or inf anywhere gives back = NaN, so the lane's columns come out NaN.
+Q8_HD float fixed_x8(const float xv[kRowsPerLane], uint32_t xp[kRowsPerLane / 2]) {
+  float m = 0.f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = __half2float(p[i]);
+  for (int r = 0; r < kRowsPerLane; ++r) m = max_abs_nan(m, xv[r]);
+  uint32_t e = float_bits(m) >> 23;  // the biased exponent of m (255: inf or NaN)
+  e = e < 15 ? 15 : e;               // below 2^-112 every x rounds to 0 anyway; keeps back normal
+  const float to = bits_to_float((268u - e) << 23);  // 2^(141 - e): m -> [2^14, 2^15)
+  const float back = e == 255 ? bits_to_float(0x7fffffffu) : bits_to_float((e - 14u) << 23);
+  uint32_t b[kRowsPerLane];
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; ++r) b[r] = float_bits(fmaf(xv[r], to, 12582912.f));  // low 16 bits: round(x * to)
+#pragma unroll
+  for (int i = 0; i < kRowsPerLane / 2; ++i) xp[i] = byte_perm(b[2 * i], b[2 * i + 1], 0x5410);
+  return back;
+}
+// unit_math for 16-bit x: per row pair one PRMT interleaves two rows' bytes, dp2a takes two
+// products per instruction into an exact int32 sum over the lane's 8 rows, converted once.
+Q8_HD void unit_math_dp(const int4 w[kRowsPerLane], const float xv[kRowsPerLane], const float4 sv[kCols / 4],
+                        float acc[kCols]) {
+  uint32_t xp[kRowsPerLane / 2];
+  const float back = fixed_x8(xv, xp);
+  int isum[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) isum[c] = 0;
+#pragma unroll
+  for (int r = 0; r < kRowsPerLane; r += 2) {
+    const uint32_t a[4] = {static_cast<uint32_t>(w[r].x), static_cast<uint32_t>(w[r].y), static_cast<uint32_t>(w[r].z),
+                           static_cast<uint32_t>(w[r].w)};
+    const uint32_t b[4] = {static_cast<uint32_t>(w[r + 1].x), static_cast<uint32_t>(w[r + 1].y),
+                           static_cast<uint32_t>(w[r + 1].z), static_cast<uint32_t>(w[r + 1].w)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t lo = byte_perm(a[j], b[j], 0x5140);  // rows r, r+1 of columns 4j, 4j+1
+      const uint32_t hi = byte_perm(a[j], b[j], 0x7362);  // and of columns 4j+2, 4j+3
+      isum[4 * j + 0] = dp2a_lo(xp[r / 2], lo, isum[4 * j + 0]);
+      isum[4 * j + 1] = dp2a_hi(xp[r / 2], lo, isum[4 * j + 1]);
+      isum[4 * j + 2] = dp2a_lo(xp[r / 2], hi, isum[4 * j + 2]);
+      isum[4 * j + 3] = dp2a_hi(xp[r / 2], hi, isum[4 * j + 3]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kCols / 4; ++i) {
+    acc[4 * i + 0] = fmaf(static_cast<float>(isum[4 * i + 0]) * back, sv[i].x, acc[4 * i + 0]);
+    acc[4 * i + 1] = fmaf(static_cast<float>(isum[4 * i + 1]) * back, sv[i].y, acc[4 * i + 1]);
+    acc[4 * i + 2] = fmaf(static_cast<float>(isum[4 * i + 2]) * back, sv[i].z, acc[4 * i + 2]);
+    acc[4 * i + 3] = fmaf(static_cast<float>(isum[4 * i + 3]) * back, sv[i].w, acc[4 * i + 3]);
+  }
 }
 
 // Lane `lane`'s arithmetic on a landed stage.
@@ -219,9 +316,20 @@ Q8_HD void compute_stage(const unsigned char* stage, LaneSpot at, int lane, floa
   const float4* sp = reinterpret_cast<const float4*>(stage + kStageWeightBytes + (lane % kLanesN) * kCols * 4);
 #pragma unroll
   for (int i = 0; i < kCols / 4; ++i) sv[i] = sp[i];
-  float xv[kRowsPerLane];
-  read_x8(reinterpret_cast<const XT*>(stage + kStageWeightBytes + kStageScaleBytes) + at.lane_row * kRowsPerLane, xv);
-  unit_math(w, xv, sv, acc);
+  if constexpr (sizeof(XT) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(stage + kStageWeightBytes + kStageScaleBytes +
+                                                      at.lane_row * kRowsPerLane * sizeof(XT));
+    XT v[kRowsPerLane];
+    std::memcpy(v, &raw, sizeof v);
+    float xd[kRowsPerLane];
+#pragma unroll
+    for (int r = 0; r < kRowsPerLane; ++r) xd[r] = to_float(v[r]);
+    unit_math_dp(w, xd, sv, acc);
+  } else {
+    float xv[kRowsPerLane];  // float32 x: the float arithmetic (16 bits would round it)
+    read_x8(reinterpret_cast<const float*>(stage + kStageWeightBytes + kStageScaleBytes) + at.lane_row * kRowsPerLane, xv);
+    unit_math(w, xv, sv, acc);
+  }
 }
 
 // The columns rank `rank` of a cluster of `splits` blocks sums and writes: [first, first + count).
@@ -251,7 +359,7 @@ inline Plan make_plan(int64_t npad, int units, int splits) {
 }
 
 // The split count when the caller names none: the most splits (1, 2, 4 or 8) that keep the
-// grid within target_blocks; the launcher passes blocks_per_sm_target x SMs.
+// grid within target_blocks; the launcher passes kBlocksPerSmTarget x SMs.
 inline int auto_splits(int64_t npad, int units, int target_blocks) {
   const int64_t col_blocks = (npad + kBlockCols - 1) / kBlockCols;
   int s = 1;
@@ -259,12 +367,11 @@ inline int auto_splits(int64_t npad, int units, int target_blocks) {
   return make_plan(npad, units, s).splits;
 }
 
-// Blocks per SM the automatic split count aims at, from the device's peak DRAM bandwidth per SM
-// (GB/s). Aiming at 2 per SM, the H200 (36.5 GB/s per SM) timed within 3% of the fastest forced
-// split count on every 8B-shape layer; on the H100 (25.4 GB/s per SM) 1 per SM was 9-11%
-// faster than 2 on 12288x4096 and within 3% of the fastest forced count on every layer
-// (bench/results/q8_gemv_variants_20261202_c.json, q8_gemv_20261202T184739Z.json). The
-// threshold lies between those two cards; an unknown bandwidth (0) keeps two.
-inline int blocks_per_sm_target(double peak_gbps_per_sm) { return peak_gbps_per_sm > 0 && peak_gbps_per_sm < 30 ? 1 : 2; }
+// Blocks per SM the automatic split count aims at. With the dp2a arithmetic one block per SM
+// was the fastest or within 3% of the fastest forced split count on every shape timed on the
+// H200 (bench/results/q8_gemv_variants_20261202_d.json, run 9: 12288x4096 16.7 us at one split
+// against 17.6 at two); with the float arithmetic before it the H100 already preferred one and
+// the H200 two (q8_gemv_variants_20261202_c.json).
+constexpr int kBlocksPerSmTarget = 1;
 
 }  // namespace kestrel_q8
