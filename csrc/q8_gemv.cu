@@ -105,22 +105,25 @@ struct DeviceFacts {
   int blocks_per_sm() const { return kBlocksPerSmTarget; }  // the peak is reported, not used
 };
 
+// Per-device caches, filled once each (std::call_once: no lock on later launches; a fill that
+// throws leaves its flag unset, so the next call tries again).
 static DeviceFacts device_facts(int device) {
-  static std::mutex mu;
+  static std::once_flag once[64];
   static DeviceFacts cached[64];
   if (device < 0 || device >= 64) device = 0;
-  std::lock_guard<std::mutex> lock(mu);
-  if (cached[device].sms == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].sms, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device].major, cudaDevAttrComputeCapabilityMajor, device));
-    if (cached[device].sms < 1) cached[device].sms = 1;
+  std::call_once(once[device], [device] {
+    DeviceFacts f;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, device));
+    if (f.sms < 1) f.sms = 1;
     // Reported to benchmarks (device_facts); a driver that lacks them leaves 0.
-    if (cudaDeviceGetAttribute(&cached[device].mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&cached[device].bus_width_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    if (cudaDeviceGetAttribute(&f.mem_clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.bus_width_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
       (void)cudaGetLastError();
-      cached[device].mem_clock_khz = cached[device].bus_width_bits = 0;
+      f.mem_clock_khz = f.bus_width_bits = 0;
     }
-  }
+    cached[device] = f;
+  });
   return cached[device];
 }
 
@@ -128,14 +131,11 @@ static DeviceFacts device_facts(int device) {
 // per device; the attribute applies on the current device, which the caller's guard set.
 template <typename XT, typename YT>
 static void enable_ring(int device) {
-  static std::mutex mu;
-  static bool done[64] = {};
+  static std::once_flag once[64];
   if (device < 0 || device >= 64) device = 0;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!done[device]) {
+  std::call_once(once[device], [] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(q8_gemv_kernel<XT, YT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes));
-    done[device] = true;
-  }
+  });
 }
 
 // Clusters need sm_90; below it split-K stays within a block's warps. With no split count
