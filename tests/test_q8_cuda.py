@@ -57,7 +57,7 @@ def _rel(got, ref):
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_matches_float64(q8, n, k, group, xdtype):
     w, ref_w, gen = _case(n, k, group)
     x = torch.randn((1, k), generator=gen).to("cuda", xdtype)
