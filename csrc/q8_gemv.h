@@ -142,9 +142,11 @@ Q8_HD void unit_math(const int4 w[kRowsPerLane], const float xv[kRowsPerLane], c
 }
 
 Q8_HD int64_t lane_first_row(int u, LaneSpot at) { return static_cast<int64_t>(u) * kUnitRows + at.lane_row * kRowsPerLane; }
+// The unit's row of scales. 32-bit arithmetic (a 64-bit division is a long call), and for 1, 2,
+// 4, ... units per group a shift rather than a 32-bit division (about 20 instructions a unit).
 Q8_HD int64_t scale_row(int u, int group) {
   const int upg = group / kUnitRows;
-  if ((upg & (upg - 1)) == 0) {  // 1, 2, 4, ...: a shift, not a 32-bit division (about 20 instructions)
+  if ((upg & (upg - 1)) == 0) {
 #ifdef __CUDA_ARCH__
     return u >> (31 - __clz(upg));
 #else
@@ -152,7 +154,7 @@ Q8_HD int64_t scale_row(int u, int group) {
 #endif
   }
   return u / upg;
-}  // 32-bit: a 64-bit division is a long call
+}
 
 // --- the ring ---------------------------------------------------------------------------
 // A stage holds one unit of a warp: its 8 x 32 weight vectors (each lane copies, and later
@@ -262,7 +264,7 @@ Q8_HD float fixed_x8(const float xv[kRowsPerLane], uint32_t xp[kRowsPerLane / 2]
 #pragma unroll
   for (int r = 0; r < kRowsPerLane; ++r) m = max_abs_nan(m, xv[r]);
   uint32_t e = float_bits(m) >> 23;  // the biased exponent of m (255: inf or NaN)
-  e = e < 15 ? 15 : e;               // below 2^-112 every x rounds to 0 anyway; keeps back normal
+  e = e < 15 ? 15 : e;               // m below 2^-112: the step stays 2^-126, the smallest normal float
   const float to = bits_to_float((268u - e) << 23);  // 2^(141 - e): m -> [2^14, 2^15)
   const float back = e == 255 ? bits_to_float(0x7fffffffu) : bits_to_float((e - 14u) << 23);
   uint32_t b[kRowsPerLane];

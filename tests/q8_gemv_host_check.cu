@@ -2,8 +2,10 @@
 // lock step (its lanes' copies into the shared-memory ring, then their arithmetic), with the
 // launcher's plan and the kernel's reduction order (shuffles, warps, cluster ranks),
 // against a double reference. It checks the tiling and indexing (split-K, partial tiles in K
-// and N, padding, which rank writes which column, each column written once) and the int8
-// conversion where there is no GPU; tests/test_q8.py compiles and runs it with nvcc.
+// and N, padding, which rank writes which column, each column written once), the int8
+// conversion of the float path and the 16-bit fixed-point x of the dp2a path, and holds every
+// column to a derived error bound, where there is no GPU; tests/test_q8.py compiles and runs it
+// with nvcc.
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
