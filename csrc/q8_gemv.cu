@@ -101,8 +101,7 @@ struct DeviceFacts {
   int major = 0;
   int mem_clock_khz = 0;  // peak DRAM clock; 0 where the driver does not say
   int bus_width_bits = 0;
-  double peak_gbps() const { return 2.0 * mem_clock_khz * 1e3 * (bus_width_bits / 8) / 1e9; }  // double data rate
-  int blocks_per_sm() const { return kBlocksPerSmTarget; }  // the peak is reported, not used
+  double peak_gbps() const { return 2.0 * mem_clock_khz * 1e3 * (bus_width_bits / 8) / 1e9; }  // double data rate; reported, not used
 };
 
 // Per-device caches, filled once each (std::call_once: no lock on later launches; a fill that
@@ -146,7 +145,7 @@ static Plan choose_plan(int64_t npad, int units, int64_t splits, int device) {
   if (dev.major < 9) {
     want = 1;
   } else if (want <= 0) {
-    want = auto_splits(npad, units, dev.blocks_per_sm() * dev.sms);
+    want = auto_splits(npad, units, kBlocksPerSmTarget * dev.sms);
   }
   return make_plan(npad, units, want);
 }
@@ -218,5 +217,5 @@ std::vector<int64_t> q8_gemv_plan(int64_t K, int64_t npad, int64_t splits, int64
 std::vector<double> q8_gemv_device_facts(int64_t device) {
   using namespace kestrel_q8;
   const DeviceFacts dev = device_facts(static_cast<int>(device));
-  return {static_cast<double>(dev.sms), dev.peak_gbps(), static_cast<double>(dev.blocks_per_sm())};
+  return {static_cast<double>(dev.sms), dev.peak_gbps(), static_cast<double>(kBlocksPerSmTarget)};
 }

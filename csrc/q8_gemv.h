@@ -75,6 +75,15 @@ Q8_HD float bits_to_float(uint32_t v) {
   return f;
 #endif
 }
+Q8_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#endif
+}
 
 // PTX prmt in its default mode, for selector nibbles 0..7: byte i of the result is byte
 // (sel >> 4i) & 7 of the 8-byte value b:a.
@@ -221,15 +230,6 @@ Q8_HD void read_x8(const float* p, float out[8]) {
 }
 
 // --- 16-bit x: integer dot products (dp2a) ------------------------------------------------
-Q8_HD uint32_t float_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#endif
-}
 // max(|a|, |b|), NaN if either is NaN (fmaxf would drop it).
 Q8_HD float max_abs_nan(float m, float b) {
 #ifdef __CUDA_ARCH__
