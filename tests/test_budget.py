@@ -16,7 +16,7 @@ def test_default_is_half_of_free_with_cap_and_floor():
 
 def test_env_beats_config_beats_default(monkeypatch):
     monkeypatch.delenv("KESTREL_WCACHE_MB", raising=False)
-    assert resolve_budget(0, 10 * GiB) == (5 * GiB, resolve_budget(0, 10 * GiB)[1])
+    assert resolve_budget(0, 10 * GiB) == (5 * GiB, "default (half of free device memory, 256 MiB..24 GiB)")
     assert resolve_budget(300, 10 * GiB) == (300 * MiB, "config")
     monkeypatch.setenv("KESTREL_WCACHE_MB", "700")
     assert resolve_budget(300, 10 * GiB) == (700 * MiB, "KESTREL_WCACHE_MB")

@@ -53,6 +53,7 @@ def belady_uploads(n_layers: int, capacity: int, passes: int) -> int:
     return misses
 
 
+@pytest.mark.slow  # pip-installs the example package (the installed fixture)
 def test_plugins_lists_the_installed_package_with_its_version(installed):
     meta = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     out = kestrel(["plugins", "--json"], installed)
@@ -72,6 +73,7 @@ def test_without_the_install_the_policy_is_unknown(tiny_ckpt):
         lookup("policies", "mru")
 
 
+@pytest.mark.slow  # pip-installs the example package (the installed fixture)
 def test_generate_through_the_cli_with_the_plugin_policy(installed, tiny_ckpt, run_model):
     out = kestrel(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "5,6,7", "--policy", "mru", "--keep", "2",
                    "--max-new-tokens", "10", "--ignore-eos", "--json"], installed)
@@ -114,6 +116,7 @@ def many(installed, tiny_ckpt):
     return {s: r["result"] for s, r in zip(settings, runs)}
 
 
+@pytest.mark.slow  # pip-installs the example package (the installed fixture)
 @pytest.mark.parametrize("keep", [1, 4])
 def test_mru_uploads_what_belady_predicts_at_a_peak_of_keep_layers(many, tiny_ckpt, keep):
     L = json.loads((tiny_ckpt / "config.json").read_text())["num_hidden_layers"]
@@ -124,6 +127,7 @@ def test_mru_uploads_what_belady_predicts_at_a_peak_of_keep_layers(many, tiny_ck
     assert mru["token_ids"] == many[("future_evicting", keep)]["token_ids"]
 
 
+@pytest.mark.slow  # pip-installs the example package (the installed fixture)
 def test_mru_beats_pinned_set_at_the_same_peak(many):
     mru, pinned = many[("mru", 4)], many[("pinned_set", 2)]
     assert mru["peak_resident_bytes"] == pinned["peak_resident_bytes"]

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kestrel_core import cli, plugins, quant
+from kestrel_core import cli, quant
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.engine import Model
 from kestrel_core.errors import CheckpointError
@@ -254,14 +254,7 @@ def test_corrupt_q8_tensor_is_a_clear_error(tiny_q8, tmp_path, capsys):
 
 # --- loading and running on cpu_ref -----------------------------------------------------
 
-def _supports_q8(backend: str) -> bool:
-    plugins.load_plugins()
-    return getattr(plugins.lookup("backends", backend).factory, "supports_q8", False)
-
-
 def test_greedy_ids_identical_across_keep_policy_allocator_q8(tiny_q8, run_model, backend):
-    if not _supports_q8(backend):
-        pytest.skip(f"the {backend} backend does not load q8 checkpoints yet (no supports_q8)")
     L = 6
     ref, _ = run_model(tiny_q8, backend, residency__keep="off", generation__max_new_tokens=8)
     assert len(ref.token_ids) == 8 and len(set(ref.token_ids)) > 1
@@ -298,19 +291,23 @@ def test_cpu_ref_buffers_are_the_dequantized_weights(tiny_q8):
             assert lm is not backend.globals["embed"] and lm.shape == (512, 64)
 
 
-def test_q8_against_float_greedy_ids(tiny_ckpt, tiny_q8, run_model, record_property, capsys):
-    """Reported, not required to match: the q8 model is a different model. Its logits stay close."""
+def test_q8_against_float_greedy_ids(tiny_ckpt, tiny_q8, run_model, record_property):
+    """The q8 model is a different model, so its greedy ids need not all match; its logits stay close and the
+    ids follow the float model's for a good stretch before a near tie flips."""
     n = 32
     flt, _ = run_model(tiny_ckpt, "cpu_ref", residency__keep="off", generation__max_new_tokens=n, keep_logits=True)
     q8, _ = run_model(tiny_q8, "cpu_ref", residency__keep="off", generation__max_new_tokens=n, keep_logits=True)
     lead = next((i for i, (a, b) in enumerate(zip(flt.token_ids, q8.token_ids)) if a != b), n)
     record_property("q8_vs_float_leading_match", f"{lead}/{n}")
-    with capsys.disabled():
-        print(f"\nq8 (group 32, lm_head q8) vs bf16 on tiny: {lead}/{n} leading greedy ids match")
     first_f, first_q = flt.logits[0], q8.logits[0]
     rel = ((first_f - first_q).norm() / first_f.norm()).item()
     assert 0 < rel < 0.05, rel  # quantized for real, and close
-    assert lead >= 1
+    assert len(flt.token_ids) == len(q8.token_ids) == n
+    assert first_q.argmax() == first_f.argmax() == flt.token_ids[0]  # the first step picks the same token
+    # Seeded weights, so this is deterministic: today 21 of 32 leading ids match (then a near tie flips and the
+    # two runs drift apart). 8 leaves room for a few more flips from harmless rounding changes (torch, summation
+    # order) yet fails when the q8 path is wrong enough to diverge within the first quarter of the run.
+    assert lead >= 8, f"only {lead}/{n} leading greedy ids match the float model"
 
 
 # --- the torch fallback and the staging helpers, on CPU tensors ------------------------
