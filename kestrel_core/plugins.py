@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import os
 from typing import Any, Callable
 
 import attrs
@@ -12,6 +14,10 @@ from . import hookspecs
 from .errors import PluginError
 
 ENTRY_POINT_GROUP = "kestrel"
+# Unset: load every installed plugin package. Set: only these (comma-separated distribution
+# names) besides kestrel's built-ins; empty means the built-ins alone (the tests run so).
+LOAD_ENV = "KESTREL_LOAD_PLUGINS"
+BUILTIN_DIST = "kestrel"
 
 pm = pluggy.PluginManager("kestrel")
 pm.add_hookspecs(hookspecs)
@@ -22,9 +28,10 @@ SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocato
 
 
 def load_plugins() -> pluggy.PluginManager:
-    """Load every plugin of the entry-point group once; a misspelt hook is an error."""
+    """Load the plugins of the entry-point group once (those ``KESTREL_LOAD_PLUGINS`` selects); a misspelt hook is an error."""
     global _loaded
     if not _loaded:
+        _block_unselected(os.environ.get(LOAD_ENV))
         _loaded = True
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
@@ -32,6 +39,28 @@ def load_plugins() -> pluggy.PluginManager:
             raise PluginError(f"plugin {exc.plugin!r} is invalid: {exc}") from None
     check_plugins()
     return pm
+
+
+def _norm(dist_name: str) -> str:
+    return dist_name.lower().replace("_", "-").replace(".", "-")
+
+
+def _block_unselected(selection: str | None) -> None:
+    """Block the entry points of plugin packages that ``KESTREL_LOAD_PLUGINS`` does not name."""
+    if selection is None:
+        return
+    wanted = {_norm(n) for n in selection.split(",") if n.strip()} | {BUILTIN_DIST}
+    offered = [(_norm(dist.metadata["Name"] or ""), ep.name) for dist in importlib.metadata.distributions()
+               for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+    keep = {ep for name, ep in offered if name in wanted}  # pluggy blocks by entry-point name
+    for name, ep in offered:
+        if ep not in keep:
+            pm.set_blocked(ep)
+    found = {name for name, _ in offered}
+    missing = sorted(wanted - found - {BUILTIN_DIST})
+    if missing:
+        raise PluginError(f"{LOAD_ENV} names {', '.join(missing)}, which no installed package provides; "
+                          "check the spelling against `pip list`, or unset it to load every plugin")
 
 
 def check_plugins() -> None:

@@ -1,17 +1,16 @@
-"""Optional text: a ``tokenizer.json`` read with the ``tokenizers`` package when both are present."""
+"""Text in and out: a model directory's ``tokenizer.json``, read with the ``tokenizers`` package."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ConfigError
 
 
 class Tokenizer:
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception on a bad file
@@ -25,16 +24,6 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The directory's tokenizer, or None where it has no tokenizer.json (ids only, then)."""
     path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        print(
-            f"kestrel: note: {path} found but the 'tokenizers' package is not installed; "
-            "showing token ids only (pip install tokenizers)",
-            file=sys.stderr,
-        )
-        return None
-    return Tokenizer(path)
+    return Tokenizer(path) if path.is_file() else None

@@ -14,6 +14,9 @@ from pathlib import Path
 # Tiny models gain nothing from intra-op threads, and on a small or busy box OpenMP threads that
 # wait for a descheduled sibling make a 0.02 ms copy take 8 ms. One thread, also for subprocesses.
 THREADS = os.environ.setdefault("KESTREL_TEST_THREADS", "1")
+# kestrel's built-ins only: no outcome depends on the plugin packages a user installed here.
+# Subprocesses inherit it; a test of a third-party package names that package itself.
+os.environ["KESTREL_LOAD_PLUGINS"] = ""
 os.environ.setdefault("OMP_NUM_THREADS", THREADS)
 
 import pytest  # noqa: E402

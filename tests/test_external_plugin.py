@@ -29,10 +29,20 @@ def installed(tmp_path_factory) -> Path:
     return target
 
 
-def kestrel(args: list[str], site: Path | None):
-    env = dict(os.environ)
-    if site is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+PACKAGE = "kestrel-plugin-example"
+
+
+def with_package(site: Path, load: str | None = PACKAGE) -> dict:
+    """The environment of a process that sees the installed example; ``load`` is KESTREL_LOAD_PLUGINS (None: unset)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("KESTREL_LOAD_PLUGINS", None)
+    if load is not None:
+        env["KESTREL_LOAD_PLUGINS"] = load
+    return env
+
+
+def kestrel(args: list[str], site: Path | None, load: str | None = PACKAGE):
+    env = dict(os.environ) if site is None else with_package(site, load)
     return subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -63,6 +73,21 @@ def test_plugins_lists_the_installed_package_with_its_version(installed):
     assert mine == [{"kind": "policy", "name": "mru", "package": meta["name"], "version": meta["version"],
                      "plugin": mine[0]["plugin"]}]
     assert {r["package"] for r in rows if r["name"] != "mru"} == {"kestrel"}
+
+
+@pytest.mark.slow  # pip-installs the example package (the installed fixture)
+@pytest.mark.parametrize("load, listed", [(None, True), (PACKAGE, True), (PACKAGE.replace("-", "_").upper(), True),
+                                          ("", False), ("some-other-package,kestrel", None)])
+def test_kestrel_load_plugins_selects_the_packages(installed, load, listed):
+    out = kestrel(["plugins", "--json"], installed, load)
+    if listed is None:  # a name that no installed package provides is an error, not a silent no-op
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "KESTREL_LOAD_PLUGINS names some-other-package" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    names = {r["name"] for r in json.loads(out.stdout)}
+    assert ("mru" in names) is listed
+    assert {"asymmetric", "pool", "cpu_ref"} <= names  # the built-ins always load
 
 
 def test_without_the_install_the_policy_is_unknown(tiny_ckpt):
@@ -107,8 +132,7 @@ def many(installed, tiny_ckpt):
                 "--max-new-tokens", "10", "--ignore-eos", "--json"]
 
     settings = [("mru", 1), ("mru", 4), ("future_evicting", 1), ("future_evicting", 4), ("pinned_set", 2)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([argv(*s) for s in settings])], env=env,
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([argv(*s) for s in settings])], env=with_package(installed),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
