@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     except KestrelError as exc:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a disk or permission problem the command did not name itself
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"kestrel: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("kestrel: interrupted", file=sys.stderr)
         return 130

@@ -10,9 +10,11 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from .devices import compute_device
 from .errors import ConfigError
 from .model import all_specs
 from .modelconfig import ModelConfig, parse_model_config
+from .outdir import model_output
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, attention_bias=False, bos_token_id=None)
 
@@ -66,6 +68,24 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Genera
     return torch.randn(shape, generator=gen, device=device) * (1.5 / fan_in**0.5)
 
 
+def shard_plan(cfg: ModelConfig, shard_mb: int) -> list[list[str]]:
+    """Tensor names of each file, in order: one file, or shards of at most ``shard_mb`` MiB (0: one file)."""
+    if not isinstance(shard_mb, int) or isinstance(shard_mb, bool) or shard_mb < 0:
+        raise ConfigError(f"--shard-mb must be a whole number >= 0 (0: one file), got {shard_mb!r}")
+    item = torch.empty((), dtype=DTYPES[cfg.torch_dtype]).element_size()
+    limit = shard_mb * 2**20
+    plan: list[list[str]] = [[]]
+    size = 0
+    for name, shape in all_specs(cfg).items():
+        nbytes = int(torch.Size(shape).numel()) * item
+        if limit and plan[-1] and size + nbytes > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += nbytes
+    return plan
+
+
 def write_checkpoint(
     cfg: ModelConfig,
     out: Path,
@@ -73,54 +93,42 @@ def write_checkpoint(
     shard_mb: int = 0,
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
+    force: bool = False,
+    flag: str = "--out",
 ) -> Path:
-    """Write config.json, *.safetensors (sharded above ``shard_mb``) and a byte-level tokenizer.json."""
+    """Write config.json, *.safetensors (sharded above ``shard_mb``) and a byte-level tokenizer.json.
+
+    The directory appears whole or not at all (``outdir.model_output``); a non-empty ``out`` is
+    refused unless ``force``.
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not 0 <= seed < 2**64:
+        raise ConfigError(f"--seed must be in 0..2**64-1, got {seed}")
+    dev = compute_device(device)
+    plan = shard_plan(cfg, shard_mb)
     dtype = DTYPES[cfg.torch_dtype]
     specs = all_specs(cfg)
-    limit = shard_mb * 2**20 if shard_mb > 0 else None
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    written: list[tuple[str, dict[str, torch.Tensor]]] = []
-    weight_map: dict[str, str] = {}
     total = sum(int(torch.Size(s).numel()) for s in specs.values()) * torch.empty((), dtype=dtype).element_size()
-
-    def flush(final: bool) -> None:
-        names_so_far = len(written) + 1
-        fname = "model.safetensors" if final and not written else f"shard-{names_so_far:05d}.safetensors"
-        written.append((fname, shards[-1]))
-        save_file(shards[-1], str(out / fname), metadata={"format": "pt"})
-        for t in shards[-1]:
-            weight_map[t] = fname
-        shards[-1] = {}
-        sizes[-1] = 0
-
+    files = ["model.safetensors"] if len(plan) == 1 else [
+        f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
     done = 0
-    for i, (name, shape) in enumerate(specs.items()):
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        t = _init(name, shape, cfg, gen, device).to(dtype).cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if limit and sizes[-1] and sizes[-1] + nbytes > limit:
-            flush(final=False)
-        shards[-1][name] = t
-        sizes[-1] += nbytes
-        done += nbytes
-        if progress and (i % 64 == 0 or done == total):
-            progress(f"make-model: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB")
-    flush(final=True)
-    if len(written) > 1:
-        n = len(written)
-        renamed = {}
-        for k, (fname, _) in enumerate(written, 1):
-            new = f"model-{k:05d}-of-{n:05d}.safetensors"
-            (out / fname).rename(out / new)
-            renamed[fname] = new
-        index = {"metadata": {"total_size": total}, "weight_map": {t: renamed[f] for t, f in weight_map.items()}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "do_sample": False}))
-    (out / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg)))
+    with model_output(out, force, flag) as tmp:
+        for fname, names in zip(files, plan):
+            tensors = {}
+            for name in names:
+                gen = torch.Generator(device=dev).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
+                tensors[name] = _init(name, specs[name], cfg, gen, dev).to(dtype).cpu().contiguous()
+                done += tensors[name].numel() * tensors[name].element_size()
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            if progress:
+                progress(f"make-model: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB")
+        if len(plan) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: fname for fname, names in zip(files, plan) for name in names}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "do_sample": False}))
+        (tmp / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg)))
     return out
 
 

@@ -25,7 +25,6 @@ deterministic: the same input gives byte-identical files.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator
@@ -34,9 +33,11 @@ import attrs
 import torch
 
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
+from .devices import compute_device
 from .errors import CheckpointError, KestrelError
 from .model import all_specs, linear_specs
 from .modelconfig import ModelConfig
+from .outdir import check_output, is_model_file, model_output
 
 GROUP_SIZES = (32, 64, 128)
 N_ALIGN = 64
@@ -254,14 +255,17 @@ def quantize_checkpoint(
     keep_lm_head: bool = False,
     progress: Callable[[str], None] | None = None,
     device: str = "cpu",
+    force: bool = False,
 ) -> dict:
     """Write a q8 copy of a float Hugging Face directory; returns a summary."""
     from .engine import Model  # engine imports this module
 
     group = parse_group_size(group)
+    device = compute_device(device)
     src, out = Path(model_dir), Path(out_dir)
     if src.is_dir() and out.exists() and out.resolve() == src.resolve():
         raise QuantError("--out must be a different directory from --model")
+    check_output(out, force)  # before any work
     if src.is_dir() and any(src.glob("*.safetensors")):
         probe = Checkpoint(src)
         try:
@@ -317,18 +321,17 @@ def quantize_checkpoint(
             for it in floats:
                 yield ckpt.view(it.name)
 
-        out.mkdir(parents=True, exist_ok=True)
-        stale = sorted(p.name for p in out.iterdir() if (p.suffix == ".safetensors" and p.name != OUT_FILE) or p.name.endswith(".index.json"))
-        if stale:
-            raise QuantError(f"{out} already holds {stale[0]}; write to an empty directory")
-        write_safetensors(out / OUT_FILE, items, tensors(), metadata)
-        raw = json.loads((src / "config.json").read_text())
-        if untie:
-            raw["tie_word_embeddings"] = False
-        (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        for p in sorted(src.iterdir()):
-            if p.is_file() and p.suffix != ".safetensors" and not p.name.endswith(".index.json") and p.name != "config.json":
-                shutil.copyfile(p, out / p.name)
+        with model_output(out, force) as tmp:
+            write_safetensors(tmp / OUT_FILE, items, tensors(), metadata)
+            raw = json.loads((src / "config.json").read_text())
+            if untie:
+                raw["tie_word_embeddings"] = False
+            (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+            for p in sorted(src.iterdir()):  # the tokenizer and generation files; the weights are new
+                if p.is_file() and is_model_file(p.name) and p.suffix != ".safetensors" and p.name not in (
+                        "config.json", "model.safetensors.index.json"):
+                    shutil.copyfile(p, tmp / p.name)
+            written = (tmp / OUT_FILE).stat().st_size
         src_bytes = sum(f.size for f in ckpt.files.values())
     return {
         "out": str(out),
@@ -337,7 +340,7 @@ def quantize_checkpoint(
         "untied": untie,
         "quantized": len(qspecs),
         "source_bytes": src_bytes,
-        "bytes": (out / OUT_FILE).stat().st_size,
+        "bytes": written,
     }
 
 
@@ -345,7 +348,7 @@ def write_safetensors(path: Path, items: list[_Item], tensors: Iterator[torch.Te
     """Stream tensors into one safetensors file in ``items`` order (the header is known up front).
 
     The header is compact sorted JSON padded with spaces to a 64-byte boundary, so the data
-    region is aligned; the file is written to a temporary name and renamed when complete.
+    region is aligned. Write it inside ``outdir.model_output``'s directory, which appears only when complete.
     """
     header: dict = {"__metadata__": dict(metadata)}
     at = 0
@@ -354,15 +357,13 @@ def write_safetensors(path: Path, items: list[_Item], tensors: Iterator[torch.Te
         at += it.nbytes
     blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % 64)  # data starts 64-byte aligned in the file (and so every q8 entry)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as fh:
+    with open(path, "wb") as fh:
         fh.write(len(blob).to_bytes(8, "little"))
         fh.write(blob)
         for it, t in zip(items, tensors, strict=True):
             if TORCH_TO_ST[t.dtype] != it.dtype or tuple(t.shape) != it.shape:
                 raise AssertionError(f"{it.name}: produced {t.dtype} {list(t.shape)}, header says {it.dtype} {list(it.shape)}")
             fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    os.replace(tmp, path)
 
 
 __all__ = [

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import statistics
-import sys
 from typing import Callable
 
 import attrs
 
 from . import plugins
 from .config import OFF, KestrelConfig
+from .backend import Backend
 from .engine import Model, make_policy, open_run
+from .errors import ConfigError, KestrelError
 from .generate import GenerationResult, generate
 
 
@@ -66,23 +67,28 @@ def run_sweep(
     prefetches: list[int] = (0,),
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    # Check every name and keep before the first run, not minutes into the sweep.
+    # Check every name, keep and prefetch before the first run, not minutes into the sweep.
     for keep in keeps:
         for policy in policies:
             make_policy(policy, keep, model.n_layers)
     for allocator in allocators:
         plugins.lookup("allocators", allocator)
+    for backend in backends:
+        factory = plugins.lookup("backends", backend).factory
+        if isinstance(factory, type) and issubclass(factory, Backend):
+            for prefetch in prefetches:
+                factory.check_prefetch(prefetch)
     settings = []
     for backend in backends:
         for keep in keeps:
             for policy in policies if keep != OFF else [OFF]:
                 for allocator in allocators:
-                    for prefetch in prefetches if (keep != OFF and backend != "cpu_ref") else [0]:
+                    for prefetch in prefetches if keep != OFF else [0]:  # without a window there is nothing to prefetch
                         settings.append((backend, policy, keep, allocator, prefetch))
     rows = []
     for backend in backends:  # warm up (kernel loads, clocks) so the first row is not paying for it
-        with open_run(model, base.override(backend__name=backend, residency__keep=OFF, backend__prefetch=0)) as run:
-            generate(run, prompt_ids[:2], attrs.evolve(base.generation, max_new_tokens=2))
+        cfg = base.override(backend__name=backend, residency__keep=OFF, backend__prefetch=0)
+        _run(model, cfg, prompt_ids[:2], f"warm-up on {backend}", max_new_tokens=2)
     for i, (backend, policy, keep, allocator, prefetch) in enumerate(settings, 1):
         if progress:
             progress(f"sweep [{i}/{len(settings)}] {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
@@ -93,10 +99,18 @@ def run_sweep(
             residency__keep=keep,
             residency__allocator=allocator,
         )
-        with open_run(model, cfg) as run:
-            result = generate(run, prompt_ids, cfg.generation)
+        result = _run(model, cfg, prompt_ids, f"run {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
         rows.append(Row(backend, policy, keep, allocator, prefetch, result))
     return rows
+
+
+def _run(model: Model, cfg: KestrelConfig, prompt_ids: list[int], label: str, max_new_tokens: int | None = None):
+    gen = cfg.generation if max_new_tokens is None else attrs.evolve(cfg.generation, max_new_tokens=max_new_tokens)
+    try:
+        with open_run(model, cfg) as run:
+            return generate(run, prompt_ids, gen)
+    except KestrelError as exc:  # a failed run ends the sweep: no verdict is drawn over it
+        raise type(exc)(f"sweep {label}: {exc}") from None
 
 
 def invariance(rows: list[Row]) -> dict:
@@ -167,9 +181,8 @@ def format_verdict(verdict: dict, comparison: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], path: str) -> None:
-    from .errors import ConfigError
-
+def plotting():
+    """matplotlib's pyplot, checked before a sweep starts."""
     try:
         import matplotlib
 
@@ -177,6 +190,11 @@ def plot(rows: list[Row], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def plot(rows: list[Row], path: str) -> None:
+    plt = plotting()
     fig, ax = plt.subplots(figsize=(7, 4))
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
@@ -193,8 +211,12 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set_ylabel("decode ms/token (median)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the plot {path}: {exc.strerror}; pick a path you can write to") from None
+    except ValueError as exc:  # e.g. an extension matplotlib has no writer for
+        raise ConfigError(f"cannot write the plot {path}: {exc}; use a .png path") from None
+    finally:
+        plt.close(fig)
 
-
-def stderr_progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

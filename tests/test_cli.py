@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_generate_prints_a_readable_report(tiny_ckpt, capsys):
 
 
 def test_generate_prints_text_with_a_tokenizer(tiny_ckpt, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # a core dependency: text is the main job
     out = cli_json(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "hello", "--max-new-tokens", "4",
                    "--ignore-eos")
     assert out["prompt_ids"] == list(b"hello")  # the preset's tokenizer is byte-level
@@ -86,7 +87,8 @@ def test_sweep_identical_ids_exit_0_with_a_verdict(tiny_ckpt, capsys):
     assert steady == [0] * len(steady)
 
 
-def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys):
+def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # progress is for a person at a terminal
     rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "2,off", "--policy",
                        "asymmetric,pinned_set", "--max-new-tokens", "3", "--ignore-eos")
     assert rc == 0, err
@@ -94,19 +96,26 @@ def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys):
     assert "pinned_set vs asymmetric on cpu_ref at keep=2 (pool)" in out and "(25% fewer bytes)" in out
     assert out.count(" same\n") == 3 and "DIFF" not in out
     assert "sweep [3/3]" in err  # progress goes to stderr
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "2", "--max-new-tokens", "2")
+    assert rc == 0 and err == ""  # not on a terminal: no progress, so an error would be the only line
 
 
 class StaleRefill(CpuRefBackend):
-    """A buggy backend: a layer uploaded before is not refilled, so a reused pool buffer keeps another layer's weights."""
+    """A buggy backend: a layer uploaded a second time is filled from the next layer's weights.
+
+    The ids it gives stay finite (another layer's weights are weights of the same kind), but they differ
+    wherever the window re-uploads; keep=off uploads each layer once and stays right.
+    """
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._filled = set()
+        self._seen = set()
 
-    def fill(self, buffer, source):
-        if source not in self._filled:
-            self._filled.add(source)
-            super().fill(buffer, source)
+    def layer_sources(self, layer):
+        again = layer in self._seen
+        self._seen.add(layer)
+        return super().layer_sources((layer + 1) % self.cfg.num_hidden_layers if again else layer)
 
 
 class StaleBackendPlugin:
@@ -130,7 +139,7 @@ def test_sweep_exits_1_when_ids_differ(tiny_ckpt, capsys, register_plugin):
 
 
 def test_sweep_plot(tiny_ckpt, capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the test extra: the plot is always drawn here
     png = tmp_path / "curve.png"
     rc, _, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "1,2,off", "--max-new-tokens", "3",
                      "--plot", str(png))
@@ -177,9 +186,10 @@ def test_demo_json_finishes_identical(tmp_path, capsys):
 def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys):
     from kestrel_core.commands.demo import ensure_demo_model
 
-    path = ensure_demo_model(tmp_path / "demo-qwen3")
-    assert "writing the demo checkpoint" in capsys.readouterr().err
+    said = []
+    path = ensure_demo_model(tmp_path / "demo-qwen3", said.append)
+    assert said == [f"demo: writing the demo checkpoint to {path}"]
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_demo_model(path) == path
-    assert "writing" not in capsys.readouterr().err
+    assert ensure_demo_model(path, said.append) == path
+    assert len(said) == 1
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime

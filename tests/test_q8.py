@@ -235,8 +235,14 @@ def test_out_same_as_model(tiny_copy, capsys):
 def test_out_with_stale_shards(tiny_ckpt, tmp_path, capsys):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "model-00001-of-00002.safetensors").write_bytes(b"old")
-    rc, _, err = _main(["quantize", "--model", str(tiny_ckpt), "--out", str(tmp_path / "q")], capsys)
-    assert "empty directory" in _one_line_error(rc, err)
+    argv = ["quantize", "--model", str(tiny_ckpt), "--out", str(tmp_path / "q")]
+    rc, _, err = _main(argv, capsys)
+    assert "is not empty" in _one_line_error(rc, err) and "--force" in err
+    assert [p.name for p in (tmp_path / "q").iterdir()] == ["model-00001-of-00002.safetensors"]
+    rc, _, err = _main([*argv, "--force"], capsys)
+    assert rc == 0, err  # replaced as a whole: no stale shard beside the new single file
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors", "tokenizer.json"]
 
 
 def test_corrupt_q8_tensor_is_a_clear_error(tiny_q8, tmp_path, capsys):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
-import sys
 from pathlib import Path
 
 from ..config import KestrelConfig, load_config
 from ..engine import Model
+from ..errors import ConfigError
 from ..presets import preset_config, write_checkpoint
-from ..sweep import available_backends, run_sweep, stderr_progress
+from ..sweep import available_backends, plotting, run_sweep
+from .common import progress_printer
 from .sweep import report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
@@ -31,20 +33,35 @@ def add_arguments(p):
     p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
 
 
-def ensure_demo_model(path: Path) -> Path:
-    if not (path / "config.json").is_file():
-        print(f"demo: writing the demo checkpoint to {path}", file=sys.stderr, flush=True)
-        write_checkpoint(preset_config("demo"), path, seed=0)
-    return path
+def ensure_demo_model(path: Path, progress=None) -> Path:
+    """The demo checkpoint at ``path``: reused when it is kestrel's demo, written whole when ``path`` is new or empty."""
+    cfg = preset_config("demo")
+    config_json = path / "config.json"
+    if config_json.is_file():
+        try:
+            same = json.loads(config_json.read_text()) == json.loads(json.dumps(cfg.to_hf_dict()))
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(f"{path} holds a model that is not kestrel's demo checkpoint; "
+                              "pass another --cache-dir, or remove that directory")
+        return path
+    if progress:
+        progress(f"demo: writing the demo checkpoint to {path}")
+    return write_checkpoint(cfg, path, seed=0, flag="--cache-dir")
 
 
 def run(args) -> int:
-    path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
+    if args.plot:
+        plotting()
+    progress = progress_printer(args.json)
+    path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache(), progress)
     base: KestrelConfig = load_config(args.config).override(
         generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
     )
     backends = available_backends(None)
-    print(f"demo: model {path}, backends: {', '.join(backends)}", file=sys.stderr, flush=True)
+    if progress:
+        progress(f"demo: model {path}, backends: {', '.join(backends)}")
     with Model(path) as model:
-        rows = run_sweep(model, base, PROMPT, KEEPS, POLICIES, ["pool", "free"], backends, progress=stderr_progress)
+        rows = run_sweep(model, base, PROMPT, KEEPS, POLICIES, ["pool", "free"], backends, progress=progress)
     return report(rows, args.json, args.plot, {"model": str(path), "prompt_ids": PROMPT})

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-
 from ..presets import DTYPES, PRESETS, preset_config, write_checkpoint
-from .common import emit_json
+from .common import emit_json, progress_printer
 
 HELP = "write a real Hugging Face-format Qwen3/Llama checkpoint with seeded random weights"
 
 
 def add_arguments(p):
     p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory: new or empty (see --force)")
+    p.add_argument("--force", action="store_true", help="replace the model files of a non-empty --out as a whole")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", help=f"one of: {', '.join(DTYPES)}")
     p.add_argument("--shard-mb", type=int, default=4096, help="split into shards of at most this many MiB (0: one file)")
@@ -22,10 +21,10 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = preset_config(args.preset, args.dtype)
-    progress = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device, progress=progress)
+    out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device,
+                           progress=progress_printer(args.json), force=args.force)
     files = sorted(p.name for p in out.iterdir())
-    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    size = sum((out / f).stat().st_size for f in files if f.endswith(".safetensors"))
     if args.json:
         emit_json({"out": str(out), "preset": args.preset, "bytes": size, "files": files})
     else:

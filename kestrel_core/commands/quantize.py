@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-
 from ..quant import GROUP_SIZES, quantize_checkpoint
-from .common import emit_json, mib
+from .common import emit_json, mib, progress_printer
 
 HELP = "write a q8 checkpoint: int8 weights with one f32 scale per group of input columns, in device layout"
 
 
 def add_arguments(p):
     p.add_argument("--model", required=True, help="float Hugging Face model directory (config.json + *.safetensors)")
-    p.add_argument("--out", required=True, help="output directory (a new model.safetensors, config.json, tokenizer files)")
+    p.add_argument("--out", required=True, help="output directory, new or empty (a model.safetensors, config.json, tokenizer files)")
+    p.add_argument("--force", action="store_true", help="replace the model files of a non-empty --out as a whole")
     p.add_argument("--group-size", default="32", help=f"input columns per scale: {' | '.join(map(str, GROUP_SIZES))} (default 32)")
     p.add_argument("--keep-lm-head", action="store_true", help="keep lm_head in its original dtype (a tied model stays tied)")
     p.add_argument("--device", default="cpu", help="where to compute (cuda is much faster on big models; the bytes are the same)")
@@ -20,8 +19,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    progress = None if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head, progress=progress, device=args.device)
+    summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head,
+                                  progress=progress_printer(args.json), device=args.device, force=args.force)
     if args.json:
         emit_json(summary)
         return 0
