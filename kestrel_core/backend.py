@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from . import plugins
 from .checkpoint import Checkpoint
 from .config import BackendConfig, ResidencyConfig
-from .errors import PluginError
+from .errors import ConfigError, PluginError
 from .model import rms_norm
 from .modelconfig import ModelConfig
 from .residency import Counters, Entry, Geometry
@@ -45,6 +45,7 @@ class Backend:
     dtype: torch.dtype = torch.float32
 
     def __init__(self, ctx: BackendContext):
+        self.check_prefetch(ctx.backend.prefetch)
         self.ctx = ctx
         self.cfg = ctx.model
         self.ckpt = ctx.checkpoint
@@ -59,6 +60,12 @@ class Backend:
     def available(cls) -> bool:
         """Whether this machine can run the backend (``kestrel demo`` sweeps every available one)."""
         return True
+
+    @classmethod
+    def check_prefetch(cls, depth: int) -> None:
+        """Refuse a prefetch depth this backend cannot honour; the base has no side stream."""
+        if depth:
+            raise ConfigError(f"{cls.name} has no side stream to prefetch on; set prefetch = 0 for this backend")
 
     # --- what a subclass provides -------------------------------------------------
     def layer_sources(self, layer: int) -> Iterable[tuple[str, Any, Geometry]]:

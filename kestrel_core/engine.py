@@ -47,10 +47,10 @@ class Model:
 
 
 def make_policy(name: str, keep, n_layers: int):
-    """The policy object for one run; ``keep='off'`` means no window whatever the policy."""
+    """The policy object for one run; ``keep='off'`` means no window whatever the policy (whose name must exist all the same)."""
+    reg = plugins.lookup("policies", name)
     if keep == OFF or name == OFF:
         return plugins.lookup("policies", OFF).factory(n_layers=n_layers, keep=OFF)
-    reg = plugins.lookup("policies", name)
     if not 1 <= keep <= n_layers:
         raise ConfigError(f"keep={keep} is out of range for a {n_layers}-layer model: use 1..{n_layers} or 'off'")
     return reg.factory(n_layers=n_layers, keep=keep)
@@ -79,6 +79,9 @@ def open_run(model: Model, config: KestrelConfig):
     res = config.residency
     counters = Counters()
     policy = make_policy(res.policy, res.keep, model.n_layers)
+    if config.backend.prefetch and not res.windowed:
+        raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
+                          "resident); set keep to a layer count, or prefetch = 0")
     allocator = make_allocator(res.allocator, counters, res.pool_slots)
     backend_reg = plugins.lookup("backends", config.backend.name)
     with plugins.activated(policy, allocator):

@@ -19,3 +19,7 @@ class PluginError(KestrelError):
 
 class BudgetError(KestrelError):
     """A memory budget is too small for the work, or the device ran out of memory."""
+
+
+class NonFiniteError(KestrelError):
+    """A computed value went NaN or inf; generation stops rather than emit meaningless ids."""

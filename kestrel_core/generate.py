@@ -9,7 +9,7 @@ import torch
 
 from .config import GenerationConfig
 from .engine import Run
-from .errors import BudgetError, ConfigError
+from .errors import BudgetError, ConfigError, NonFiniteError
 from .model import KVCache, decoder_layer, rope_tables
 from .residency import delta
 from .sampling import Sampler
@@ -66,17 +66,81 @@ def check_prompt(run: Run, prompt_ids: list[int], gen: GenerationConfig) -> None
         )
 
 
-def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], phase: str) -> torch.Tensor:
-    """Logits of the last position. The window advances at every layer boundary."""
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def allocate_cache(run: Run, max_seq: int) -> list[KVCache]:
+    """The run's static KV cache; one that cannot be had is a BudgetError, checked before touching host memory."""
+    cfg, backend = run.model.config, run.backend
+    need = 2 * cfg.num_hidden_layers * max_seq * cfg.kv_dim * torch.empty((), dtype=backend.dtype).element_size()
+    where = f"{backend.device}"
+    avail = host_available_bytes() if backend.device.type == "cpu" else None
+    too_big = BudgetError(
+        f"the KV cache for {max_seq} positions needs {need / 2**20:,.0f} MiB, more than {where} can give"
+        f"{f' ({avail / 2**20:,.0f} MiB available)' if avail is not None else ''}; lower --max-new-tokens or shorten the prompt"
+    )
+    if avail is not None and need > avail:
+        raise too_big  # zero-filling it would page the machine into the OOM killer
+    try:
+        return KVCache.allocate(cfg, max_seq, backend.dtype, backend.device)
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        raise too_big from None
+    except RuntimeError as exc:
+        if "alloc" not in str(exc).lower():
+            raise
+        raise too_big from None
+
+
+def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], phase: str, probe=None) -> torch.Tensor:
+    """Logits of the last position. The window advances at every layer boundary.
+
+    ``probe(where, h)``, where given, sees the hidden state after the embedding and after each layer.
+    """
     backend, window, cfg = run.backend, run.window, run.model.config
     positions = torch.arange(start, start + len(ids))
     rope = rope_tables(cfg, positions, backend.dtype, backend.device)
     h = backend.embed(torch.tensor(ids))
+    if probe:
+        probe("the embedding", h)
     for layer in range(cfg.num_hidden_layers):
         window.advance(layer, phase)
         w = window.acquire(layer)
         h = decoder_layer(h, w, backend.small[layer], cache[layer], start, rope, cfg, backend.linear)
+        if probe:
+            probe(f"layer {layer}", h)
     return backend.logits(h[-1:])[0]
+
+
+def check_finite(run: Run, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], phase: str) -> None:
+    """Stop at a logit row holding NaN or inf, naming the first part of the model whose output went non-finite.
+
+    The search runs the step again with a probe: on the error path only, never on a good step.
+    """
+    if bool(torch.isfinite(logits).all()):
+        return
+    found: list[str] = []
+
+    def probe(where: str, h: torch.Tensor) -> None:
+        if not found and not bool(torch.isfinite(h).all()):
+            found.append(where)
+
+    forward(run, ids, start, cache, phase, probe)  # rewrites this step's K/V with the same values
+    where = found[0] if found else "the final norm and lm_head"
+    dtype = str(run.backend.dtype).replace("torch.", "")
+    wider = ", or compute in float32 (--dtype float32)" if run.backend.dtype in (torch.float16, torch.bfloat16) else ""
+    raise NonFiniteError(
+        f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
+        f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
+    )
 
 
 def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool = False) -> GenerationResult:
@@ -96,13 +160,14 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
     sampler = Sampler(gen)
     eos = cfg.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    cache = KVCache.allocate(cfg, len(prompt_ids) + gen.max_new_tokens, backend.dtype, backend.device)
+    cache = allocate_cache(run, len(prompt_ids) + gen.max_new_tokens)
     all_logits = [] if keep_logits else None
     with torch.inference_mode():
         run.window.preload()
         backend.synchronize()
         t0 = backend.start_timer()
         logits = forward(run, prompt_ids, 0, cache, "prefill")
+        check_finite(run, logits, prompt_ids, 0, cache, "prefill")
         token = sampler(logits)
         prefill_ms = backend.stop_timer(t0)
         tokens = [token]
@@ -115,6 +180,7 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
             before = run.counters.snapshot()
             t0 = backend.start_timer()
             logits = forward(run, [token], pos, cache, "decode")
+            check_finite(run, logits, [token], pos, cache, "decode")
             token = sampler(logits)
             decode_ms.append(backend.stop_timer(t0))
             per_token.append(delta(run.counters.snapshot(), before))

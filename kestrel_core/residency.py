@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
 from . import plugins
 from .errors import PluginError
@@ -98,9 +101,12 @@ class Window:
     def preload(self) -> None:
         layers: set[int] = set()
         for answer in plugins.pm.hook.preload(window=self):
-            layers.update(answer or ())
+            if answer is None:
+                continue
+            if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
+                raise PluginError(f"preload must return layer numbers (e.g. range(n) or []) or None, got {answer!r}")
+            layers.update(self._layer(x, "preload") for x in answer)
         for layer in sorted(layers):
-            self._check_layer(layer, "preload")
             self.acquire(layer)
 
     def advance(self, layer: int, phase: str) -> None:
@@ -113,17 +119,15 @@ class Window:
                 continue
             if not isinstance(advice, Advice):
                 raise PluginError(f"on_layer_advance must return an Advice or None, got {type(advice).__name__}")
-            evict.update(advice.evict)
-            prefetch.extend(advice.prefetch)
+            evict.update(self._layer(x, "evict") for x in advice.evict)
+            prefetch.extend(self._layer(x, "prefetch") for x in advice.prefetch)
         if layer in evict:
             raise PluginError(f"policy {self.policy.name!r} asked to evict layer {layer}, which is about to run")
         for victim in sorted(evict):
-            self._check_layer(victim, "evict")
             weights = self._weights.pop(victim, None)
             if weights is not None:
                 self.backend.evict_layer(victim, weights)
         for ahead in [*prefetch, *self.horizon(layer)]:
-            self._check_layer(ahead, "prefetch")
             if ahead not in self._weights and ahead != layer:
                 self._weights[ahead] = self.backend.prefetch_layer(ahead)
 
@@ -139,8 +143,17 @@ class Window:
         for layer in sorted(self._weights):
             self.backend.evict_layer(layer, self._weights.pop(layer))
 
-    def _check_layer(self, layer: int, what: str) -> None:
-        if not (isinstance(layer, int) and 0 <= layer < self.n_layers):
-            raise PluginError(
-                f"policy {self.policy.name!r} asked to {what} layer {layer!r}; layers are 0..{self.n_layers - 1}"
-            )
+    def _layer(self, value: Any, what: str) -> int:
+        """A layer number from a plugin: any integral type (numpy's too), in range."""
+        if isinstance(value, np.generic):
+            value = value.item()  # so that a message says 7, not np.int64(7)
+        try:
+            layer = operator.index(value)
+        except TypeError:
+            layer = None
+        if layer is None or isinstance(value, bool):
+            raise PluginError(f"policy {self.policy.name!r} asked to {what} {value!r}, which is not a layer number; "
+                              f"give whole numbers 0..{self.n_layers - 1}")
+        if not 0 <= layer < self.n_layers:
+            raise PluginError(f"policy {self.policy.name!r} asked to {what} layer {layer}; layers are 0..{self.n_layers - 1}")
+        return layer

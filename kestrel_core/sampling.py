@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import GenerationConfig
@@ -9,8 +11,10 @@ from .errors import ConfigError
 
 
 def check_sampling(gen: GenerationConfig) -> None:
-    if gen.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {gen.temperature}")
+    if not (math.isfinite(gen.temperature) and gen.temperature >= 0):
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 is greedy), got {gen.temperature}")
+    if not 0 <= gen.seed < 2**64:
+        raise ConfigError(f"seed must be in 0..2**64-1 (a 64-bit generator seed), got {gen.seed}")
     if gen.top_k < 0:
         raise ConfigError(f"top_k must be >= 0 (0 means no cut), got {gen.top_k}")
     if not 0 < gen.top_p <= 1:

@@ -13,6 +13,7 @@ import torch
 
 from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
+from kestrel_core.devices import compute_device
 from kestrel_core.errors import ConfigError
 from kestrel_core.model import linear_specs
 from kestrel_core.residency import Geometry
@@ -29,8 +30,8 @@ class CpuRefBackend(Backend):
         want = ctx.backend.dtype or "float32"
         if want not in _DTYPES:
             raise ConfigError(f"cpu_ref computes in {' or '.join(_DTYPES)}, not {want!r}; set [backend] dtype")
-        if ctx.backend.prefetch:
-            raise ConfigError("cpu_ref has no side stream to prefetch on; set prefetch = 0 for this backend")
+        if ctx.backend.device and compute_device(ctx.backend.device).type != "cpu":
+            raise ConfigError(f"cpu_ref computes on the CPU, not on {ctx.backend.device}; use --backend cuda for a GPU")
         self.dtype = _DTYPES[want]
         self.device = torch.device("cpu")
         self._specs = [linear_specs(self.cfg, layer) for layer in range(self.cfg.num_hidden_layers)]

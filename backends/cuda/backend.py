@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_core.backend import Backend, BackendContext
+from kestrel_core.devices import compute_device
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError
 from kestrel_core.model import linear_specs
 from kestrel_core.residency import Geometry
@@ -33,6 +34,11 @@ class CudaBackend(Backend):
     def available(cls) -> bool:
         return torch.cuda.is_available()
 
+    @classmethod
+    def check_prefetch(cls, depth: int) -> None:
+        if depth < 0:
+            raise ConfigError(f"prefetch must be >= 0, got {depth}")
+
     def __init__(self, ctx: BackendContext):
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
@@ -41,13 +47,13 @@ class CudaBackend(Backend):
         if want not in _DTYPES:
             raise ConfigError(f"cuda computes in {', '.join(_DTYPES)}, not {want!r}; set [backend] dtype")
         self.dtype = _DTYPES[want]
-        self.device = torch.device(ctx.backend.device or "cuda")
+        self.device = compute_device(ctx.backend.device or "cuda")
+        if self.device.type != "cuda":
+            raise ConfigError(f"the cuda backend computes on a GPU, not on {self.device}; use --device cuda:N or --backend cpu_ref")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
-        if self.prefetch_depth < 0:
-            raise ConfigError(f"prefetch must be >= 0, got {self.prefetch_depth}")
         self.compute_stream = torch.cuda.current_stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else self.compute_stream
         self._ready: dict[int, torch.cuda.Event] = {}
