@@ -7,8 +7,10 @@ then the data region; each tensor's ``data_offsets`` are relative to that region
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 import warnings
 from pathlib import Path
@@ -18,10 +20,13 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .modelconfig import is_int, read_json, shown
 
 PAGE = mmap.PAGESIZE
 # Largest header the reference implementation accepts (100 MB); bigger means a lying length.
 MAX_HEADER = 100_000_000
+INDEX = "model.safetensors.index.json"
+CORRUPT = "the file is corrupt: re-download or re-create it"
 
 # safetensors dtype -> (numpy storage dtype, torch dtype, itemsize)
 DTYPES = {
@@ -53,25 +58,48 @@ class TensorInfo:
         return self.end - self.start
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: a repeated key (one tensor defined twice) would silently shadow the first."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 class SafetensorsFile:
     """One mmap'd safetensors file, validated on open."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not hang; it is refused below as not a regular file.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise CheckpointError(f"{self.path}: cannot open ({exc.strerror})") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{self.path}: not a regular file; replace it with the safetensors file")
+            size = st.st_size
             if size < 8:
                 raise CheckpointError(f"{self.path}: truncated ({size} bytes, no header); re-download or re-create it")
             self.size = size
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            try:
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{self.path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
         finally:
             os.close(fd)
         self.metadata: dict[str, str] = {}
         self.tensors: dict[str, TensorInfo] = self._parse_header()
+
+    def _fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what}; {CORRUPT}")
 
     def _parse_header(self) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", self._mm[:8])
@@ -81,7 +109,9 @@ class SafetensorsFile:
                 "the file is truncated or corrupt: re-download or re-create it"
             )
         try:
-            header = json.loads(bytes(self._mm[8 : 8 + n]))
+            header = json.loads(bytes(self._mm[8 : 8 + n]), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as exc:
+            raise self._fail(f"header defines {exc.args[0]!r} twice") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg
             raise CheckpointError(f"{self.path}: header is not valid JSON ({why}); the file is corrupt") from None
@@ -91,28 +121,60 @@ class SafetensorsFile:
         out: dict[str, TensorInfo] = {}
         for name, spec in header.items():
             if name == "__metadata__":
-                self.metadata = dict(spec or {})
-                continue
-            try:
-                dtype, shape, (lo, hi) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed; the file is corrupt") from None
-            if not (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(lo, int) and isinstance(hi, int)):
-                raise CheckpointError(f"{self.path}: header entry for {name!r} is malformed; the file is corrupt")
-            if dtype not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r}")
-            want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
-            if hi - lo != want or lo < 0:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name!r} spans {hi - lo} bytes but shape {list(shape)} of {dtype} needs {want}; the file is corrupt"
-                )
-            if base + hi > self.size:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name!r} ends at byte {base + hi} but the file has {self.size}; "
-                    "the file is truncated: re-download or re-create it"
-                )
-            out[name] = TensorInfo(name, dtype, shape, base + lo, base + hi)
+                self.metadata = self._parse_metadata(spec)
+            else:
+                out[name] = self._parse_entry(name, spec, base)
+        self._check_disjoint(out.values(), base)
         return out
+
+    def _parse_metadata(self, spec) -> dict[str, str]:
+        # The format says str -> str (the safetensors library refuses anything else); null is no metadata.
+        if spec is None:
+            return {}
+        if not isinstance(spec, dict):
+            raise self._fail(f"__metadata__ is {shown(spec)}, not a JSON object of strings")
+        for key, value in spec.items():
+            if not isinstance(value, str):
+                raise self._fail(f"__metadata__[{key!r}] is {shown(value)}, not a string")
+        return spec
+
+    def _parse_entry(self, name: str, spec, base: int) -> TensorInfo:
+        try:
+            dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+        except (KeyError, TypeError):
+            raise self._fail(f"header entry for {name!r} is malformed (needs dtype, shape, data_offsets)") from None
+        # int64 like the format; bool is an int subclass in Python but not a JSON integer.
+        if not (isinstance(shape, list) and all(is_int(d) and 0 <= d < 2**63 for d in shape)):
+            raise self._fail(f"header entry for {name!r} is malformed (shape {shown(shape)} is not a list of non-negative int64 sizes)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)):
+            raise self._fail(f"header entry for {name!r} is malformed (data_offsets {shown(offsets)} is not two integers)")
+        if not (isinstance(dtype, str) and dtype in DTYPES):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {shown(dtype)}; supported: {', '.join(DTYPES)}")
+        lo, hi = offsets
+        if lo < 0 or hi < lo:
+            raise self._fail(f"tensor {name!r} has data_offsets {offsets}: they must satisfy 0 <= start <= end")
+        want = math.prod(shape) * DTYPES[dtype][2]  # exact: numpy's int64 product wraps on huge dims
+        if hi - lo != want:
+            raise self._fail(f"tensor {name!r} spans {hi - lo} bytes but shape {shape} of {dtype} needs {want}")
+        if base + hi > self.size:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ends at byte {base + hi} but the file has {self.size}; "
+                "the file is truncated: re-download or re-create it"
+            )
+        return TensorInfo(name, dtype, tuple(shape), base + lo, base + hi)
+
+    def _check_disjoint(self, infos, base: int) -> None:
+        """Two tensors over the same bytes (overlap or alias) mean a corrupt or hand-edited header."""
+        prev = None
+        for info in sorted((i for i in infos if i.nbytes), key=lambda i: (i.start, i.end)):
+            if prev is not None and info.start < prev.end:
+                how = "alias the same bytes" if (info.start, info.end) == (prev.start, prev.end) else "overlap"
+                raise self._fail(
+                    f"tensors {prev.name!r} (data_offsets [{prev.start - base}, {prev.end - base}]) and "
+                    f"{info.name!r} ([{info.start - base}, {info.end - base}]) {how}"
+                )
+            if prev is None or info.end > prev.end:
+                prev = info
 
     def view(self, info: TensorInfo) -> torch.Tensor:
         """A zero-copy, read-only tensor over the mapping (touching it faults the pages in)."""
@@ -155,30 +217,68 @@ class Checkpoint:
 
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object)") from None
-            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
-                raise CheckpointError(f"{index}: not a valid index ('weight_map' must map tensor names to file names)")
-            names = sorted(set(weight_map.values()))
+        try:
+            listing = set(os.listdir(self.dir))
+        except OSError as exc:
+            raise CheckpointError(f"cannot list {self.dir} ({exc.strerror})") from None
+        present = sorted(n for n in listing if n.endswith(".safetensors"))
+        weight_map = self._read_index() if INDEX in listing else None
+        # Read exactly the files the index names, or the one file: never whatever else lies around.
+        if weight_map is None:
+            if len(present) > 1:
+                raise CheckpointError(
+                    f"{self.dir}: {len(present)} *.safetensors files ({', '.join(present)}) but no {INDEX} "
+                    "saying which hold the model; remove the stray files or add the index"
+                )
+            names = present
         else:
-            names = sorted(p.name for p in self.dir.glob("*.safetensors"))
-            weight_map = None
+            names = sorted(set(weight_map.values()))
+            stray = [n for n in present if n not in names]
+            if stray:
+                raise CheckpointError(
+                    f"{self.dir}: {INDEX} does not name {', '.join(stray)}; remove the stray file(s) or add their tensors to the index"
+                )
+            gone = [n for n in names if n not in listing]
+            if gone:
+                raise CheckpointError(f"{self.dir / INDEX}: names {gone[0]} but there is no such file; the shard set is incomplete")
         if not names:
             raise CheckpointError(f"{self.dir}: no *.safetensors files (make one with: kestrel make-model --preset tiny --out DIR)")
         self.files = {n: SafetensorsFile(self.dir / n) for n in names}
         self._where: dict[str, SafetensorsFile] = {}
-        for f in self.files.values():
+        for fname, f in self.files.items():
             for t in f.tensors:
+                if t in self._where:
+                    raise CheckpointError(
+                        f"{self.dir}: tensor {t!r} is defined in both {self._where[t].path.name} and {fname}; "
+                        "remove the stale copy"
+                    )
+                if weight_map is not None and weight_map.get(t) != fname:
+                    mapped = f"maps it to {weight_map[t]}" if t in weight_map else "does not list it"
+                    raise CheckpointError(
+                        f"{self.dir}: tensor {t!r} is in {fname} but {INDEX} {mapped}; fix the index or re-create the shards"
+                    )
                 self._where[t] = f
-        if weight_map is not None:
-            for t, fname in weight_map.items():
-                if t not in self._where:
-                    raise CheckpointError(f"{index}: maps {t!r} to {fname} but that file has no such tensor; the shard set is incomplete")
+        for t, fname in (weight_map or {}).items():
+            if t not in self._where:
+                raise CheckpointError(f"{self.dir / INDEX}: maps {t!r} to {fname} but that file has no such tensor; the shard set is incomplete")
         self.metadata = {k: v for f in self.files.values() for k, v in f.metadata.items()}
+
+    def _read_index(self) -> dict[str, str]:
+        path = self.dir / INDEX
+        index = read_json(path, CheckpointError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path}: not a valid index (needs a 'weight_map' object)")
+        if not weight_map:
+            raise CheckpointError(f"{path}: 'weight_map' is empty; it must map every tensor to its shard")
+        for t, fname in weight_map.items():
+            # A plain name in this directory: an index must not point the reader elsewhere.
+            if not (isinstance(fname, str) and fname.endswith(".safetensors") and os.path.basename(fname) == fname):
+                raise CheckpointError(
+                    f"{path}: not a valid index ('weight_map' maps {t!r} to {shown(fname)}; "
+                    "it must map tensor names to *.safetensors file names in this directory)"
+                )
+        return weight_map
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

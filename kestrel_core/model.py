@@ -73,9 +73,16 @@ def all_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return specs
 
 
+# Old HF checkpoints saved RoPE's non-persistent inverse frequencies; they are recomputed from config.json.
+_IGNORED_SUFFIX = ".rotary_emb.inv_freq"
+
+
 def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] = frozenset()) -> None:
-    """Every tensor config.json implies is present, of a float dtype, and of the right shape."""
-    for name, shape in all_specs(cfg).items():
+    """Every tensor config.json implies is present, of a float dtype, and of the right shape; no other is there."""
+    from .quant import q8_names  # quant imports this module
+
+    specs = all_specs(cfg)
+    for name, shape in specs.items():
         if name in quantized:
             continue  # stored as .qweight/.scales: quant.read_quant checks those against their layout
         info = ckpt.info(name)
@@ -88,6 +95,22 @@ def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] 
                 f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}; "
                 "config.json and the weights do not match"
             )
+    used = {n for name in specs for n in (q8_names(name) if name in quantized else (name,))}
+    _check_all_used(ckpt, cfg, used)
+
+
+def _check_all_used(ckpt: Checkpoint, cfg: ModelConfig, used: set[str]) -> None:
+    """A tensor config.json does not account for means config.json describes another model."""
+    unused = sorted(n for n in ckpt.names() if n not in used and not n.endswith(_IGNORED_SUFFIX))
+    if not unused:
+        return
+    if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+        fix = "config.json says tie_word_embeddings true but the checkpoint has its own lm_head.weight: set tie_word_embeddings false"
+    else:
+        fix = (f"config.json (model_type {cfg.model_type}, num_hidden_layers={cfg.num_hidden_layers}, "
+               f"attention_bias={str(cfg.attention_bias).lower()}) does not describe these weights: fix config.json or remove the tensors")
+    shown = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+    raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensor(s) that config.json does not use ({shown}); {fix}")
 
 
 @attrs.define

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
+from typing import Any, Callable
 
 import attrs
 
@@ -58,17 +61,11 @@ class ModelConfig:
         import torch
 
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        rs = self.rope_scaling
-        if not rs:
+        rs = self.rope_scaling  # checked by parse_model_config
+        if rs is None or _rope_type(rs) == "default":
             return inv
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "default":
-            return inv
-        if kind != "llama3":
-            raise ConfigError(f"rope_scaling type {kind!r} is not supported; supported: llama3, default")
-        factor = rs["factor"]
-        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old = rs.get("original_max_position_embeddings", 8192)
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         low_wl, high_wl = old / low, old / high
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
@@ -78,7 +75,77 @@ class ModelConfig:
         return torch.where(is_mid, mid, scaled)
 
 
-_REQUIRED = (
+# --- config.json fields: one typed reader, a (check, description) pair per kind --------------
+
+def is_int(v: Any) -> bool:
+    """A JSON integer: bool is an int subclass in Python, but true is not a layer count."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def shown(v: Any) -> str:
+    """A value as the JSON file spells it (true, null, "16"), cut short."""
+    text = json.dumps(v, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_number(v: Any) -> bool:
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+Kind = tuple[Callable[[Any], bool], str]
+POSITIVE_INT: Kind = (lambda v: is_int(v) and v > 0, "a positive integer")
+POSITIVE_NUMBER: Kind = (lambda v: _is_number(v) and v > 0, "a finite number > 0")
+BOOL: Kind = (lambda v: isinstance(v, bool), "true or false")
+STRING: Kind = (lambda v: isinstance(v, str), "a string")
+TOKEN_IDS: Kind = (
+    lambda v: v is None or (is_int(v) and v >= 0) or (isinstance(v, list) and all(is_int(i) and i >= 0 for i in v)),
+    "a token id, a list of token ids, or null",
+)
+_REQUIRED = object()
+
+
+def _field(raw: dict, key: str, kind: Kind, default: Any = _REQUIRED, where: str = "config.json", null_is_default: bool = False):
+    """raw[key] checked against kind; absent (or null where HF treats null as unset) gives default."""
+    value = raw.get(key)
+    if key not in raw or (value is None and null_is_default):
+        if default is _REQUIRED:
+            raise ConfigError(f"{where}: missing field {key!r}; add it to config.json")
+        return default
+    check, want = kind
+    if not check(value):
+        raise ConfigError(f"{where}: field {key!r} must be {want}, got {shown(value)}; fix config.json")
+    return value
+
+
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3: dict[str, Kind] = {"factor": POSITIVE_NUMBER, "low_freq_factor": POSITIVE_NUMBER,
+                            "high_freq_factor": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT}
+
+
+def _rope_type(rs: dict):
+    return rs.get("rope_type", rs.get("type"))
+
+
+def _check_rope_scaling(rs: Any, where: str) -> None:
+    """rope_scaling is null or a known kind with every parameter inv_freq needs (as HF requires)."""
+    if rs is None:
+        return
+    name = f"{where}: rope_scaling"
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{name} must be an object or null, got {shown(rs)}; fix config.json")
+    kind = _rope_type(rs)
+    if kind not in ROPE_TYPES:  # also a missing, non-string or unhashable one
+        raise ConfigError(f"{name}: rope_type {shown(kind)} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if kind == "llama3":
+        for key, kind_of in _LLAMA3.items():
+            _field(rs, key, kind_of, where=f"{name} (llama3)")
+        if not rs["low_freq_factor"] < rs["high_freq_factor"]:
+            raise ConfigError(
+                f"{name}: low_freq_factor must be below high_freq_factor, got {rs['low_freq_factor']} and {rs['high_freq_factor']}; fix config.json"
+            )
+
+
+_DIMS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -90,59 +157,72 @@ _REQUIRED = (
 def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Validate a config.json dict; a missing or wrong field is an error naming it."""
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED:
+    if not (isinstance(model_type, str) and model_type in SUPPORTED):
         raise ConfigError(
-            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
+            f"{where}: model_type {shown(model_type)} is not supported; supported: {', '.join(SUPPORTED)}"
         )
-    for key in _REQUIRED:
-        if key not in raw:
-            raise ConfigError(f"{where}: missing field {key!r} (needed for a {model_type} model)")
-        if not isinstance(raw[key], int) or raw[key] <= 0:
-            raise ConfigError(f"{where}: field {key!r} must be a positive integer, got {raw[key]!r}")
-    heads = raw["num_attention_heads"]
-    kv_heads = raw.get("num_key_value_heads", heads)
-    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-        raise ConfigError(f"{where}: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    dims = {key: _field(raw, key, POSITIVE_INT, where=where) for key in _DIMS}
+    heads = dims["num_attention_heads"]
+    # HF treats null like absent for these two.
+    kv_heads = _field(raw, "num_key_value_heads", POSITIVE_INT, heads, where, null_is_default=True)
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+    head_dim = _field(raw, "head_dim", POSITIVE_INT, None, where, null_is_default=True)
+    if head_dim is None:
+        head_dim = dims["hidden_size"] // heads
+        if not head_dim:
+            raise ConfigError(f"{where}: hidden_size // num_attention_heads is 0; set head_dim or fix the sizes")
     if head_dim % 2:
         raise ConfigError(f"{where}: head_dim={head_dim} must be even for RoPE")
-    act = raw.get("hidden_act", "silu")
+    act = _field(raw, "hidden_act", STRING, "silu", where)
     if act != "silu":
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported; only silu (SwiGLU)")
-    max_pos = raw.get("max_position_embeddings", 2048)
-    if not isinstance(max_pos, int) or max_pos <= 0:
-        raise ConfigError(f"{where}: max_position_embeddings must be a positive integer, got {max_pos!r}")
+    rope_scaling = raw.get("rope_scaling")
+    _check_rope_scaling(rope_scaling, where)
+    # Newer HF writes "dtype"; null (an unset PretrainedConfig field) means the default.
+    dtype_key = "torch_dtype" if "torch_dtype" in raw else "dtype"
     return ModelConfig(
         model_type=model_type,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=heads,
+        **dims,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        rope_scaling=raw.get("rope_scaling"),
-        torch_dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16"))),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
+        max_position_embeddings=_field(raw, "max_position_embeddings", POSITIVE_INT, 2048, where),
+        rms_norm_eps=float(_field(raw, "rms_norm_eps", POSITIVE_NUMBER, 1e-6, where)),
+        rope_theta=float(_field(raw, "rope_theta", POSITIVE_NUMBER, 10000.0, where)),
+        tie_word_embeddings=_field(raw, "tie_word_embeddings", BOOL, False, where),
+        attention_bias=_field(raw, "attention_bias", BOOL, False, where),
+        rope_scaling=rope_scaling,
+        torch_dtype=_field(raw, dtype_key, STRING, "bfloat16", where, null_is_default=True),
+        bos_token_id=_field(raw, "bos_token_id", TOKEN_IDS, None, where),
+        eos_token_id=_field(raw, "eos_token_id", TOKEN_IDS, None, where),
     )
+
+
+def read_json(path: Path, error: type[Exception] = ConfigError) -> Any:
+    """A JSON file's value; unreadable or invalid JSON is ``error`` naming the path."""
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None  # one line, with the position
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise ConfigError(f"model directory {str(model_dir)!r} does not exist (make one with: kestrel make-model --preset tiny --out DIR)")
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing; a Hugging Face model directory needs config.json")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        mode = os.stat(model_dir).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"model directory {str(model_dir)!r} does not exist (make one with: kestrel make-model --preset tiny --out DIR)") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot access model directory {str(model_dir)!r} ({exc.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        raise ConfigError(f"model directory {str(model_dir)!r} is a file, not a directory; pass the directory that holds config.json and the weights")
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path}: missing; a Hugging Face model directory needs config.json")
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: must hold a JSON object")
     return parse_model_config(raw, str(path))
