@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
-from .errors import KestrelError
+from .errors import KestrelError, KestrelNote
 
 SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo", "quantize", "gate")
 
@@ -26,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args) or 0
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("default")
+            rc = args.run(args) or 0
+        for note in notes:  # after the output, and only when the command did not fail
+            if issubclass(note.category, KestrelNote):
+                print(f"kestrel: note: {note.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+        return rc
     except KestrelError as exc:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2

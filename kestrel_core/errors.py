@@ -1,6 +1,11 @@
 """Errors a user can act on. The CLI prints them as one line and exits with code 2."""
 
 
+class KestrelNote(UserWarning):
+    """Something a user should know that is not an error (warnings.warn it); the CLI prints notes after a
+    command's output, and drops them when the command fails, so that an error stays one line."""
+
+
 class KestrelError(Exception):
     """A problem with the user's input or environment; the message names it and the fix."""
 

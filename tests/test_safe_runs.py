@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kestrel_core import generate as generate_module
 from kestrel_core.cli import main
-from kestrel_core.errors import PluginError
+from kestrel_core.errors import KestrelNote, PluginError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.residency import Advice
 from test_bad_input import WEIGHTS, fails, gen
@@ -175,3 +176,21 @@ def test_window_layer_check_names_the_policy(tiny_ckpt, register_plugin):
     with Model(tiny_ckpt) as model, open_run(model, run_config(residency__keep=2)) as run:
         with pytest.raises(PluginError, match="policy 'asymmetric' asked to evict layer 7"):
             run.window.advance(0, "prefill")
+
+
+class Noting(Answers):
+    """Says a note at every boundary (a backend's fallback note, say), then answers as told."""
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        warnings.warn("the example note", KestrelNote)
+        return super().on_layer_advance(window, layer, phase)
+
+
+def test_notes_come_after_the_output_and_never_before_an_error(tiny_ckpt, capsys, register_plugin):
+    plugin = register_plugin(Noting(), "noting")
+    assert main(gen(tiny_ckpt, "--keep", "2")) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("token ids: ") and out.err.startswith("kestrel: note: the example note\n")
+    plugin.advice = Advice(evict=[[0]])
+    fails(gen(tiny_ckpt, "--keep", "2"), capsys, "not a layer number")  # one line: the note is dropped

@@ -23,7 +23,6 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 class CpuRefBackend(Backend):
     name = "cpu_ref"
-    supports_q8 = True  # loads kestrel quantize checkpoints (see kestrel_core.quant)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

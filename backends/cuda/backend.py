@@ -28,7 +28,6 @@ FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), (
 
 class CudaBackend(Backend):
     name = "cuda"
-    supports_q8 = True  # tests/test_q8.py runs its q8 invariance test on this backend
 
     @classmethod
     def available(cls) -> bool:

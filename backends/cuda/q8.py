@@ -20,8 +20,8 @@ turns the kernel off.
 from __future__ import annotations
 
 import os
-import sys
 import threading
+import warnings
 from typing import Callable, Iterable, Sequence
 
 import attrs
@@ -29,7 +29,7 @@ import torch
 
 from kestrel_core import quant
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.errors import KestrelError
+from kestrel_core.errors import KestrelError, KestrelNote
 from kestrel_core.model import linear_specs
 from kestrel_core.modelconfig import ModelConfig
 from kestrel_core.residency import Geometry
@@ -361,7 +361,7 @@ def q8_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
     """The linear the CUDA backend calls for a q8 entry: ``x [T, K] -> [T, N]`` in x's dtype.
 
     T == 1 on a GPU goes through the kernel; prefill (T > 1), CPU tensors, or a kernel that
-    did not build take the torch path (the last says so once on stderr).
+    did not build take the torch path (the last says so once, as a KestrelNote).
     """
     global _said_fallback
     if x.is_cuda and x.numel() == w.k and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -370,7 +370,7 @@ def q8_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
         except KernelNotBuilt as exc:
             if not _said_fallback:
                 _said_fallback = True
-                print(f"kestrel: {exc}; q8 runs on the pure-torch path", file=sys.stderr)
+                warnings.warn(f"{exc}; q8 runs on the pure-torch path", KestrelNote, stacklevel=2)
     return q8_linear_torch(x, w)
 
 
