@@ -1,4 +1,4 @@
-"""The backend contract, and the upload/evict flow every backend shares."""
+"""The backend base class: the contract of ``contracts.Backend``, and the flow every backend shares."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from . import plugins
 from .checkpoint import Checkpoint
 from .config import BackendConfig, ResidencyConfig
-from .errors import ConfigError, PluginError
+from .errors import ConfigError
+from .host import HostStore
 from .model import rms_norm
 from .modelconfig import ModelConfig
-from .residency import Counters, Entry, Geometry
+from .residency import Counters, Fetch, Plan, Resident
+from .units import EntrySpec, Geometry, Unit, UnitKey, UnitSpec, UnitTable
 
 
 @attrs.frozen
@@ -28,21 +29,24 @@ class BackendContext:
     residency: ResidencyConfig
     counters: Counters
     peak_layers: int  # the policy's peak of resident layers (before any prefetch)
-    shared: dict  # lives as long as the opened Model: host staging reused across runs
+    host: HostStore  # lives as long as the opened Model: host copies reused across runs
+    unit_specs: tuple[UnitSpec, ...]  # the model's residency units
     quant: Any = None  # the checkpoint's kestrel_core.quant.QuantInfo, None for a float checkpoint
 
 
 class Backend:
-    """A place where the layer loop runs.
+    """A place where the layer loop runs (implements ``contracts.Backend``).
 
-    Subclasses say what a layer's entries are (``layer_sources``), how to make and
-    free a real buffer, and how to fill one from host memory. The base class runs
-    each entry through the resolved ``alloc``/``release`` hooks and keeps the counters.
+    A subclass lays each residency unit out as buffers (``layout``), makes, fills and frees
+    real buffers, and loads the never-evicted tensors. The window decides what is resident
+    and hands each boundary's plan to ``execute``; the backend keeps no record of its own.
     """
 
     name = "?"
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    prefetch_depth = 0
+    budget: int | None = None  # device bytes for weights; None: unbounded
 
     def __init__(self, ctx: BackendContext):
         self.check_prefetch(ctx.backend.prefetch)
@@ -50,11 +54,9 @@ class Backend:
         self.cfg = ctx.model
         self.ckpt = ctx.checkpoint
         self.counters = ctx.counters
-        self._alloc = plugins.resolved("alloc")
-        self._release = plugins.resolved("release")
-        self._entries: dict[int, list[tuple[Entry, Any]]] = {}
         self.globals: dict[str, torch.Tensor] = {}
         self.small: list[dict[str, torch.Tensor]] = []
+        self.units = UnitTable(())
 
     @classmethod
     def available(cls) -> bool:
@@ -68,14 +70,14 @@ class Backend:
             raise ConfigError(f"{cls.name} has no side stream to prefetch on; set prefetch = 0 for this backend")
 
     # --- what a subclass provides -------------------------------------------------
-    def layer_sources(self, layer: int) -> Iterable[tuple[str, Any, Geometry]]:
-        """(entry name, host source, geometry) for each streamed entry of a layer."""
+    def layout(self, spec: UnitSpec) -> Iterable[EntrySpec]:
+        """The buffers that hold one unit in this backend's compute layout."""
         raise NotImplementedError
 
     def fill(self, buffer: Any, source: Any) -> None:
         raise NotImplementedError
 
-    def new_buffer(self, geometry: Geometry) -> Any:
+    def new_buffer(self, geometry: Geometry, raw: bool = False) -> Any:
         raise NotImplementedError
 
     def free_buffer(self, buffer: Any) -> None:
@@ -85,15 +87,11 @@ class Backend:
         """A never-evicted copy of a host tensor in compute layout."""
         raise NotImplementedError
 
-    def after_evict(self, layer: int) -> None:
-        """Backend-specific work once a layer's entries are released (cpu_ref drops its pages)."""
+    def retire(self, resident: Resident) -> None:
+        """Backend work once a unit is evicted (cpu_ref drops its pages; cuda notes its buffers' last reader)."""
 
-    def prefetch_layer(self, layer: int) -> dict[str, Any]:
-        """Start uploading a layer ahead of use; the default uploads at once."""
-        return self.upload_layer(layer)
-
-    def before_use(self, layer: int) -> None:
-        """Order the compute after the layer's upload (a side-stream backend waits on an event)."""
+    def before_use(self, key: UnitKey) -> None:
+        """Order the compute after the unit's upload (a side-stream backend waits on an event)."""
 
     def synchronize(self) -> None:
         """Wait for queued device work."""
@@ -113,6 +111,20 @@ class Backend:
         return F.linear(x, w)
 
     # --- shared flow -------------------------------------------------------------
+    def lay_out_units(self) -> None:
+        """The run's unit table in this backend's layout (call once dtype and device are set)."""
+        self.units = UnitTable(Unit.of(spec, self.layout(spec)) for spec in self.ctx.unit_specs)
+
+    def execute(self, plan: Plan) -> None:
+        for resident in plan.evict:
+            self.retire(resident)
+        for fetch in plan.fetch:
+            self.fill_unit(fetch)
+
+    def fill_unit(self, fetch: Fetch) -> None:
+        for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+            self.fill(buffer, entry.source)
+
     def load_globals(self) -> None:
         """Embeddings, the final norm, lm_head and per-layer norms: resident for the whole run."""
         from .model import global_specs, small_specs
@@ -130,34 +142,6 @@ class Backend:
         t = self.load_resident(self.ckpt.view(name))
         self.counters.add_resident(t.numel() * t.element_size())
         return t
-
-    def upload_layer(self, layer: int) -> dict[str, Any]:
-        entries = []
-        weights: dict[str, Any] = {}
-        for name, source, geometry in self.layer_sources(layer):
-            entry = Entry(layer, name, geometry, self)
-            buffer = self._alloc(entry=entry)
-            if buffer is None:
-                raise PluginError(f"no allocator returned a buffer for entry ({layer}, {name})")
-            self.fill(buffer, source)
-            entries.append((entry, buffer))
-            weights[name] = buffer
-            self.counters.uploads += 1
-            self.counters.bytes_uploaded += geometry.nbytes
-            self.counters.add_resident(geometry.nbytes)
-        self.counters.layer_uploads += 1
-        self._entries[layer] = entries
-        return weights
-
-    def evict_layer(self, layer: int, weights: dict[str, Any]) -> None:
-        for entry, buffer in self._entries.pop(layer):
-            self._release(entry=entry, buffer=buffer)
-            self.counters.evictions += 1
-            self.counters.bytes_evicted += entry.geometry.nbytes
-            self.counters.add_resident(-entry.geometry.nbytes, -1)
-        weights.clear()
-        self.counters.layer_evictions += 1
-        self.after_evict(layer)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.globals["embed"][ids.to(self.device)]

@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import torch
 
+from .dtypes import BY_NAME, BY_ST, WEIGHT_NAMES
 from .errors import CheckpointError
 from .modelconfig import is_int, read_json, shown
 
@@ -28,21 +29,10 @@ MAX_HEADER = 100_000_000
 INDEX = "model.safetensors.index.json"
 CORRUPT = "the file is corrupt: re-download or re-create it"
 
-# safetensors dtype -> (numpy storage dtype, torch dtype, itemsize)
-DTYPES = {
-    "F64": (np.float64, torch.float64, 8),
-    "F32": (np.float32, torch.float32, 4),
-    "F16": (np.float16, torch.float16, 2),
-    "BF16": (np.uint16, torch.bfloat16, 2),
-    "I64": (np.int64, torch.int64, 8),
-    "I32": (np.int32, torch.int32, 4),
-    "I16": (np.int16, torch.int16, 2),
-    "I8": (np.int8, torch.int8, 1),
-    "U8": (np.uint8, torch.uint8, 1),
-    "BOOL": (np.bool_, torch.bool, 1),
-}
-FLOAT_DTYPES = ("F32", "F16", "BF16")
-TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items()}
+# safetensors dtype -> (numpy storage dtype, torch dtype, itemsize): views of the one table in dtypes.py
+DTYPES = {d.st: (d.numpy, d.torch, d.itemsize) for d in BY_ST.values()}
+FLOAT_DTYPES = tuple(BY_NAME[n].st for n in WEIGHT_NAMES)
+TORCH_TO_ST = {d.torch: d.st for d in BY_ST.values()}
 
 
 @attrs.frozen

@@ -97,7 +97,7 @@ def _build(cls: type, table: dict, where: str):
         if key == "keep":
             continue  # its converter checks it
         if isinstance(default, tuple):
-            if not (isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+            if not (isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
                 raise ConfigError(f"{where}: {key} must be a list of integers, got {value!r}")
             continue
         want = type(default)
@@ -128,6 +128,32 @@ def config_from_dict(raw: dict, where: str = "config") -> KestrelConfig:
     return KestrelConfig(**kwargs)
 
 
+# A setting's flat name (Model.open, Run.generate) -> its (section, field) in kestrel.toml.
+FLAT = {"model": (None, "model"), "backend": ("backend", "name"),
+        **{f.name: (section, f.name) for section, cls in _SECTIONS.items() for f in attrs.fields(cls) if f.name != "name"}}
+
+
+def with_settings(base: KestrelConfig, settings: dict[str, Any], where: str = "settings") -> KestrelConfig:
+    """``base`` with settings applied, checked as kestrel.toml's are: flat names (``keep=2``, ``backend="cuda"``)
+    or whole tables (``backend={"name": "cuda", "dtype": "float32"}``)."""
+    tables: dict[str, dict] = {}
+    model = base.model
+    for key, value in settings.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            tables.setdefault(key, {}).update(value)
+            continue
+        if key not in FLAT:
+            raise ConfigError(f"{where}: unknown setting {key!r}; allowed: {', '.join(FLAT)}")
+        section, field = FLAT[key]
+        if section is None:
+            model = value
+        else:
+            tables.setdefault(section, {})[field] = value
+    raw = {"model": model, **{section: {**attrs.asdict(getattr(base, section)), **tables.get(section, {})}
+                              for section in _SECTIONS}}
+    return config_from_dict(raw, where)
+
+
 def load_config(path: str | Path | None) -> KestrelConfig:
     if not path:
         return KestrelConfig()
@@ -136,6 +162,9 @@ def load_config(path: str | Path | None) -> KestrelConfig:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({why}); pass a kestrel.toml file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML ({exc})") from None
     return config_from_dict(raw, str(p))

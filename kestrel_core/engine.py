@@ -1,102 +1,106 @@
-"""Open a model directory and assemble one run: policy, allocator and backend resolved once."""
+"""One run: its own policy, allocator, backend, window and counters, resolved once and owned by the run.
+
+Nothing of a run is registered in the plugin manager, so two runs open at once do not see
+each other; plugins registered there are observers that see every boundary of every run.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
+from typing import Any
 
 import attrs
 
 from . import plugins
-from .backend import Backend, BackendContext
-from .checkpoint import Checkpoint
-from .config import OFF, KestrelConfig
-from .errors import ConfigError, KestrelError
-from .model import validate_checkpoint
-from .modelconfig import ModelConfig, read_model_config
-from .quant import read_quant
+from .backend import BackendContext
+from .config import OFF, KestrelConfig, with_settings
+from .contracts import Allocator, Backend, Policy, missing_members
+from .errors import ConfigError, KestrelError, PluginError
+from .generate import GenerationResult, generate
+from .modeldir import Model, load
 from .residency import Counters, Window
-from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["Model", "Run", "load", "make_allocator", "make_policy", "open_run"]
 
 
-class Model:
-    """A Hugging Face model directory: config.json, safetensors (mmap'd), optional tokenizer.json."""
-
-    def __init__(self, model_dir: str | Path):
-        self.dir = Path(model_dir)
-        self.config: ModelConfig = read_model_config(self.dir)
-        self.checkpoint = Checkpoint(self.dir)
-        self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint
-        validate_checkpoint(self.checkpoint, self.config, self.quant.names if self.quant else frozenset())
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
-        self.shared: dict = {}  # backend host staging, reused by every run on this model
-
-    @property
-    def n_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def close(self) -> None:
-        self.shared.clear()
-        self.checkpoint.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+def _checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
+    missing = missing_members(protocol, obj)
+    if missing:
+        raise PluginError(f"{kind} {name!r} ({type(obj).__name__}) lacks {', '.join(missing)}; "
+                          f"see the {protocol.__name__} protocol in kestrel_core/contracts.py")
+    return obj
 
 
 def make_policy(name: str, keep, n_layers: int):
     """The policy object for one run; ``keep='off'`` means no window whatever the policy (whose name must exist all the same)."""
     reg = plugins.lookup("policies", name)
     if keep == OFF or name == OFF:
-        return plugins.lookup("policies", OFF).factory(n_layers=n_layers, keep=OFF)
+        return _checked("policy", OFF, plugins.lookup("policies", OFF).factory(n_layers=n_layers, keep=OFF), Policy)
     if not 1 <= keep <= n_layers:
         raise ConfigError(f"keep={keep} is out of range for a {n_layers}-layer model: use 1..{n_layers} or 'off'")
-    return reg.factory(n_layers=n_layers, keep=keep)
+    return _checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
 
 
 def make_allocator(name: str, counters: Counters, slots: int):
     if slots < 0:
         raise ConfigError(f"pool_slots must be >= 0, got {slots}")
-    return plugins.lookup("allocators", name).factory(counters=counters, slots=slots)
+    return _checked("allocator", name, plugins.lookup("allocators", name).factory(counters=counters, slots=slots), Allocator)
 
 
-@attrs.define
 class Run:
-    model: Model
-    config: KestrelConfig
-    backend: Backend
-    window: Window
-    policy: object
-    allocator: object
-    counters: Counters
+    """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
-
-@contextlib.contextmanager
-def open_run(model: Model, config: KestrelConfig):
-    """Resolve plugins once, build the backend, and tear everything down afterwards."""
-    res = config.residency
-    counters = Counters()
-    policy = make_policy(res.policy, res.keep, model.n_layers)
-    if config.backend.prefetch and not res.windowed:
-        raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
-                          "resident); set keep to a layer count, or prefetch = 0")
-    allocator = make_allocator(res.allocator, counters, res.pool_slots)
-    backend_reg = plugins.lookup("backends", config.backend.name)
-    with plugins.activated(policy, allocator):
-        peak = policy.peak_layers() if hasattr(policy, "peak_layers") else model.n_layers
-        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, peak, model.shared, model.quant)
+    def __init__(self, model: Model, config: KestrelConfig):
+        res = config.residency
+        self.model, self.config = model, config
+        self.counters = Counters()
+        self.policy = make_policy(res.policy, res.keep, model.n_layers)
+        if config.backend.prefetch and not res.windowed:
+            raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
+                              "resident); set keep to a layer count, or prefetch = 0")
+        self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
+        backend_reg = plugins.lookup("backends", config.backend.name)
+        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
+                             self.policy.peak_layers(), model.host, model.units, model.quant)
         try:
             backend = backend_reg.factory(ctx)
         except MemoryError:
             raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
-        window = Window(backend, policy, model.n_layers)
+        self.backend = _checked("backend", config.backend.name, backend, Backend)
+        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers)
+        self._open = True
+
+    def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
+                 **generation: Any) -> GenerationResult:
+        """Generate from ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer); ``generation`` takes
+        kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos)."""
+        unknown = sorted(set(generation) - {f.name for f in attrs.fields(type(self.config.generation))})
+        if unknown:
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; "
+                              f"allowed: {', '.join(f.name for f in attrs.fields(type(self.config.generation)))}")
+        gen = with_settings(self.config, generation, "generate").generation
+        ids = self.model.prompt_ids(prompt_ids if prompt_ids is not None else list(gen.prompt_ids),
+                                    prompt if prompt is not None else gen.prompt)
+        result = generate(self, ids, gen, keep_logits=keep_logits)
+        tok = self.model.tokenizer
+        return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
         try:
-            yield Run(model, config, backend, window, policy, allocator, counters)
+            self.window.release_all()
+            self.allocator.drain()
         finally:
-            window.release_all()
-            drain = getattr(allocator, "drain", None)
-            if drain:
-                drain()
-            backend.close()
+            self.backend.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_run(model: Model, config: KestrelConfig) -> Run:
+    """A run of ``model`` with ``config``; use it as a context manager, or close it."""
+    return Run(model, config)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from .config import GenerationConfig
-from .engine import Run
+from .dtypes import itemsize
 from .errors import BudgetError, ConfigError, NonFiniteError
 from .model import KVCache, decoder_layer, rope_tables
 from .residency import delta
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .engine import Run
 
 
 @attrs.frozen
@@ -24,7 +28,9 @@ class GenerationResult:
     counters: dict[str, int]
     per_token: list[dict[str, int]]  # counter deltas of each decode step
     memory: dict[str, int]
+    fixed_resident_bytes: int = 0  # never-evicted weights (embeddings, norms, lm_head): the peak less these is streamed
     logits: list[torch.Tensor] | None = None
+    text: str | None = None  # the generated ids decoded, where the model has a tokenizer
 
     @property
     def ms_per_token(self) -> float:
@@ -46,6 +52,7 @@ class GenerationResult:
             "allocations_per_token": [p["allocations"] for p in per],
             "counters": self.counters,
             "memory": self.memory,
+            **({"text": self.text} if self.text is not None else {}),
         }
 
 
@@ -81,7 +88,7 @@ def host_available_bytes() -> int | None:
 def allocate_cache(run: Run, max_seq: int) -> list[KVCache]:
     """The run's static KV cache; one that cannot be had is a BudgetError, checked before touching host memory."""
     cfg, backend = run.model.config, run.backend
-    need = 2 * cfg.num_hidden_layers * max_seq * cfg.kv_dim * torch.empty((), dtype=backend.dtype).element_size()
+    need = 2 * cfg.num_hidden_layers * max_seq * cfg.kv_dim * itemsize(backend.dtype)
     where = f"{backend.device}"
     avail = host_available_bytes() if backend.device.type == "cpu" else None
     too_big = BudgetError(
@@ -112,8 +119,7 @@ def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], phase: s
     if probe:
         probe("the embedding", h)
     for layer in range(cfg.num_hidden_layers):
-        window.advance(layer, phase)
-        w = window.acquire(layer)
+        w = window.step(layer, phase)
         h = decoder_layer(h, w, backend.small[layer], cache[layer], start, rope, cfg, backend.linear)
         if probe:
             probe(f"layer {layer}", h)
@@ -162,6 +168,7 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     cache = allocate_cache(run, len(prompt_ids) + gen.max_new_tokens)
     all_logits = [] if keep_logits else None
+    fixed = run.counters.resident_bytes
     with torch.inference_mode():
         run.window.preload()
         backend.synchronize()
@@ -176,7 +183,7 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
         decode_ms, per_token = [], []
         pos = len(prompt_ids)
         while len(tokens) < gen.max_new_tokens and not (gen.stop_at_eos and token in eos_ids):
-            run.window.token += 1
+            run.window.next_token()
             before = run.counters.snapshot()
             t0 = backend.start_timer()
             logits = forward(run, [token], pos, cache, "decode")
@@ -196,5 +203,6 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
         counters=run.counters.snapshot(),
         per_token=per_token,
         memory=backend.memory_stats(),
+        fixed_resident_bytes=fixed,
         logits=all_logits,
     )

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from .checkpoint import FLOAT_DTYPES, Checkpoint
 from .errors import CheckpointError
 from .modelconfig import ModelConfig
+from .units import UnitSpec
 
 # The seven streamed linear weights of a layer, in compute order.
 LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -36,6 +37,11 @@ def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int
         "down": (h, i),
     }
     return {r: (f"model.layers.{layer}.{_HF[r]}.weight", shapes[r]) for r in LINEAR_ROLES}
+
+
+def unit_specs(cfg: ModelConfig) -> tuple[UnitSpec, ...]:
+    """The residency units: a dense layer is one unit, ``(layer,)``, holding its seven linear weights."""
+    return tuple(UnitSpec((layer,), layer, linear_specs(cfg, layer)) for layer in range(cfg.num_hidden_layers))
 
 
 def small_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:

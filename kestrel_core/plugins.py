@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 from typing import Any, Callable
@@ -24,7 +23,7 @@ pm.add_hookspecs(hookspecs)
 
 _loaded = False
 
-SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate"}
+SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate", "commands": "command"}
 
 
 def load_plugins() -> pluggy.PluginManager:
@@ -119,36 +118,14 @@ def lookup(kind: str, name: str) -> Registration:
     return regs[name]
 
 
-@contextlib.contextmanager
-def activated(*plugins: object):
-    """Register run-scoped plugin objects (the active policy and allocator) for one run."""
-    names = []
-    try:
-        for plugin in plugins:
-            names.append(pm.register(plugin))
-        check_plugins()
-        yield pm
-    finally:
-        for name in names:
-            pm.unregister(name=name)
+def implementations(hook: str) -> list[Callable[..., Any]]:
+    """The plain functions of every plugin registered for ``hook`` now, in registration order.
 
-
-def resolved(name: str) -> Callable[..., Any]:
-    """A hook caller resolved once per run: the sole implementation's function when there is one.
-
-    The hot loop calls this instead of paying pluggy's dispatch per entry per token.
-    The returned callable takes keyword arguments and keeps the hook's result shape.
+    A run resolves its observers as each generation starts and calls them directly at each boundary: no pluggy
+    dispatch per boundary. (Wrapper implementations are not supported for these hooks.)
     """
-    caller = getattr(pm.hook, name)
-    impls = caller.get_hookimpls()
-    if len(impls) == 1 and not (impls[0].hookwrapper or impls[0].wrapper):
-        fn = impls[0].function
-        if caller.spec.opts.get("firstresult"):
-            return fn
-
-        def broadcast(**kwargs):
-            result = fn(**kwargs)
-            return [] if result is None else [result]
-
-        return broadcast
-    return caller
+    impls = getattr(pm.hook, hook).get_hookimpls()
+    wrapped = [impl.plugin_name for impl in impls if impl.hookwrapper or impl.wrapper]
+    if wrapped:
+        raise PluginError(f"plugin {wrapped[0]!r} wraps {hook}; observers of {hook} must be plain implementations")
+    return [impl.function for impl in reversed(impls)]  # pluggy lists the last registered first

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from .devices import compute_device
+from .dtypes import BY_NAME, WEIGHT_NAMES, itemsize
 from .errors import ConfigError
 from .model import all_specs
 from .modelconfig import ModelConfig, parse_model_config
@@ -47,7 +48,7 @@ PRESETS: dict[str, dict] = {
                      rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: BY_NAME[name].torch for name in WEIGHT_NAMES}
 
 
 def preset_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
@@ -72,7 +73,7 @@ def shard_plan(cfg: ModelConfig, shard_mb: int) -> list[list[str]]:
     """Tensor names of each file, in order: one file, or shards of at most ``shard_mb`` MiB (0: one file)."""
     if not isinstance(shard_mb, int) or isinstance(shard_mb, bool) or shard_mb < 0:
         raise ConfigError(f"--shard-mb must be a whole number >= 0 (0: one file), got {shard_mb!r}")
-    item = torch.empty((), dtype=DTYPES[cfg.torch_dtype]).element_size()
+    item = itemsize(DTYPES[cfg.torch_dtype])
     limit = shard_mb * 2**20
     plan: list[list[str]] = [[]]
     size = 0
@@ -108,7 +109,7 @@ def write_checkpoint(
     plan = shard_plan(cfg, shard_mb)
     dtype = DTYPES[cfg.torch_dtype]
     specs = all_specs(cfg)
-    total = sum(int(torch.Size(s).numel()) for s in specs.values()) * torch.empty((), dtype=dtype).element_size()
+    total = sum(int(torch.Size(s).numel()) for s in specs.values()) * itemsize(dtype)
     files = ["model.safetensors"] if len(plan) == 1 else [
         f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
     done = 0

@@ -1,4 +1,10 @@
-"""The residency window: which layers are resident, the policy's advice at each boundary, and the counters."""
+"""The residency window: the one record of what is resident, the plan of each layer boundary, and the counters.
+
+At the boundary before a layer runs, the window asks the run's policy (and every observer
+plugin) for advice, and turns the answers into a ``Plan``: the units to evict, the units to
+fetch, and the buffer each fetched unit lands in. The backend executes the plan. With a
+deterministic allocator, a window that repeats from token to token repeats its buffers too.
+"""
 
 from __future__ import annotations
 
@@ -11,47 +17,70 @@ import numpy as np
 
 from . import plugins
 from .errors import PluginError
+from .units import Geometry, Unit, UnitKey, UnitTable
 
 if TYPE_CHECKING:
     from .backend import Backend
 
+__all__ = ["Advice", "Counters", "Entry", "Fetch", "Geometry", "Plan", "Resident", "Window", "delta"]
+
 
 @attrs.frozen
 class Advice:
-    """A policy's answer at a layer boundary."""
+    """A policy's answer at a layer boundary: layer numbers (every unit of the layer) or unit keys."""
 
-    evict: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    prefetch: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-
-
-@attrs.frozen
-class Geometry:
-    """Exact-match key of a buffer: a pool reuses a buffer only for the same geometry."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    device: str
-    layout: tuple = ()  # backend-specific extras, e.g. (n_pad, n_groups) for q8
+    evict: tuple = attrs.field(default=(), converter=tuple)
+    prefetch: tuple = attrs.field(default=(), converter=tuple)
 
 
 @attrs.define(eq=False)
 class Entry:
-    """One weight-cache entry, keyed by (layer, name)."""
+    """One buffer request, as an allocator sees it: which unit, which of its buffers, and who makes buffers."""
 
     layer: int
     name: str
     geometry: Geometry
-    factory: Any  # makes and frees real buffers: new_buffer(geometry), free_buffer(buffer)
+    factory: Any  # the backend: new_buffer(geometry, raw=False), free_buffer(buffer)
+    unit: UnitKey = ()
+
+
+@attrs.frozen
+class Resident:
+    unit: Unit
+    buffers: tuple
+    weights: dict = attrs.field(eq=False)  # entry name -> buffer, what the layer math reads
+
+
+@attrs.frozen
+class Fetch:
+    unit: Unit
+    buffers: tuple
+    ahead: bool  # for a later boundary: a backend with a side stream uploads it there
+
+
+@attrs.frozen
+class Plan:
+    """One boundary: evictions first (their buffers may be reused), then fetches in order."""
+
+    layer: int
+    phase: str
+    evict: tuple[Resident, ...] = ()
+    fetch: tuple[Fetch, ...] = ()
+
+    @property
+    def signature(self) -> tuple:
+        """What must repeat, token after token, for the step to be replayed as it was: units and buffers."""
+        return (self.layer, tuple(r.unit.key for r in self.evict),
+                tuple((f.unit.key, tuple(map(id, f.buffers)), f.ahead) for f in self.fetch))
 
 
 @attrs.define
 class Counters:
     uploads: int = 0  # entries uploaded
-    layer_uploads: int = 0
+    layer_uploads: int = 0  # units uploaded (a dense layer is one unit)
     bytes_uploaded: int = 0
     evictions: int = 0  # entries evicted
-    layer_evictions: int = 0
+    layer_evictions: int = 0  # units evicted
     bytes_evicted: int = 0
     allocations: int = 0  # real buffer allocations
     frees: int = 0  # real buffer frees
@@ -76,72 +105,190 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 class Window:
-    """What the layer loop asks at each boundary; what policies see as ``window``."""
+    """What the layer loop asks at each boundary; what policies and observers see as ``window``."""
 
-    def __init__(self, backend: "Backend", policy: Any, n_layers: int):
-        self.backend = backend
-        self.policy = policy
+    def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int):
+        self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
+        self.units: UnitTable = backend.units
         self.n_layers = n_layers
-        self.keep = getattr(policy, "keep", None)
+        self.keep = policy.keep
         self.phase = "prefill"
         self.token = 0
-        self._weights: dict[int, dict] = {}
-        self._advance = plugins.resolved("on_layer_advance")
+        self.signatures: list[tuple] = []  # this token's plans, as Plan.signature (no buffer kept alive)
+        self.last_signatures: list[tuple] = []  # the previous token's
+        self._churn = self._last_churn = -1  # real allocations and frees at the start of this / the last token
+        self.repeated = False  # whether the last finished token planned exactly what the one before it did
+        self._resident: dict[UnitKey, Resident] = {}
+        self._idle: dict[tuple[int, str], Plan] = {}
+        self._layers: frozenset[int] | None = frozenset()
+        self._entries = {u.key: tuple(Entry(u.layer, e.name, e.geometry, backend, u.key) for e in u.entries)
+                         for u in self.units.units.values()}
+        # Observers: plugins registered in the manager see every boundary and may advise too.
+        self._observers = plugins.implementations("on_layer_advance")
         # Layers the backend uploads ahead on a side stream (0 where it cannot overlap).
-        self.prefetch_depth = getattr(backend, "prefetch_depth", 0) if getattr(policy, "windowed", False) else 0
+        self.prefetch_depth = backend.prefetch_depth if policy.windowed else 0
+
+    # --- what policies read ---------------------------------------------------------------
+    @property
+    def resident(self) -> frozenset[int]:
+        """The layers with a resident unit."""
+        if self._layers is None:
+            self._layers = frozenset(r.unit.layer for r in self._resident.values())
+        return self._layers
+
+    @property
+    def resident_units(self) -> frozenset[UnitKey]:
+        return frozenset(self._resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.unit.nbytes for r in self._resident.values())
 
     def horizon(self, layer: int) -> list[int]:
         """The layers a prefetching backend wants next after ``layer`` (the loop wraps to the next token)."""
         return [(layer + d) % self.n_layers for d in range(1, self.prefetch_depth + 1)]
 
-    @property
-    def resident(self) -> frozenset[int]:
-        return frozenset(self._weights)
+    # --- the boundary ---------------------------------------------------------------------
+    def step(self, layer: int, phase: str) -> dict[str, Any]:
+        """Plan and execute the boundary before ``layer``; return the layer's weights."""
+        self.advance(layer, phase)
+        return self.acquire(layer)
+
+    def advance(self, layer: int, phase: str) -> Plan:
+        plan = self.plan(layer, phase)
+        if plan.evict or plan.fetch:
+            self.backend.execute(plan)
+            self.signatures.append(plan.signature)
+        else:
+            self.signatures.append(layer)
+        return plan
+
+    def plan(self, layer: int, phase: str) -> Plan:
+        """Turn the policy's and observers' advice into this boundary's plan, updating the record."""
+        self.phase = phase
+        evict: set[UnitKey] = set()
+        ahead: list[UnitKey] = []
+        for advice in self._advice(layer, phase):
+            for x in advice.evict:
+                evict.update(self._keys(x, "evict"))
+            for x in advice.prefetch:
+                ahead.extend(self._keys(x, "prefetch"))
+        current = self.units.of_layer(layer)
+        if self.prefetch_depth:
+            ahead += [u.key for d in self.horizon(layer) for u in self.units.of_layer(d)]
+        resident = self._resident
+        if not evict and not ahead and all(u.key in resident for u in current):
+            idle = self._idle.get((layer, phase))  # the steady state of a resident layer: nothing to do
+            if idle is None:
+                idle = self._idle[layer, phase] = Plan(layer, phase)
+            return idle
+        if any(u.key in evict for u in current):
+            raise PluginError(f"policy {self.policy.name!r} asked to evict layer {layer}, which is about to run")
+        evicted = tuple(self._evict(key) for key in sorted(evict) if key in resident)
+        fetch = [self._fetch(u, ahead=False) for u in current if u.key not in resident]
+        for key in ahead:
+            if key not in resident:
+                fetch.append(self._fetch(self.units[key], ahead=True))
+        return Plan(layer, phase, evicted, tuple(fetch))
+
+    def acquire(self, layer: int) -> dict[str, Any]:
+        """The layer's weights (uploaded on demand), ordered after their upload."""
+        units = self.units.of_layer(layer)
+        if len(units) != 1:
+            raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
+        key = units[0].key
+        r = self._resident.get(key)
+        if r is None:
+            plan = Plan(layer, self.phase, (), (self._fetch(units[0], ahead=False),))
+            self.backend.execute(plan)
+            self.signatures.append(plan.signature)
+            r = self._resident[key]
+        self.backend.before_use(key)
+        return r.weights
 
     def preload(self) -> None:
+        """Before a generation: pick up the observers registered now, and upload what preload answers ask for."""
+        self._observers = plugins.implementations("on_layer_advance")
         layers: set[int] = set()
-        for answer in plugins.pm.hook.preload(window=self):
+        for answer in [self.policy.preload(self), *(fn(window=self) for fn in plugins.implementations("preload"))]:
             if answer is None:
                 continue
             if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
                 raise PluginError(f"preload must return layer numbers (e.g. range(n) or []) or None, got {answer!r}")
             layers.update(self._layer(x, "preload") for x in answer)
-        for layer in sorted(layers):
-            self.acquire(layer)
+        fetch = tuple(self._fetch(u, ahead=False) for layer in sorted(layers) for u in self.units.of_layer(layer)
+                      if u.key not in self._resident)
+        if fetch:
+            self.backend.execute(Plan(-1, "preload", (), fetch))
 
-    def advance(self, layer: int, phase: str) -> None:
-        """The layer boundary before ``layer`` runs: apply every plugin's advice."""
-        self.phase = phase
-        evict: set[int] = set()
-        prefetch: list[int] = []
-        for advice in self._advance(window=self, layer=layer, phase=phase):
+    def next_token(self) -> None:
+        """The loop wraps: note whether the token just finished repeated the one before it."""
+        churn = self.counters.allocations + self.counters.frees
+        # Buffers compare by identity: sound while none was made or freed over both tokens, from an
+        # allocator that hands them out deterministically.
+        steady = churn == self._churn == self._last_churn
+        self.repeated = self.allocator.deterministic and steady and self.signatures == self.last_signatures
+        self.token += 1
+        self.last_signatures, self.signatures = self.signatures, []
+        self._last_churn, self._churn = self._churn, churn
+
+    def release_all(self) -> None:
+        evicted = tuple(self._evict(key) for key in sorted(self._resident))
+        if evicted:
+            self.backend.execute(Plan(-1, "close", evicted, ()))
+
+    # --- the record -------------------------------------------------------------------------
+    def _fetch(self, unit: Unit, ahead: bool) -> Fetch:
+        entries = self._entries[unit.key]
+        buffers = []
+        for entry in entries:
+            buf = self.allocator.alloc(entry)
+            if buf is None:
+                raise PluginError(f"allocator {self.allocator.name!r} returned no buffer for {unit.key} {entry.name}")
+            buffers.append(buf)
+        buffers = tuple(buffers)
+        self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(entries, buffers)})
+        self._layers = None
+        c = self.counters
+        c.uploads += len(entries)
+        c.layer_uploads += 1
+        c.bytes_uploaded += unit.nbytes
+        c.add_resident(unit.nbytes, len(entries))
+        return Fetch(unit, buffers, ahead)
+
+    def _evict(self, key: UnitKey) -> Resident:
+        r = self._resident.pop(key)
+        self._layers = None
+        for entry, buf in zip(self._entries[key], r.buffers):
+            self.allocator.release(entry, buf)
+        c = self.counters
+        c.evictions += len(r.buffers)
+        c.layer_evictions += 1
+        c.bytes_evicted += r.unit.nbytes
+        c.add_resident(-r.unit.nbytes, -len(r.buffers))
+        return r
+
+    def _advice(self, layer: int, phase: str) -> list[Advice]:
+        answers = [self.policy.on_layer_advance(self, layer, phase)]
+        for fn in self._observers:
+            answers.append(fn(window=self, layer=layer, phase=phase))
+        out = []
+        for advice in answers:
             if advice is None:
                 continue
             if not isinstance(advice, Advice):
                 raise PluginError(f"on_layer_advance must return an Advice or None, got {type(advice).__name__}")
-            evict.update(self._layer(x, "evict") for x in advice.evict)
-            prefetch.extend(self._layer(x, "prefetch") for x in advice.prefetch)
-        if layer in evict:
-            raise PluginError(f"policy {self.policy.name!r} asked to evict layer {layer}, which is about to run")
-        for victim in sorted(evict):
-            weights = self._weights.pop(victim, None)
-            if weights is not None:
-                self.backend.evict_layer(victim, weights)
-        for ahead in [*prefetch, *self.horizon(layer)]:
-            if ahead not in self._weights and ahead != layer:
-                self._weights[ahead] = self.backend.prefetch_layer(ahead)
+            if advice.evict or advice.prefetch:
+                out.append(advice)
+        return out
 
-    def acquire(self, layer: int) -> dict:
-        """The layer's weights, uploaded on demand."""
-        weights = self._weights.get(layer)
-        if weights is None:
-            weights = self._weights[layer] = self.backend.upload_layer(layer)
-        self.backend.before_use(layer)
-        return weights
-
-    def release_all(self) -> None:
-        for layer in sorted(self._weights):
-            self.backend.evict_layer(layer, self._weights.pop(layer))
+    def _keys(self, value: Any, what: str) -> tuple[UnitKey, ...]:
+        """The units a plugin names: a layer number (every unit of it) or a unit key."""
+        if isinstance(value, tuple):
+            if value not in self.units.units:
+                raise PluginError(f"policy {self.policy.name!r} asked to {what} unit {value!r}, which this model has not")
+            return (value,)
+        return tuple(u.key for u in self.units.of_layer(self._layer(value, what)))
 
     def _layer(self, value: Any, what: str) -> int:
         """A layer number from a plugin: any integral type (numpy's too), in range."""

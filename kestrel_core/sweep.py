@@ -13,6 +13,7 @@ from .backend import Backend
 from .engine import Model, make_policy, open_run
 from .errors import ConfigError, KestrelError
 from .generate import GenerationResult, generate
+from .optimum import min_bytes_by_pass
 
 
 @attrs.frozen
@@ -23,11 +24,29 @@ class Row:
     allocator: str
     prefetch: int
     result: GenerationResult
+    min_by_pass: list[int]  # bytes the offline optimum (belady) moves in each pass at this row's streamed peak
+
+    def steady_mean(self, key: str) -> float:
+        """A counter's mean a token from the second decoded token on (after warm-up)."""
+        steady = self.result.per_token[1:] or self.result.per_token
+        return statistics.fmean(p[key] for p in steady) if steady else 0.0
+
+    @property
+    def min_bytes_per_token(self) -> float:
+        """The optimum's bytes a token over the same tokens as ``steady_mean`` (pass 0 is the prefill)."""
+        decode = self.min_by_pass[1:]
+        steady = decode[1:] or decode
+        return statistics.fmean(steady) if steady else 0.0
+
+    @property
+    def vs_min(self) -> float:
+        """Bytes a token over the optimum's at the same peak: 1.0 is optimal."""
+        moved = self.steady_mean("bytes_uploaded")
+        return moved / self.min_bytes_per_token if self.min_bytes_per_token else (1.0 if not moved else float("inf"))
 
     def to_json(self) -> dict:
         r = self.result
-        steady = r.per_token[1:] or r.per_token  # from the second decoded token on: after warm-up
-        mean = lambda key: statistics.fmean(p[key] for p in steady) if steady else 0.0  # noqa: E731
+        mean = self.steady_mean
         return {
             "backend": self.backend,
             "policy": self.policy,
@@ -38,7 +57,9 @@ class Row:
             "prefill_ms": round(r.prefill_ms, 3),
             "layer_uploads_per_token": mean("layer_uploads"),
             "bytes_uploaded_per_token": mean("bytes_uploaded"),
-            "allocations_after_warmup": sum(p["allocations"] for p in steady) if len(r.per_token) > 1 else None,
+            "min_bytes_per_token": self.min_bytes_per_token,
+            "bytes_vs_min": self.vs_min,
+            "allocations_after_warmup": sum(p["allocations"] for p in r.per_token[1:]) if len(r.per_token) > 1 else None,
             "peak_resident_bytes": r.counters["peak_resident_bytes"],
             "peak_resident_entries": r.counters["peak_resident_entries"],
             "token_ids": r.token_ids,
@@ -99,16 +120,19 @@ def run_sweep(
             residency__keep=keep,
             residency__allocator=allocator,
         )
-        result = _run(model, cfg, prompt_ids, f"run {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
-        rows.append(Row(backend, policy, keep, allocator, prefetch, result))
+        result, bound = _run(model, cfg, prompt_ids, f"run {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
+        rows.append(Row(backend, policy, keep, allocator, prefetch, result, bound))
     return rows
 
 
 def _run(model: Model, cfg: KestrelConfig, prompt_ids: list[int], label: str, max_new_tokens: int | None = None):
+    """The run's result, and the optimum's bytes a token at the same streamed peak."""
     gen = cfg.generation if max_new_tokens is None else attrs.evolve(cfg.generation, max_new_tokens=max_new_tokens)
     try:
         with open_run(model, cfg) as run:
-            return generate(run, prompt_ids, gen)
+            result = generate(run, prompt_ids, gen)
+            streamed_peak = result.counters["peak_resident_bytes"] - result.fixed_resident_bytes
+            return result, min_bytes_by_pass(run.backend.units.layer_bytes, streamed_peak, 1 + len(result.per_token))
     except KestrelError as exc:  # a failed run ends the sweep: no verdict is drawn over it
         raise type(exc)(f"sweep {label}: {exc}") from None
 
@@ -148,7 +172,7 @@ def _mib(n: float) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'backend':8} {'policy':16} {'keep':>4} {'alloc':5} {'pf':>2} {'ms/tok':>8} {'prefill':>8} {'layers/tok':>10} {'MiB/tok':>9} {'peak MiB':>9} {'entries':>7} {'allocs*':>7} ids"
+    head = f"{'backend':8} {'policy':16} {'keep':>4} {'alloc':5} {'pf':>2} {'ms/tok':>8} {'prefill':>8} {'layers/tok':>10} {'MiB/tok':>9} {'peak MiB':>9} {'entries':>7} {'allocs*':>7} {'xMIN':>5} ids"
     lines = [head, "-" * len(head)]
     ref: dict[str, list[int]] = {}
     for r in rows:
@@ -158,9 +182,10 @@ def format_table(rows: list[Row]) -> str:
         lines.append(
             f"{r.backend:8} {r.policy:16} {str(r.keep):>4} {r.allocator:5} {r.prefetch:>2} {j['ms_per_token']:8.2f} "
             f"{j['prefill_ms']:8.2f} {j['layer_uploads_per_token']:10.2f} {_mib(j['bytes_uploaded_per_token']):>9} "
-            f"{_mib(j['peak_resident_bytes']):>9} {j['peak_resident_entries']:7} {allocs:>7} {'same' if same else 'DIFF'}"
+            f"{_mib(j['peak_resident_bytes']):>9} {j['peak_resident_entries']:7} {allocs:>7} {r.vs_min:5.2f} {'same' if same else 'DIFF'}"
         )
-    lines.append("allocs* = real allocations from the second decoded token on; ids = token ids against the first row of the backend")
+    lines.append("allocs* = real allocations from the second decoded token on; xMIN = bytes a token over the offline "
+                 "optimum's (belady) at the same peak; ids = token ids against the first row of the backend")
     return "\n".join(lines)
 
 

@@ -2,73 +2,85 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
+import itertools
 
 from kestrel_core.hookspecs import hookimpl
 
 
 class Free:
-    """Every alloc is a real allocation, every release a real free (on CUDA: cudaMalloc/cudaFree)."""
+    """Every alloc is a real allocation, every release a real free (on CUDA: raw cudaMalloc/cudaFree)."""
 
     name = "free"
+    deterministic = False  # fresh buffers every time: a step that uses them cannot be replayed
+    raw = True  # bypass any caching allocator, so that the synchronising cost of a real free shows
 
     def __init__(self, counters, slots: int = 0):
         self.counters = counters
 
-    @hookimpl
     def alloc(self, entry):
         self.counters.allocations += 1
-        return entry.factory.new_buffer(entry.geometry)
+        return entry.factory.new_buffer(entry.geometry, raw=self.raw)
 
-    @hookimpl
     def release(self, entry, buffer):
         self.counters.frees += 1
         entry.factory.free_buffer(buffer)
 
+    def drain(self):
+        """Nothing is held."""
+
 
 class Pool:
-    """A geometry-keyed free list: eviction is an O(1) push, a hit an O(1) pop.
+    """A geometry-keyed free list: eviction is an O(1)-ish push, a hit a pop.
 
-    A buffer is reused only for an identical geometry. Once ``slots`` buffers wait in
-    the pool, a further release falls back to a real free.
+    A buffer is reused only for an identical geometry, and the lowest-numbered free buffer
+    goes first: the same sequence of requests always gets the same buffers, so a window that
+    repeats from token to token repeats its buffers too. Once ``slots`` buffers wait in the
+    pool, a further release falls back to a real free.
     """
 
     name = "pool"
+    deterministic = True
 
     def __init__(self, counters, slots: int = 128):
         self.counters = counters
         self.slots = slots
-        self._free = defaultdict(list)
+        self._free: dict = {}  # geometry -> heap of (serial, buffer factory, buffer)
+        self._serial: dict[int, int] = {}  # id(buffer) -> its number, for every buffer this pool made
+        self._numbers = itertools.count()
         self._held = 0
 
-    @hookimpl
     def alloc(self, entry):
         bucket = self._free.get(entry.geometry)
         if bucket:
             self._held -= 1
             self.counters.pool_hits += 1
-            return bucket.pop()[1]
+            return heapq.heappop(bucket)[2]
         self.counters.allocations += 1
-        return entry.factory.new_buffer(entry.geometry)
+        buffer = entry.factory.new_buffer(entry.geometry)
+        self._serial[id(buffer)] = next(self._numbers)
+        return buffer
 
-    @hookimpl
     def release(self, entry, buffer):
         if self._held < self.slots:
-            self._free[entry.geometry].append((entry.factory, buffer))
+            heapq.heappush(self._free.setdefault(entry.geometry, []), (self._serial[id(buffer)], entry.factory, buffer))
             self._held += 1
         else:
-            self.counters.frees += 1
-            entry.factory.free_buffer(buffer)
+            self._free_for_real(entry.factory, buffer)
 
     def drain(self):
         """Free every pooled buffer for real (end of run)."""
         for bucket in self._free.values():
             while bucket:
-                factory, buffer = bucket.pop()
-                self.counters.frees += 1
-                factory.free_buffer(buffer)
+                _, factory, buffer = bucket.pop()
+                self._free_for_real(factory, buffer)
         self._free.clear()
         self._held = 0
+
+    def _free_for_real(self, factory, buffer):
+        self._serial.pop(id(buffer), None)
+        self.counters.frees += 1
+        factory.free_buffer(buffer)
 
 
 @hookimpl

@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from kestrel_core.hookspecs import hookimpl
+from kestrel_core.optimum import farthest_first
 from kestrel_core.residency import Advice
 
 
@@ -71,11 +72,11 @@ class FutureEvicting(Asymmetric):
 
 @attrs.define
 class PinnedSet:
-    """Belady's MIN for a cyclic loop: at asymmetric's peak budget, pin a fixed set and stream the rest.
+    """At asymmetric's peak budget, pin a fixed set and stream the rest through one slot.
 
     With a budget of ``P = min(L, 2*keep)`` layers (asymmetric's peak at the same keep),
     ``P - 1`` layers stay for good and one slot streams the others: ``L - P + 1`` uploads
-    a token instead of ``L - keep``.
+    a token instead of ``L - keep``. Not optimal: ``belady`` at the same peak moves fewer.
     """
 
     n_layers: int
@@ -106,9 +107,39 @@ class PinnedSet:
         return Advice(evict=[l for l in window.resident if l not in keep])
 
 
+@attrs.define
+class Belady:
+    """The offline optimum for the known cyclic order (Belady's MIN) at a budget of ``keep`` layers' bytes.
+
+    When a layer must come in and the budget is full, evict the resident layer whose next
+    use is farthest away. Its peak is ``keep`` layers (the largest ones' bytes), plus the
+    horizon a prefetching backend loads ahead.
+    """
+
+    n_layers: int
+    keep: int
+    name = "belady"
+    windowed = True
+
+    def peak_layers(self) -> int:
+        return self.keep
+
+    @hookimpl
+    def preload(self, window):
+        return ()
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        units = window.units
+        needed = {layer, *window.horizon(layer)}
+        return Advice(evict=farthest_first(window.resident, needed, layer, self.n_layers, units.layer_bytes,
+                                           units.peak_bytes(self.keep)))
+
+
 @hookimpl
 def register_policies(register):
     register("asymmetric", Asymmetric)
     register("future_evicting", FutureEvicting)
     register("pinned_set", PinnedSet)
+    register("belady", Belady)
     register("off", Off)

@@ -151,7 +151,7 @@ def test_config_that_does_not_match_the_weights(tiny_copy, capsys):
 
 @pytest.mark.parametrize(
     "flag, value, available",
-    [("--policy", "lru", ["asymmetric", "future_evicting", "pinned_set", "off"]),
+    [("--policy", "lru", ["asymmetric", "belady", "future_evicting", "pinned_set", "off"]),
      ("--backend", "tpu", ["cpu_ref", "cuda"]),
      ("--allocator", "slab", ["pool", "free"])],
 )
@@ -244,9 +244,9 @@ def test_a_real_process_prints_one_line_and_exits_2(tiny_copy, case):
         path = tiny_copy / WEIGHTS
         path.write_bytes(path.read_bytes()[:100])
     else:
-        argv += ["--policy", "belady"]
+        argv += ["--policy", "clairvoyant"]
     proc = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("kestrel: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert ("truncated" if case == "truncated" else "unknown policy 'belady'") in proc.stderr
+    assert ("truncated" if case == "truncated" else "unknown policy 'clairvoyant'") in proc.stderr

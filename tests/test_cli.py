@@ -112,10 +112,13 @@ class StaleRefill(CpuRefBackend):
         super().__init__(ctx)
         self._seen = set()
 
-    def layer_sources(self, layer):
+    def fill_unit(self, fetch):
+        layer = fetch.unit.layer
         again = layer in self._seen
         self._seen.add(layer)
-        return super().layer_sources((layer + 1) % self.cfg.num_hidden_layers if again else layer)
+        wrong = self.units.of_layer((layer + 1) % self.cfg.num_hidden_layers)[0] if again else fetch.unit
+        for entry, buffer in zip(wrong.entries, fetch.buffers):
+            self.fill(buffer, entry.source)
 
 
 class StaleBackendPlugin:

@@ -94,7 +94,7 @@ def test_without_the_install_the_policy_is_unknown(tiny_ckpt):
     from kestrel_core.errors import PluginError
     from kestrel_core.plugins import lookup
 
-    with pytest.raises(PluginError, match="unknown policy 'mru'; available: asymmetric, future_evicting"):
+    with pytest.raises(PluginError, match="unknown policy 'mru'; available: asymmetric, belady, future_evicting"):
         lookup("policies", "mru")
 
 

@@ -22,7 +22,7 @@ from kestrel_cpu_ref.backend import CpuRefBackend
 ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = {
     "backend": {"cpu_ref", "cuda"},
-    "policy": {"asymmetric", "future_evicting", "pinned_set", "off"},
+    "policy": {"asymmetric", "belady", "future_evicting", "pinned_set", "off"},
     "allocator": {"pool", "free"},
 }
 
@@ -148,6 +148,9 @@ class KeepNothing:
 
     def __init__(self, n_layers, keep):
         self.n_layers, self.keep = n_layers, keep
+
+    def peak_layers(self):
+        return 1
 
     @hookimpl
     def preload(self, window):
@@ -298,6 +301,7 @@ class Bump:
     """A third-party allocator: never reuses, never frees until the run ends (counts what it handed out)."""
 
     name = "bump"
+    deterministic = False
 
     def __init__(self, counters, slots=0):
         self.counters, self.live = counters, []

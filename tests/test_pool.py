@@ -21,7 +21,8 @@ class FakeFactory:
         self.freed: list[int] = []
         self._ids = itertools.count()
 
-    def new_buffer(self, geometry):
+    def new_buffer(self, geometry, raw=False):
+        self.raw = raw
         buf = ("buffer", next(self._ids), geometry)
         self.made.append(buf)
         return buf
@@ -93,6 +94,19 @@ def test_free_allocator_is_always_real():
     free.release(entry=entry(f), buffer=a)
     b = free.alloc(entry=entry(f))
     assert a is not b and f.freed == [a] and (c.allocations, c.frees, c.pool_hits) == (2, 1, 0)
+    assert f.raw is True and not free.deterministic  # raw buffers: the synchronising free shows
+
+
+def test_the_pool_hands_out_its_lowest_numbered_buffer_first():
+    """Deterministic: the same requests get the same buffers, whatever order they came back in."""
+    f, c = FakeFactory(), Counters()
+    pool = Pool(c, slots=8)
+    bufs = [pool.alloc(entry=entry(f, layer=i)) for i in range(3)]
+    for order in ([2, 0, 1], [1, 2, 0], [0, 1, 2]):
+        for i in order:
+            pool.release(entry=entry(f, layer=i), buffer=bufs[i])
+        assert [pool.alloc(entry=entry(f)) for _ in range(3)] == bufs, order
+    assert pool.deterministic and c.allocations == 3
 
 
 # --- in a real run ---------------------------------------------------------------------

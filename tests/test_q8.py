@@ -282,9 +282,9 @@ def test_cpu_ref_buffers_are_the_dequantized_weights(tiny_q8):
     with Model(tiny_q8) as model:
         with open_run(model, KestrelConfig()) as run:
             backend = run.backend
-            sources = list(backend.layer_sources(2))
-            assert [name for name, _, _ in sources] == ["q", "k", "v", "o", "gate", "up", "down"]
-            name, src, geo = sources[6]
+            entries = backend.units[(2,)].entries
+            assert [e.name for e in entries] == ["q", "k", "v", "o", "gate", "up", "down"]
+            src, geo = entries[6].source, entries[6].geometry
             assert isinstance(src, quant.Q8Tensor) and geo.layout == ("q8", 64, 5)  # down: N=64, K=160/32
             assert geo != Geometry(geo.shape, geo.dtype, geo.nbytes, geo.device)  # never shares a float buffer
             w = run.window.acquire(2)
@@ -344,8 +344,9 @@ def test_staged_fused_entries_split_like_the_parts(tiny_q8):
     with Model(tiny_q8) as model:
         cfg, info, ckpt = model.config, model.quant, model.checkpoint
         staged = q8.stage_q8_layer(ckpt, cfg, info, 1, fused, pin_memory=False)
-        assert q8.q8_layer_bytes(cfg, info, fused) == sum(w.nbytes for w in staged.values())
         specs = linear_specs(cfg, 1)
+        for name, roles in fused:  # the geometry the budget and the pool use, before anything is staged
+            assert q8.fused_geometry([info.tensors[specs[r][0]] for r in roles], "cuda:0") == staged[name].geometry("cuda:0")
         x = torch.randn(3, cfg.hidden_size, dtype=torch.float64)
         for name, roles in fused:
             w = staged[name]

@@ -21,9 +21,9 @@ from test_bad_input import WEIGHTS, fails, gen
 
 @pytest.mark.parametrize("command", ["generate", "sweep"])
 def test_an_unknown_policy_is_an_error_even_with_keep_off(tiny_ckpt, capsys, command):
-    argv = gen(tiny_ckpt, "--policy", "belady") if command == "generate" else [
-        "sweep", "--model", str(tiny_ckpt), "--keep", "off", "--policy", "belady", "--max-new-tokens", "2"]
-    fails(argv, capsys, "unknown policy 'belady'", "asymmetric")
+    argv = gen(tiny_ckpt, "--policy", "clairvoyant") if command == "generate" else [
+        "sweep", "--model", str(tiny_ckpt), "--keep", "off", "--policy", "clairvoyant", "--max-new-tokens", "2"]
+    fails(argv, capsys, "unknown policy 'clairvoyant'", "asymmetric")
 
 
 def test_sweep_refuses_prefetch_on_cpu_ref_as_generate_does(tiny_ckpt, capsys):

@@ -1,6 +1,6 @@
-"""cpu_ref: upload copies a layer from the mapping into float32 buffers; evict releases them and drops the pages.
+"""cpu_ref: a fetch copies a unit from the mapping into compute-dtype buffers; retiring it drops the pages.
 
-While a layer is resident its mapped pages stay touched, so the mapping's RSS in
+While a unit is resident its mapped pages stay touched, so the mapping's RSS in
 /proc/self/smaps follows the window; ``MADV_DONTNEED`` takes them out again.
 
 A q8 checkpoint is dequantized on upload (W[n, k] = qweight[k, n] * scales[k // g, n])
@@ -14,11 +14,11 @@ import torch
 from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
+from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError
-from kestrel_core.model import linear_specs
-from kestrel_core.residency import Geometry
+from kestrel_core.units import EntrySpec, Geometry
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = ("float32", "float64")
 
 
 class CpuRefBackend(Backend):
@@ -26,27 +26,24 @@ class CpuRefBackend(Backend):
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
-        want = ctx.backend.dtype or "float32"
-        if want not in _DTYPES:
-            raise ConfigError(f"cpu_ref computes in {' or '.join(_DTYPES)}, not {want!r}; set [backend] dtype")
+        self.dtype = compute_dtype(ctx.backend.dtype or "float32", DTYPES, self.name)
         if ctx.backend.device and compute_device(ctx.backend.device).type != "cpu":
             raise ConfigError(f"cpu_ref computes on the CPU, not on {ctx.backend.device}; use --backend cuda for a GPU")
-        self.dtype = _DTYPES[want]
         self.device = torch.device("cpu")
-        self._specs = [linear_specs(self.cfg, layer) for layer in range(self.cfg.num_hidden_layers)]
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
+        self.lay_out_units()
         self.load_globals()
 
-    def layer_sources(self, layer):
-        item = torch.empty((), dtype=self.dtype).element_size()
-        for role, (name, shape) in self._specs[layer].items():
+    def layout(self, spec):
+        item = itemsize(self.dtype)
+        for role, (name, shape) in spec.tensors.items():
             nbytes = shape[0] * shape[1] * item  # the resident buffer: [N, K] in compute dtype
             q8 = self._q8.get(name)
             if q8 is None:
-                yield role, name, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu")
+                yield EntrySpec(role, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu"), name)
             else:
-                yield role, q8, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu", q8.layout)
+                yield EntrySpec(role, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu", q8.layout), q8)
 
     def fill(self, buffer, source):
         if isinstance(source, quant.Q8Tensor):
@@ -66,8 +63,8 @@ class CpuRefBackend(Backend):
         self.ckpt.drop_pages([q8.qweight, q8.scales])
         return t
 
-    def new_buffer(self, geometry):
-        return torch.empty(geometry.shape, dtype=self.dtype)
+    def new_buffer(self, geometry, raw=False):
+        return torch.empty(geometry.shape, dtype=self.dtype)  # the CPU allocator has no cache to bypass
 
     def free_buffer(self, buffer):
         # Dropping the last reference frees it for real (large blocks go back to the OS).
@@ -76,11 +73,11 @@ class CpuRefBackend(Backend):
     def load_resident(self, host):
         return host.to(self.dtype, copy=True)
 
-    def after_evict(self, layer):
+    def retire(self, resident):
         names = []
-        for name, _ in self._specs[layer].values():
-            q8 = self._q8.get(name)
-            names += [name] if q8 is None else [q8.qweight, q8.scales]
+        for entry in resident.unit.entries:
+            source = entry.source
+            names += [source.qweight, source.scales] if isinstance(source, quant.Q8Tensor) else [source]
         self.ckpt.drop_pages(names)
 
     def memory_stats(self):

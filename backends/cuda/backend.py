@@ -14,15 +14,16 @@ import torch.nn.functional as F
 
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
+from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError
 from kestrel_core.model import linear_specs
-from kestrel_core.residency import Geometry
+from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
 from .budget import resolve_budget
 from .rawcuda import RawBlock, raw_empty
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")
 FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
 
 
@@ -42,10 +43,7 @@ class CudaBackend(Backend):
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
         super().__init__(ctx)
-        want = ctx.backend.dtype or "bfloat16"
-        if want not in _DTYPES:
-            raise ConfigError(f"cuda computes in {', '.join(_DTYPES)}, not {want!r}; set [backend] dtype")
-        self.dtype = _DTYPES[want]
+        self.dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, self.name)
         self.device = compute_device(ctx.backend.device or "cuda")
         if self.device.type != "cuda":
             raise ConfigError(f"the cuda backend computes on a GPU, not on {self.device}; use --device cuda:N or --backend cpu_ref")
@@ -55,15 +53,15 @@ class CudaBackend(Backend):
         self.prefetch_depth = ctx.backend.prefetch
         self.compute_stream = torch.cuda.current_stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else self.compute_stream
-        self._ready: dict[int, torch.cuda.Event] = {}
+        self._ready: dict[tuple, torch.cuda.Event] = {}  # unit key -> its upload's event
         self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
-        self._raw = ctx.residency.allocator == "free"
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         if self.quant:
             q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
+        self.lay_out_units()
         self._check_budget(ctx)
-        self._stage_host()
+        self._host = ctx.host.get(("cuda-pinned-staging", "q8" if self.quant else self.dtype), self._stage_host)
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
         try:
@@ -71,15 +69,20 @@ class CudaBackend(Backend):
         except torch.cuda.OutOfMemoryError:
             raise self._oom("loading embeddings and lm_head") from None
 
-    # --- budget ------------------------------------------------------------------
-    def _layer_bytes(self) -> int:
-        if self.quant:
-            return q8.q8_layer_bytes(self.cfg, self.quant, FUSED)
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(s[0] * s[1] for _, s in linear_specs(self.cfg, 0).values()) * item
+    # --- layout and budget -------------------------------------------------------
+    def layout(self, spec):
+        """Fused QKV, o, fused gate-up, down: the layout the host staging holds and the math reads."""
+        tensors = spec.tensors
+        for name, roles in FUSED:
+            if self.quant:
+                geometry = q8.fused_geometry([self._q8[tensors[r][0]] for r in roles], self.device)
+            else:
+                shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
+                geometry = Geometry(shape, str(self.dtype), shape[0] * shape[1] * itemsize(self.dtype), str(self.device))
+            yield EntrySpec(name, geometry, (spec.layer, name))
 
     def _global_bytes(self) -> int:
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = itemsize(self.dtype)
         vh = self.cfg.vocab_size * self.cfg.hidden_size
         lm_head = self._q8.get("lm_head.weight")
         if lm_head is not None:
@@ -87,22 +90,24 @@ class CudaBackend(Backend):
         return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
 
     def _check_budget(self, ctx: BackendContext) -> None:
+        """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""
         free, _ = torch.cuda.mem_get_info(self.device)
         self.budget, self.budget_source = resolve_budget(ctx.residency.budget_mb, free)
-        layer, glob = self._layer_bytes(), self._global_bytes()
-        mib = 2**20
-        if self.budget < glob + layer:
+        glob, units, mib = self._global_bytes(), self.units, 2**20
+        largest = units.peak_bytes(1)
+        if self.budget < glob + largest:
             raise BudgetError(
                 f"weight-cache budget {self.budget // mib} MiB ({self.budget_source}) is below one layer's working set: "
-                f"need at least {(glob + layer + mib - 1) // mib} MiB ({layer // mib} MiB a layer + {glob // mib} MiB resident); "
-                "raise --budget-mb or KESTREL_WCACHE_MB"
+                f"need at least {-(-(glob + largest) // mib)} MiB ({largest // mib} MiB for the largest layer + "
+                f"{glob // mib} MiB resident); raise --budget-mb or KESTREL_WCACHE_MB"
             )
         L = self.cfg.num_hidden_layers
-        peak = L if not ctx.residency.windowed else min(L, ctx.peak_layers + self.prefetch_depth)
-        need = glob + peak * layer
+        windowed = ctx.residency.windowed
+        peak = L if not windowed else min(L, ctx.peak_layers + self.prefetch_depth)
+        need = glob + units.peak_bytes(peak)
         if need > self.budget:
-            fit = max(1, (self.budget - glob) // layer)
-            hint = f"use keep <= {max(1, (fit - self.prefetch_depth) // 2)}" if ctx.residency.windowed else f"turn the window on (e.g. --keep {max(1, fit // 2)})"
+            fit = max(n for n in range(1, L + 1) if glob + units.peak_bytes(n) <= self.budget)
+            hint = f"use keep <= {max(1, (fit - self.prefetch_depth) // 2)}" if windowed else f"turn the window on (e.g. --keep {max(1, fit // 2)})"
             raise BudgetError(
                 f"this run peaks at {peak} resident layers = {need // mib} MiB, over the weight-cache budget of "
                 f"{self.budget // mib} MiB ({self.budget_source}); {hint}, or raise --budget-mb / KESTREL_WCACHE_MB"
@@ -117,22 +122,17 @@ class CudaBackend(Backend):
         )
 
     # --- host staging --------------------------------------------------------------
-    def _stage_host(self) -> None:
+    def _stage_host(self) -> list[dict[str, torch.Tensor]]:
         """Pin each layer once, already fused and in compute dtype: an upload is then a plain DMA.
 
-        The staging lives with the opened model, so a sweep pins the weights once.
+        The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
-        key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
-        if key in self.ctx.shared:
-            self._host = self.ctx.shared[key]
-            return
-        self._host: list[dict[str, torch.Tensor]] = []
+        host: list[dict[str, torch.Tensor]] = []
         if self.quant:  # already in device layout: pin (and fuse along N) once, no dtype change
             for layer in range(self.cfg.num_hidden_layers):
-                self._host.append(q8.stage_q8_layer(self.ckpt, self.cfg, self.quant, layer, FUSED))
+                host.append(q8.stage_q8_layer(self.ckpt, self.cfg, self.quant, layer, FUSED))
                 self.ckpt.drop_pages(q8.layer_page_names(self.cfg, self.quant, layer))
-            self.ctx.shared[key] = self._host
-            return
+            return host
         for layer in range(self.cfg.num_hidden_layers):
             specs = linear_specs(self.cfg, layer)
             staged = {}
@@ -145,26 +145,18 @@ class CudaBackend(Backend):
                     buf[at : at + src.shape[0]].copy_(src)
                     at += src.shape[0]
                 staged[fused] = buf
-            self._host.append(staged)
+            host.append(staged)
             self.ckpt.drop_pages([n for n, _ in specs.values()])  # the pinned copy is the host staging now
-        self.ctx.shared[key] = self._host
+        return host
 
     # --- Backend contract ----------------------------------------------------------
-    def layer_sources(self, layer):
-        for name, host in self._host[layer].items():
-            if isinstance(host, q8.Q8Weight):
-                yield name, host, host.geometry(self.device)  # layout = ("q8", Npad, ngroups)
-                continue
-            nbytes = host.numel() * host.element_size()
-            yield name, host, Geometry(tuple(host.shape), str(self.dtype), nbytes, str(self.device))
-
-    def new_buffer(self, geometry):
+    def new_buffer(self, geometry, raw=False):
         try:
             if q8.is_q8_geometry(geometry):  # one byte buffer: qweight then scales
-                if self._raw:
+                if raw:
                     return q8.new_q8_buffer(geometry, self.device, empty=raw_empty)
                 buf = q8.new_q8_buffer(geometry, self.device)
-            elif self._raw:
+            elif raw:
                 return raw_empty(geometry.shape, self.dtype, self.device)
             else:
                 buf = torch.empty(geometry.shape, dtype=self.dtype, device=self.device)
@@ -178,11 +170,35 @@ class CudaBackend(Backend):
         del buffer  # raw: cudaFree runs as the last view dies; pool fallback: back to torch's cache
 
     def fill(self, buffer, source):
+        layer, name = source
         waits = self._last_read.pop(buffer.data_ptr(), None)
         if waits is not None and self.copy_stream is not self.compute_stream:
             self.copy_stream.wait_event(waits)
         with torch.cuda.stream(self.copy_stream):
-            buffer.copy_(source, non_blocking=True)
+            buffer.copy_(self._host[layer][name], non_blocking=True)
+
+    def fill_unit(self, fetch):
+        try:
+            super().fill_unit(fetch)
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom(f"uploading unit {fetch.unit.key}") from None
+        if self.copy_stream is not self.compute_stream:
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            self._ready[fetch.unit.key] = ev
+
+    def retire(self, resident):
+        if self.copy_stream is not self.compute_stream:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)  # the last reader of these buffers is queued before this point
+            for buf in resident.buffers:
+                self._last_read[buf.data_ptr()] = ev
+            self._ready.pop(resident.unit.key, None)
+
+    def before_use(self, key):
+        ev = self._ready.pop(key, None)
+        if ev is not None:
+            self.compute_stream.wait_event(ev)
 
     def load_resident(self, host):
         return host.to(device=self.device, dtype=self.dtype)
@@ -199,31 +215,6 @@ class CudaBackend(Backend):
         if isinstance(w, q8.Q8Weight):
             return q8.q8_linear(x, w)  # T == 1: the csrc kernel; T > 1: dequantize + matmul
         return F.linear(x, w)
-
-    def upload_layer(self, layer):
-        try:
-            weights = super().upload_layer(layer)
-        except torch.cuda.OutOfMemoryError:
-            raise self._oom(f"uploading layer {layer}") from None
-        if self.copy_stream is not self.compute_stream:
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-            self._ready[layer] = ev
-        return weights
-
-    def before_use(self, layer):
-        ev = self._ready.pop(layer, None)
-        if ev is not None:
-            self.compute_stream.wait_event(ev)
-
-    def evict_layer(self, layer, weights):
-        if self.copy_stream is not self.compute_stream:
-            ev = torch.cuda.Event()
-            ev.record(self.compute_stream)  # the last reader of these buffers is queued before this point
-            for buf in weights.values():
-                self._last_read[buf.data_ptr()] = ev
-            self._ready.pop(layer, None)
-        super().evict_layer(layer, weights)
 
     def synchronize(self):
         torch.cuda.synchronize(self.device)

@@ -178,15 +178,10 @@ def layer_page_names(cfg: ModelConfig, info: quant.QuantInfo, layer: int) -> lis
     return out
 
 
-def q8_layer_bytes(cfg: ModelConfig, info: quant.QuantInfo, fused: Iterable[tuple[str, Sequence[str]]]) -> int:
-    """Device bytes of one layer's q8 entries (for the budget check, before staging)."""
-    specs = linear_specs(cfg, 0)
-    total = 0
-    for _, roles in fused:
-        parts = [info.tensors[specs[r][0]] for r in roles]
-        n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(sum(p.n for p in parts))
-        total += quant.layout_nbytes(parts[0].k, parts[0].group, n_pad)
-    return total
+def fused_geometry(parts: Sequence[quant.Q8Tensor], device) -> Geometry:
+    """The device geometry of one q8 entry: a single part as stored, or parts fused along N (as stage_q8 does)."""
+    n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(sum(p.n for p in parts))
+    return q8_geometry(parts[0].k, parts[0].group, n_pad, device)
 
 
 def load_resident_q8(ckpt: Checkpoint, t: quant.Q8Tensor, device) -> Q8Weight:

@@ -92,19 +92,7 @@ def model_dir(cfg: KestrelConfig) -> str:
 
 
 def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:
-    gen = cfg.generation
-    if gen.prompt_ids:
-        return list(gen.prompt_ids)
-    if gen.prompt:
-        if model.tokenizer is None:
-            raise ConfigError(f"--prompt needs a tokenizer: {model.dir} has no usable tokenizer.json; pass --prompt-ids instead")
-        ids = model.tokenizer.encode(gen.prompt)
-        if not ids:
-            raise ConfigError("the prompt is empty after tokenization")
-        return ids
-    if default is not None:
-        return default
-    raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+    return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
 
 
 def progress_printer(quiet: bool = False):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ..engine import Model, open_run
-from ..generate import generate
-from .common import add_run_flags, config_from_args, emit_json, mib, model_dir, prompt_ids_for
+from ..modeldir import load
+from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
 
 HELP = "generate tokens with a policy, keep, allocator and backend; print ids, ms/token and counters"
 
@@ -15,19 +14,14 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = config_from_args(args)
-    with Model(model_dir(cfg)) as model:
-        prompt = prompt_ids_for(cfg, model)
-        with open_run(model, cfg) as r:
-            result = generate(r, prompt, cfg.generation)
-            policy = r.policy.name
-        text = model.tokenizer.decode(result.token_ids) if model.tokenizer else None
+    with load(model_dir(cfg)) as model, model.open(cfg) as r:
+        result = r.generate()
+        policy = r.policy.name
+    text, prompt = result.text, result.prompt_ids
     res = cfg.residency
     if args.json:
-        out = {"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
-               "allocator": res.allocator, "prefetch": cfg.backend.prefetch, **result.to_json()}
-        if text is not None:
-            out["text"] = text
-        emit_json(out)
+        emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
+                   "allocator": res.allocator, "prefetch": cfg.backend.prefetch, **result.to_json()})
         return 0
     c = result.counters
     steps = len(result.decode_ms)

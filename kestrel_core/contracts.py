@@ -1,0 +1,118 @@
+"""The contracts between the core and what plugs into it: every attribute the core reads, declared here.
+
+A run checks its policy and allocator against these Protocols once, when it opens; the core
+never probes for an optional attribute. Backends subclass ``kestrel_core.backend.Backend``,
+which implements ``Backend`` below.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from .units import Geometry, Unit, UnitKey, UnitSpec
+
+if TYPE_CHECKING:
+    from .residency import Advice, Plan, Window
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Decides, at each layer boundary, which resident units go. ``factory(n_layers=, keep=)`` makes one."""
+
+    name: str
+    keep: int | str  # resident layers the window keeps, or "off"
+    windowed: bool  # False: no window (every unit preloaded, nothing evicted)
+
+    def peak_layers(self) -> int:
+        """The most layers resident at once, before any prefetch: the run sizes its budget check by it."""
+
+    def preload(self, window: "Window") -> Iterable[int] | None:
+        """Layers to upload before the first token (a windowed policy: none)."""
+
+    def on_layer_advance(self, window: "Window", layer: int, phase: str) -> "Advice | None":
+        """At the boundary before ``layer``: the layers (or unit keys) to evict and to prefetch."""
+
+
+class BufferFactory(Protocol):
+    """What an allocator asks for real buffers (``entry.factory``: the run's backend)."""
+
+    def new_buffer(self, geometry: Geometry, raw: bool = False) -> Any:
+        """A new buffer; ``raw`` bypasses any caching allocator (on CUDA: cudaMalloc)."""
+
+    def free_buffer(self, buffer: Any) -> None:
+        """Free a buffer for real."""
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """Hands out weight buffers. ``factory(counters=, slots=)`` makes one."""
+
+    name: str
+    deterministic: bool  # the same request sequence always gets the same buffers (a captured step relies on it)
+
+    def alloc(self, entry: Any) -> Any:
+        """A buffer for ``entry`` (``entry.geometry``; real buffers from ``entry.factory.new_buffer``)."""
+
+    def release(self, entry: Any, buffer: Any) -> None:
+        """Take back an evicted entry's buffer: keep it for reuse, or free it for real."""
+
+    def drain(self) -> None:
+        """Free every buffer still held, at the end of the run."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where the layer loop runs. ``factory(ctx: BackendContext)`` makes one; subclass ``backend.Backend``."""
+
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    prefetch_depth: int  # units uploaded ahead on a side stream (0: none)
+    budget: int | None  # device bytes for weights, None where unbounded
+    units: Any  # the run's UnitTable, laid out by this backend
+    globals: dict  # embed, norm, lm_head: resident for the run
+    small: list  # per layer: its norms (and biases), resident for the run
+
+    @classmethod
+    def check_prefetch(cls, depth: int) -> None:
+        """Refuse a prefetch depth this backend cannot honour (checked before a sweep starts)."""
+
+    def layout(self, spec: UnitSpec) -> Iterable[Any]:
+        """The buffers (``units.EntrySpec``) that hold one unit in this backend's compute layout."""
+
+    def execute(self, plan: "Plan") -> None:
+        """Carry out one boundary's plan: retire the evicted units, then fill the fetched ones."""
+
+    def before_use(self, key: UnitKey) -> None:
+        """Order the compute after the unit's upload."""
+
+    def new_buffer(self, geometry: Geometry, raw: bool = False) -> Any: ...
+
+    def free_buffer(self, buffer: Any) -> None: ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def synchronize(self) -> None: ...
+
+    def start_timer(self) -> Any: ...
+
+    def stop_timer(self, start: Any) -> float: ...
+
+    def memory_stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+def missing_members(protocol: type, obj: Any) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks (for an error that names them)."""
+    names = {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+    return sorted(n for n in names if not hasattr(obj, n))
+
+
+__all__ = ["Allocator", "Backend", "BufferFactory", "Policy", "Unit", "UnitKey", "missing_members"]

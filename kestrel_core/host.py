@@ -1,0 +1,23 @@
+"""Host copies that outlive one run: what a backend stages in host memory once per opened model.
+
+A sweep opens many runs on one model; the CUDA backend pins each layer once and every run
+reuses it. The store is the model's, so closing the model frees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+
+class HostStore:
+    def __init__(self) -> None:
+        self._items: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The item under ``key`` (e.g. ("cuda-pinned", dtype)), made on first use."""
+        if key not in self._items:
+            self._items[key] = make()
+        return self._items[key]
+
+    def clear(self) -> None:
+        self._items.clear()
