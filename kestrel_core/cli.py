@@ -1,4 +1,5 @@
-"""The ``kestrel`` command. Each subcommand lives in ``kestrel_core/commands/<name>.py``."""
+"""The ``kestrel`` command. Each built-in subcommand lives in ``kestrel_core/commands/<name>.py``;
+plugins add theirs through the ``register_commands`` hook."""
 
 from __future__ import annotations
 
@@ -7,24 +8,41 @@ import importlib
 import sys
 import warnings
 
-from .errors import KestrelError, KestrelNote
+from . import plugins
+from .errors import KestrelError, KestrelNote, PluginError
 
-SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo", "quantize", "gate")
+SUBCOMMANDS = ("make_model", "generate", "sweep", "plugins", "demo", "quantize")
+
+
+def _add(sub, name: str, command) -> None:
+    p = sub.add_parser(name, help=command.HELP, description=command.HELP)
+    command.add_arguments(p)
+    p.set_defaults(run=command.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kestrel", description="Run models whose weights do not fit in device memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        module = importlib.import_module(f".commands.{name}", __package__)
-        p = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(run=module.run)
+    builtin = {name.replace("_", "-"): importlib.import_module(f".commands.{name}", __package__) for name in SUBCOMMANDS}
+    for name, module in builtin.items():
+        _add(sub, name, module)
+    for name, reg in plugins.registry("commands").items():
+        if name in builtin:
+            raise PluginError(f"command {name!r} from {reg.plugin} collides with the built-in `kestrel {name}`; rename it")
+        missing = [a for a in ("HELP", "add_arguments", "run") if not hasattr(reg.factory, a)]
+        if missing:
+            raise PluginError(f"command {name!r} from {reg.plugin} lacks {', '.join(missing)}; "
+                              "a command has HELP, add_arguments(parser) and run(args)")
+        _add(sub, name, reg.factory)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # plugins load here: they may add commands
+    except KestrelError as exc:
+        print(f"kestrel: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings(record=True) as notes:

@@ -27,6 +27,11 @@ def register_gates(register):
 
 
 @hookspec
+def register_commands(register):
+    """Register subcommands: ``register(name, command)``; a command has ``HELP``, ``add_arguments(parser)`` and ``run(args)`` -> exit code."""
+
+
+@hookspec
 def on_layer_advance(window, layer, phase):
     """At the boundary before ``layer`` runs (phase 'prefill' or 'decode'), return an Advice naming layers to evict and prefetch, or None."""
 

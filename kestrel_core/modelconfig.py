@@ -1,4 +1,5 @@
-"""The architecture read from a Hugging Face ``config.json`` (Qwen3 and Llama dense decoders)."""
+"""The architecture read from a Hugging Face ``config.json``: Qwen3 and Llama dense decoders, and
+Qwen3's Mixture-of-Experts (``qwen3_moe``), which is read and checked but not run yet (``check_runnable``)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import attrs
 
 from .errors import ConfigError
 
-SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}  # what the runner executes
+MOE = {"qwen3_moe": "Qwen3MoeForCausalLM"}  # read, not run yet: see check_runnable
+ARCHITECTURES = {**SUPPORTED, **MOE}
 
 
 @attrs.frozen
 class ModelConfig:
-    model_type: str  # "qwen3" or "llama"
+    model_type: str  # "qwen3", "llama" or "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,10 +38,25 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Mixture-of-Experts (qwen3_moe, as Hugging Face's Qwen3MoeConfig); a dense model has no experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is sparse: Hugging Face's rule, every ``decoder_sparse_step`` layers but ``mlp_only_layers``."""
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def q_dim(self) -> int:
@@ -50,7 +68,10 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         d = attrs.asdict(self)
-        d["architectures"] = [SUPPORTED[self.model_type]]
+        if not self.is_moe:  # a dense config.json carries no expert fields
+            for key in _MOE_FIELDS:
+                del d[key]
+        d["architectures"] = [ARCHITECTURES[self.model_type]]
         d["hidden_act"] = "silu"
         d["attention_dropout"] = 0.0
         d["use_cache"] = True
@@ -97,6 +118,7 @@ POSITIVE_INT: Kind = (lambda v: is_int(v) and v > 0, "a positive integer")
 POSITIVE_NUMBER: Kind = (lambda v: _is_number(v) and v > 0, "a finite number > 0")
 BOOL: Kind = (lambda v: isinstance(v, bool), "true or false")
 STRING: Kind = (lambda v: isinstance(v, str), "a string")
+LAYER_LIST: Kind = (lambda v: isinstance(v, list) and all(is_int(i) and i >= 0 for i in v), "a list of layer numbers")
 TOKEN_IDS: Kind = (
     lambda v: v is None or (is_int(v) and v >= 0) or (isinstance(v, list) and all(is_int(i) and i >= 0 for i in v)),
     "a token id, a list of token ids, or null",
@@ -154,12 +176,37 @@ _DIMS = (
 )
 
 
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+               "mlp_only_layers", "norm_topk_prob")
+
+
+def _moe_fields(raw: dict, where: str, n_layers: int) -> dict:
+    """The expert fields of a qwen3_moe config.json: the shapes are required, the layer pattern defaults as in HF."""
+    experts = _field(raw, "num_experts", POSITIVE_INT, where=where)
+    per_token = _field(raw, "num_experts_per_tok", POSITIVE_INT, where=where)
+    if per_token > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={per_token} exceeds num_experts={experts}; fix config.json")
+    dense = _field(raw, "mlp_only_layers", LAYER_LIST, [], where, null_is_default=True)
+    outside = [layer for layer in dense if layer >= n_layers]
+    if outside:
+        raise ConfigError(f"{where}: mlp_only_layers names layer {outside[0]}, but the model has "
+                          f"num_hidden_layers={n_layers} (0..{n_layers - 1}); fix config.json")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=_field(raw, "moe_intermediate_size", POSITIVE_INT, where=where),
+        decoder_sparse_step=_field(raw, "decoder_sparse_step", POSITIVE_INT, 1, where),
+        mlp_only_layers=tuple(dense),
+        norm_topk_prob=_field(raw, "norm_topk_prob", BOOL, False, where),
+    )
+
+
 def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Validate a config.json dict; a missing or wrong field is an error naming it."""
     model_type = raw.get("model_type")
-    if not (isinstance(model_type, str) and model_type in SUPPORTED):
+    if not (isinstance(model_type, str) and model_type in ARCHITECTURES):
         raise ConfigError(
-            f"{where}: model_type {shown(model_type)} is not supported; supported: {', '.join(SUPPORTED)}"
+            f"{where}: model_type {shown(model_type)} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
     dims = {key: _field(raw, key, POSITIVE_INT, where=where) for key in _DIMS}
     heads = dims["num_attention_heads"]
@@ -195,7 +242,17 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
         torch_dtype=_field(raw, dtype_key, STRING, "bfloat16", where, null_is_default=True),
         bos_token_id=_field(raw, "bos_token_id", TOKEN_IDS, None, where),
         eos_token_id=_field(raw, "eos_token_id", TOKEN_IDS, None, where),
+        **(_moe_fields(raw, where, dims["num_hidden_layers"]) if model_type in MOE else {}),
     )
+
+
+def check_runnable(cfg: ModelConfig) -> None:
+    """Raise unless the runner executes this architecture; call it where a model is opened to run."""
+    if cfg.is_moe or cfg.model_type not in SUPPORTED:
+        raise ConfigError(
+            f"model_type {cfg.model_type!r} (Mixture-of-Experts) is not supported by the runner yet; "
+            f"kestrel runs {' and '.join(SUPPORTED)} dense models"
+        )
 
 
 def read_json(path: Path, error: type[Exception] = ConfigError) -> Any:

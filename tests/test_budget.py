@@ -2,10 +2,16 @@
 
 import pytest
 
+import kestrel_cuda.budget
+from kestrel_core import budget
+from kestrel_core.budget import CAP, FLOOR, default_budget, resolve_budget
 from kestrel_core.errors import ConfigError
-from kestrel_cuda.budget import CAP, FLOOR, default_budget, resolve_budget
 
 GiB, MiB = 2**30, 2**20
+
+
+def test_the_cuda_backend_uses_the_core_rule():
+    assert kestrel_cuda.budget.resolve_budget is budget.resolve_budget  # one rule, not a copy
 
 
 def test_default_is_half_of_free_with_cap_and_floor():

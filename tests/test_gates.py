@@ -1,23 +1,27 @@
-"""Benefit gates: the seed's arithmetic, a measured CPU run, the window's entry counts, plugins, bad input."""
+"""Benefit gates (the kestrel_gates package): the seed's arithmetic, a measured CPU run, the window's entry counts,
+plugins, bad input, and the layering: the core imports no gate code."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from kestrel_core import plugins
 from kestrel_core.cli import main
-from kestrel_core.gates import (BUILD, DONT_BUILD, REMEASURE, Evaluation, Gate, GateContext, GateOptions, ModelFacts,
-                                Quantity, run_gate)
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.memsampler import MemSampler, process_rss_bytes, reset_rss_high_water_mark
 from kestrel_core.model import all_specs
+from kestrel_core.modelconfig import parse_model_config, read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_gates import BUILD, DONT_BUILD, REMEASURE, Evaluation, Gate, GateContext, GateOptions, Quantity, run_gate
+from kestrel_gates.memsampler import MemSampler, process_rss_bytes, reset_rss_high_water_mark
+from kestrel_gates.shapes import n_moe_layers, param_count
 
 MiB, GiB = 2**20, 2**30
 
@@ -89,10 +93,10 @@ def test_seed_kv_mirror_arithmetic_from_config_json(moe_dir, capsys):
 
 
 def test_seed_eight_slots_and_long_context(moe_dir):
-    facts = ModelFacts.read(moe_dir)
-    assert (facts.model_type, facts.n_layers, facts.n_kv_heads, facts.head_dim) == ("qwen3_moe", 48, 4, 128)
-    assert facts.is_moe and facts.n_moe_layers() == 48
-    assert 30.4e9 < facts.param_count() < 30.6e9  # "30B-A3B": 30.5B parameters
+    cfg = read_model_config(moe_dir)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == ("qwen3_moe", 48, 4, 128)
+    assert cfg.is_moe and n_moe_layers(cfg) == 48
+    assert 30.4e9 < param_count(cfg) < 30.6e9  # "30B-A3B": 30.5B parameters
     opts = dict(total_mb=SEED_TOTAL_MB, peak_mb=SEED_PEAK_MB)
 
     eight = run_gate(plugins.lookup("gates", "kv-paging").factory(),
@@ -171,8 +175,7 @@ def test_budget_env_override_is_the_cuda_backends(moe_dir, monkeypatch):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_param_count_matches_kestrels_tensor_table(preset):
     cfg = preset_config(preset)
-    facts = ModelFacts.from_dict(cfg.to_hf_dict())
-    assert facts.param_count() == sum(torch.Size(s).numel() for s in all_specs(cfg).values())
+    assert param_count(parse_model_config(cfg.to_hf_dict())) == sum(torch.Size(s).numel() for s in all_specs(cfg).values())
 
 
 # --- measured runs on the CPU ---------------------------------------------------------------
@@ -271,11 +274,11 @@ class _FakeGate(Gate):
     against = "total memory"
 
     def collect(self, ctx):
-        return [Quantity("layers_mib", "one MiB a layer", ctx.facts.n_layers * MiB, "B", "computed", "config.json"),
-                ctx.total_memory()]
+        return [Quantity("layers_mib", "one MiB a layer", ctx.config.num_hidden_layers * MiB, "B", "computed",
+                         "config.json"), ctx.total_memory()]
 
     def evaluate(self, ctx, point):
-        bound = ctx.facts.n_layers * MiB
+        bound = ctx.config.num_hidden_layers * MiB
         ratio, verdict = self.decide(bound, point["card_bytes"])
         return Evaluation(bound, point["card_bytes"], ratio, verdict)
 
@@ -324,7 +327,7 @@ def test_a_non_gate_registration_is_refused(moe_dir, capsys):
     plugins.pm.register(Bad(), name="bad-gate-plugin")
     try:
         assert main(["gate", "bad-gate", "--model", str(moe_dir)]) == 2
-        assert "not a kestrel_core.gates.Gate" in capsys.readouterr().err
+        assert "not a kestrel_gates.Gate" in capsys.readouterr().err
         assert main(["gate", "--list"]) == 0  # the broken one is listed as broken, the others still show
         out = capsys.readouterr().out
         assert "bad-gate" in out and "broken:" in out and "kv-paging" in out
@@ -351,7 +354,7 @@ def test_missing_config_field(tmp_path, capsys):
     raw = dict(QWEN3_30B_A3B)
     del raw["head_dim"], raw["hidden_size"]
     d = _write_config(tmp_path / "n", raw)
-    assert "head_dim" in _error(capsys, "l3-residency", "--model", str(d))
+    assert "missing field 'hidden_size'" in _error(capsys, "l3-residency", "--model", str(d))
 
 
 @pytest.mark.parametrize("max_seq", ["0", "-8"])
@@ -369,7 +372,7 @@ def test_unknown_gate_lists_the_available(moe_dir, capsys):
     (["kv-paging", "--slots", "0"], "--slots"),
     (["kv-paging", "--fill", "1.5"], "--fill"),
     (["kv-paging", "--peak-mb", "40000", "--total-mb", "32607"], "above --total-mb"),
-    (["window", "--measure"], "kestrel runs dense"),
+    (["window", "--measure"], "(Mixture-of-Experts) is not supported by the runner yet"),
 ])
 def test_other_bad_input(moe_dir, capsys, argv, says):
     assert says in _error(capsys, argv[0], "--model", str(moe_dir), *argv[1:])
@@ -478,3 +481,32 @@ def test_gpu_probe_falls_back_without_nvml(monkeypatch):
     r = s.report
     assert "mem_get_info" in r.sampled_source and r.sampled_peak_bytes == 10 * GiB
     assert any("nvidia-ml-py is not installed" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d / "absent", "does not exist"),
+    (lambda d: (d / "file.json").write_text("{}") and d / "file.json", "is a file, not a directory"),
+    (lambda d: (d / "cfgdir" / "config.json").mkdir(parents=True) or d / "cfgdir", "cannot read (Is a directory)"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", "config.json: missing"),
+])
+def test_bad_model_paths_are_one_line_naming_the_gate(tmp_path, capsys, make, says):
+    line = _error(capsys, "window", "--model", str(make(tmp_path)))
+    assert line.startswith("kestrel: error: gate window: ") and says in line
+
+
+# --- the layering: gates are a plugin package, the core knows none of it ----------------------------
+def test_gate_is_a_plugin_command_and_the_gates_are_listed(capsys):
+    assert main(["plugins", "--json"]) == 0
+    rows = {(r["kind"], r["name"]): r for r in json.loads(capsys.readouterr().out)}
+    for key in [("command", "gate"), ("gate", "kv-paging"), ("gate", "l3-residency"), ("gate", "window")]:
+        assert rows[key]["package"] == "kestrel" and rows[key]["plugin"] == "gates", rows.get(key)
+    assert plugins.lookup("commands", "gate").factory.__name__ == "kestrel_gates.command"
+
+
+def test_the_core_imports_no_gate_code():
+    core = Path(plugins.__file__).parent
+    for path in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any("gate" in n or "memsampler" in n for n in names), (path, names)

@@ -1,12 +1,16 @@
-"""kestrel plugins: every registered backend, policy, allocator and gate, with its package and version."""
+"""kestrel plugins: every registration of every discovery hook (``register_<kind>``), with its package and version."""
 
 from __future__ import annotations
 
-from .. import plugins
+import inspect
+
+from .. import hookspecs, plugins
 from .common import emit_json
 
-HELP = "list registered backends, policies, allocators and gates with their package and version"
-KINDS = ("backends", "policies", "allocators", "gates")
+HELP = "list registered backends, policies, allocators, commands and the rest, with their package and version"
+# One kind per discovery hook, in the order hookspecs.py declares them.
+KINDS = tuple(name.removeprefix("register_") for name, spec in vars(hookspecs).items()
+              if name.startswith("register_") and inspect.isfunction(spec) and hasattr(spec, "kestrel_spec"))
 
 
 def add_arguments(p):
@@ -16,11 +20,10 @@ def add_arguments(p):
 def run(args) -> int:
     rows = [reg for kind in KINDS for reg in plugins.registry(kind).values()]
     if args.json:
-        emit_json([{"kind": r.kind[:-1] if r.kind != "policies" else "policy", "name": r.name,
+        emit_json([{"kind": plugins.SINGULAR.get(r.kind, r.kind), "name": r.name,
                     "package": r.package, "version": r.version, "plugin": r.plugin} for r in rows])
         return 0
     print(f"{'kind':10} {'name':18} {'package':28} version")
     for r in rows:
-        kind = "policy" if r.kind == "policies" else r.kind[:-1]
-        print(f"{kind:10} {r.name:18} {r.package:28} {r.version}")
+        print(f"{plugins.SINGULAR.get(r.kind, r.kind):10} {r.name:18} {r.package:28} {r.version}")
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from .errors import ConfigError
+from kestrel_core.errors import ConfigError
 
 DEFAULT_PERIOD_S = 0.5
 _KB = 1024

@@ -1,13 +1,20 @@
-"""kestrel gate: an optimisation's upper bound against what it competes with, and the verdict, before building it."""
+"""``kestrel gate``: an optimisation's upper bound against what it competes with, and the verdict, before building it.
+
+A command registered through ``register_commands``: ``HELP``, ``add_arguments(parser)``, ``run(args)``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .. import plugins
-from ..errors import ConfigError
-from ..gates import KV_LAYOUTS, WEIGHT_BYTES, GateContext, GateOptions, instantiate, make_gate, render, run_gate
-from .common import emit_json, parse_ids
+from kestrel_core import plugins
+from kestrel_core.commands.common import emit_json, parse_ids
+from kestrel_core.errors import ConfigError
+
+from .context import GateContext, GateOptions
+from .figures import KV_LAYOUTS, WEIGHT_BYTES
+from .framework import instantiate, make_gate, run_gate
+from .render import render
 
 HELP = "benefit gates: compute an optimisation's upper bound and say build / don't build / re-measure, with the flip table"
 
