@@ -1,4 +1,9 @@
-"""Hook specifications: the whole contract between the core and its plugins."""
+"""Hook specifications: discovery (``register_*``) and the observers of every run's boundaries.
+
+A run's own policy, allocator and backend are objects it owns (their contracts are the
+Protocols in ``contracts.py``); these hooks are how plugins make them known, and how a
+plugin registered in the manager watches and advises every run.
+"""
 
 import pluggy
 
@@ -8,17 +13,17 @@ hookimpl = pluggy.HookimplMarker("kestrel")
 
 @hookspec
 def register_backends(register):
-    """Register backend factories: ``register(name, factory)``; ``factory(ctx)`` returns a Backend."""
+    """Register backend factories: ``register(name, factory)``; ``factory(ctx: BackendContext)`` returns a ``contracts.Backend``."""
 
 
 @hookspec
 def register_policies(register):
-    """Register residency policy factories: ``register(name, factory)``; ``factory(n_layers, keep)`` returns a policy."""
+    """Register residency policy factories: ``register(name, factory)``; ``factory(n_layers=, keep=)`` returns a ``contracts.Policy``."""
 
 
 @hookspec
 def register_allocators(register):
-    """Register allocator factories: ``register(name, factory)``; ``factory(options)`` returns an allocator."""
+    """Register allocator factories: ``register(name, factory)``; ``factory(counters=, slots=)`` returns a ``contracts.Allocator``."""
 
 
 @hookspec
@@ -33,19 +38,9 @@ def register_commands(register):
 
 @hookspec
 def on_layer_advance(window, layer, phase):
-    """At the boundary before ``layer`` runs (phase 'prefill' or 'decode'), return an Advice naming layers to evict and prefetch, or None."""
-
-
-@hookspec(firstresult=True)
-def alloc(entry):
-    """Return a buffer for a weight-cache entry (its geometry is ``entry.geometry``), or None to let the next allocator answer."""
-
-
-@hookspec
-def release(entry, buffer):
-    """Take back the buffer of an evicted entry: keep it for reuse or free it for real."""
+    """At the boundary before ``layer`` runs (phase 'prefill' or 'decode'), return an Advice naming layers (or unit keys) to evict and prefetch, or None; called on the run's policy, then on every registered plugin."""
 
 
 @hookspec
 def preload(window):
-    """Return the layers to upload before the first token, or None; a windowed policy returns none (preload would be evicted at once)."""
+    """Return the layers to upload before the first token, or None; called on the run's policy, then on every registered plugin (a windowed policy returns none: preload would be evicted at once)."""

@@ -62,14 +62,19 @@ def _block_unselected(selection: str | None) -> None:
                           "check the spelling against `pip list`, or unset it to load every plugin")
 
 
+# Hooks that are no more: a run's allocator is its own object, not a plugin answering hooks.
+RETIRED = {"alloc": "allocators belong to a run: register a factory with register_allocators and pick it "
+                    "with --allocator", "release": "see alloc"}
+
+
 def check_plugins() -> None:
     """Raise if a registered plugin implements a hook that no spec declares."""
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(
-            f"{exc} (a misspelt hook name? the specs are in kestrel_core/hookspecs.py)"
-        ) from None
+        retired = [name for name in RETIRED if hasattr(exc.plugin, name)]
+        why = f"; {RETIRED['alloc']}" if retired else " (a misspelt hook name? the specs are in kestrel_core/hookspecs.py)"
+        raise PluginError(f"{exc}{why}") from None
 
 
 @attrs.frozen
@@ -90,7 +95,7 @@ def _dist_of(plugin: object) -> tuple[str, str]:
 
 
 def registry(kind: str) -> dict[str, Registration]:
-    """Call one discovery hook (kind: backends, policies, allocators, gates) and return name -> Registration."""
+    """Call one discovery hook (kind: backends, policies, allocators, gates, commands) and return name -> Registration."""
     load_plugins()
     caller = getattr(pm.hook, f"register_{kind}")
     found: dict[str, Registration] = {}

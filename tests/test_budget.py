@@ -2,7 +2,7 @@
 
 import pytest
 
-import kestrel_cuda.budget
+import kestrel_cuda.backend
 from kestrel_core import budget
 from kestrel_core.budget import CAP, FLOOR, default_budget, resolve_budget
 from kestrel_core.errors import ConfigError
@@ -11,7 +11,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_the_cuda_backend_uses_the_core_rule():
-    assert kestrel_cuda.budget.resolve_budget is budget.resolve_budget  # one rule, not a copy
+    assert kestrel_cuda.backend.resolve_budget is budget.resolve_budget  # one rule, not a copy
 
 
 def test_default_is_half_of_free_with_cap_and_floor():

@@ -74,7 +74,7 @@ def test_no_tokenizer_means_ids_only(tiny_copy, capsys):
 # --- sweep -----------------------------------------------------------------------------
 
 def test_sweep_identical_ids_exit_0_with_a_verdict(tiny_ckpt, capsys):
-    argv = ["sweep", "--model", str(tiny_ckpt), "--keep", "1,2,3,off", "--policy", "asymmetric,pinned_set",
+    argv = ["sweep", "--model", str(tiny_ckpt), "--backend", "cpu_ref", "--keep", "1,2,3,off", "--policy", "asymmetric,pinned_set",
             "--allocator", "pool,free", "--max-new-tokens", "4", "--ignore-eos"]
     runs = 3 * 2 * 2 + 2  # keep=off runs once per allocator
     data = cli_json(capsys, *argv)
@@ -89,7 +89,7 @@ def test_sweep_identical_ids_exit_0_with_a_verdict(tiny_ckpt, capsys):
 
 def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # progress is for a person at a terminal
-    rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "2,off", "--policy",
+    rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--backend", "cpu_ref", "--keep", "2,off", "--policy",
                        "asymmetric,pinned_set", "--max-new-tokens", "3", "--ignore-eos")
     assert rc == 0, err
     assert "invariance on cpu_ref: token ids identical across all 3 runs" in out

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kestrel_core.hookspecs import hookimpl
+from kestrel_plugins.allocators import Pool
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -105,13 +106,21 @@ def test_embeddings_and_lm_head_are_never_evicted(request, run_model, register_p
     L = arch(model_dir)["num_hidden_layers"]
     released = []
 
-    class ReleaseObserver:
-        @hookimpl
+    class Recording(Pool):
+        """The pool, noting every buffer the window gives back."""
+
         def release(self, entry, buffer):
             released.append((entry.layer, entry.name))
+            super().release(entry, buffer)
 
-    register_plugin(ReleaseObserver(), "release-observer")
-    r, final = run_model(model_dir, backend, residency__policy="future_evicting", residency__keep=1)
+    class Registers:
+        @hookimpl
+        def register_allocators(self, register):
+            register("recording", Recording)
+
+    register_plugin(Registers(), "recording-allocator")
+    r, final = run_model(model_dir, backend, residency__policy="future_evicting", residency__keep=1,
+                         residency__allocator="recording")
     assert len(released) == final["evictions"] > 0
     assert {layer for layer, _ in released} == set(range(L))
     assert not [n for _, n in released if "embed" in n or "lm_head" in n or "norm" in n]

@@ -94,7 +94,6 @@ def test_generate_on_a_moe_model_is_one_line(moe_dir, capsys):
     assert err.startswith("kestrel: error: ") and err.count("\n") == 1, err
 
 
-@pytest.mark.xfail(strict=True, reason="engine wiring pending: the engine calls check_runnable once config.json is read")
 def test_generate_on_a_moe_model_says_it_is_not_run_yet(moe_dir, capsys):
     assert main(["generate", "--model", str(moe_dir), "--prompt-ids", "1,2,3"]) == 2
     assert capsys.readouterr().err == f"kestrel: error: {NOT_RUN}\n"

@@ -35,8 +35,8 @@ def hook_specs() -> dict:
 # --- meta-tests ------------------------------------------------------------------------
 
 def test_the_specs_are_the_documented_set():
-    assert set(hook_specs()) >= {"on_layer_advance", "alloc", "release", "preload", "register_backends",
-                                 "register_policies", "register_allocators", "register_gates"}
+    assert set(hook_specs()) == {"on_layer_advance", "preload", "register_backends", "register_policies",
+                                 "register_allocators", "register_gates", "register_commands"}
     assert all(inspect.getdoc(f) for f in hook_specs().values()), "every hook has a docstring"
 
 
@@ -336,19 +336,26 @@ def test_a_third_party_allocator_answers_alloc_and_release(tiny_ckpt, register_p
     assert r.token_ids == run(tiny_ckpt, residency__keep=2).token_ids
 
 
-def test_an_alloc_observer_returning_none_lets_the_allocator_answer(tiny_ckpt, register_plugin):
-    asked = []
+@pytest.mark.parametrize("hook", ["alloc", "release"])
+def test_a_global_alloc_or_release_hook_is_refused_loudly(tiny_ckpt, register_plugin, hook):
+    """Allocators belong to a run now: a plugin answering the old hooks would be silently ignored."""
 
-    class AllocObserver:
-        @hookimpl(tryfirst=True)  # the run's allocator registers later, and pluggy calls the latest first
+    class OldStyle:
+        @hookimpl
         def alloc(self, entry):
-            asked.append((entry.layer, entry.name, entry.geometry.nbytes))
             return None
 
-    register_plugin(AllocObserver(), "alloc-observer")
-    r = run(tiny_ckpt, residency__keep=2, residency__allocator="pool")
-    assert len(asked) == r.counters["uploads"] == r.counters["allocations"] + r.counters["pool_hits"]
-    assert sum(n for *_, n in asked) == r.counters["bytes_uploaded"]
+        @hookimpl
+        def release(self, entry, buffer):
+            pass
+
+    class OnlyOne:
+        pass
+
+    setattr(OnlyOne, hook, getattr(OldStyle, hook))
+    register_plugin(OnlyOne(), "old-style")
+    with pytest.raises(PluginError, match=f"unknown hook '{hook}'.*register_allocators"):
+        run(tiny_ckpt, residency__keep=2)
 
 
 def test_a_third_party_gate_is_registered_and_listed(register_plugin, capsys):

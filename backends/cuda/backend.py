@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_core.backend import Backend, BackendContext
+from kestrel_core.budget import resolve_budget
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError
@@ -20,7 +21,6 @@ from kestrel_core.model import linear_specs
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
-from .budget import resolve_budget
 from .rawcuda import RawBlock, raw_empty
 
 DTYPES = ("bfloat16", "float16", "float32")
