@@ -30,6 +30,11 @@ def main() -> int:
     paths = write_record("demo", {"exit_code": rc, **demo}, [RESULTS])
     for c in demo["pinned_vs_asymmetric"]:
         print(f"{c['backend']} keep={c['keep']} {c['allocator']}: pinned_set moves {c['saved_fraction']:.0%} fewer bytes a token")
+    for r in demo["rows"]:  # every policy against the offline optimum (belady) at its own peak
+        if r["allocator"] == "pool" and r["keep"] != "off":
+            print(f"{r['backend']} {r['policy']:16} keep={r['keep']}: peak {r['peak_resident_bytes'] / 2**20:6.2f} MiB, "
+                  f"{r['bytes_uploaded_per_token'] / 2**20:6.2f} MiB/token, optimum {r['min_bytes_per_token'] / 2**20:6.2f} "
+                  f"(x{r['bytes_vs_min']:.2f})")
     print("identical ids:", demo["invariance"]["identical"], "record:", paths[0])
     return rc
 

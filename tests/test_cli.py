@@ -181,7 +181,7 @@ def test_demo_json_finishes_identical(tmp_path, capsys):
     assert data["invariance"]["identical"] is True
     backends = set(available_backends(None))
     assert {r["backend"] for r in data["rows"]} == backends
-    per_backend = 6 * 3 * 2 + 2  # 6 keeps x 3 policies x 2 allocators, and off x 2
+    per_backend = 6 * 4 * 2 + 2  # 6 keeps x 4 policies x 2 allocators, and off x 2
     assert len(data["rows"]) == per_backend * len(backends)
     assert all(len(r["token_ids"]) == 3 for r in data["rows"])
 

@@ -16,7 +16,7 @@ from .sweep import report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
 KEEPS = [1, 2, 3, 4, 7, 8, "off"]
-POLICIES = ["asymmetric", "future_evicting", "pinned_set"]
+POLICIES = ["asymmetric", "future_evicting", "pinned_set", "belady"]
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
