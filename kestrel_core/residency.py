@@ -198,6 +198,9 @@ class Window:
             raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
         key = units[0].key
         r = self._resident.get(key)
+        if r is not None:
+            self.backend.before_use(key)
+            return r.weights
         if r is None:
             plan = Plan(layer, self.phase, (), (self._fetch(units[0], ahead=False),))
             self.backend.execute(plan)

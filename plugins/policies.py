@@ -56,7 +56,8 @@ class Asymmetric:
 
     @hookimpl
     def on_layer_advance(self, window, layer, phase):
-        return Advice(evict=[l for l in window.resident if l < layer - self.keep + 1])
+        victims = [l for l in window.resident if l < layer - self.keep + 1]
+        return Advice(evict=victims) if victims else None
 
 
 @attrs.define
