@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 
 from kestrel_core.cli import main
 from kestrel_core.hookspecs import hookimpl

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cli_helpers import WEIGHTS, fails, gen, header_of
 from kestrel_core import quant
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from kestrel_core.modelconfig import parse_model_config
 
-WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 GATE = "model.layers.2.mlp.gate_proj.weight"
 UP = "model.layers.2.mlp.up_proj.weight"  # same shape as GATE
@@ -27,34 +27,11 @@ NORM = "model.norm.weight"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
-# --- helpers (as in test_bad_input.py) -------------------------------------------------
-
-def fails(argv: list[str], capsys, *needles: str) -> str:
-    """Run the CLI in-process; it must exit 2 with exactly one line naming the problem."""
-    rc = main(argv)
-    captured = capsys.readouterr()
-    err = captured.err
-    assert rc == 2, (rc, err, captured.out)
-    assert err.startswith("kestrel: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
-
+# --- helpers -------------------------------------------------------------------------
 
 def runs(argv: list[str], capsys) -> None:
     rc = main(argv)
     assert rc == 0, capsys.readouterr().err
-
-
-def gen(model_dir, *extra: str) -> list[str]:
-    return ["generate", "--model", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", *extra]
-
-
-def header_of(path):
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return raw, n, json.loads(raw[8 : 8 + n])
 
 
 def write_header(path, header_or_text) -> None:

@@ -14,7 +14,7 @@ from kestrel_core.cli import main
 from kestrel_core.errors import KestrelNote, PluginError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.residency import Advice
-from test_bad_input import WEIGHTS, fails, gen
+from cli_helpers import WEIGHTS, fails, gen
 
 
 # --- names and settings are never dropped ----------------------------------------------

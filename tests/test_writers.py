@@ -13,7 +13,7 @@ import torch
 
 from kestrel_core import presets, quant
 from kestrel_core.cli import main
-from test_bad_input import fails
+from cli_helpers import fails
 
 MAKE = ["make-model", "--preset", "tiny-llama"]
 
