@@ -64,7 +64,8 @@ class Allocator(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Where the layer loop runs. ``factory(ctx: BackendContext)`` makes one; subclass ``backend.Backend``."""
+    """Where the layer loop runs. A factory is a class: ``factory(ctx: BackendContext)`` makes one, and
+    ``factory.available()`` / ``factory.check_prefetch(depth)`` answer before any is made; subclass ``backend.Backend``."""
 
     name: str
     device: torch.device
@@ -74,6 +75,10 @@ class Backend(Protocol):
     units: Any  # the run's UnitTable, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this machine can run the backend (``kestrel demo`` sweeps every available one)."""
 
     @classmethod
     def check_prefetch(cls, depth: int) -> None:

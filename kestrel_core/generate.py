@@ -153,7 +153,7 @@ def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits
     try:
         return _generate(run, prompt_ids, gen, keep_logits)
     except torch.cuda.OutOfMemoryError:
-        budget = getattr(run.backend, "budget", None)
+        budget = run.backend.budget
         hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
         raise BudgetError(
             f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, keep, or --max-new-tokens"

@@ -9,7 +9,6 @@ import attrs
 
 from . import plugins
 from .config import OFF, KestrelConfig
-from .backend import Backend
 from .engine import Model, make_policy, open_run
 from .errors import ConfigError, KestrelError
 from .generate import GenerationResult, generate
@@ -74,7 +73,7 @@ def available_backends(names: list[str] | None) -> list[str]:
         for n in names:
             plugins.lookup("backends", n)
         return names
-    return [n for n, reg in sorted(regs.items()) if getattr(reg.factory, "available", lambda: True)()]
+    return [n for n, reg in sorted(regs.items()) if reg.factory.available()]
 
 
 def run_sweep(
@@ -95,10 +94,8 @@ def run_sweep(
     for allocator in allocators:
         plugins.lookup("allocators", allocator)
     for backend in backends:
-        factory = plugins.lookup("backends", backend).factory
-        if isinstance(factory, type) and issubclass(factory, Backend):
-            for prefetch in prefetches:
-                factory.check_prefetch(prefetch)
+        for prefetch in prefetches:
+            plugins.lookup("backends", backend).factory.check_prefetch(prefetch)
     settings = []
     for backend in backends:
         for keep in keeps:
