@@ -10,6 +10,7 @@ import torch
 
 from .config import GenerationConfig
 from .dtypes import itemsize
+from .host import meminfo
 from .errors import BudgetError, ConfigError, NonFiniteError
 from .model import KVCache, decoder_layer, rope_tables
 from .residency import delta
@@ -73,24 +74,12 @@ def check_prompt(run: Run, prompt_ids: list[int], gen: GenerationConfig) -> None
         )
 
 
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def allocate_cache(run: Run, max_seq: int) -> list[KVCache]:
     """The run's static KV cache; one that cannot be had is a BudgetError, checked before touching host memory."""
     cfg, backend = run.model.config, run.backend
     need = 2 * cfg.num_hidden_layers * max_seq * cfg.kv_dim * itemsize(backend.dtype)
     where = f"{backend.device}"
-    avail = host_available_bytes() if backend.device.type == "cpu" else None
+    avail = meminfo().get("MemAvailable") if backend.device.type == "cpu" else None
     too_big = BudgetError(
         f"the KV cache for {max_seq} positions needs {need / 2**20:,.0f} MiB, more than {where} can give"
         f"{f' ({avail / 2**20:,.0f} MiB available)' if avail is not None else ''}; lower --max-new-tokens or shorten the prompt"

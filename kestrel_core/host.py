@@ -21,3 +21,16 @@ class HostStore:
 
     def clear(self) -> None:
         self._items.clear()
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none): MemTotal, MemAvailable, ..."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, rest = line.split(":", 1)
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out

@@ -198,10 +198,7 @@ class Window:
             raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
         key = units[0].key
         r = self._resident.get(key)
-        if r is not None:
-            self.backend.before_use(key)
-            return r.weights
-        if r is None:
+        if r is None:  # only where advance() was not called first: upload on demand
             plan = Plan(layer, self.phase, (), (self._fetch(units[0], ahead=False),))
             self.backend.execute(plan)
             self.signatures.append(plan.signature)

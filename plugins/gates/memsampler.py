@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 
 from kestrel_core.errors import ConfigError
+from kestrel_core.host import meminfo
 
 DEFAULT_PERIOD_S = 0.5
 _KB = 1024
@@ -131,18 +132,6 @@ def reset_rss_high_water_mark() -> bool:
         return False
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                key, rest = line.split(":", 1)
-                out[key] = int(rest.split()[0]) * _KB
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
 def _cgroup_limit() -> tuple[int | None, int | None]:
     """(limit, current) of the cgroup v2 this process is in, where one is set."""
     try:
@@ -167,7 +156,7 @@ def _cgroup_limit() -> tuple[int | None, int | None]:
 
 def machine_memory() -> tuple[int, int]:
     """(total, available) bytes for this process: MemTotal/MemAvailable, narrowed by a cgroup limit."""
-    info = _meminfo()
+    info = meminfo()
     total = info.get("MemTotal")
     if total is None:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
