@@ -2,6 +2,9 @@
 
     python bench/stream_bench.py --preset qwen3-8b --models /tmp/models [--out DIR] [--skip-peers]
 
+``--graphs`` measures the captured decode step instead (bench/decode_graphs.py): the GEMV floor, graph
+against eager for off, asymmetric and pinned_set, off against keep=L interleaved, and transformers.
+
 One run measures, side by side: pinned/pageable/device copy bandwidth; kestrel `off`;
 asymmetric at keep in {L, L-1, L/2, 4, 1} with prefetch off and on; future_evicting at
 the same keeps; pool against free at keep 1 and 4; pinned_set at asymmetric's peak;
@@ -285,10 +288,17 @@ def main() -> int:
                    help="q8: only the bf16 rows the q8 rows are compared with (with --q8-group)")
     p.add_argument("--q8-group", type=int, default=0, help="also quantize (this group size) and add the q8 rows")
     p.add_argument("--out", action="append", default=[], help="also write the record here")
+    p.add_argument("--graphs", action="store_true",
+                   help="the captured-decode section instead: the GEMV floor, graph against eager, the peer; "
+                        "--preset may list several shapes (qwen3-1.7b,qwen3-8b)")
+    p.add_argument("--tokens", type=int, default=35, help="--graphs: tokens a row decodes (the statistics skip two)")
+    p.add_argument("--no-static-peer", action="store_true", help="--graphs: skip transformers' StaticCache + compile")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("stream_bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.graphs:
+        return graphs_main(args)
     path = ensure_model(args.preset, Path(args.models))
     ceil = copy_ceilings()
     log(f"ceilings: pinned {ceil['pinned_h2d_GBps']:.1f} GB/s, pageable {ceil['pageable_h2d_GBps']:.1f}, d2d {ceil['d2d_GBps_read_plus_write']:.0f}")
@@ -311,6 +321,43 @@ def main() -> int:
         record["targets"].update(q8_targets(q8))
     paths = write_record(f"stream_{args.preset}", record, [RESULTS, *map(Path, args.out)])
     print(format_summary(record))
+    print("record:", *paths)
+    return 0
+
+
+def graphs_main(args) -> int:
+    import decode_graphs as dg
+
+    ceil = copy_ceilings()
+    log(f"ceilings: pinned {ceil['pinned_h2d_GBps']:.1f} GB/s")
+    shapes = {}
+    for preset in args.preset.split(","):
+        path = ensure_model(preset, Path(args.models))
+        shape: dict = {"pinned_h2d_GBps": ceil["pinned_h2d_GBps"]}
+        with Model(path) as model:
+            shape["floor"] = dg.gemv_floor(model)
+            shape["rows"] = dg.graph_rows(model, args.tokens)
+            shape["interleaved"] = dg.off_vs_keep_all(model, args.tokens)
+        if args.q8_group:
+            from kestrel_core.quant import quantize_checkpoint
+
+            qpath = path.parent / f"{path.name}-q8g{args.q8_group}"
+            if not (qpath / "config.json").is_file():
+                log(f"quantizing to {qpath}")
+                quantize_checkpoint(path, qpath, args.q8_group, device="cuda")
+            with Model(qpath) as qmodel:
+                shape["q8_rows"] = dg.graph_rows(qmodel, args.tokens, only_off=True)
+        if not args.skip_peers:
+            shape["peer"] = dg.peers(path, args.tokens, static=not args.no_static_peer)
+        shape["targets"] = dg.targets(shape)
+        if args.q8_group:
+            q8_off = next(r for r in shape["q8_rows"] if r["graphs"] == "auto")
+            bf16_off = next(r for r in shape["rows"] if r["label"] == "off" and r["graphs"] == "auto")
+            shape["targets"]["q8_off_over_bf16_off_graph"] = q8_off["median"] / bf16_off["median"]
+        log(f"{preset} targets: {shape['targets']}")
+        shapes[preset] = shape
+    record = {"ceilings": ceil, "prompt_ids": PROMPT, "tokens": args.tokens, "shapes": shapes}
+    paths = write_record(f"decode_graphs_{args.preset.replace(',', '+')}", record, [RESULTS, *map(Path, args.out)])
     print("record:", *paths)
     return 0
 

@@ -1,6 +1,9 @@
-// Python binding of the q8 GEMV (kestrel_cuda.q8 builds it lazily with torch.utils.cpp_extension).
+// The q8 GEMV as torch ops (torch.ops.kestrel.q8_gemv, q8_gemv_out) and a Python binding of its
+// launch plan (kestrel_cuda.q8 builds it lazily with torch.utils.cpp_extension).
 #include <torch/extension.h>
+#include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 void q8_gemv_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group, at::Tensor& y,
@@ -36,16 +39,40 @@ static void gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
   q8_gemv_cuda(aligned16(x) ? x : x.clone(), qweight, scales, group, y, splits);
 }
 
+// y = x @ W^T for one row x ([K] or [1, K]) into a new [..., n] tensor (x's dtype unless out_dtype says).
+static at::Tensor q8_gemv_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group,
+                             int64_t n, int64_t splits, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() >= 1 && x.numel() == x.size(-1), "q8_gemv: x must be one row ([K] or [1, K])");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  gemv(x.reshape({-1}).contiguous(), qweight, scales, group, y.view({-1}), splits);
+  return y;
+}
+
+static void q8_gemv_out_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group,
+                           at::Tensor y, int64_t splits) {
+  gemv(x.reshape({-1}).contiguous(), qweight, scales, group, y, splits);
+}
+
+TORCH_LIBRARY(kestrel, m) {
+  m.def("q8_gemv(Tensor x, Tensor qweight, Tensor scales, int group, int n, int splits=0, ScalarType? out_dtype=None) -> Tensor");
+  m.def("q8_gemv_out(Tensor x, Tensor qweight, Tensor scales, int group, Tensor(a!) y, int splits=0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kestrel, CUDA, m) {
+  m.impl("q8_gemv", &q8_gemv_op);
+  m.impl("q8_gemv_out", &q8_gemv_out_op);
+}
+
 static std::vector<int64_t> plan(int64_t K, int64_t npad, int64_t splits, int64_t device) {
   TORCH_CHECK(K > 0 && K % 32 == 0 && npad > 0 && npad % 16 == 0, "q8_gemv.plan: K must be a positive multiple of 32 and Npad of 16");
   return q8_gemv_plan(K, npad, splits, device);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kestrel q8 GEMV: int8 [K, Npad] weights with f32 [K/group, Npad] scales, float32 accumulation";
-  m.def("gemv", &gemv, "y = x @ dequant(qweight, scales) for one row x (writes y)", pybind11::arg("x"),
-        pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("group"), pybind11::arg("y"),
-        pybind11::arg("splits") = 0);
+  m.doc() = "kestrel q8 GEMV: int8 [K, Npad] weights with f32 [K/group, Npad] scales, float32 accumulation; "
+            "the product itself is torch.ops.kestrel.q8_gemv";
   m.def("plan", &plan, "[col_blocks, splits, units_per_split] the launcher uses for K x Npad on a device",
         pybind11::arg("K"), pybind11::arg("npad"), pybind11::arg("splits") = 0, pybind11::arg("device") = 0);
   m.def("device_facts", &q8_gemv_device_facts, "[SMs, peak DRAM GB/s (0: unknown), blocks per SM the split choice aims at]",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import attrs
 import torch
@@ -47,6 +47,7 @@ class Backend:
     dtype: torch.dtype = torch.float32
     prefetch_depth = 0
     budget: int | None = None  # device bytes for weights; None: unbounded
+    captures = False  # whether ``capture`` can return a replayable decode step
 
     def __init__(self, ctx: BackendContext):
         self.check_prefetch(ctx.backend.prefetch)
@@ -96,13 +97,24 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work."""
 
-    def start_timer(self) -> Any:
+    def mark(self) -> Any:
+        """A point in the device's queue (for timing and for waiting on); nothing waits here."""
         return time.perf_counter()
 
-    def stop_timer(self, start: Any) -> float:
-        """Milliseconds since ``start_timer``, with the device's work finished."""
-        self.synchronize()
-        return (time.perf_counter() - start) * 1e3
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        """Milliseconds of device work between two marks, waiting for the second."""
+        return (stop - start) * 1e3
+
+    def wait(self, mark: Any) -> None:
+        """Wait until the device's work up to ``mark`` is done (the CPU's is done when marked)."""
+
+    def capture(self, step: Callable[[], None], plans: list[Plan]) -> Any:
+        """One decode step captured for replay, or None where this backend cannot capture (it then runs eagerly)."""
+        return None
+
+    def replay(self, graph: Any) -> None:
+        """Run a captured step again (on the backends whose ``capture`` returns one)."""
+        raise NotImplementedError(f"{self.name} captures nothing, so it has nothing to replay")
 
     def memory_stats(self) -> dict[str, int]:
         return {}

@@ -16,6 +16,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OFF = "off"
+GRAPHS = ("auto", "off")
 
 
 def parse_keep(value: Any) -> int | str:
@@ -36,6 +37,12 @@ class BackendConfig:
     dtype: str = ""  # compute dtype; empty means the backend's default
     prefetch: int = 0  # layers uploaded ahead on a side stream (backends that can)
     device: str = ""  # e.g. "cuda:1"; empty means the backend's default
+    graphs: str = attrs.field(default="auto")  # "auto": replay a repeating decode step where the backend can capture; "off": eager
+
+    @graphs.validator
+    def _check_graphs(self, _, value: str) -> None:
+        if value not in GRAPHS:
+            raise ConfigError(f"graphs must be one of {', '.join(GRAPHS)}, got {value!r}")
 
 
 @attrs.frozen

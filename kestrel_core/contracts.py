@@ -72,6 +72,7 @@ class Backend(Protocol):
     dtype: torch.dtype
     prefetch_depth: int  # units uploaded ahead on a side stream (0: none)
     budget: int | None  # device bytes for weights, None where unbounded
+    captures: bool  # whether ``capture`` can return a replayable decode step
     units: Any  # the run's UnitTable, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run
@@ -105,9 +106,17 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def start_timer(self) -> Any: ...
+    def mark(self) -> Any:
+        """A point in the device's queue: ``elapsed_ms(a, b)`` times the work between two, ``wait(m)`` waits for one."""
 
-    def stop_timer(self, start: Any) -> float: ...
+    def elapsed_ms(self, start: Any, stop: Any) -> float: ...
+
+    def wait(self, mark: Any) -> None: ...
+
+    def capture(self, step: Any, plans: list) -> Any:
+        """The decode step ``step()`` (whose plans are ``plans``) captured for ``replay``, or None: run it eagerly."""
+
+    def replay(self, graph: Any) -> None: ...
 
     def memory_stats(self) -> dict[str, int]: ...
 

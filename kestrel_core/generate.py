@@ -1,4 +1,9 @@
-"""The token loop and the explicit per-layer loop, where the residency window advances."""
+"""The token loop: prefill layer by layer, then one decode step per token (``decode.py``), read back a step late.
+
+Greedy decoding never waits on a token to launch the next step: each step's token (and whether
+its logits were finite) is copied to host memory without a wait and read one step later, so a
+step may run past an end-of-sequence token. That step is dropped, with its counters.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ import torch
 
 from .config import GenerationConfig
 from .dtypes import itemsize
-from .host import meminfo
 from .errors import BudgetError, ConfigError, NonFiniteError
-from .model import KVCache, decoder_layer, rope_tables
+from .host import meminfo
+from .decode import MODES, DecodeState, StepRunner
+from .model import Attend, KVCache, RopeTable, decoder_layer
 from .residency import delta
 from .sampling import Sampler
 
@@ -30,6 +36,7 @@ class GenerationResult:
     per_token: list[dict[str, int]]  # counter deltas of each decode step
     memory: dict[str, int]
     fixed_resident_bytes: int = 0  # never-evicted weights (embeddings, norms, lm_head): the peak less these is streamed
+    steps: dict[str, int] = attrs.Factory(dict)  # how the decode steps ran: eager, captured (then replayed), replayed
     logits: list[torch.Tensor] | None = None
     text: str | None = None  # the generated ids decoded, where the model has a tokenizer
 
@@ -52,6 +59,7 @@ class GenerationResult:
             "bytes_uploaded_per_token": [p["bytes_uploaded"] for p in per],
             "allocations_per_token": [p["allocations"] for p in per],
             "counters": self.counters,
+            "steps": self.steps,
             "memory": self.memory,
             **({"text": self.text} if self.text is not None else {}),
         }
@@ -96,43 +104,48 @@ def allocate_cache(run: Run, max_seq: int) -> list[KVCache]:
         raise too_big from None
 
 
-def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], phase: str, probe=None) -> torch.Tensor:
-    """Logits of the last position. The window advances at every layer boundary.
+def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
+            probe=None) -> torch.Tensor:
+    """Logits of the last position, the window advancing boundary by boundary (prefill, and the error path).
 
     ``probe(where, h)``, where given, sees the hidden state after the embedding and after each layer.
     """
     backend, window, cfg = run.backend, run.window, run.model.config
-    positions = torch.arange(start, start + len(ids))
-    rope = rope_tables(cfg, positions, backend.dtype, backend.device)
+    at = Attend.prefill(rope, start, len(ids), backend.device)
     h = backend.embed(torch.tensor(ids))
     if probe:
         probe("the embedding", h)
     for layer in range(cfg.num_hidden_layers):
         w = window.step(layer, phase)
-        h = decoder_layer(h, w, backend.small[layer], cache[layer], start, rope, cfg, backend.linear)
+        h = decoder_layer(h, w, backend.small[layer], cache[layer], at, cfg, backend.linear)
         if probe:
             probe(f"layer {layer}", h)
     return backend.logits(h[-1:])[0]
 
 
-def check_finite(run: Run, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], phase: str) -> None:
-    """Stop at a logit row holding NaN or inf, naming the first part of the model whose output went non-finite.
+def check_finite(run: Run, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable,
+                 phase: str) -> None:
+    """Stop at a logit row holding NaN or inf (see ``nonfinite``)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise nonfinite(run, ids, start, cache, rope, phase)
+
+
+def nonfinite(run: Run, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str) -> NonFiniteError:
+    """The error for non-finite logits at this step, naming the first part of the model whose output went non-finite.
 
     The search runs the step again with a probe: on the error path only, never on a good step.
     """
-    if bool(torch.isfinite(logits).all()):
-        return
     found: list[str] = []
 
     def probe(where: str, h: torch.Tensor) -> None:
         if not found and not bool(torch.isfinite(h).all()):
             found.append(where)
 
-    forward(run, ids, start, cache, phase, probe)  # rewrites this step's K/V with the same values
+    forward(run, ids, start, cache, rope, phase, probe)  # rewrites this step's K/V with the same values
     where = found[0] if found else "the final norm and lm_head"
     dtype = str(run.backend.dtype).replace("torch.", "")
     wider = ", or compute in float32 (--dtype float32)" if run.backend.dtype in (torch.float16, torch.bfloat16) else ""
-    raise NonFiniteError(
+    return NonFiniteError(
         f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
         f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
     )
@@ -149,49 +162,100 @@ def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits
         ) from None
 
 
+@attrs.define
+class _Step:
+    before: dict[str, int]  # counters before its plans
+    after: dict[str, int]  # and after (planning is where they move)
+    mode: str  # how it ran: eager, captured or replayed
+    mark: object  # the backend's marker, recorded once its token was on its way to the host
+    logits: torch.Tensor | None  # kept for keep_logits, on the device
+
+
+class _Readback:
+    """Each step's [token, non-finite flag] copied into (pinned) host memory without a wait, read a step or more later."""
+
+    def __init__(self, run: Run, state: DecodeState, depth: int = 4):
+        self.backend, self.state = run.backend, state
+        self.ring = torch.zeros((depth, 2), dtype=torch.long, pin_memory=run.backend.device.type == "cuda")
+
+    def push(self, k: int):
+        self.ring[k % len(self.ring)].copy_(self.state.io, non_blocking=True)
+        return self.backend.mark()
+
+    def read(self, k: int, mark) -> tuple[int, bool]:
+        self.backend.wait(mark)
+        token, bad = self.ring[k % len(self.ring)].tolist()
+        return token, bool(bad)
+
+
 def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool) -> GenerationResult:
     check_prompt(run, prompt_ids, gen)
-    cfg, backend = run.model.config, run.backend
+    cfg, backend, window, counters = run.model.config, run.backend, run.window, run.counters
     sampler = Sampler(gen)
     eos = cfg.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    cache = allocate_cache(run, len(prompt_ids) + gen.max_new_tokens)
-    all_logits = [] if keep_logits else None
-    fixed = run.counters.resident_bytes
+    max_seq = len(prompt_ids) + gen.max_new_tokens
+    cache = allocate_cache(run, max_seq)
+    fixed = counters.resident_bytes
+    greedy = gen.temperature == 0
     with torch.inference_mode():
-        run.window.preload()
+        rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
+        window.preload()
         backend.synchronize()
-        t0 = backend.start_timer()
-        logits = forward(run, prompt_ids, 0, cache, "prefill")
-        check_finite(run, logits, prompt_ids, 0, cache, "prefill")
+        t0 = backend.mark()
+        logits = forward(run, prompt_ids, 0, cache, rope, "prefill")
+        check_finite(run, logits, prompt_ids, 0, cache, rope, "prefill")
         token = sampler(logits)
-        prefill_ms = backend.stop_timer(t0)
+        prefill_end = backend.mark()
+        prefill_ms = backend.elapsed_ms(t0, prefill_end)
         tokens = [token]
-        if keep_logits:
-            all_logits.append(logits.cpu())
-        decode_ms, per_token = [], []
-        pos = len(prompt_ids)
-        while len(tokens) < gen.max_new_tokens and not (gen.stop_at_eos and token in eos_ids):
-            run.window.next_token()
-            before = run.counters.snapshot()
-            t0 = backend.start_timer()
-            logits = forward(run, [token], pos, cache, "decode")
-            check_finite(run, logits, [token], pos, cache, "decode")
-            token = sampler(logits)
-            decode_ms.append(backend.stop_timer(t0))
-            per_token.append(delta(run.counters.snapshot(), before))
+        state = DecodeState(backend.device, rope, max_seq, greedy)
+        state.start(token, len(prompt_ids))
+        runner = StepRunner(run, state, cache, graphs=run.config.backend.graphs == "auto")
+        readback = _Readback(run, state)
+        lag = 1 if greedy else 0  # a sampled token is on the host already
+        steps: list[_Step] = []
+        stop = gen.stop_at_eos and token in eos_ids
+
+        def take(k: int) -> bool:
+            """Read step k's token; whether it ends the generation."""
+            token, bad = readback.read(k, steps[k].mark)
+            if bad:
+                raise nonfinite(run, [tokens[k]], len(prompt_ids) + k, cache, rope, "decode")
             tokens.append(token)
-            pos += 1
-            if keep_logits:
-                all_logits.append(logits.cpu())
+            return gen.stop_at_eos and token in eos_ids
+
+        try:
+            while not stop and 1 + len(steps) < gen.max_new_tokens:
+                window.next_token()
+                before = counters.snapshot()
+                mode = runner()
+                after = counters.snapshot()
+                if not greedy:
+                    if not bool(torch.isfinite(state.logits).all()):
+                        raise nonfinite(run, [tokens[-1]], len(prompt_ids) + len(steps), cache, rope, "decode")
+                    state.io[0].fill_(sampler(state.logits))
+                mark = readback.push(len(steps))
+                steps.append(_Step(before, after, mode, mark, state.logits.clone() if keep_logits else None))
+                while len(tokens) - 1 < len(steps) - lag and not stop:
+                    stop = take(len(tokens) - 1)
+            while len(tokens) - 1 < len(steps) and not stop:
+                stop = take(len(tokens) - 1)
+        finally:
+            runner.close()
+        kept = steps[: len(tokens) - 1]  # a step launched past the end of sequence is dropped
+        marks = [prefill_end] + [s.mark for s in kept]
+        decode_ms = [backend.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
+        all_logits = [logits.cpu()] + [s.logits.cpu() for s in kept] if keep_logits else None
     return GenerationResult(
         prompt_ids=list(prompt_ids),
         token_ids=tokens,
         prefill_ms=prefill_ms,
         decode_ms=decode_ms,
-        counters=run.counters.snapshot(),
-        per_token=per_token,
+        counters=kept[-1].after if kept else counters.snapshot(),
+        per_token=[delta(s.after, s.before) for s in kept],
         memory=backend.memory_stats(),
         fixed_resident_bytes=fixed,
         logits=all_logits,
+        steps={m: sum(s.mode == m for s in kept) for m in MODES},
     )

@@ -142,12 +142,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, head_dim] for the HF rotate-half convention."""
-    inv = cfg.inv_freq().to(device)
-    freqs = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+class RopeTable:
+    """cos and sin of every position a run can reach, [max_seq, head_dim], computed once (in float64) per generation."""
+
+    def __init__(self, cfg: ModelConfig, max_seq: int, dtype, device):
+        inv = cfg.inv_freq().to(device)
+        freqs = torch.arange(max_seq, device=device, dtype=torch.float64)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, head_dim] for the HF rotate-half convention; ``positions`` is a long tensor on the device."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
+@attrs.frozen
+class Attend:
+    """Where a forward's tokens sit: their positions, their RoPE rows, and which cached keys each query sees.
+
+    A decode step reads the whole static cache (``kv_len`` = its length) under a mask made from a
+    position tensor, so one captured graph serves every position; prefill reads keys 0..start+T-1.
+    """
+
+    positions: torch.Tensor  # long [T] on the compute device
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor
+    kv_len: int  # keys 0..kv_len-1 of the cache are read
+    mask: torch.Tensor | None  # bool [T, kv_len] (True: seen), or None: every one of the kv_len keys is seen
+
+    @classmethod
+    def prefill(cls, rope: RopeTable, start: int, T: int, device) -> "Attend":
+        positions = torch.arange(start, start + T, device=device)
+        return cls(positions, *rope.at(positions), start + T, _causal_mask(T, start, device) if T > 1 else None)
+
+    @classmethod
+    def static(cls, rope: RopeTable, position: torch.Tensor, key_positions: torch.Tensor) -> "Attend":
+        """One token at ``position`` (a long [1] tensor) against the full cache: nothing here reads the host."""
+        return cls(position, *rope.at(position), key_positions.numel(), (key_positions <= position)[None, :])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +196,7 @@ def decoder_layer(
     w: dict[str, torch.Tensor],  # linear weights: q,k,v,o,gate,up,down or fused qkv / gate_up
     small: dict[str, torch.Tensor],  # norms and biases
     cache: KVCache,
-    start: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    at: Attend,
     cfg: ModelConfig,
     linear=F.linear,
 ) -> torch.Tensor:
@@ -185,19 +215,16 @@ def decoder_layer(
     if cfg.qk_norm:
         q = rms_norm(q, small["q_norm"], eps)
         k = rms_norm(k, small["k_norm"], eps)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache.k[start : start + T] = k
-    cache.v[start : start + T] = v
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    keys = cache.k[: start + T].transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, S, hd]
-    vals = cache.v[: start + T].transpose(0, 1).repeat_interleave(groups, dim=0)
+    q, k = apply_rope(q, at.cos, at.sin), apply_rope(k, at.cos, at.sin)
+    cache.k.index_copy_(0, at.positions, k)
+    cache.v.index_copy_(0, at.positions, v)
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, heads, T, hd]
-        keys[None],
-        vals[None],
-        attn_mask=_causal_mask(T, start, h.device) if T > 1 else None,
+        cache.k[: at.kv_len].transpose(0, 1)[None],  # [1, kv_heads, S, hd]: SDPA groups the heads, nothing is repeated
+        cache.v[: at.kv_len].transpose(0, 1)[None],
+        attn_mask=at.mask,
         scale=cfg.head_dim**-0.5,
+        enable_gqa=True,
     )[0]
     attn = attn.transpose(0, 1).reshape(T, cfg.q_dim)
     h = h + linear(attn, w["o"])

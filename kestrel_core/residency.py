@@ -9,7 +9,8 @@ deterministic allocator, a window that repeats from token to token repeats its b
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -22,7 +23,7 @@ from .units import Geometry, Unit, UnitKey, UnitTable
 if TYPE_CHECKING:
     from .backend import Backend
 
-__all__ = ["Advice", "Counters", "Entry", "Fetch", "Geometry", "Plan", "Resident", "Window", "delta"]
+__all__ = ["Advice", "Boundary", "Counters", "Entry", "Fetch", "Geometry", "Plan", "Resident", "TokenPlan", "Window", "delta"]
 
 
 @attrs.frozen
@@ -72,6 +73,27 @@ class Plan:
         """What must repeat, token after token, for the step to be replayed as it was: units and buffers."""
         return (self.layer, tuple(r.unit.key for r in self.evict),
                 tuple((f.unit.key, tuple(map(id, f.buffers)), f.ahead) for f in self.fetch))
+
+
+@attrs.frozen
+class Boundary:
+    """One layer boundary of a token: its plan, and the unit and weights the layer then reads."""
+
+    plan: Plan
+    key: UnitKey
+    weights: dict = attrs.field(eq=False)
+
+
+class TokenPlan:
+    """Every boundary of one token, planned ahead. Iterating consumes it, so a buffer freed in the plan
+    dies once its layer has run rather than at the end of the token."""
+
+    def __init__(self, boundaries: Iterable[Boundary]):
+        self._left = deque(boundaries)
+
+    def __iter__(self) -> Iterator[Boundary]:
+        while self._left:
+            yield self._left.popleft()
 
 
 @attrs.define
@@ -155,12 +177,28 @@ class Window:
         return self.acquire(layer)
 
     def advance(self, layer: int, phase: str) -> Plan:
-        plan = self.plan(layer, phase)
+        plan = self._noted(self.plan(layer, phase))
         if plan.evict or plan.fetch:
             self.backend.execute(plan)
-            self.signatures.append(plan.signature)
-        else:
-            self.signatures.append(layer)
+        return plan
+
+    def boundaries(self, phase: str) -> Iterator[Boundary]:
+        """One token's boundaries in layer order, each planned as the loop reaches it (executing is the caller's)."""
+        for layer in range(self.n_layers):
+            plan = self._noted(self.plan(layer, phase))
+            units = self.units.of_layer(layer)
+            if len(units) != 1:
+                raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
+            # The weights as planned here: by the end of the token a later boundary may have evicted them.
+            yield Boundary(plan, units[0].key, self._resident[units[0].key].weights)
+
+    def plan_token(self, phase: str) -> "TokenPlan":
+        """Every boundary of one token planned now, none executed: ``signatures`` then holds the whole token,
+        which is what a captured step must match."""
+        return TokenPlan(self.boundaries(phase))
+
+    def _noted(self, plan: Plan) -> Plan:
+        self.signatures.append(plan.signature if plan.evict or plan.fetch else plan.layer)
         return plan
 
     def plan(self, layer: int, phase: str) -> Plan:

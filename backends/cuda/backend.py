@@ -5,9 +5,13 @@ gate-up, down. Each layer's host copy is pinned once at load, so an upload is on
 DMA per entry (no memset, transpose or sync). With ``prefetch = d``, layers
 ``l+1..l+d`` upload on a side stream while ``l`` computes; events order the two
 streams, and a released buffer is refilled only after its last reader is done.
+A decode step whose plan repeats is captured as one CUDA graph (``capture``) and
+replayed (``replay``): uploads, prefetch, events, every layer and the argmax.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +20,7 @@ from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.budget import resolve_budget
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
-from kestrel_core.errors import BudgetError, ConfigError, KestrelError
+from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
 from kestrel_core.model import linear_specs
 from kestrel_core.units import EntrySpec, Geometry
 
@@ -51,8 +55,11 @@ class CudaBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
-        self.compute_stream = torch.cuda.current_stream(self.device)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else self.compute_stream
+        # Compute runs on whatever stream is current (the default one, or a graph's capture stream);
+        # prefetched uploads run on a side stream, ordered against it by events.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else None
+        self._capture_stream = torch.cuda.Stream(self.device)
+        self._said_unpinned = False
         self._ready: dict[tuple, torch.cuda.Event] = {}  # unit key -> its upload's event
         self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
         self.quant = ctx.quant  # read and checked once, when the Model opened
@@ -162,7 +169,7 @@ class CudaBackend(Backend):
                 buf = torch.empty(geometry.shape, dtype=self.dtype, device=self.device)
         except torch.cuda.OutOfMemoryError:
             raise self._oom("allocating a weight buffer") from None
-        if self.copy_stream is not self.compute_stream:
+        if self.copy_stream is not None:
             buf.record_stream(self.copy_stream)
         return buf
 
@@ -171,8 +178,11 @@ class CudaBackend(Backend):
 
     def fill(self, buffer, source):
         layer, name = source
+        if self.copy_stream is None:  # in stream order with the compute
+            buffer.copy_(self._host[layer][name], non_blocking=True)
+            return
         waits = self._last_read.pop(buffer.data_ptr(), None)
-        if waits is not None and self.copy_stream is not self.compute_stream:
+        if waits is not None:
             self.copy_stream.wait_event(waits)
         with torch.cuda.stream(self.copy_stream):
             buffer.copy_(self._host[layer][name], non_blocking=True)
@@ -182,15 +192,15 @@ class CudaBackend(Backend):
             super().fill_unit(fetch)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(f"uploading unit {fetch.unit.key}") from None
-        if self.copy_stream is not self.compute_stream:
+        if self.copy_stream is not None:
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
             self._ready[fetch.unit.key] = ev
 
     def retire(self, resident):
-        if self.copy_stream is not self.compute_stream:
+        if self.copy_stream is not None:
             ev = torch.cuda.Event()
-            ev.record(self.compute_stream)  # the last reader of these buffers is queued before this point
+            ev.record(torch.cuda.current_stream(self.device))  # the last reader of these buffers is queued before this point
             for buf in resident.buffers:
                 self._last_read[buf.data_ptr()] = ev
             self._ready.pop(resident.unit.key, None)
@@ -198,7 +208,50 @@ class CudaBackend(Backend):
     def before_use(self, key):
         ev = self._ready.pop(key, None)
         if ev is not None:
-            self.compute_stream.wait_event(ev)
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    # --- the captured decode step ----------------------------------------------------
+    captures = True
+
+    def capture(self, step, plans):
+        """The step as one CUDA graph: its uploads (from pinned staging), the side stream's prefetch and
+        events, every layer and the argmax. Activations go to the graph's private memory pool.
+
+        Events recorded while capturing exist only inside the graph, so none is kept for an eager wait.
+        """
+        unpinned = [(layer, name) for plan in plans for fetch in plan.fetch for (layer, name) in
+                    (e.source for e in fetch.unit.entries) if not _pinned(self._host[layer][name])]
+        if unpinned:  # a pageable source cannot be copied inside a graph (an error, or garbage in older torch)
+            if not self._said_unpinned:
+                self._said_unpinned = True
+                warnings.warn(f"the host copy of layer {unpinned[0][0]} ({unpinned[0][1]}) is not pinned, so the decode "
+                              "step cannot be captured; it runs eagerly", KestrelNote, stacklevel=2)
+            return None
+        torch.cuda.synchronize(self.device)  # every eager upload and read is done: no eager event is needed inside
+        self._forget_events()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self._capture_stream):
+            if self.copy_stream is not None:
+                self.copy_stream.wait_stream(self._capture_stream)  # the side stream joins the capture
+            step()
+            if self.copy_stream is not None:
+                self._capture_stream.wait_stream(self.copy_stream)  # and rejoins it before the end
+        self._forget_events()
+        return graph
+
+    def replay(self, graph):
+        """Launch the graph on the current stream, after every eager upload, before any later one."""
+        current = torch.cuda.current_stream(self.device)
+        if self.copy_stream is not None:
+            current.wait_stream(self.copy_stream)
+        self._forget_events()  # ordered by the wait above, and by stream order against the compute
+        graph.replay()
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(current)  # a later eager refill waits for the graph's last read
+
+    def _forget_events(self):
+        self._ready.clear()
+        self._last_read.clear()
 
     def load_resident(self, host):
         return host.to(device=self.device, dtype=self.dtype)
@@ -219,17 +272,18 @@ class CudaBackend(Backend):
     def synchronize(self):
         torch.cuda.synchronize(self.device)
 
-    def start_timer(self):
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.compute_stream)
-        return start
+    def mark(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
-    def stop_timer(self, start):
+    def elapsed_ms(self, start, stop):
         """CUDA events on the compute stream (which waits on every upload it reads)."""
-        stop = torch.cuda.Event(enable_timing=True)
-        stop.record(self.compute_stream)
         stop.synchronize()
         return start.elapsed_time(stop)
+
+    def wait(self, mark):
+        mark.synchronize()
 
     def memory_stats(self):
         return {
@@ -243,5 +297,8 @@ class CudaBackend(Backend):
     def close(self):
         super().close()
         self._host = []
-        self._ready.clear()
-        self._last_read.clear()
+        self._forget_events()
+
+
+def _pinned(host) -> bool:
+    return (host.raw if isinstance(host, q8.Q8Weight) else host).is_pinned()

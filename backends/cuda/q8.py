@@ -283,9 +283,8 @@ def q8_gemv(x: torch.Tensor, w: Q8Weight, out_dtype: torch.dtype | None = None, 
         raise ValueError(f"q8_gemv: splits must be 0 (auto) or 1..8, got {splits!r}")
     if x.device != w.qweight.device:
         raise ValueError(f"q8_gemv: x is on {x.device} but the weights are on {w.qweight.device}; move x there")
-    y = torch.empty((*x.shape[:-1], w.n), dtype=out_dtype or x.dtype, device=x.device)
-    module.gemv(x.reshape(-1).contiguous(), w.qweight, w.scales, w.group, y.view(-1), splits)
-    return y
+    del module  # built: the op below is registered
+    return torch.ops.kestrel.q8_gemv(x, w.qweight, w.scales, w.group, w.n, splits, out_dtype)
 
 
 def _device_index(device: int) -> int:
@@ -320,6 +319,8 @@ def _buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tenso
     """A flat scratch buffer reused across calls (same device and dtype; stream order keeps it safe)."""
     key = (device, dtype)
     buf = _workspace.get(key)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and (buf is None or buf.numel() < numel):
+        return torch.empty((numel,), dtype=dtype, device=device)  # the graph's own pool: never kept for eager use
     if buf is None or buf.numel() < numel:
         # A normal tensor, even when first made during generation: an inference tensor could
         # not be written outside inference mode later.
@@ -358,6 +359,8 @@ def q8_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
     T == 1 on a GPU goes through the kernel; prefill (T > 1), CPU tensors, or a kernel that
     did not build take the torch path (the last says so once, as a KestrelNote).
     """
+    if _module is not None and x.shape[0] == 1 and x.is_cuda:  # the hot path: the op checks the rest itself
+        return torch.ops.kestrel.q8_gemv(x, w.qweight, w.scales, w.group, w.n, 0, None)
     global _said_fallback
     if x.is_cuda and x.numel() == w.k and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         try:

@@ -21,15 +21,19 @@ def run(args) -> int:
     res = cfg.residency
     if args.json:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
-                   "allocator": res.allocator, "prefetch": cfg.backend.prefetch, **result.to_json()})
+                   "allocator": res.allocator, "prefetch": cfg.backend.prefetch, "graphs": cfg.backend.graphs, **result.to_json()})
         return 0
     c = result.counters
     steps = len(result.decode_ms)
     print(f"token ids: {' '.join(map(str, result.token_ids))}")
     if text is not None:
         print(f"text: {text!r}")
-    print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} prefetch={cfg.backend.prefetch}")
+    print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} "
+          f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
     print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {result.ms_per_token:.2f} ms/token (median of {steps})")
+    if steps:
+        how = result.steps
+        print(f"decode steps: {how['replayed'] + how['captured']} from a captured graph ({how['captured']} captured), {how['eager']} eager")
     print(f"uploaded: {c['layer_uploads']} layers, {c['uploads']} entries, {mib(c['bytes_uploaded'])}; "
           f"evicted: {c['layer_evictions']} layers, {mib(c['bytes_evicted'])}")
     if result.per_token:
