@@ -85,8 +85,11 @@ def settings(L: int):
                                                            backend__prefetch=pf)
 
 
-def graph_rows(model: Model, tokens: int, only_off: bool = False) -> list[dict]:
-    """Graph and eager side by side, setting by setting."""
+COMPILED = ("off", "asymmetric keep=1 pf=1")  # the settings also measured with --compile
+
+
+def graph_rows(model: Model, tokens: int, only_off: bool = False, compiled: bool = False) -> list[dict]:
+    """Graph and eager side by side, setting by setting (and with torch.compile'd layers, where asked)."""
     decode_row(model, "warm-up (not recorded)", 8, "auto", residency__keep="off")
     rows = []
     for label, flags in settings(model.n_layers):
@@ -94,6 +97,12 @@ def graph_rows(model: Model, tokens: int, only_off: bool = False) -> list[dict]:
             continue
         for graphs in ("auto", "off"):
             rows.append(decode_row(model, label, tokens, graphs, **flags))
+    if compiled:
+        decode_row(model, "compile warm-up (not recorded)", 8, "auto", residency__keep="off", backend__compile=True)
+        for label, flags in settings(model.n_layers):
+            if label in COMPILED and not (only_off and label != "off"):
+                for graphs in ("auto", "off"):
+                    rows.append(decode_row(model, label + " +compile", tokens, graphs, backend__compile=True, **flags))
     ref = rows[0]["token_ids"]
     for row in rows:
         row["ids_match_off"] = row["token_ids"] == ref
@@ -201,6 +210,9 @@ def targets(shape: dict) -> dict:
          "all_ids_match_off": all(r["ids_match_off"] for r in shape["rows"]),
          "pool_allocations_after_first_token_graph": sum(r["allocations_after_first_token"] for r in shape["rows"]
                                                          if r["graphs"] == "auto")}
+    if ("off +compile", "auto") in by:
+        t["off_graph_compile_over_floor"] = by["off +compile", "auto"]["median"] / shape["floor"]["ms"]
+        t["off_graph_compile_p90_over_p10"] = by["off +compile", "auto"]["p90_over_p10"]
     if ("asymmetric keep=1 pf=1", "auto") in by:
         g, e = by["asymmetric keep=1 pf=1", "auto"], by["asymmetric keep=1 pf=1", "off"]
         t["stream_keep1_pf1_graph_fraction_of_pinned"] = g["effective_GBps"] / shape["pinned_h2d_GBps"]

@@ -292,6 +292,7 @@ def main() -> int:
                    help="the captured-decode section instead: the GEMV floor, graph against eager, the peer; "
                         "--preset may list several shapes (qwen3-1.7b,qwen3-8b)")
     p.add_argument("--tokens", type=int, default=35, help="--graphs: tokens a row decodes (the statistics skip two)")
+    p.add_argument("--compile", action="store_true", help="--graphs: also the rows with torch.compile'd layers")
     p.add_argument("--no-static-peer", action="store_true", help="--graphs: skip transformers' StaticCache + compile")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -336,7 +337,7 @@ def graphs_main(args) -> int:
         shape: dict = {"pinned_h2d_GBps": ceil["pinned_h2d_GBps"]}
         with Model(path) as model:
             shape["floor"] = dg.gemv_floor(model)
-            shape["rows"] = dg.graph_rows(model, args.tokens)
+            shape["rows"] = dg.graph_rows(model, args.tokens, compiled=args.compile)
             shape["interleaved"] = dg.off_vs_keep_all(model, args.tokens)
         if args.q8_group:
             from kestrel_core.quant import quantize_checkpoint
@@ -346,12 +347,12 @@ def graphs_main(args) -> int:
                 log(f"quantizing to {qpath}")
                 quantize_checkpoint(path, qpath, args.q8_group, device="cuda")
             with Model(qpath) as qmodel:
-                shape["q8_rows"] = dg.graph_rows(qmodel, args.tokens, only_off=True)
+                shape["q8_rows"] = dg.graph_rows(qmodel, args.tokens, only_off=True, compiled=args.compile)
         if not args.skip_peers:
             shape["peer"] = dg.peers(path, args.tokens, static=not args.no_static_peer)
         shape["targets"] = dg.targets(shape)
         if args.q8_group:
-            q8_off = next(r for r in shape["q8_rows"] if r["graphs"] == "auto")
+            q8_off = next(r for r in shape["q8_rows"] if r["label"] == "off" and r["graphs"] == "auto")
             bf16_off = next(r for r in shape["rows"] if r["label"] == "off" and r["graphs"] == "auto")
             shape["targets"]["q8_off_over_bf16_off_graph"] = q8_off["median"] / bf16_off["median"]
         log(f"{preset} targets: {shape['targets']}")

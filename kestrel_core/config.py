@@ -39,6 +39,8 @@ class BackendConfig:
     device: str = ""  # e.g. "cuda:1"; empty means the backend's default
     graphs: str = attrs.field(default="auto")  # "auto": replay a repeating decode step where the backend can capture; "off": eager
 
+    compile: bool = False  # run the decode step's layer math through torch.compile (fused kernels; the first step compiles)
+
     @graphs.validator
     def _check_graphs(self, _, value: str) -> None:
         if value not in GRAPHS:

@@ -40,16 +40,29 @@ class DecodeState:
         self.position.fill_(position)
 
 
+_compiled: dict[str, Any] = {}
+
+
+def layer_math(compile: bool):
+    """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
+    if not compile:
+        return decoder_layer
+    if "layer" not in _compiled:
+        _compiled["layer"] = torch.compile(decoder_layer, dynamic=False)
+    return _compiled["layer"]
+
+
 def decode_step(run: "Run", state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary]) -> None:
     """Execute one token's boundaries and its layers; the next token (greedy) and the position move on on the device."""
     backend, cfg = run.backend, run.model.config
+    layer_fn = layer_math(run.config.backend.compile)
     at = Attend.static(state.rope, state.position, state.key_positions)
     h = backend.embed(state.io[:1])
     for layer, b in enumerate(boundaries):
         if b.plan.evict or b.plan.fetch:
             backend.execute(b.plan)
         backend.before_use(b.key)
-        h = decoder_layer(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear)
+        h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear)
         del b  # a buffer its plan freed dies here, not at the end of the token
     logits = backend.logits(h)[0]
     if state.greedy:

@@ -255,7 +255,16 @@ def load_kernel():
                 f"torch's CUDA {torch.version.cuda} (CUDA_HOME) and a host C++ compiler; KESTREL_BUILD_VERBOSE=1 shows the log"
             )
             raise KernelNotBuilt(_error) from exc
+        _register_fake()
         return _module
+
+
+def _register_fake() -> None:
+    """Shapes of the ops' outputs without running them, for torch.compile (--compile)."""
+
+    @torch.library.register_fake("kestrel::q8_gemv")
+    def _(x, qweight, scales, group, n, splits=0, out_dtype=None):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
 
 
 def kernel_available() -> bool:

@@ -36,6 +36,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--dtype", help="compute dtype (cpu_ref: float32|float64; cuda: bfloat16|float16|float32)")
     p.add_argument("--device", help="device, e.g. cuda:1")
     p.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     p.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
     p.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int)
@@ -61,6 +63,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         backend__dtype=args.dtype,
         backend__device=args.device,
         backend__graphs=args.graphs,
+        backend__compile=args.compile,
         backend__prefetch=single(_int(args.prefetch, "--prefetch")),
         residency__policy=single(args.policy),
         residency__keep=None if sweep or args.keep is None else parse_keep(args.keep),  # a sweep parses its list
