@@ -95,14 +95,21 @@ def copy_ceilings(nbytes: int = 2**30) -> dict:
     return out
 
 
-def write_record(name: str, record: dict, out_dirs: list[Path]) -> list[Path]:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def write_record(name: str, record: dict, out_dirs: list[Path], stamp: str | None = None) -> list[Path]:
+    """``name_stamp.json`` in each directory, written atomically (a bench that writes as it goes passes one stamp)."""
+    stamp = stamp or utc_stamp()
     record = {"bench": name, "date_utc": stamp, "commit": commit(), "command": " ".join(sys.argv),
               "hardware": hardware(), **record}
     paths = []
     for d in out_dirs:
         d.mkdir(parents=True, exist_ok=True)
         p = d / f"{name}_{stamp}.json"
-        p.write_text(json.dumps(record, indent=1))
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, p)
         paths.append(p)
     return paths

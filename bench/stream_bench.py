@@ -327,18 +327,30 @@ def main() -> int:
 
 
 def graphs_main(args) -> int:
+    """Each stage rewrites the one record, so a run cut short still leaves what it measured."""
     import decode_graphs as dg
+    from common import utc_stamp
 
+    stamp, name = utc_stamp(), f"decode_graphs_{args.preset.replace(',', '+')}"
     ceil = copy_ceilings()
     log(f"ceilings: pinned {ceil['pinned_h2d_GBps']:.1f} GB/s")
-    shapes = {}
+    shapes: dict = {}
+    record = {"ceilings": ceil, "prompt_ids": PROMPT, "tokens": args.tokens, "shapes": shapes}
+
+    def save(stage: str) -> list[Path]:
+        record["complete"] = stage == "done"
+        return write_record(name, record, [RESULTS, *map(Path, args.out)], stamp)
+
     for preset in args.preset.split(","):
         path = ensure_model(preset, Path(args.models))
         shape: dict = {"pinned_h2d_GBps": ceil["pinned_h2d_GBps"]}
+        shapes[preset] = shape
         with Model(path) as model:
             shape["floor"] = dg.gemv_floor(model)
             shape["rows"] = dg.graph_rows(model, args.tokens, compiled=args.compile)
             shape["interleaved"] = dg.off_vs_keep_all(model, args.tokens)
+        shape["targets"] = dg.targets(shape)
+        save(preset)
         if args.q8_group:
             from kestrel_core.quant import quantize_checkpoint
 
@@ -348,17 +360,14 @@ def graphs_main(args) -> int:
                 quantize_checkpoint(path, qpath, args.q8_group, device="cuda")
             with Model(qpath) as qmodel:
                 shape["q8_rows"] = dg.graph_rows(qmodel, args.tokens, only_off=True, compiled=args.compile)
-        if not args.skip_peers:
-            shape["peer"] = dg.peers(path, args.tokens, static=not args.no_static_peer)
-        shape["targets"] = dg.targets(shape)
-        if args.q8_group:
             q8_off = next(r for r in shape["q8_rows"] if r["label"] == "off" and r["graphs"] == "auto")
             bf16_off = next(r for r in shape["rows"] if r["label"] == "off" and r["graphs"] == "auto")
             shape["targets"]["q8_off_over_bf16_off_graph"] = q8_off["median"] / bf16_off["median"]
+            save(preset + " q8")
+        if not args.skip_peers:
+            shape["peer"] = dg.peers(path, args.tokens, static=not args.no_static_peer)
         log(f"{preset} targets: {shape['targets']}")
-        shapes[preset] = shape
-    record = {"ceilings": ceil, "prompt_ids": PROMPT, "tokens": args.tokens, "shapes": shapes}
-    paths = write_record(f"decode_graphs_{args.preset.replace(',', '+')}", record, [RESULTS, *map(Path, args.out)])
+    paths = save("done")
     print("record:", *paths)
     return 0
 

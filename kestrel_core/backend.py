@@ -119,7 +119,9 @@ class Backend:
     def memory_stats(self) -> dict[str, int]:
         return {}
 
-    def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+    @staticmethod
+    def linear(x: torch.Tensor, w: Any) -> torch.Tensor:
+        """``x @ w.T`` for a buffer of this backend (a plain function: torch.compile sees the same one every run)."""
         return F.linear(x, w)
 
     # --- shared flow -------------------------------------------------------------

@@ -230,13 +230,19 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self.device)  # every eager upload and read is done: no eager event is needed inside
         self._forget_events()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._capture_stream):
-            if self.copy_stream is not None:
-                self.copy_stream.wait_stream(self._capture_stream)  # the side stream joins the capture
-            step()
-            if self.copy_stream is not None:
-                self._capture_stream.wait_stream(self.copy_stream)  # and rejoins it before the end
-        self._forget_events()
+        try:
+            with torch.cuda.graph(graph, stream=self._capture_stream):
+                if self.copy_stream is not None:
+                    self.copy_stream.wait_stream(self._capture_stream)  # the side stream joins the capture
+                step()
+                if self.copy_stream is not None:
+                    self._capture_stream.wait_stream(self.copy_stream)  # and rejoins it before the end
+        except RuntimeError as exc:  # something in the step cannot be captured: nothing of it ran, so run it eagerly
+            warnings.warn(f"the decode step could not be captured ({str(exc).splitlines()[0][:200]}); it runs eagerly",
+                          KestrelNote, stacklevel=2)
+            graph = None
+        finally:
+            self._forget_events()
         return graph
 
     def replay(self, graph):
@@ -264,7 +270,8 @@ class CudaBackend(Backend):
         self.counters.add_resident(w.nbytes)
         return w
 
-    def linear(self, x, w):
+    @staticmethod
+    def linear(x, w):
         if isinstance(w, q8.Q8Weight):
             return q8.q8_linear(x, w)  # T == 1: the csrc kernel; T > 1: dequantize + matmul
         return F.linear(x, w)
