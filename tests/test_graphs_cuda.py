@@ -150,4 +150,6 @@ def test_a_compiled_layer_replays_what_it_computes_eagerly(model):
         assert graph.token_ids == eager.token_ids and graph.steps["replayed"] >= 6, flags
         assert all(torch.equal(a, b) for a, b in zip(graph.logits, eager.logits)), flags
         plain = run(model, keep_logits=True, **flags)
-        assert all(torch.allclose(a, b, atol=0.1, rtol=0.05) for a, b in zip(graph.logits, plain.logits)), flags
+        # Fused kernels round differently: bf16 logits within the cross-backend tolerance of the unfused ones.
+        rel = [float((a - b).norm() / b.norm()) for a, b in zip(graph.logits, plain.logits)]
+        assert max(rel) < 3e-2, (flags, rel)
