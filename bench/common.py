@@ -75,6 +75,33 @@ def time_cuda_graph(fn, calls: int = 16, warmup: int = 3, reps: int = 30) -> flo
     return ms
 
 
+def hf_decode(model, prompt: list[int], n_new: int) -> tuple[list[int], list[float], float]:
+    """Greedy decode of a transformers model with its DynamicCache: (ids, CUDA-event ms per decode step, prefill ms)."""
+    ids = torch.tensor([prompt], device="cuda")
+    times, out = [], []
+    with torch.inference_mode():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        res = model(input_ids=ids, use_cache=True)
+        tok = int(res.logits[0, -1].argmax())
+        b.record()
+        b.synchronize()
+        prefill = a.elapsed_time(b)
+        past = res.past_key_values
+        out.append(tok)
+        for _ in range(n_new - 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            res = model(input_ids=torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
+            tok = int(res.logits[0, -1].argmax())
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+            past = res.past_key_values
+            out.append(tok)
+    return out, times, prefill
+
+
 def copy_ceilings(nbytes: int = 2**30) -> dict:
     """Pinned and pageable host->device, and device->device (bytes read + written), in GB/s."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import time_cuda_graph
+from common import hf_decode, time_cuda_graph
 
 from kestrel_core.config import GenerationConfig, KestrelConfig
 from kestrel_core.engine import Model, open_run
@@ -134,23 +134,7 @@ def _events():
 
 def hf_dynamic(hf, tokens: int) -> dict:
     """transformers' eager greedy decode with its DynamicCache; CUDA-event ms per step."""
-    ids = torch.tensor([PROMPT], device="cuda")
-    times, out = [], []
-    with torch.inference_mode():
-        res = hf(input_ids=ids, use_cache=True)
-        tok = int(res.logits[0, -1].argmax())
-        past = res.past_key_values
-        out.append(tok)
-        for _ in range(tokens - 1):
-            a, b = _events()
-            a.record()
-            res = hf(input_ids=torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
-            tok = int(res.logits[0, -1].argmax())
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-            past = res.past_key_values
-            out.append(tok)
+    out, times, _ = hf_decode(hf, PROMPT, tokens)
     return {**spread(times[SKIP:]), "decode_ms": times, "token_ids": out}
 
 

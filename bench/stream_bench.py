@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, copy_ceilings, write_record  # noqa: E402
+from common import RESULTS, copy_ceilings, hf_decode, write_record  # noqa: E402
 
 from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
@@ -126,33 +126,6 @@ def off_vs_keep_all(model: Model, rounds: int = 3, tokens: int = 17) -> dict:
     return out
 
 
-def hf_decode(model, n_new: int) -> tuple[list[int], list[float], float]:
-    """Greedy decode with the HF KV cache; CUDA-event ms per decode step."""
-    ids = torch.tensor([PROMPT], device="cuda")
-    times, out = [], []
-    with torch.inference_mode():
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        res = model(input_ids=ids, use_cache=True)
-        tok = int(res.logits[0, -1].argmax())
-        b.record()
-        b.synchronize()
-        prefill = a.elapsed_time(b)
-        past = res.past_key_values
-        out.append(tok)
-        for _ in range(n_new - 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            res = model(input_ids=torch.tensor([[tok]], device="cuda"), past_key_values=past, use_cache=True)
-            tok = int(res.logits[0, -1].argmax())
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-            past = res.past_key_values
-            out.append(tok)
-    return out, times, prefill
-
-
 def peer_rows(path: Path, n_layers: int, n_new: int, n_offload: int) -> dict:
     import accelerate
     from accelerate.hooks import remove_hook_from_submodules
@@ -164,12 +137,12 @@ def peer_rows(path: Path, n_layers: int, n_new: int, n_offload: int) -> dict:
     device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
     device_map.update({f"model.layers.{i}": "cpu" for i in range(n_layers)})
     hf = accelerate.dispatch_model(hf, device_map=device_map, main_device=0)
-    ids_off, t_off, pre_off = hf_decode(hf, n_offload)
+    ids_off, t_off, pre_off = hf_decode(hf, PROMPT, n_offload)
     log(f"accelerate offload: {statistics.median(t_off):.1f} ms/tok")
     remove_hook_from_submodules(hf)
     hf = hf.to("cuda")
     torch.cuda.reset_peak_memory_stats()
-    ids_res, t_res, pre_res = hf_decode(hf, n_new)
+    ids_res, t_res, pre_res = hf_decode(hf, PROMPT, n_new)
     peak = torch.cuda.max_memory_allocated()
     log(f"transformers resident: {statistics.median(t_res):.1f} ms/tok")
     out = {
