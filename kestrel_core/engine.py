@@ -17,6 +17,7 @@ from .contracts import Allocator, Backend, Policy, missing_members
 from .errors import ConfigError, KestrelError, PluginError
 from .generate import GenerationResult, generate
 from .modeldir import Model, load
+from .modelconfig import check_runnable
 from .residency import Counters, Window
 
 __all__ = ["Model", "Run", "load", "make_allocator", "make_policy", "open_run"]
@@ -50,6 +51,7 @@ class Run:
     """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
     def __init__(self, model: Model, config: KestrelConfig):
+        check_runnable(model.config)  # a checkpoint the runner cannot execute yet was still read and checked
         res = config.residency
         self.model, self.config = model, config
         self.counters = Counters()

@@ -25,7 +25,11 @@ _HF = {
 
 
 def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, int]]]:
-    """role -> (tensor name, [out, in]) for the streamed linear weights of one layer."""
+    """role -> (tensor name, [out, in]) for the streamed weights of one layer's own unit.
+
+    A dense layer's unit holds its seven linear weights; a Mixture-of-Experts layer's holds the
+    attention's four and the router (its experts are units of their own: ``expert_specs``).
+    """
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = {
         "q": (cfg.q_dim, h),
@@ -36,12 +40,30 @@ def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int
         "up": (i, h),
         "down": (h, i),
     }
-    return {r: (f"model.layers.{layer}.{_HF[r]}.weight", shapes[r]) for r in LINEAR_ROLES}
+    p = f"model.layers.{layer}."
+    if cfg.moe_layer(layer):
+        out = {r: (p + f"{_HF[r]}.weight", shapes[r]) for r in ("q", "k", "v", "o")}
+        out["router"] = (p + "mlp.gate.weight", (cfg.num_experts, h))
+        return out
+    return {r: (p + f"{_HF[r]}.weight", shapes[r]) for r in LINEAR_ROLES}
+
+
+def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, int]]]:
+    """role -> (tensor name, [out, in]) of one expert, in the per-expert layout transformers writes."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return {"gate": (p + "gate_proj.weight", (i, h)), "up": (p + "up_proj.weight", (i, h)),
+            "down": (p + "down_proj.weight", (h, i))}
 
 
 def unit_specs(cfg: ModelConfig) -> tuple[UnitSpec, ...]:
-    """The residency units: a dense layer is one unit, ``(layer,)``, holding its seven linear weights."""
-    return tuple(UnitSpec((layer,), layer, linear_specs(cfg, layer)) for layer in range(cfg.num_hidden_layers))
+    """The residency units: a layer's own unit ``(layer,)``, and each expert of a sparse layer ``(layer, e)``."""
+    units = []
+    for layer in range(cfg.num_hidden_layers):
+        units.append(UnitSpec((layer,), layer, linear_specs(cfg, layer)))
+        if cfg.moe_layer(layer):
+            units += [UnitSpec((layer, e), layer, expert_specs(cfg, layer, e)) for e in range(cfg.num_experts)]
+    return tuple(units)
 
 
 def small_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -73,8 +95,9 @@ def global_specs(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def all_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     specs = {name: shape for name, shape in global_specs(cfg).values()}
+    for unit in unit_specs(cfg):
+        specs.update({n: s for n, s in unit.tensors.values()})
     for layer in range(cfg.num_hidden_layers):
-        specs.update({n: s for n, s in linear_specs(cfg, layer).values()})
         specs.update({n: s for n, s in small_specs(cfg, layer).values()})
     return specs
 
@@ -241,3 +264,35 @@ def _causal_mask(T: int, start: int, device) -> torch.Tensor:
     q_pos = torch.arange(start, start + T, device=device)[:, None]
     k_pos = torch.arange(start + T, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights, as Hugging Face's Qwen3MoeSparseMoeBlock routes.
+
+    A softmax over every expert (in float32 at least), the top ``num_experts_per_tok``, renormalised
+    to sum to 1 where ``norm_topk_prob``: (weights [T, k] in x's dtype, experts [T, k]).
+    """
+    logits = linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weights, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], linear=F.linear) -> torch.Tensor:
+    return linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+
+
+def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_weights, linear=F.linear) -> torch.Tensor:
+    """sum over each token's routed experts of weight * expert(x), token group by expert group.
+
+    ``expert_weights(e)`` gives expert e's weights: each routed expert is asked for once,
+    whatever the number of tokens routed to it (a prefill uploads an expert at most once).
+    """
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        tokens, slot = torch.nonzero(experts == e, as_tuple=True)
+        y = expert_mlp(x[tokens], expert_weights(e), linear) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, y)
+    return out

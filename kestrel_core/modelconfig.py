@@ -250,8 +250,8 @@ def check_runnable(cfg: ModelConfig) -> None:
     """Raise unless the runner executes this architecture; call it where a model is opened to run."""
     if cfg.is_moe or cfg.model_type not in SUPPORTED:
         raise ConfigError(
-            f"model_type {cfg.model_type!r} (Mixture-of-Experts) is not supported by the runner yet; "
-            f"kestrel runs {' and '.join(SUPPORTED)} dense models"
+            f"model_type {cfg.model_type!r} (Mixture-of-Experts) is read and checked, but the runner does not "
+            f"execute it yet; kestrel runs {' and '.join(SUPPORTED)} dense models"
         )
 
 

@@ -16,7 +16,7 @@ from .config import KestrelConfig, with_settings
 from .errors import ConfigError
 from .host import HostStore
 from .model import unit_specs, validate_checkpoint
-from .modelconfig import ModelConfig, check_runnable, read_model_config
+from .modelconfig import ModelConfig, read_model_config
 from .quant import read_quant
 from .tokenizer import Tokenizer, load_tokenizer
 from .units import UnitSpec
@@ -31,7 +31,6 @@ class Model:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         self.config: ModelConfig = read_model_config(self.dir)
-        check_runnable(self.config)
         self.checkpoint = Checkpoint(self.dir)
         try:
             self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint

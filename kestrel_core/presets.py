@@ -46,17 +46,38 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(_QWEN3, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                      rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # Mixture-of-Experts (qwen3_moe). For tests: 8 experts, top-2, and layer 0 a dense MLP layer.
+    "tiny-moe": dict(_QWEN3, model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=160,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=256,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                     mlp_only_layers=[0], norm_topk_prob=True),
+    # The Qwen3-30B-A3B shape: 48 layers of 128 experts (top-8), about 61 GB in bf16; --layers cuts the depth.
+    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+                          bos_token_id=151643, eos_token_id=151645, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
 }
 
 DTYPES = {name: BY_NAME[name].torch for name in WEIGHT_NAMES}
 
 
-def preset_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
+def preset_config(name: str, dtype: str = "bfloat16", layers: int | None = None) -> ModelConfig:
+    """A preset's config; ``layers`` keeps only the first that many layers (every per-layer shape unchanged)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; available: {', '.join(DTYPES)}")
-    return parse_model_config(dict(PRESETS[name], torch_dtype=dtype), f"preset {name}")
+    raw = dict(PRESETS[name], torch_dtype=dtype)
+    if layers is not None:
+        full = raw["num_hidden_layers"]
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= full:
+            raise ConfigError(f"--layers must be 1..{full} for preset {name} (its depth), got {layers!r}")
+        raw["num_hidden_layers"] = layers
+        if "mlp_only_layers" in raw:
+            raw["mlp_only_layers"] = [layer for layer in raw["mlp_only_layers"] if layer < layers]
+    return parse_model_config(raw, f"preset {name}")
 
 
 def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Generator, device) -> torch.Tensor:

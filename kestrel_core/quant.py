@@ -277,6 +277,9 @@ def quantize_checkpoint(
             probe.close()
     with Model(src) as model:
         cfg, ckpt = model.config, model.checkpoint
+        if cfg.is_moe:
+            raise QuantError(f"{src} is a Mixture-of-Experts checkpoint ({cfg.model_type}); quantize handles dense "
+                             "Qwen3/Llama checkpoints only so far")
         q_lm_head = not keep_lm_head
         qspecs = quantized_specs(cfg, q_lm_head)
         bad = {name: k for name, (_, k) in qspecs.items() if k % group}

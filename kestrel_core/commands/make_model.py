@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..presets import DTYPES, PRESETS, preset_config, write_checkpoint
 from .common import emit_json, progress_printer
 
-HELP = "write a real Hugging Face-format Qwen3/Llama checkpoint with seeded random weights"
+HELP = "write a real Hugging Face-format Qwen3/Llama/Qwen3-MoE checkpoint with seeded random weights"
 
 
 def add_arguments(p):
@@ -14,13 +14,14 @@ def add_arguments(p):
     p.add_argument("--force", action="store_true", help="replace the model files of a non-empty --out as a whole")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", help=f"one of: {', '.join(DTYPES)}")
+    p.add_argument("--layers", type=int, help="keep only the first N layers (per-layer shapes unchanged), e.g. to fit a disk")
     p.add_argument("--shard-mb", type=int, default=4096, help="split into shards of at most this many MiB (0: one file)")
     p.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is much faster for big presets)")
     p.add_argument("--json", action="store_true")
 
 
 def run(args) -> int:
-    cfg = preset_config(args.preset, args.dtype)
+    cfg = preset_config(args.preset, args.dtype, args.layers)
     out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device,
                            progress=progress_printer(args.json), force=args.force)
     files = sorted(p.name for p in out.iterdir())
@@ -28,5 +29,6 @@ def run(args) -> int:
     if args.json:
         emit_json({"out": str(out), "preset": args.preset, "bytes": size, "files": files})
     else:
-        print(f"wrote {args.preset} ({cfg.num_hidden_layers} layers, {size / 2**20:,.1f} MiB) to {out}")
+        cut = f" of {PRESETS[args.preset]['num_hidden_layers']}" if args.layers else ""
+        print(f"wrote {args.preset} ({cfg.num_hidden_layers}{cut} layers, {size / 2**20:,.1f} MiB) to {out}")
     return 0

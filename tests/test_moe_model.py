@@ -1,0 +1,124 @@
+"""Qwen3-MoE as a model: presets, the per-expert checkpoint layout, residency units, and the routing math.
+
+The runner does not execute Mixture-of-Experts layers yet (tests/test_moe_config.py); this is
+what it will run on.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from cli_helpers import WEIGHTS, fails, gen
+from kestrel_core import load
+from kestrel_core.cli import main
+from kestrel_core.model import all_specs, expert_specs, route, sparse_mlp, unit_specs
+from kestrel_core.presets import preset_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("moe") / "tiny-moe")
+
+
+@pytest.fixture
+def moe_copy(tiny_moe, tmp_path):
+    return shutil.copytree(tiny_moe, tmp_path / "tiny-moe")
+
+
+def test_tiny_moe_has_one_dense_layer_and_experts_elsewhere():
+    cfg = preset_config("tiny-moe")
+    assert [cfg.moe_layer(layer) for layer in range(4)] == [False, True, True, True]
+    specs = all_specs(cfg)
+    assert "model.layers.0.mlp.gate_proj.weight" in specs  # the dense layer's MLP
+    assert "model.layers.0.mlp.gate.weight" not in specs and "model.layers.0.mlp.experts.0.up_proj.weight" not in specs
+    assert specs["model.layers.1.mlp.gate.weight"] == (8, 64)  # the router
+    assert specs["model.layers.1.mlp.experts.7.down_proj.weight"] == (64, 32)
+    assert "model.layers.1.mlp.gate_proj.weight" not in specs
+
+
+def test_units_are_each_layer_and_each_expert():
+    cfg = preset_config("tiny-moe")
+    units = unit_specs(cfg)
+    keys = [u.key for u in units]
+    assert keys[:2] == [(0,), (1,)] and keys[2:10] == [(1, e) for e in range(8)]
+    assert len(keys) == 4 + 3 * 8
+    assert set(units[1].tensors) == {"q", "k", "v", "o", "router"}  # attention and router: one unit
+    assert units[2].tensors == expert_specs(cfg, 1, 0)
+    assert set(units[0].tensors) == {"q", "k", "v", "o", "gate", "up", "down"}  # the dense layer
+
+
+def test_the_30b_shape_is_about_61_gb_and_layers_cut_only_the_depth():
+    full = preset_config("qwen3-30b-a3b")
+    n = sum(int(torch.Size(s).numel()) for s in all_specs(full).values()) * 2
+    assert 60e9 < n < 62e9 and full.num_experts == 128 and full.num_experts_per_tok == 8
+    cut = preset_config("qwen3-30b-a3b", layers=4)
+    assert cut.num_hidden_layers == 4
+    per_layer = lambda cfg: {k: v for k, v in all_specs(cfg).items() if k.startswith("model.layers.3.")}  # noqa: E731
+    assert per_layer(cut) == per_layer(full)
+
+
+def test_make_model_layers_is_checked(tmp_path, capsys):
+    fails(["make-model", "--preset", "tiny-moe", "--layers", "5", "--out", str(tmp_path / "x")], capsys,
+          "--layers must be 1..4 for preset tiny-moe")
+    assert main(["make-model", "--preset", "tiny-moe", "--layers", "2", "--out", str(tmp_path / "two")]) == 0
+    assert "(2 of 4 layers" in capsys.readouterr().out
+
+
+def test_a_moe_checkpoint_is_read_and_checked(tiny_moe):
+    with load(tiny_moe) as model:
+        assert model.config.is_moe and len(model.units) == 4 + 3 * 8
+
+
+def test_a_missing_expert_is_named(moe_copy, capsys):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    tensors = load_file(str(moe_copy / WEIGHTS))
+    del tensors[name]
+    save_file(tensors, str(moe_copy / WEIGHTS))
+    fails(gen(moe_copy), capsys, "missing tensor", name)
+
+
+def test_quantize_refuses_a_moe_checkpoint(tiny_moe, tmp_path, capsys):
+    fails(["quantize", "--model", str(tiny_moe), "--out", str(tmp_path / "q")], capsys,
+          "Mixture-of-Experts checkpoint", "dense")
+
+
+def _reference(x, router, experts, k, norm):
+    """Every expert on every token, weighted by a mask of the top k: no grouping, no index_add."""
+    probs = torch.softmax(x @ router.T, dim=-1)
+    top = torch.topk(probs, k, dim=-1)
+    weight = torch.zeros_like(probs).scatter(1, top.indices, top.values)
+    if norm:
+        weight = weight / weight.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e, w in enumerate(experts):
+        out += weight[:, e : e + 1] * ((F.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T)
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_sparse_mlp_matches_the_dense_reference(norm):
+    cfg = attrs.evolve(preset_config("tiny-moe"), norm_topk_prob=norm)
+    g = torch.Generator().manual_seed(3)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    x = torch.randn((5, H), generator=g, dtype=torch.float64)
+    router = torch.randn((E, H), generator=g, dtype=torch.float64)
+    experts = [{"gate": torch.randn((I, H), generator=g, dtype=torch.float64) / H**0.5,
+                "up": torch.randn((I, H), generator=g, dtype=torch.float64) / H**0.5,
+                "down": torch.randn((H, I), generator=g, dtype=torch.float64) / I**0.5} for _ in range(E)]
+    asked = []
+
+    def weights_of(e):
+        asked.append(e)
+        return experts[e]
+
+    w, chosen = route(x, router, cfg)
+    assert chosen.shape == (5, 2) and torch.allclose(w.sum(-1), torch.ones(5, dtype=torch.float64)) == norm
+    got = sparse_mlp(x, w, chosen, weights_of)
+    assert torch.allclose(got, _reference(x, router, experts, cfg.num_experts_per_tok, norm), rtol=1e-12, atol=1e-12)
+    assert sorted(asked) == sorted(set(chosen.flatten().tolist()))  # each routed expert asked for once
