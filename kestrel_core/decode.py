@@ -52,6 +52,13 @@ def layer_math(compile: bool):
     return _compiled["layer"]
 
 
+def experts_of(window, layer: int, phase: str):
+    """A sparse layer's decision point after its router (None for a dense layer)."""
+    if not window.sparse[layer]:
+        return None
+    return lambda experts: window.route(layer, experts, phase)
+
+
 def decode_step(run: "Run", state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary]) -> None:
     """Execute one token's boundaries and its layers; the next token (greedy) and the position move on on the device."""
     backend, cfg = run.backend, run.model.config
@@ -62,7 +69,8 @@ def decode_step(run: "Run", state: DecodeState, cache: list[KVCache], boundaries
         if b.plan.evict or b.plan.fetch:
             backend.execute(b.plan)
         backend.before_use(b.key)
-        h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear)
+        h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear,
+                     experts_of(run.window, layer, "decode"))
         del b  # a buffer its plan freed dies here, not at the end of the token
     logits = backend.logits(h)[0]
     if state.greedy:
@@ -84,7 +92,8 @@ class StepRunner:
         self.run, self.state, self.cache = run, state, cache
         # Planning a whole token ahead takes every buffer it fetches at once: only a deterministic
         # allocator, which hands back the buffers the same token released, keeps that in the window.
-        self.graphs = graphs and run.backend.captures and run.allocator.deterministic
+        # A sparse layer routes on the host: its experts are known only once its router has run.
+        self.graphs = graphs and run.backend.captures and run.allocator.deterministic and not any(run.window.sparse)
         self.graph: Any = None
         self._graph_key: tuple | None = None
         self._last_key: tuple | None = None

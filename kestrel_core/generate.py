@@ -17,7 +17,7 @@ from .config import GenerationConfig
 from .dtypes import itemsize
 from .errors import BudgetError, ConfigError, NonFiniteError
 from .host import meminfo
-from .decode import MODES, DecodeState, StepRunner
+from .decode import MODES, DecodeState, StepRunner, experts_of
 from .model import Attend, KVCache, RopeTable, decoder_layer
 from .residency import delta
 from .sampling import Sampler
@@ -117,7 +117,7 @@ def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], rope: Ro
         probe("the embedding", h)
     for layer in range(cfg.num_hidden_layers):
         w = window.step(layer, phase)
-        h = decoder_layer(h, w, backend.small[layer], cache[layer], at, cfg, backend.linear)
+        h = decoder_layer(h, w, backend.small[layer], cache[layer], at, cfg, backend.linear, experts_of(window, layer, phase))
         if probe:
             probe(f"layer {layer}", h)
     return backend.logits(h[-1:])[0]

@@ -44,3 +44,11 @@ def on_layer_advance(window, layer, phase):
 @hookspec
 def preload(window):
     """Return the layers to upload before the first token, or None; called on the run's policy, then on every registered plugin (a windowed policy returns none: preload would be evicted at once)."""
+
+
+@hookspec
+def on_experts_routed(window, layer, experts, phase):
+    """In a Mixture-of-Experts layer, once the router has chosen ``experts`` (the expert numbers the layer's
+    tokens use, sorted) and before they are fetched: return an Advice naming unit keys ``(layer, e)`` (or
+    layers) to evict and prefetch, or None; called on the run's policy where it has this method, then on
+    every registered plugin. The routed experts of ``layer`` may not be evicted."""

@@ -222,6 +222,7 @@ def decoder_layer(
     at: Attend,
     cfg: ModelConfig,
     linear=F.linear,
+    experts=None,  # a sparse layer's: experts(numbers) -> {e: weights}, the window's decision point after the router
 ) -> torch.Tensor:
     T = h.shape[0]
     eps = cfg.rms_norm_eps
@@ -252,6 +253,10 @@ def decoder_layer(
     attn = attn.transpose(0, 1).reshape(T, cfg.q_dim)
     h = h + linear(attn, w["o"])
     x = rms_norm(h, small["post_norm"], eps)
+    if "router" in w:
+        weights, chosen = route(x, w["router"], cfg, linear)
+        fetched = experts(torch.unique(chosen).tolist())  # the host learns which experts: the one sync a sparse layer needs
+        return h + sparse_mlp(x, weights, chosen, fetched.__getitem__, linear)
     if "gate_up" in w:
         gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
     else:

@@ -133,6 +133,7 @@ class Window:
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
         self.units: UnitTable = backend.units
         self.n_layers = n_layers
+        self.sparse = [len(self.units.of_layer(layer)) > 1 for layer in range(n_layers)]  # a layer with experts
         self.keep = policy.keep
         self.phase = "prefill"
         self.token = 0
@@ -147,6 +148,7 @@ class Window:
                          for u in self.units.units.values()}
         # Observers: plugins registered in the manager see every boundary and may advise too.
         self._observers = plugins.implementations("on_layer_advance")
+        self._routed_observers = plugins.implementations("on_experts_routed")
         # Layers the backend uploads ahead on a side stream (0 where it cannot overlap).
         self.prefetch_depth = backend.prefetch_depth if policy.windowed else 0
 
@@ -186,11 +188,8 @@ class Window:
         """One token's boundaries in layer order, each planned as the loop reaches it (executing is the caller's)."""
         for layer in range(self.n_layers):
             plan = self._noted(self.plan(layer, phase))
-            units = self.units.of_layer(layer)
-            if len(units) != 1:
-                raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
             # The weights as planned here: by the end of the token a later boundary may have evicted them.
-            yield Boundary(plan, units[0].key, self._resident[units[0].key].weights)
+            yield Boundary(plan, (layer,), self._resident[(layer,)].weights)
 
     def plan_token(self, phase: str) -> "TokenPlan":
         """Every boundary of one token planned now, none executed: ``signatures`` then holds the whole token,
@@ -211,9 +210,9 @@ class Window:
                 evict.update(self._keys(x, "evict"))
             for x in advice.prefetch:
                 ahead.extend(self._keys(x, "prefetch"))
-        current = self.units.of_layer(layer)
+        current = (self.units[(layer,)],)  # a sparse layer's experts are fetched once routed (``route``)
         if self.prefetch_depth:
-            ahead += [u.key for d in self.horizon(layer) for u in self.units.of_layer(d)]
+            ahead += [(d,) for d in self.horizon(layer)]
         resident = self._resident
         if not evict and not ahead and all(u.key in resident for u in current):
             idle = self._idle.get((layer, phase))  # the steady state of a resident layer: nothing to do
@@ -230,23 +229,52 @@ class Window:
         return Plan(layer, phase, evicted, tuple(fetch))
 
     def acquire(self, layer: int) -> dict[str, Any]:
-        """The layer's weights (uploaded on demand), ordered after their upload."""
-        units = self.units.of_layer(layer)
-        if len(units) != 1:
-            raise NotImplementedError("a layer of several units (Mixture-of-Experts) is not executed yet")
-        key = units[0].key
+        """The layer's own weights (uploaded on demand), ordered after their upload."""
+        key = (layer,)
         r = self._resident.get(key)
         if r is None:  # only where advance() was not called first: upload on demand
-            plan = Plan(layer, self.phase, (), (self._fetch(units[0], ahead=False),))
+            plan = Plan(layer, self.phase, (), (self._fetch(self.units[key], ahead=False),))
             self.backend.execute(plan)
             self.signatures.append(plan.signature)
             r = self._resident[key]
         self.backend.before_use(key)
         return r.weights
 
+    def route(self, layer: int, experts: list[int], phase: str) -> dict[int, dict[str, Any]]:
+        """The decision point after a sparse layer's router: plan and execute the fetch of the routed
+        ``experts`` (with what the policy and observers advise), and return each one's weights."""
+        routed = {(layer, e) for e in experts}
+        evict: set[UnitKey] = set()
+        ahead: list[UnitKey] = []
+        answers = [fn(self, layer, experts, phase) for fn in
+                   ([self.policy.on_experts_routed] if hasattr(self.policy, "on_experts_routed") else [])]
+        answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._routed_observers]
+        for advice in self._checked(answers, "on_experts_routed"):
+            for x in advice.evict:
+                evict.update(self._keys(x, "evict"))
+            for x in advice.prefetch:
+                ahead.extend(self._keys(x, "prefetch"))
+        clash = sorted(routed & evict)
+        if clash:
+            raise PluginError(f"policy {self.policy.name!r} asked to evict expert unit {clash[0]}, which layer {layer} "
+                              "has just routed to")
+        resident = self._resident
+        evicted = tuple(self._evict(key) for key in sorted(evict) if key in resident)
+        fetch = [self._fetch(self.units[key], ahead=False) for key in sorted(routed) if key not in resident]
+        fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
+        plan = self._noted(Plan(layer, phase, evicted, tuple(fetch)))
+        if plan.evict or plan.fetch:
+            self.backend.execute(plan)
+        out = {}
+        for e in experts:
+            self.backend.before_use((layer, e))
+            out[e] = resident[(layer, e)].weights
+        return out
+
     def preload(self) -> None:
         """Before a generation: pick up the observers registered now, and upload what preload answers ask for."""
         self._observers = plugins.implementations("on_layer_advance")
+        self._routed_observers = plugins.implementations("on_experts_routed")
         layers: set[int] = set()
         for answer in [self.policy.preload(self), *(fn(window=self) for fn in plugins.implementations("preload"))]:
             if answer is None:
@@ -310,12 +338,16 @@ class Window:
         answers = [self.policy.on_layer_advance(self, layer, phase)]
         for fn in self._observers:
             answers.append(fn(window=self, layer=layer, phase=phase))
+        return self._checked(answers, "on_layer_advance")
+
+    @staticmethod
+    def _checked(answers: list, hook: str) -> list[Advice]:
         out = []
         for advice in answers:
             if advice is None:
                 continue
             if not isinstance(advice, Advice):
-                raise PluginError(f"on_layer_advance must return an Advice or None, got {type(advice).__name__}")
+                raise PluginError(f"{hook} must return an Advice or None, got {type(advice).__name__}")
             if advice.evict or advice.prefetch:
                 out.append(advice)
         return out

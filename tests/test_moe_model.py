@@ -1,7 +1,6 @@
-"""Qwen3-MoE as a model: presets, the per-expert checkpoint layout, residency units, and the routing math.
+"""Qwen3-MoE: presets, the per-expert checkpoint layout, residency units, the routing math, and runs on cpu_ref.
 
-The runner does not execute Mixture-of-Experts layers yet (tests/test_moe_config.py); this is
-what it will run on.
+tests/test_reference.py checks the runner's logits and ids against an independent float64 decoder.
 """
 
 from __future__ import annotations
@@ -17,6 +16,9 @@ from safetensors.torch import load_file, save_file
 from cli_helpers import WEIGHTS, fails, gen
 from kestrel_core import load
 from kestrel_core.cli import main
+from kestrel_core.errors import PluginError
+from kestrel_core.hookspecs import hookimpl
+from kestrel_core.residency import Advice
 from kestrel_core.model import all_specs, expert_specs, route, sparse_mlp, unit_specs
 from kestrel_core.presets import preset_config, write_checkpoint
 
@@ -122,3 +124,87 @@ def test_sparse_mlp_matches_the_dense_reference(norm):
     got = sparse_mlp(x, w, chosen, weights_of)
     assert torch.allclose(got, _reference(x, router, experts, cfg.num_experts_per_tok, norm), rtol=1e-12, atol=1e-12)
     assert sorted(asked) == sorted(set(chosen.flatten().tolist()))  # each routed expert asked for once
+
+
+# --- runs on cpu_ref -------------------------------------------------------------------
+
+PROMPT = [5, 17, 42, 99, 3]
+
+
+def generate(model_dir, **settings):
+    with load(model_dir) as model, model.open(**settings) as run:
+        return run.generate(prompt_ids=PROMPT, max_new_tokens=8, stop_at_eos=False), run.counters.snapshot()
+
+
+class Routed:
+    """Records what each sparse layer routed to; may evict every other resident expert of the layer."""
+
+    def __init__(self, evict_others=False):
+        self.seen: list[tuple[str, int, list[int]]] = []
+        self.evict_others = evict_others
+
+    @hookimpl
+    def on_experts_routed(self, window, layer, experts, phase):
+        self.seen.append((phase, layer, list(experts)))
+        if self.evict_others:
+            return Advice(evict=[k for k in window.resident_units if len(k) == 2 and k[0] == layer and k[1] not in experts])
+        return None
+
+
+def test_ids_are_identical_across_keep_policy_and_allocator(tiny_moe):
+    ref, _ = generate(tiny_moe, keep="off")
+    for settings in [dict(keep=1), dict(keep=2), dict(keep=4), dict(keep=2, policy="pinned_set"),
+                     dict(keep=2, policy="future_evicting"), dict(keep=3, policy="belady"),
+                     dict(keep=1, allocator="free")]:
+        got, _ = generate(tiny_moe, **settings)
+        assert got.token_ids == ref.token_ids, settings
+
+
+def test_the_router_decides_which_experts_are_fetched(tiny_moe, register_plugin):
+    routed = register_plugin(Routed(), "routed")
+    result, counters = generate(tiny_moe, keep=4)  # a window over every layer: nothing is evicted
+    k = preset_config("tiny-moe").num_experts_per_tok
+    decode = [s for s in routed.seen if s[0] == "decode"]
+    assert len(decode) == 3 * 7 and all(len(e) == k for _, _, e in decode)  # one token: k experts a sparse layer
+    prefill = [s for s in routed.seen if s[0] == "prefill"]
+    assert [layer for _, layer, _ in prefill] == [1, 2, 3]
+    # Every layer unit, then each expert the first time it is routed to: never one nobody routed to.
+    distinct = {(layer, e) for _, layer, experts in routed.seen for e in experts}
+    assert counters["layer_uploads"] == 4 + len(distinct) < 4 + 3 * 8
+    assert result.per_token[-1]["layer_uploads"] == len({(lay, e) for _, lay, ex in decode[-3:] for e in ex} - {
+        (lay, e) for _, lay, ex in routed.seen[:-3] for e in ex})
+
+
+def test_a_prefill_uploads_each_routed_expert_once(tiny_moe, register_plugin):
+    routed = register_plugin(Routed(), "routed")
+    with load(tiny_moe) as model, model.open(keep=4) as run:
+        run.generate(prompt_ids=PROMPT * 4, max_new_tokens=1)  # 20 tokens: many route to the same experts
+        uploads = run.counters.layer_uploads
+    assert uploads == 4 + sum(len(experts) for _, _, experts in routed.seen)
+    assert all(len(experts) <= 8 for _, _, experts in routed.seen)
+
+
+def test_an_expert_policy_plugin_bounds_the_experts(tiny_moe, register_plugin):
+    ref, loose = generate(tiny_moe, keep=4)
+    register_plugin(Routed(evict_others=True), "routed-evict")
+    got, tight = generate(tiny_moe, keep=4)
+    assert got.token_ids == ref.token_ids  # residency changes no result
+    assert tight["peak_resident_entries"] < loose["peak_resident_entries"]
+    assert tight["layer_evictions"] > 0 == loose["layer_evictions"]
+
+
+def test_evicting_a_routed_expert_is_refused(tiny_moe, register_plugin, capsys):
+    class Greedy:
+        @hookimpl
+        def on_experts_routed(self, window, layer, experts, phase):
+            return Advice(evict=[(layer, experts[0])])
+
+    register_plugin(Greedy(), "greedy")
+    with pytest.raises(PluginError, match=r"asked to evict expert unit \(1, \d+\), which layer 1 has just routed to"):
+        generate(tiny_moe, keep=2)
+
+
+@pytest.mark.cuda
+def test_the_cuda_backend_says_it_does_not_run_experts_yet(tiny_moe, capsys):
+    fails(["generate", "--model", str(tiny_moe), "--backend", "cuda", "--prompt-ids", "1,2"], capsys,
+          "the cuda backend does not run Mixture-of-Experts models yet", "--backend cpu_ref")

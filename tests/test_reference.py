@@ -3,7 +3,7 @@
 Nothing from kestrel_core is used to compute the reference: weights are read straight from the
 safetensors files (safetensors.numpy where numpy has the dtype; bf16, which numpy lacks, is
 widened by hand from its 16 stored bits), config.json with json, and the math follows HF
-``modeling_qwen3.py`` / ``modeling_llama.py`` and ``_compute_llama3_parameters``.
+``modeling_qwen3.py`` / ``modeling_llama.py`` / ``modeling_qwen3_moe.py`` and ``_compute_llama3_parameters``.
 
 Tolerances, stated so a regression shows:
 - cpu_ref computing in float32: every logit within 1e-4 of the reference, relative to the largest
@@ -84,12 +84,35 @@ def rotate_half(x):
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def sparse(c: dict, layer: int) -> bool:
+    """modeling_qwen3_moe's rule for a layer whose MLP is a Mixture-of-Experts block."""
+    return (c.get("num_experts", 0) > 0 and layer not in c.get("mlp_only_layers", [])
+            and (layer + 1) % c.get("decoder_sparse_step", 1) == 0)
+
+
+def ref_sparse_mlp(W: dict, c: dict, p: str, x: np.ndarray) -> np.ndarray:
+    """Qwen3MoeSparseMoeBlock, token by token: softmax over every expert, the top k, renormalised if asked."""
+    k = c["num_experts_per_tok"]
+    s = x @ W[p + "mlp.gate.weight"].T
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = np.argsort(-probs[t], kind="stable")[:k]
+        w = probs[t, top] / (probs[t, top].sum() if c.get("norm_topk_prob") else 1.0)
+        for e, we in zip(top, w):
+            q = f"{p}mlp.experts.{e}."
+            g, u = x[t] @ W[q + "gate_proj.weight"].T, x[t] @ W[q + "up_proj.weight"].T
+            out[t] += we * ((g / (1 + np.exp(-g)) * u) @ W[q + "down_proj.weight"].T)
+    return out
+
+
 def ref_logits(W: dict, c: dict, ids: list[int], scaled_rope: bool = True) -> np.ndarray:
     """Logits [T, vocab] of the whole sequence, no KV cache (full recompute)."""
     T, eps = len(ids), c["rms_norm_eps"]
     nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or c["hidden_size"] // nh
-    qwen3 = c["model_type"] == "qwen3"
+    qwen3 = c["model_type"] in ("qwen3", "qwen3_moe")
     ang = np.arange(T)[:, None] * ref_inv_freq(c, scaled_rope)[None, :]
     cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None, :], np.sin(np.concatenate([ang, ang], -1))[:, None, :]
     causal = np.triu(np.ones((T, T), dtype=bool), 1)
@@ -113,6 +136,9 @@ def ref_logits(W: dict, c: dict, ids: list[int], scaled_rope: bool = True) -> np
             att[:, head] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
         h = h + att.reshape(T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
         x = rms(h, W[p + "post_attention_layernorm.weight"], eps)
+        if sparse(c, layer):
+            h = h + ref_sparse_mlp(W, c, p, x)
+            continue
         g, u = x @ W[p + "mlp.gate_proj.weight"].T, x @ W[p + "mlp.up_proj.weight"].T
         h = h + (g / (1 + np.exp(-g)) * u) @ W[p + "mlp.down_proj.weight"].T
     lm_head = W["model.embed_tokens.weight"] if c["tie_word_embeddings"] else W["lm_head.weight"]
@@ -134,13 +160,18 @@ def ref_greedy(W, c, prompt, n):
 def f32_ckpts(tmp_path_factory):
     """float32 checkpoints: read by safetensors.numpy with no bf16 widening involved."""
     root = tmp_path_factory.mktemp("f32")
-    return {p: write_checkpoint(preset_config(p, "float32"), root / p, seed=3) for p in ("tiny", "tiny-llama")}
+    return {p: write_checkpoint(preset_config(p, "float32"), root / p, seed=3) for p in ("tiny", "tiny-llama", "tiny-moe")}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_ckpt(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("moe") / "tiny-moe")
 
 
 def _model_dir(request, preset, stored):
     if stored == "float32":
         return request.getfixturevalue("f32_ckpts")[preset]
-    return request.getfixturevalue("tiny_ckpt" if preset == "tiny" else "tiny_llama_ckpt")
+    return request.getfixturevalue({"tiny": "tiny_ckpt", "tiny-llama": "tiny_llama_ckpt", "tiny-moe": "tiny_moe_ckpt"}[preset])
 
 
 def _worst(got: np.ndarray, want: np.ndarray) -> float:
@@ -149,7 +180,7 @@ def _worst(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("stored", ["bfloat16", "float32"])
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "tiny-moe"])
 @pytest.mark.parametrize("compute", ["float32", "float64"])
 def test_logits_and_greedy_ids_match_reference(request, run_model, preset, stored, compute):
     model_dir = _model_dir(request, preset, stored)

@@ -46,6 +46,9 @@ class CudaBackend(Backend):
     def __init__(self, ctx: BackendContext):
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
+        if ctx.model.is_moe:
+            raise ConfigError("the cuda backend does not run Mixture-of-Experts models yet (its layout fuses a dense "
+                              "layer's MLP); use --backend cpu_ref")
         super().__init__(ctx)
         self.dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, self.name)
         self.device = compute_device(ctx.backend.device or "cuda")
