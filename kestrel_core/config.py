@@ -54,6 +54,8 @@ class ResidencyConfig:
     allocator: str = "pool"
     pool_slots: int = 128
     budget_mb: int = 0  # device weight-cache budget; 0 means the backend's default
+    expert_policy: str = ""  # Mixture-of-Experts: e.g. expert_lru; empty: an expert stays until its layer goes
+    expert_budget_mb: float = 0.0  # the bytes the expert policy keeps experts in (MiB; fractions allowed)
 
     @property
     def windowed(self) -> bool:

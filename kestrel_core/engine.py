@@ -20,7 +20,7 @@ from .modeldir import Model, load
 from .modelconfig import check_runnable
 from .residency import Counters, Window
 
-__all__ = ["Model", "Run", "load", "make_allocator", "make_policy", "open_run"]
+__all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy", "open_run"]
 
 
 def _checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
@@ -47,6 +47,31 @@ def make_allocator(name: str, counters: Counters, slots: int):
     return _checked("allocator", name, plugins.lookup("allocators", name).factory(counters=counters, slots=slots), Allocator)
 
 
+def make_expert_policy(res, model: Model, units):
+    """The run's expert policy, or None; its budget must hold one token's routed experts (in the backend's layout)."""
+    if not res.expert_policy:
+        if res.expert_budget_mb:
+            raise ConfigError("expert_budget_mb needs an expert policy: set --expert-policy (e.g. expert_lru)")
+        return None
+    cfg = model.config
+    if not cfg.is_moe:
+        raise ConfigError(f"expert_policy {res.expert_policy!r} is for Mixture-of-Experts models; {model.dir} "
+                          f"({cfg.model_type}) has no experts")
+    factory = plugins.lookup("expert_policies", res.expert_policy).factory
+    if not res.expert_budget_mb > 0:
+        raise ConfigError(f"expert_policy {res.expert_policy!r} needs a budget: set --expert-budget-mb to a number above 0")
+    budget = int(res.expert_budget_mb * 2**20)
+    largest = max(u.nbytes for key, u in units.units.items() if len(key) == 2)
+    need = cfg.num_experts_per_tok * largest
+    if budget < need:
+        raise ConfigError(f"expert budget {res.expert_budget_mb:g} MiB is below one token's routed experts "
+                          f"({cfg.num_experts_per_tok} x {largest / 2**20:.3f} MiB); raise --expert-budget-mb")
+    policy = factory(budget=budget)
+    if not hasattr(policy, "on_experts_routed"):
+        raise PluginError(f"expert policy {res.expert_policy!r} ({type(policy).__name__}) lacks on_experts_routed")
+    return policy
+
+
 class Run:
     """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
@@ -68,7 +93,12 @@ class Run:
         except MemoryError:
             raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
         self.backend = _checked("backend", config.backend.name, backend, Backend)
-        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers)
+        try:
+            self.expert_policy = make_expert_policy(res, model, self.backend.units)
+        except BaseException:
+            self.backend.close()
+            raise
+        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers, self.expert_policy)
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,

@@ -27,6 +27,12 @@ def register_allocators(register):
 
 
 @hookspec
+def register_expert_policies(register):
+    """Register expert policy factories: ``register(name, factory)``; ``factory(budget=bytes)`` returns an object with
+    ``name`` and ``on_experts_routed(window, layer, experts, phase)`` (an Advice or None), asked at each sparse layer."""
+
+
+@hookspec
 def register_gates(register):
     """Register benefit gates: ``register(name, gate)``; a gate computes an upper bound and a verdict."""
 

@@ -23,7 +23,8 @@ pm.add_hookspecs(hookspecs)
 
 _loaded = False
 
-SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate", "commands": "command"}
+SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate", "commands": "command",
+            "expert_policies": "expert policy"}
 
 
 def load_plugins() -> pluggy.PluginManager:

@@ -107,6 +107,8 @@ class Counters:
     allocations: int = 0  # real buffer allocations
     frees: int = 0  # real buffer frees
     pool_hits: int = 0
+    expert_hits: int = 0  # routed experts found resident at a sparse layer's decision point
+    expert_misses: int = 0  # and those fetched there
     resident_bytes: int = 0  # weight bytes resident now (streamed + never-evicted)
     peak_resident_bytes: int = 0
     resident_entries: int = 0
@@ -129,8 +131,10 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 class Window:
     """What the layer loop asks at each boundary; what policies and observers see as ``window``."""
 
-    def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int):
+    def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int,
+                 expert_policy: Any = None):
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
+        self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
         self.units: UnitTable = backend.units
         self.n_layers = n_layers
         self.sparse = [len(self.units.of_layer(layer)) > 1 for layer in range(n_layers)]  # a layer with experts
@@ -246,8 +250,8 @@ class Window:
         routed = {(layer, e) for e in experts}
         evict: set[UnitKey] = set()
         ahead: list[UnitKey] = []
-        answers = [fn(self, layer, experts, phase) for fn in
-                   ([self.policy.on_experts_routed] if hasattr(self.policy, "on_experts_routed") else [])]
+        asked = [p for p in (self.expert_policy, self.policy) if hasattr(p, "on_experts_routed")]
+        answers = [p.on_experts_routed(self, layer, experts, phase) for p in asked]
         answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._routed_observers]
         for advice in self._checked(answers, "on_experts_routed"):
             for x in advice.evict:
@@ -260,7 +264,10 @@ class Window:
                               "has just routed to")
         resident = self._resident
         evicted = tuple(self._evict(key) for key in sorted(evict) if key in resident)
-        fetch = [self._fetch(self.units[key], ahead=False) for key in sorted(routed) if key not in resident]
+        missing = sorted(key for key in routed if key not in resident)
+        self.counters.expert_hits += len(routed) - len(missing)
+        self.counters.expert_misses += len(missing)
+        fetch = [self._fetch(self.units[key], ahead=False) for key in missing]
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
         plan = self._noted(Plan(layer, phase, evicted, tuple(fetch)))
         if plan.evict or plan.fetch:
@@ -282,8 +289,10 @@ class Window:
             if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
                 raise PluginError(f"preload must return layer numbers (e.g. range(n) or []) or None, got {answer!r}")
             layers.update(self._layer(x, "preload") for x in answer)
+        # With an expert policy, experts come in only when routed to: a preload brings the layers' own units.
+        preloaded = (lambda u: len(u.key) == 1) if self.expert_policy is not None else (lambda u: True)
         fetch = tuple(self._fetch(u, ahead=False) for layer in sorted(layers) for u in self.units.of_layer(layer)
-                      if u.key not in self._resident)
+                      if u.key not in self._resident and preloaded(u))
         if fetch:
             self.backend.execute(Plan(-1, "preload", (), fetch))
 

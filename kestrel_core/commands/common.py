@@ -33,6 +33,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
     p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")
     p.add_argument("--pool-slots", type=int, help="buffers the pool may hold (default 128)")
+    p.add_argument("--expert-policy", help="Mixture-of-Experts: the expert policy (expert_lru, expert_lfu, or a plugin's)")
+    p.add_argument("--expert-budget-mb", type=float, help="Mixture-of-Experts: MiB the expert policy keeps experts in")
     p.add_argument("--dtype", help="compute dtype (cpu_ref: float32|float64; cuda: bfloat16|float16|float32)")
     p.add_argument("--device", help="device, e.g. cuda:1")
     p.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
@@ -70,6 +72,8 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__allocator=single(args.allocator),
         residency__budget_mb=args.budget_mb,
         residency__pool_slots=args.pool_slots,
+        residency__expert_policy=args.expert_policy,
+        residency__expert_budget_mb=args.expert_budget_mb,
         generation__prompt=args.prompt,
         generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,

@@ -1,0 +1,128 @@
+"""Expert policies: experts of a Mixture-of-Experts model under a byte budget (cpu_ref)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel_core import load
+from kestrel_core.errors import ConfigError, PluginError
+from kestrel_core.hookspecs import hookimpl
+from kestrel_core.presets import preset_config, write_checkpoint
+from plugins.experts import ExpertLFU, ExpertLRU
+
+PROMPT = [5, 17, 42, 99, 3]
+EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers: 24 KiB
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("experts") / "tiny-moe")
+
+
+def generate(model_dir, tokens=12, **settings):
+    with load(model_dir) as model, model.open(**settings) as run:
+        return run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False)
+
+
+class ExpertBytes:
+    """At every decode boundary: the bytes of resident experts."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        if phase == "decode":
+            self.seen.append(sum(window.units[k].nbytes for k in window.resident_units if len(k) == 2))
+
+
+@pytest.mark.parametrize("policy", ["expert_lru", "expert_lfu"])
+@pytest.mark.parametrize("experts", [2, 4, 9])
+def test_ids_are_identical_and_the_budget_holds(tiny_moe, register_plugin, policy, experts):
+    ref = generate(tiny_moe, keep="off")
+    watch = register_plugin(ExpertBytes(), "expert-bytes")
+    budget_mb = experts * EXPERT / 2**20
+    for keep in ("off", 2):
+        got = generate(tiny_moe, keep=keep, expert_policy=policy, expert_budget_mb=budget_mb)
+        assert got.token_ids == ref.token_ids, keep
+        # From the second decoded token on: a prefill fetches every expert its tokens route to (each once),
+        # and the overshoot goes at each layer's next decision point.
+        assert max(watch.seen[4:]) <= experts * EXPERT, keep
+        for step in got.per_token:  # only routed experts move: every expert upload is a miss
+            layers = 4 - 2 if keep == 2 else 0  # asymmetric keep=2 re-uploads two layer units a token
+            assert step["layer_uploads"] == layers + step["expert_misses"]
+            assert step["expert_hits"] + step["expert_misses"] == 3 * 2  # three sparse layers, top-2
+        watch.seen.clear()
+
+
+def test_a_larger_budget_hits_more(tiny_moe):
+    runs = [generate(tiny_moe, 16, expert_policy="expert_lru", expert_budget_mb=n * EXPERT / 2**20) for n in (2, 6, 24)]
+    hits = [sum(p["expert_hits"] for p in r.per_token) for r in runs]
+    assert hits[0] <= hits[1] < hits[2]
+    everything = runs[2].counters  # every expert of the model fits: none is evicted, each is fetched once at most
+    assert everything["layer_evictions"] == 0 and everything["expert_misses"] <= 3 * 8
+
+
+class FakeWindow:
+    def __init__(self, nbytes):
+        self.resident_units: set = set()
+        self.units = {(1, e): type("U", (), {"nbytes": nbytes})() for e in range(8)}
+
+
+def _route(policy, window, experts):
+    advice = policy.on_experts_routed(window, 1, experts, "decode")
+    if advice:
+        window.resident_units -= set(advice.evict)
+    window.resident_units |= {(1, e) for e in experts}
+    return sorted(advice.evict) if advice else []
+
+
+def test_lru_and_lfu_choose_different_victims():
+    for cls, victim in ((ExpertLRU, (1, 0)), (ExpertLFU, (1, 1))):
+        policy, window = cls(budget=2 * 100), FakeWindow(100)
+        for experts in ([0], [0], [0], [1]):  # 0 three times, then 1 once, most recently
+            assert _route(policy, window, experts) == []
+        assert _route(policy, window, [2]) == [victim], cls.name  # LRU drops 0 (older), LFU drops 1 (rarer)
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(expert_policy="expert_lru", expert_budget_mb=0.01), "below one token's routed experts (2 x 0.023 MiB)"),
+    (dict(expert_policy="expert_lru"), "needs a budget: set --expert-budget-mb"),
+    (dict(expert_budget_mb=1.0), "expert_budget_mb needs an expert policy"),
+])
+def test_bad_expert_settings_are_one_line(tiny_moe, settings, needle):
+    with load(tiny_moe) as model, pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        model.open(**settings)
+
+
+def test_an_unknown_expert_policy_lists_the_available(tiny_moe):
+    with load(tiny_moe) as model, pytest.raises(PluginError, match="unknown expert policy 'lru'; available: expert_lfu, expert_lru"):
+        model.open(expert_policy="lru", expert_budget_mb=1.0)
+
+
+def test_a_dense_model_has_no_experts(tiny_ckpt):
+    with load(tiny_ckpt) as model, pytest.raises(ConfigError, match="is for Mixture-of-Experts models"):
+        model.open(expert_policy="expert_lru", expert_budget_mb=1.0)
+
+
+class Fifo(ExpertLRU):
+    """A plugin's expert policy: evict the expert fetched first (rank by first routing)."""
+
+    name = "expert_fifo"
+
+    def rank(self, key):
+        self.first = getattr(self, "first", {})
+        return (self.first.setdefault(key, self.clock), key)
+
+
+class FifoPlugin:
+    @hookimpl
+    def register_expert_policies(self, register):
+        register("expert_fifo", Fifo)
+
+
+def test_a_plugin_registers_its_own_expert_policy(tiny_moe, register_plugin):
+    register_plugin(FifoPlugin(), "fifo")
+    ref = generate(tiny_moe, keep="off")
+    got = generate(tiny_moe, keep="off", expert_policy="expert_fifo", expert_budget_mb=3 * EXPERT / 2**20)
+    assert got.token_ids == ref.token_ids and got.counters["layer_evictions"] > 0
