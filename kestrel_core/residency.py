@@ -135,6 +135,7 @@ class Window:
                  expert_policy: Any = None):
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
         self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
+        self.routing: list | None = None  # set to a list to record (phase, token, layer, experts) at each decision point
         self.units: UnitTable = backend.units
         self.n_layers = n_layers
         self.sparse = [len(self.units.of_layer(layer)) > 1 for layer in range(n_layers)]  # a layer with experts
@@ -248,6 +249,8 @@ class Window:
         """The decision point after a sparse layer's router: plan and execute the fetch of the routed
         ``experts`` (with what the policy and observers advise), and return each one's weights."""
         routed = {(layer, e) for e in experts}
+        if self.routing is not None:
+            self.routing.append((phase, self.token, layer, list(experts)))
         evict: set[UnitKey] = set()
         ahead: list[UnitKey] = []
         asked = [p for p in (self.expert_policy, self.policy) if hasattr(p, "on_experts_routed")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .. import traces
+from ..errors import ConfigError
 from ..modeldir import load
 from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
 
@@ -10,13 +12,22 @@ HELP = "generate tokens with a policy, keep, allocator and backend; print ids, m
 
 def add_arguments(p):
     add_run_flags(p)
+    p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
+                                   "(for kestrel replay)")
 
 
 def run(args) -> int:
     cfg = config_from_args(args)
     with load(model_dir(cfg)) as model, model.open(cfg) as r:
+        if args.trace:
+            if not model.config.is_moe:
+                raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
+            traces.check_new(args.trace)
+            r.window.routing = []
         result = r.generate()
         policy = r.policy.name
+        if args.trace:
+            traces.write_new(args.trace, traces.trace_record(traces.model_info(r), r.window.routing))
     text, prompt = result.text, result.prompt_ids
     res = cfg.residency
     if args.json:

@@ -1,0 +1,42 @@
+"""kestrel replay: an expert policy over a recorded routing trace, offline, against expert_belady."""
+
+from __future__ import annotations
+
+from .. import plugins, traces
+from ..errors import ConfigError
+from .common import emit_json
+
+HELP = "replay a routing trace (kestrel generate --trace) through an expert policy at a budget, with no weights or GPU"
+
+
+def add_arguments(p):
+    p.add_argument("--trace", required=True, help="a trace written by kestrel generate --trace FILE")
+    p.add_argument("--policy", required=True, help="expert policy: expert_lru, expert_lfu, or a plugin's")
+    p.add_argument("--expert-budget-mb", type=float, required=True, help="MiB the policy keeps experts in")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    trace = traces.read_trace(args.trace)
+    if not args.expert_budget_mb > 0:
+        raise ConfigError(f"--expert-budget-mb must be above 0, got {args.expert_budget_mb:g}")
+    budget = int(args.expert_budget_mb * 2**20)
+    k = int(trace["model"]["num_experts_per_tok"])
+    need = k * max(trace["sizes"].values())
+    if budget < need:
+        raise ConfigError(f"expert budget {args.expert_budget_mb:g} MiB is below one token's routed experts "
+                          f"({k} x {max(trace['sizes'].values()) / 2**20:.3f} MiB); raise --expert-budget-mb")
+    policy = plugins.lookup("expert_policies", args.policy).factory(budget=budget)
+    rows = [traces.replay(trace, policy), traces.replay(trace, traces.ExpertBelady(budget, trace["events"]))]
+    if args.json:
+        emit_json({"trace": args.trace, "expert_budget_mb": args.expert_budget_mb, "rows": rows})
+        return 0
+    print(f"trace {args.trace}: {len(trace['events'])} decision points, {rows[0]['decode_tokens']} decoded tokens, "
+          f"budget {args.expert_budget_mb:g} MiB")
+    for r in rows:
+        print(f"{r['policy']:14} hit rate {100 * r['hit_rate']:5.1f}%  {r['bytes_per_decoded_token'] / 2**20:8.3f} MiB "
+              f"a decoded token  ({r['misses']} fetches, {r['bytes_fetched'] / 2**20:.3f} MiB in all)")
+    best = rows[1]["bytes_fetched"]
+    if best:
+        print(f"{args.policy} fetches {rows[0]['bytes_fetched'] / best:.2f}x the bytes of the offline optimum")
+    return 0

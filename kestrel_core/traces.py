@@ -1,0 +1,171 @@
+"""Routing traces of Mixture-of-Experts runs, and their offline replay against any expert policy.
+
+``kestrel generate --trace FILE`` records, at each sparse layer's decision point, which experts
+the router chose. ``kestrel replay`` feeds such a trace to an expert policy at a byte budget
+with no model weights and no GPU, and reports its hit rate and bytes a token next to
+``expert_belady``, the offline optimum over the same trace (a bound, not a policy to serve with).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .errors import ConfigError
+from .residency import Advice
+
+FORMAT = "kestrel-expert-trace"
+VERSION = 1
+
+
+def trace_record(model_info: dict, events: list[tuple[str, int, int, list[int]]]) -> dict:
+    return {"format": FORMAT, "version": VERSION, "model": model_info,
+            "events": [{"phase": p, "token": t, "layer": layer, "experts": list(e)} for p, t, layer, e in events]}
+
+
+def model_info(run) -> dict:
+    """What a replay needs of the model: the expert count, top-k, and each expert unit's bytes in the run's layout."""
+    cfg = run.model.config
+    return {"dir": str(run.model.dir), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "sparse_layers": [layer for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer)],
+            "expert_bytes": {f"{k[0]}.{k[1]}": u.nbytes for k, u in run.backend.units.units.items() if len(k) == 2},
+            "backend": run.backend.name}
+
+
+def check_new(path: str | Path) -> Path:
+    """Refuse, before any work, a trace path that exists or whose directory does not."""
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--trace {path}: the directory {path.parent} does not exist")
+    return path
+
+
+def write_new(path: str | Path, record: dict) -> Path:
+    """Write ``record`` as JSON to a path that does not exist yet: whole or not at all, never over a file."""
+    path = check_new(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # fails if the name appeared meanwhile: nothing is overwritten
+    except FileExistsError:
+        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write --trace {path}: {exc.strerror or exc}") from None
+    finally:
+        os.unlink(tmp)
+    return path
+
+
+def read_trace(path: str | Path) -> dict:
+    """A trace file, checked: a bad one is a one-line error naming what is wrong."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: cannot read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--trace {path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ConfigError(f"--trace {path}: not a kestrel expert trace (write one with kestrel generate --trace FILE)")
+    if raw.get("version") != VERSION:
+        raise ConfigError(f"--trace {path}: trace version {raw.get('version')!r}; this kestrel reads version {VERSION}")
+    try:
+        m = raw["model"]
+        sizes = {tuple(map(int, k.split("."))): int(v) for k, v in m["expert_bytes"].items()}
+        events = [(str(e["phase"]), int(e["token"]), int(e["layer"]), [int(x) for x in e["experts"]]) for e in raw["events"]]
+        int(m["num_experts_per_tok"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"--trace {path}: malformed ({type(exc).__name__}: {exc})") from None
+    unknown = [(layer, e) for _, _, layer, experts in events for e in experts if (layer, e) not in sizes]
+    if unknown:
+        raise ConfigError(f"--trace {path}: event names expert {unknown[0]}, which the trace's model has not")
+    return {"model": m, "sizes": sizes, "events": events}
+
+
+@attrs.define
+class _Unit:
+    nbytes: int
+
+
+class ReplayWindow:
+    """The part of a run's window an expert policy reads (``resident_units``, ``units``), without a model."""
+
+    def __init__(self, sizes: dict[tuple, int]):
+        self.units = {key: _Unit(n) for key, n in sizes.items()}
+        self.resident_units: set[tuple] = set()
+
+
+class ExpertBelady:
+    """The offline optimum over a known trace: evict the resident expert whose next routing is farthest away."""
+
+    name = "expert_belady"
+
+    def __init__(self, budget: int, events: list[tuple[str, int, int, list[int]]]):
+        self.budget = budget
+        self.at = -1
+        self.uses: dict[tuple, list[int]] = {}
+        for i, (_, _, layer, experts) in enumerate(events):
+            for e in experts:
+                self.uses.setdefault((layer, e), []).append(i)
+
+    def _next(self, key: tuple) -> float:
+        uses = self.uses.get(key, [])
+        j = bisect.bisect_right(uses, self.at)
+        return uses[j] if j < len(uses) else float("inf")
+
+    def on_experts_routed(self, window, layer, experts, phase):
+        self.at += 1
+        routed = {(layer, e) for e in experts}
+        units = window.units
+        resident = [k for k in window.resident_units if len(k) == 2]
+        used = sum(units[k].nbytes for k in resident)
+        need = sum(units[k].nbytes for k in routed if k not in window.resident_units)
+        victims = []
+        for key in sorted((k for k in resident if k not in routed), key=lambda k: (-self._next(k), k)):
+            if used + need <= self.budget:
+                break
+            victims.append(key)
+            used -= units[key].nbytes
+        return Advice(evict=victims) if victims else None
+
+
+def replay(trace: dict, policy: Any) -> dict:
+    """Run ``policy`` over the trace's decision points; the hit rate and the bytes fetched, per decoded token too."""
+    window = ReplayWindow(trace["sizes"])
+    hits = misses = 0
+    fetched = 0
+    decode_bytes: dict[int, int] = {}
+    for phase, token, layer, experts in trace["events"]:
+        advice = policy.on_experts_routed(window, layer, experts, phase)
+        routed = {(layer, e) for e in experts}
+        for key in (advice.evict if advice else ()):
+            if key in routed:
+                raise ConfigError(f"expert policy {policy.name!r} asked to evict {key}, which layer {layer} has just routed to")
+            window.resident_units.discard(tuple(key))
+        for key in routed:
+            if key in window.resident_units:
+                hits += 1
+            else:
+                misses += 1
+                n = window.units[key].nbytes
+                fetched += n
+                if phase == "decode":
+                    decode_bytes[token] = decode_bytes.get(token, 0) + n
+                window.resident_units.add(key)
+    decode_tokens = sorted({t for p, t, _, _ in trace["events"] if p == "decode"})
+    per_token = [decode_bytes.get(t, 0) for t in decode_tokens]
+    return {"policy": policy.name, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else float("nan"), "bytes_fetched": fetched,
+            "decode_tokens": len(decode_tokens),
+            "bytes_per_decoded_token": sum(per_token) / len(per_token) if per_token else 0.0}
