@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from .errors import ConfigError
-from .residency import Advice
+from .expert_cache import ExpertCache
 
 FORMAT = "kestrel-expert-trace"
 VERSION = 1
@@ -106,38 +106,22 @@ class ReplayWindow:
         self.resident_units: set[tuple] = set()
 
 
-class ExpertBelady:
+class ExpertBelady(ExpertCache):
     """The offline optimum over a known trace: evict the resident expert whose next routing is farthest away."""
 
     name = "expert_belady"
 
     def __init__(self, budget: int, events: list[tuple[str, int, int, list[int]]]):
-        self.budget = budget
-        self.at = -1
-        self.uses: dict[tuple, list[int]] = {}
-        for i, (_, _, layer, experts) in enumerate(events):
+        super().__init__(budget)
+        self.next_uses: dict[tuple, list[int]] = {}  # expert unit -> the decision points (1, 2, ...) that route to it
+        for i, (_, _, layer, experts) in enumerate(events, start=1):
             for e in experts:
-                self.uses.setdefault((layer, e), []).append(i)
+                self.next_uses.setdefault((layer, e), []).append(i)
 
-    def _next(self, key: tuple) -> float:
-        uses = self.uses.get(key, [])
-        j = bisect.bisect_right(uses, self.at)
-        return uses[j] if j < len(uses) else float("inf")
-
-    def on_experts_routed(self, window, layer, experts, phase):
-        self.at += 1
-        routed = {(layer, e) for e in experts}
-        units = window.units
-        resident = [k for k in window.resident_units if len(k) == 2]
-        used = sum(units[k].nbytes for k in resident)
-        need = sum(units[k].nbytes for k in routed if k not in window.resident_units)
-        victims = []
-        for key in sorted((k for k in resident if k not in routed), key=lambda k: (-self._next(k), k)):
-            if used + need <= self.budget:
-                break
-            victims.append(key)
-            used -= units[key].nbytes
-        return Advice(evict=victims) if victims else None
+    def rank(self, key: tuple) -> tuple:
+        uses = self.next_uses.get(key, [])
+        j = bisect.bisect_right(uses, self.clock)  # the clock is the decision point being answered
+        return (-(uses[j] if j < len(uses) else float("inf")), key)
 
 
 def replay(trace: dict, policy: Any) -> dict:

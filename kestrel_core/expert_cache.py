@@ -1,0 +1,43 @@
+"""The shared rule of expert policies: keep the experts within a byte budget, evicting by a rank.
+
+An expert policy answers at a sparse layer's decision point, after the router and before the
+routed experts are fetched (``on_experts_routed``). It evicts resident experts, never one the
+layer has just routed to, lowest rank first, until the routed ones fit in the budget.
+"""
+
+from __future__ import annotations
+
+from .residency import Advice
+
+
+class ExpertCache:
+    """Experts under ``budget`` bytes; evict the lowest-ranked resident experts until the routed ones fit."""
+
+    name = "?"
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.clock = 0
+        self.last: dict[tuple, int] = {}  # expert unit -> the decision point that last routed to it
+        self.uses: dict[tuple, int] = {}  # expert unit -> how many decision points routed to it
+
+    def rank(self, key: tuple) -> tuple:
+        raise NotImplementedError
+
+    def on_experts_routed(self, window, layer, experts, phase):
+        self.clock += 1
+        routed = {(layer, e) for e in experts}
+        for key in routed:
+            self.last[key] = self.clock
+            self.uses[key] = self.uses.get(key, 0) + 1
+        units = window.units
+        resident = [k for k in window.resident_units if len(k) == 2]
+        used = sum(units[k].nbytes for k in resident)
+        need = sum(units[k].nbytes for k in routed if k not in window.resident_units)
+        victims = []
+        for key in sorted((k for k in resident if k not in routed), key=self.rank):
+            if used + need <= self.budget:
+                break
+            victims.append(key)
+            used -= units[key].nbytes
+        return Advice(evict=victims) if victims else None
