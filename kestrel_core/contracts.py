@@ -63,6 +63,16 @@ class Allocator(Protocol):
 
 
 @runtime_checkable
+class ExpertPolicy(Protocol):
+    """Which experts of a Mixture-of-Experts model stay resident; a factory is called ``factory(budget=bytes)``."""
+
+    name: str
+
+    def on_experts_routed(self, window: Any, layer: int, experts: list[int], phase: str) -> Any:
+        """After ``layer``'s router chose ``experts``, before they are fetched: an ``Advice`` or None."""
+
+
+@runtime_checkable
 class Backend(Protocol):
     """Where the layer loop runs. A factory is a class: ``factory(ctx: BackendContext)`` makes one, and
     ``factory.available()`` / ``factory.check_prefetch(depth)`` answer before any is made; subclass ``backend.Backend``."""
@@ -130,4 +140,4 @@ def missing_members(protocol: type, obj: Any) -> list[str]:
     return sorted(n for n in names if not hasattr(obj, n))
 
 
-__all__ = ["Allocator", "Backend", "BufferFactory", "Policy", "Unit", "UnitKey", "missing_members"]
+__all__ = ["Allocator", "Backend", "BufferFactory", "ExpertPolicy", "Policy", "Unit", "UnitKey", "missing_members"]

@@ -13,8 +13,9 @@ import attrs
 from . import plugins
 from .backend import BackendContext
 from .config import OFF, KestrelConfig, with_settings
-from .contracts import Allocator, Backend, Policy, missing_members
+from .contracts import Allocator, Backend, ExpertPolicy, Policy, missing_members
 from .errors import ConfigError, KestrelError, PluginError
+from .expert_cache import budget_bytes
 from .generate import GenerationResult, generate
 from .modeldir import Model, load
 from .modelconfig import check_runnable
@@ -60,16 +61,9 @@ def make_expert_policy(res, model: Model, units):
     factory = plugins.lookup("expert_policies", res.expert_policy).factory
     if not res.expert_budget_mb > 0:
         raise ConfigError(f"expert_policy {res.expert_policy!r} needs a budget: set --expert-budget-mb to a number above 0")
-    budget = int(res.expert_budget_mb * 2**20)
     largest = max(u.nbytes for key, u in units.units.items() if len(key) == 2)
-    need = cfg.num_experts_per_tok * largest
-    if budget < need:
-        raise ConfigError(f"expert budget {res.expert_budget_mb:g} MiB is below one token's routed experts "
-                          f"({cfg.num_experts_per_tok} x {largest / 2**20:.3f} MiB); raise --expert-budget-mb")
-    policy = factory(budget=budget)
-    if not hasattr(policy, "on_experts_routed"):
-        raise PluginError(f"expert policy {res.expert_policy!r} ({type(policy).__name__}) lacks on_experts_routed")
-    return policy
+    budget = budget_bytes(res.expert_budget_mb, cfg.num_experts_per_tok, largest)
+    return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
 
 
 class Run:

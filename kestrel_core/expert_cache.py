@@ -7,6 +7,7 @@ layer has just routed to, lowest rank first, until the routed ones fit in the bu
 
 from __future__ import annotations
 
+from .errors import ConfigError
 from .residency import Advice
 
 
@@ -41,3 +42,12 @@ class ExpertCache:
             victims.append(key)
             used -= units[key].nbytes
         return Advice(evict=victims) if victims else None
+
+
+def budget_bytes(budget_mb: float, per_token: int, largest: int) -> int:
+    """An expert budget in bytes; refused below one token's routed experts (``per_token`` of the ``largest``)."""
+    budget = int(budget_mb * 2**20)
+    if budget < per_token * largest:
+        raise ConfigError(f"expert budget {budget_mb:g} MiB is below one token's routed experts "
+                          f"({per_token} x {largest / 2**20:.3f} MiB); raise --expert-budget-mb")
+    return budget

@@ -135,6 +135,8 @@ class Window:
                  expert_policy: Any = None):
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
         self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
+        # Who answers there besides the observers: the expert policy, then the layer policy where it has the method.
+        self._routers = [p for p in (expert_policy, policy) if hasattr(p, "on_experts_routed")]
         self.routing: list | None = None  # set to a list to record (phase, token, layer, experts) at each decision point
         self.units: UnitTable = backend.units
         self.n_layers = n_layers
@@ -208,13 +210,7 @@ class Window:
     def plan(self, layer: int, phase: str) -> Plan:
         """Turn the policy's and observers' advice into this boundary's plan, updating the record."""
         self.phase = phase
-        evict: set[UnitKey] = set()
-        ahead: list[UnitKey] = []
-        for advice in self._advice(layer, phase):
-            for x in advice.evict:
-                evict.update(self._keys(x, "evict"))
-            for x in advice.prefetch:
-                ahead.extend(self._keys(x, "prefetch"))
+        evict, ahead = self._merged(self._advice(layer, phase))
         current = (self.units[(layer,)],)  # a sparse layer's experts are fetched once routed (``route``)
         if self.prefetch_depth:
             ahead += [(d,) for d in self.horizon(layer)]
@@ -251,16 +247,9 @@ class Window:
         routed = {(layer, e) for e in experts}
         if self.routing is not None:
             self.routing.append((phase, self.token, layer, list(experts)))
-        evict: set[UnitKey] = set()
-        ahead: list[UnitKey] = []
-        asked = [p for p in (self.expert_policy, self.policy) if hasattr(p, "on_experts_routed")]
-        answers = [p.on_experts_routed(self, layer, experts, phase) for p in asked]
+        answers = [p.on_experts_routed(self, layer, experts, phase) for p in self._routers]
         answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._routed_observers]
-        for advice in self._checked(answers, "on_experts_routed"):
-            for x in advice.evict:
-                evict.update(self._keys(x, "evict"))
-            for x in advice.prefetch:
-                ahead.extend(self._keys(x, "prefetch"))
+        evict, ahead = self._merged(self._checked(answers, "on_experts_routed"))
         clash = sorted(routed & evict)
         if clash:
             raise PluginError(f"policy {self.policy.name!r} asked to evict expert unit {clash[0]}, which layer {layer} "
@@ -351,6 +340,17 @@ class Window:
         for fn in self._observers:
             answers.append(fn(window=self, layer=layer, phase=phase))
         return self._checked(answers, "on_layer_advance")
+
+    def _merged(self, advices: list[Advice]) -> tuple[set[UnitKey], list[UnitKey]]:
+        """The units the advices name to evict (a set) and to prefetch (in order)."""
+        evict: set[UnitKey] = set()
+        ahead: list[UnitKey] = []
+        for advice in advices:
+            for x in advice.evict:
+                evict.update(self._keys(x, "evict"))
+            for x in advice.prefetch:
+                ahead.extend(self._keys(x, "prefetch"))
+        return evict, ahead
 
     @staticmethod
     def _checked(answers: list, hook: str) -> list[Advice]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import plugins, traces
 from ..errors import ConfigError
+from ..expert_cache import budget_bytes
 from .common import emit_json
 
 HELP = "replay a routing trace (kestrel generate --trace) through an expert policy at a budget, with no weights or GPU"
@@ -20,12 +21,7 @@ def run(args) -> int:
     trace = traces.read_trace(args.trace)
     if not args.expert_budget_mb > 0:
         raise ConfigError(f"--expert-budget-mb must be above 0, got {args.expert_budget_mb:g}")
-    budget = int(args.expert_budget_mb * 2**20)
-    k = int(trace["model"]["num_experts_per_tok"])
-    need = k * max(trace["sizes"].values())
-    if budget < need:
-        raise ConfigError(f"expert budget {args.expert_budget_mb:g} MiB is below one token's routed experts "
-                          f"({k} x {max(trace['sizes'].values()) / 2**20:.3f} MiB); raise --expert-budget-mb")
+    budget = budget_bytes(args.expert_budget_mb, int(trace["model"]["num_experts_per_tok"]), max(trace["sizes"].values()))
     policy = plugins.lookup("expert_policies", args.policy).factory(budget=budget)
     rows = [traces.replay(trace, policy), traces.replay(trace, traces.ExpertBelady(budget, trace["events"]))]
     if args.json:
