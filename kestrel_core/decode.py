@@ -11,6 +11,7 @@ repeating plan is captured anew. Elsewhere each boundary is planned as the loop 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -40,16 +41,14 @@ class DecodeState:
         self.position.fill_(position)
 
 
-_compiled: dict[str, Any] = {}
+@functools.cache
+def _compiled_layer():
+    return torch.compile(decoder_layer, dynamic=False)
 
 
 def layer_math(compile: bool):
     """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
-    if not compile:
-        return decoder_layer
-    if "layer" not in _compiled:
-        _compiled["layer"] = torch.compile(decoder_layer, dynamic=False)
-    return _compiled["layer"]
+    return _compiled_layer() if compile else decoder_layer
 
 
 def experts_of(window, layer: int, phase: str):
@@ -85,7 +84,7 @@ class StepRunner:
 
     A step repeats when every boundary's plan (units and the identity of their buffers) equals
     the step before's and no buffer was made or freed in between, so the same buffers still hold
-    the same units. ``counts`` says how each step ran.
+    the same units. Each call says how its step ran (one of ``MODES``).
     """
 
     def __init__(self, run: "Run", state: DecodeState, cache: list[KVCache], graphs: bool):
@@ -97,23 +96,22 @@ class StepRunner:
         self.graph: Any = None
         self._graph_key: tuple | None = None
         self._last_key: tuple | None = None
-        self.counts = dict.fromkeys(MODES, 0)
 
     def __call__(self) -> str:
         """Plan and run one decode step; how it ran."""
         run = self.run
         if not self.graphs:
             decode_step(run, self.state, self.cache, run.window.boundaries("decode"))
-            return self._ran("eager")
+            return "eager"
         token = run.window.plan_token("decode")
         key = (tuple(run.window.signatures), run.counters.allocations + run.counters.frees)
         last, self._last_key = self._last_key, key
         if self.graph is not None and key == self._graph_key:
             run.backend.replay(self.graph[0])
-            return self._ran("replayed")
+            return "replayed"
         if key != last:
             decode_step(run, self.state, self.cache, token)
-            return self._ran("eager")
+            return "eager"
         self.graph = self._graph_key = None  # one graph at a time: the old one's memory goes first
         # The captured step keeps its boundaries: the graph reads these buffers for as long as it lives.
         kept = list(token)
@@ -121,14 +119,10 @@ class StepRunner:
         if graph is None:
             self.graphs = False  # the backend cannot capture this run's steps: eager from here on
             decode_step(run, self.state, self.cache, kept)
-            return self._ran("eager")
+            return "eager"
         self.graph, self._graph_key = (graph, kept), key
         run.backend.replay(graph)
-        return self._ran("captured")
-
-    def _ran(self, mode: str) -> str:
-        self.counts[mode] += 1
-        return mode
+        return "captured"
 
     def close(self) -> None:
         self.graph = None

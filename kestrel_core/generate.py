@@ -231,9 +231,8 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
                 before = counters.snapshot()
                 mode = runner()
                 after = counters.snapshot()
-                if not greedy:
-                    if not bool(torch.isfinite(state.logits).all()):
-                        raise nonfinite(run, [tokens[-1]], len(prompt_ids) + len(steps), cache, rope, "decode")
+                if not greedy:  # the sampler reads the logits on the host anyway: check them there
+                    check_finite(run, state.logits, [tokens[-1]], len(prompt_ids) + len(steps), cache, rope, "decode")
                     state.io[0].fill_(sampler(state.logits))
                 mark = readback.push(len(steps))
                 steps.append(_Step(before, after, mode, mark, state.logits.clone() if keep_logits else None))

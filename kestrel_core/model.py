@@ -255,8 +255,8 @@ def decoder_layer(
     x = rms_norm(h, small["post_norm"], eps)
     if "router" in w:
         weights, chosen = route(x, w["router"], cfg, linear)
-        fetched = experts(torch.unique(chosen).tolist())  # the host learns which experts: the one sync a sparse layer needs
-        return h + sparse_mlp(x, weights, chosen, fetched.__getitem__, linear)
+        used = torch.unique(chosen).tolist()  # the host learns which experts: the one sync a sparse layer needs
+        return h + sparse_mlp(x, weights, chosen, experts(used).__getitem__, linear, used)
     if "gate_up" in w:
         gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
     else:
@@ -289,14 +289,16 @@ def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], linear=F.linear) -> 
     return linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
 
 
-def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_weights, linear=F.linear) -> torch.Tensor:
+def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_weights, linear=F.linear,
+               used: list[int] | None = None) -> torch.Tensor:
     """sum over each token's routed experts of weight * expert(x), token group by expert group.
 
     ``expert_weights(e)`` gives expert e's weights: each routed expert is asked for once,
     whatever the number of tokens routed to it (a prefill uploads an expert at most once).
+    ``used``, where the caller has it already, is ``torch.unique(experts).tolist()``.
     """
     out = torch.zeros_like(x)
-    for e in torch.unique(experts).tolist():
+    for e in used if used is not None else torch.unique(experts).tolist():
         tokens, slot = torch.nonzero(experts == e, as_tuple=True)
         y = expert_mlp(x[tokens], expert_weights(e), linear) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y)
