@@ -104,3 +104,8 @@ def test_replay_checks_its_budget_and_policy(trace, capsys):
           "below one token's routed experts")
     fails(["replay", "--trace", str(trace), "--policy", "lru", "--expert-budget-mb", "1"], capsys,
           "unknown expert policy 'lru'")
+
+
+def test_replay_needs_a_budget_above_zero(trace, capsys):
+    fails(["replay", "--trace", str(trace), "--policy", "expert_lru", "--expert-budget-mb", "0"], capsys,
+          "--expert-budget-mb must be above 0, got 0")
