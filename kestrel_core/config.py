@@ -56,6 +56,7 @@ class ResidencyConfig:
     budget_mb: int = 0  # device weight-cache budget; 0 means the backend's default
     expert_policy: str = ""  # Mixture-of-Experts: e.g. expert_lru; empty: an expert stays until its layer goes
     expert_budget_mb: float = 0.0  # the bytes the expert policy keeps experts in (MiB; fractions allowed)
+    expert_prefetch: bool = False  # decode: guess layer l+1's experts with its router on layer l's hidden state, upload them ahead
 
     @property
     def windowed(self) -> bool:

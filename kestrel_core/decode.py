@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .model import Attend, KVCache, RopeTable, decoder_layer
+from .model import Attend, KVCache, RopeTable, decoder_layer, route
 from .residency import Boundary
 
 if TYPE_CHECKING:
@@ -51,11 +51,33 @@ def layer_math(compile: bool):
     return _compiled_layer() if compile else decoder_layer
 
 
-def experts_of(window, layer: int, phase: str):
-    """A sparse layer's decision point after its router (None for a dense layer)."""
-    if not window.sparse[layer]:
-        return None
-    return lambda experts: window.route(layer, experts, phase)
+class DecisionPoint:
+    """A sparse layer's decision point after its router, as ``decoder_layer`` calls it: ``(chosen, x) -> (used, weights)``.
+
+    The host learns the routed experts here (the one sync a sparse layer needs). With speculative
+    prefetch, a decode step also applies the next layer's router to this layer's hidden state ``x``
+    and learns its guess in the same sync; the window prefetches the guessed experts on the side stream.
+    """
+
+    def __init__(self, run: "Run", layer: int, phase: str):
+        self.window, self.layer, self.phase = run.window, layer, phase
+        self.cfg, self.linear = run.model.config, run.backend.linear
+
+    def __call__(self, chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict]:
+        window, n = self.window, self.cfg.num_experts
+        router = window.guess_router(self.layer) if self.phase == "decode" else None
+        if router is None:
+            used = torch.unique(chosen).tolist()
+            return used, window.route(self.layer, used, self.phase)
+        guess = route(x, router, self.cfg, self.linear)[1]
+        both = torch.cat((torch.unique(chosen), torch.unique(guess) + n)).tolist()
+        used = [e for e in both if e < n]
+        return used, window.route(self.layer, used, self.phase, guess=[e - n for e in both if e >= n])
+
+
+def experts_of(run: "Run", layer: int, phase: str) -> DecisionPoint | None:
+    """A sparse layer's decision point (None for a dense layer)."""
+    return DecisionPoint(run, layer, phase) if run.window.sparse[layer] else None
 
 
 def decode_step(run: "Run", state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary]) -> None:
@@ -69,7 +91,7 @@ def decode_step(run: "Run", state: DecodeState, cache: list[KVCache], boundaries
             backend.execute(b.plan)
         backend.before_use(b.key)
         h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear,
-                     experts_of(run.window, layer, "decode"))
+                     experts_of(run, layer, "decode"))
         del b  # a buffer its plan freed dies here, not at the end of the token
     logits = backend.logits(h)[0]
     if state.greedy:

@@ -50,6 +50,9 @@ def make_allocator(name: str, counters: Counters, slots: int):
 
 def make_expert_policy(res, model: Model, units):
     """The run's expert policy, or None; its budget must hold one token's routed experts (in the backend's layout)."""
+    if res.expert_prefetch and not model.config.is_moe:
+        raise ConfigError(f"expert_prefetch is for Mixture-of-Experts models; {model.dir} ({model.config.model_type}) "
+                          "has no experts: leave --expert-prefetch off")
     if not res.expert_policy:
         if res.expert_budget_mb:
             raise ConfigError("expert_budget_mb needs an expert policy: set --expert-policy (e.g. expert_lru)")
@@ -92,7 +95,8 @@ class Run:
         except BaseException:
             self.backend.close()
             raise
-        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers, self.expert_policy)
+        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers, self.expert_policy,
+                             res.expert_prefetch)
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,

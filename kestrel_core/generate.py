@@ -117,7 +117,7 @@ def forward(run: Run, ids: list[int], start: int, cache: list[KVCache], rope: Ro
         probe("the embedding", h)
     for layer in range(cfg.num_hidden_layers):
         w = window.step(layer, phase)
-        h = decoder_layer(h, w, backend.small[layer], cache[layer], at, cfg, backend.linear, experts_of(window, layer, phase))
+        h = decoder_layer(h, w, backend.small[layer], cache[layer], at, cfg, backend.linear, experts_of(run, layer, phase))
         if probe:
             probe(f"layer {layer}", h)
     return backend.logits(h[-1:])[0]

@@ -222,7 +222,7 @@ def decoder_layer(
     at: Attend,
     cfg: ModelConfig,
     linear=F.linear,
-    experts=None,  # a sparse layer's: experts(numbers) -> {e: weights}, the window's decision point after the router
+    experts=None,  # a sparse layer's decision point after its router: experts(chosen, x) -> (used, {e: weights})
 ) -> torch.Tensor:
     T = h.shape[0]
     eps = cfg.rms_norm_eps
@@ -255,8 +255,8 @@ def decoder_layer(
     x = rms_norm(h, small["post_norm"], eps)
     if "router" in w:
         weights, chosen = route(x, w["router"], cfg, linear)
-        used = torch.unique(chosen).tolist()  # the host learns which experts: the one sync a sparse layer needs
-        return h + sparse_mlp(x, weights, chosen, experts(used).__getitem__, linear, used)
+        used, routed = experts(chosen, x)  # the host learns which experts: the one sync a sparse layer needs
+        return h + sparse_mlp(x, weights, chosen, routed.__getitem__, linear, used)
     if "gate_up" in w:
         gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
     else:
@@ -286,7 +286,11 @@ def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig, linear=F.line
 
 
 def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], linear=F.linear) -> torch.Tensor:
-    return linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+    if "gate_up" in w:  # a backend's fused layout
+        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x, w["gate"]), linear(x, w["up"])
+    return linear(F.silu(gate) * up, w["down"])
 
 
 def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_weights, linear=F.linear,
@@ -298,6 +302,10 @@ def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ex
     ``used``, where the caller has it already, is ``torch.unique(experts).tolist()``.
     """
     out = torch.zeros_like(x)
+    if x.shape[0] == 1:  # one token routed to every used expert: no index lookup, so no host sync
+        for e in used if used is not None else experts[0].tolist():
+            out += expert_mlp(x, expert_weights(e), linear) * (weights * (experts == e)).sum(-1, keepdim=True)
+        return out
     for e in used if used is not None else torch.unique(experts).tolist():
         tokens, slot = torch.nonzero(experts == e, as_tuple=True)
         y = expert_mlp(x[tokens], expert_weights(e), linear) * weights[tokens, slot, None]

@@ -109,6 +109,9 @@ class Counters:
     pool_hits: int = 0
     expert_hits: int = 0  # routed experts found resident at a sparse layer's decision point
     expert_misses: int = 0  # and those fetched there
+    expert_prefetches: int = 0  # experts uploaded ahead on a speculative guess
+    expert_guessed: int = 0  # routed experts at decision points that had a guess (recall's denominator)
+    expert_guess_hits: int = 0  # of those, the ones the guess named (recall = expert_guess_hits / expert_guessed)
     resident_bytes: int = 0  # weight bytes resident now (streamed + never-evicted)
     peak_resident_bytes: int = 0
     resident_entries: int = 0
@@ -132,9 +135,11 @@ class Window:
     """What the layer loop asks at each boundary; what policies and observers see as ``window``."""
 
     def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int,
-                 expert_policy: Any = None):
+                 expert_policy: Any = None, expert_prefetch: bool = False):
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
         self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
+        self.expert_prefetch = expert_prefetch  # guess the next sparse layer's experts and upload them ahead
+        self._guesses: dict[int, frozenset] = {}  # layer -> the expert units guessed for it
         # Who answers there besides the observers: the expert policy, then the layer policy where it has the method.
         self._routers = [p for p in (expert_policy, policy) if hasattr(p, "on_experts_routed")]
         self.routing: list | None = None  # set to a list to record (phase, token, layer, experts) at each decision point
@@ -241,10 +246,31 @@ class Window:
         self.backend.before_use(key)
         return r.weights
 
-    def route(self, layer: int, experts: list[int], phase: str) -> dict[int, dict[str, Any]]:
+    def guess_router(self, layer: int) -> Any:
+        """The next layer's router weights, where speculative prefetch is on, that layer is sparse and its unit
+        is resident (a guess needs them); else None."""
+        nxt = layer + 1
+        if not self.expert_prefetch or nxt >= self.n_layers or not self.sparse[nxt]:
+            return None
+        r = self._resident.get((nxt,))
+        if r is None:
+            return None
+        self.backend.before_use((nxt,))
+        return r.weights["router"]
+
+    def route(self, layer: int, experts: list[int], phase: str, guess: Iterable[int] = ()) -> dict[int, dict[str, Any]]:
         """The decision point after a sparse layer's router: plan and execute the fetch of the routed
-        ``experts`` (with what the policy and observers advise), and return each one's weights."""
+        ``experts`` (with what the policy and observers advise), and return each one's weights.
+
+        ``guess``: the experts layer+1's router picks from this layer's hidden state; those not resident
+        are uploaded ahead (a side-stream backend overlaps them with this layer's experts). Recall is
+        counted at layer+1's decision point.
+        """
         routed = {(layer, e) for e in experts}
+        guessed = self._guesses.pop(layer, None)
+        if guessed is not None:
+            self.counters.expert_guessed += len(routed)
+            self.counters.expert_guess_hits += len(routed & guessed)
         if self.routing is not None:
             self.routing.append((phase, self.token, layer, list(experts)))
         answers = [p.on_experts_routed(self, layer, experts, phase) for p in self._routers]
@@ -261,6 +287,11 @@ class Window:
         self.counters.expert_misses += len(missing)
         fetch = [self._fetch(self.units[key], ahead=False) for key in missing]
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
+        if guess:
+            spec = self._guesses[layer + 1] = frozenset((layer + 1, e) for e in guess)
+            ahead_now = [self._fetch(self.units[key], ahead=True) for key in sorted(spec) if key not in resident]
+            self.counters.expert_prefetches += len(ahead_now)
+            fetch += ahead_now
         plan = self._noted(Plan(layer, phase, evicted, tuple(fetch)))
         if plan.evict or plan.fetch:
             self.backend.execute(plan)

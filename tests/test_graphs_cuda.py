@@ -131,8 +131,8 @@ def test_an_unpinned_host_copy_is_never_captured(model):
     ref = run(model, residency__keep=1, backend__graphs="off").token_ids
     with open_run(model, cfg) as r:
         pinned = r.backend._host
-        r.backend._host = [{name: t.clone() for name, t in layer.items()} for layer in pinned]  # pageable copies
-        assert not r.backend._host[0]["qkv"].is_pinned()
+        r.backend._host = {source: t.clone() for source, t in pinned.items()}  # pageable copies
+        assert not r.backend._host[(0,), "qkv"].is_pinned()
         try:
             with pytest.warns(KestrelNote, match="not pinned, so the decode step cannot be captured"):
                 result = generate(r, PROMPT, GEN)

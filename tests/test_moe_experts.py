@@ -126,3 +126,67 @@ def test_a_plugin_registers_its_own_expert_policy(tiny_moe, register_plugin):
     ref = generate(tiny_moe, keep="off")
     got = generate(tiny_moe, keep="off", expert_policy="expert_fifo", expert_budget_mb=3 * EXPERT / 2**20)
     assert got.token_ids == ref.token_ids and got.counters["layer_evictions"] > 0
+
+
+# --- speculative prefetch: layer l+1's router on layer l's hidden state -----------------------------
+
+@pytest.fixture(scope="module")
+def shared_router(tiny_moe, tmp_path_factory):
+    """tiny-moe with layers 2 and 3 routing by layer 1's router: each guess is then exactly the layer before's routing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("shared-router") / "m"
+    out.mkdir()
+    shutil.copy(tiny_moe / "config.json", out / "config.json")
+    files = sorted(tiny_moe.glob("*.safetensors"))
+    assert len(files) == 1
+    tensors = load_file(files[0])
+    for layer in (2, 3):
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = tensors["model.layers.1.mlp.gate.weight"].clone()
+    save_file(tensors, out / files[0].name)
+    return out
+
+
+def test_speculative_prefetch_changes_no_id(tiny_moe):
+    ref = generate(tiny_moe, keep="off")
+    for settings in (dict(keep="off"), dict(keep=2), dict(expert_policy="expert_lru", expert_budget_mb=3 * EXPERT / 2**20),
+                     dict(expert_policy="expert_lfu", expert_budget_mb=5 * EXPERT / 2**20)):
+        got = generate(tiny_moe, expert_prefetch=True, **settings)
+        assert got.token_ids == ref.token_ids, settings
+        c = got.counters
+        assert c["expert_guessed"] > 0 and 0 <= c["expert_guess_hits"] <= c["expert_guessed"], settings
+    off = generate(tiny_moe, keep="off", expert_policy="expert_lru", expert_budget_mb=3 * EXPERT / 2**20).counters
+    assert off["expert_guessed"] == off["expert_prefetches"] == 0  # nothing is guessed with prefetch off
+
+
+def test_recall_counts_the_routed_experts_the_guess_named(shared_router):
+    with load(shared_router) as model, model.open(keep="off", expert_prefetch=True) as run:
+        run.window.routing = []
+        r = run.generate(prompt_ids=PROMPT, max_new_tokens=8, stop_at_eos=False)
+        trace = run.window.routing
+    routed = {(token, layer): set(experts) for phase, token, layer, experts in trace if phase == "decode"}
+    tokens = sorted({t for t, _ in routed})
+    assert len(tokens) == len(r.per_token) == 7
+    # Layer 1 guesses layer 2 and layer 2 guesses layer 3 (layer 0 is dense; layer 3 is the last):
+    # with one router, a guess is what the layer before routed to.
+    want_hits = sum(len(routed[t, nxt] & routed[t, nxt - 1]) for t in tokens for nxt in (2, 3))
+    assert r.counters["expert_guessed"] == len(tokens) * 2 * 2
+    assert r.counters["expert_guess_hits"] == want_hits
+    assert sum(p["expert_guess_hits"] for p in r.per_token) == want_hits  # no guess carries over a token
+
+
+def test_prefetch_stays_within_the_budget_plus_one_layers_guess(tiny_moe, register_plugin):
+    watch = register_plugin(ExpertBytes(), "expert-bytes")
+    budget = 3 * EXPERT
+    r = generate(tiny_moe, 16, keep="off", expert_policy="expert_lru", expert_budget_mb=budget / 2**20, expert_prefetch=True)
+    assert r.counters["expert_prefetches"] > 0
+    assert max(watch.seen[4:]) <= budget + 2 * EXPERT  # top-2: one layer's guesses over the budget at most
+    for step in r.per_token:  # every expert upload is a routed miss or a prefetch
+        assert step["layer_uploads"] == step["expert_misses"] + step["expert_prefetches"]
+
+
+def test_expert_prefetch_on_a_dense_model_is_refused(tiny_ckpt):
+    with load(tiny_ckpt) as model, pytest.raises(ConfigError, match="expert_prefetch is for Mixture-of-Experts models"):
+        model.open(expert_prefetch=True)

@@ -343,8 +343,8 @@ def test_staged_fused_entries_split_like_the_parts(tiny_q8):
     fused = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
     with Model(tiny_q8) as model:
         cfg, info, ckpt = model.config, model.quant, model.checkpoint
-        staged = q8.stage_q8_layer(ckpt, cfg, info, 1, fused, pin_memory=False)
         specs = linear_specs(cfg, 1)
+        staged = q8.stage_q8_unit(ckpt, info, specs, fused, pin_memory=False)
         for name, roles in fused:  # the geometry the budget and the pool use, before anything is staged
             assert q8.fused_geometry([info.tensors[specs[r][0]] for r in roles], "cuda:0") == staged[name].geometry("cuda:0")
         x = torch.randn(3, cfg.hidden_size, dtype=torch.float64)
@@ -363,7 +363,7 @@ def test_staged_fused_entries_split_like_the_parts(tiny_q8):
             buf = q8.new_q8_buffer(geo, "cpu")  # what a pooled device buffer is made from
             buf.copy_(w)
             assert buf.n == w.n and torch.equal(buf.dequantize(), w.dequantize())
-        assert sorted(q8.layer_page_names(cfg, info, 1)) == sorted(
+        assert sorted(q8.unit_page_names(info, specs)) == sorted(
             n for t in (info.tensors[s[0]] for s in specs.values()) for n in (t.qweight, t.scales))
 
 

@@ -21,14 +21,21 @@ from kestrel_core.budget import resolve_budget
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
-from kestrel_core.model import linear_specs
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
 from .rawcuda import RawBlock, raw_empty
 
 DTYPES = ("bfloat16", "float16", "float32")
-FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
+# The device layout: a unit's roles fused into the entries the math reads. A dense layer is qkv, o,
+# gate_up, down; a sparse layer's own unit qkv, o, router; an expert gate_up, down.
+FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)),
+         ("router", ("router",)))
+
+
+def fusion(tensors: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The entries of a unit with these roles (UnitSpec.tensors), in compute order."""
+    return tuple((name, roles) for name, roles in FUSED if all(r in tensors for r in roles))
 
 
 class CudaBackend(Backend):
@@ -46,9 +53,6 @@ class CudaBackend(Backend):
     def __init__(self, ctx: BackendContext):
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
-        if ctx.model.is_moe:
-            raise ConfigError("the cuda backend does not run Mixture-of-Experts models yet (its layout fuses a dense "
-                              "layer's MLP); use --backend cpu_ref")
         super().__init__(ctx)
         self.dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, self.name)
         self.device = compute_device(ctx.backend.device or "cuda")
@@ -60,7 +64,9 @@ class CudaBackend(Backend):
         self.prefetch_depth = ctx.backend.prefetch
         # Compute runs on whatever stream is current (the default one, or a graph's capture stream);
         # prefetched uploads run on a side stream, ordered against it by events.
-        self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch_depth else None
+        # (speculative expert prefetch uploads there too).
+        side = self.prefetch_depth or ctx.residency.expert_prefetch
+        self.copy_stream = torch.cuda.Stream(self.device) if side else None
         self._capture_stream = torch.cuda.Stream(self.device)
         self._said_unpinned = False
         self._ready: dict[tuple, torch.cuda.Event] = {}  # unit key -> its upload's event
@@ -81,15 +87,19 @@ class CudaBackend(Backend):
 
     # --- layout and budget -------------------------------------------------------
     def layout(self, spec):
-        """Fused QKV, o, fused gate-up, down: the layout the host staging holds and the math reads."""
+        """The unit's fused entries (``fusion``): the layout the host staging holds and the math reads."""
         tensors = spec.tensors
-        for name, roles in FUSED:
-            if self.quant:
-                geometry = q8.fused_geometry([self._q8[tensors[r][0]] for r in roles], self.device)
+        for name, roles in fusion(tensors):
+            parts = [self._q8.get(tensors[r][0]) for r in roles]
+            if all(p is not None for p in parts):
+                geometry = q8.fused_geometry(parts, self.device)
+            elif any(p is not None for p in parts):
+                raise ConfigError(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are q8; "
+                                  "re-quantize the checkpoint with kestrel quantize")
             else:
                 shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
                 geometry = Geometry(shape, str(self.dtype), shape[0] * shape[1] * itemsize(self.dtype), str(self.device))
-            yield EntrySpec(name, geometry, (spec.layer, name))
+            yield EntrySpec(name, geometry, (spec.key, name))
 
     def _global_bytes(self) -> int:
         item = itemsize(self.dtype)
@@ -99,25 +109,41 @@ class CudaBackend(Backend):
             return vh * item + lm_head.nbytes
         return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
 
+    def _streamed_peak(self, layers: int) -> int:
+        """The most streamed bytes ``layers`` resident layers can hold. With an expert policy a sparse layer's
+        experts live in its budget (plus one layer's guesses where prefetch is speculative), not in the layer's."""
+        units, res = self.units, self.ctx.residency
+        experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
+        if not experts or not res.expert_policy:
+            return units.peak_bytes(layers)
+        own = sorted((u.nbytes for key, u in units.units.items() if len(key) == 1), reverse=True)
+        spare = int(res.expert_budget_mb * 2**20)
+        if res.expert_prefetch:
+            spare += self.cfg.num_experts_per_tok * max(experts)
+        return sum(own[:max(0, layers)]) + min(spare, sum(experts))
+
     def _check_budget(self, ctx: BackendContext) -> None:
         """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""
         free, _ = torch.cuda.mem_get_info(self.device)
         self.budget, self.budget_source = resolve_budget(ctx.residency.budget_mb, free)
-        glob, units, mib = self._global_bytes(), self.units, 2**20
-        largest = units.peak_bytes(1)
+        glob, mib = self._global_bytes(), 2**20
+        largest = self._streamed_peak(1)
         if self.budget < glob + largest:
             raise BudgetError(
                 f"weight-cache budget {self.budget // mib} MiB ({self.budget_source}) is below one layer's working set: "
-                f"need at least {-(-(glob + largest) // mib)} MiB ({largest // mib} MiB for the largest layer + "
-                f"{glob // mib} MiB resident); raise --budget-mb or KESTREL_WCACHE_MB"
+                f"need at least {-(-(glob + largest) // mib)} MiB ({largest // mib} MiB for the largest layer"
+                f"{' and its experts' if self.cfg.is_moe else ''} + {glob // mib} MiB resident); "
+                "raise --budget-mb or KESTREL_WCACHE_MB"
             )
         L = self.cfg.num_hidden_layers
         windowed = ctx.residency.windowed
         peak = L if not windowed else min(L, ctx.peak_layers + self.prefetch_depth)
-        need = glob + units.peak_bytes(peak)
+        need = glob + self._streamed_peak(peak)
         if need > self.budget:
-            fit = max(n for n in range(1, L + 1) if glob + units.peak_bytes(n) <= self.budget)
+            fit = max(n for n in range(1, L + 1) if glob + self._streamed_peak(n) <= self.budget)
             hint = f"use keep <= {max(1, (fit - self.prefetch_depth) // 2)}" if windowed else f"turn the window on (e.g. --keep {max(1, fit // 2)})"
+            if self.cfg.is_moe and not ctx.residency.expert_policy:
+                hint += ", bound the experts with --expert-policy expert_lru --expert-budget-mb N"
             raise BudgetError(
                 f"this run peaks at {peak} resident layers = {need // mib} MiB, over the weight-cache budget of "
                 f"{self.budget // mib} MiB ({self.budget_source}); {hint}, or raise --budget-mb / KESTREL_WCACHE_MB"
@@ -132,32 +158,37 @@ class CudaBackend(Backend):
         )
 
     # --- host staging --------------------------------------------------------------
-    def _stage_host(self) -> list[dict[str, torch.Tensor]]:
-        """Pin each layer once, already fused and in compute dtype: an upload is then a plain DMA.
+    def _stage_host(self) -> dict[tuple, torch.Tensor]:
+        """Pin each unit once, already fused and in compute dtype (q8: in device layout): an upload is then a
+        plain DMA. Keyed by entry source, (unit key, entry name).
 
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
-        host: list[dict[str, torch.Tensor]] = []
-        if self.quant:  # already in device layout: pin (and fuse along N) once, no dtype change
-            for layer in range(self.cfg.num_hidden_layers):
-                host.append(q8.stage_q8_layer(self.ckpt, self.cfg, self.quant, layer, FUSED))
-                self.ckpt.drop_pages(q8.layer_page_names(self.cfg, self.quant, layer))
-            return host
-        for layer in range(self.cfg.num_hidden_layers):
-            specs = linear_specs(self.cfg, layer)
-            staged = {}
-            for fused, parts in FUSED:
-                rows = sum(specs[p][1][0] for p in parts)
-                buf = torch.empty((rows, specs[parts[0]][1][1]), dtype=self.dtype, pin_memory=True)
-                at = 0
-                for p in parts:
-                    src = self.ckpt.view(specs[p][0])
-                    buf[at : at + src.shape[0]].copy_(src)
-                    at += src.shape[0]
-                staged[fused] = buf
-            host.append(staged)
-            self.ckpt.drop_pages([n for n, _ in specs.values()])  # the pinned copy is the host staging now
+        host: dict[tuple, torch.Tensor] = {}
+        for spec in self.ctx.unit_specs:
+            tensors = spec.tensors
+            if self.quant:
+                staged = q8.stage_q8_unit(self.ckpt, self.quant, tensors,
+                                          [(n, r) for n, r in fusion(tensors) if tensors[r[0]][0] in self._q8])
+                for name, roles in fusion(tensors):
+                    if name not in staged:  # a float entry of a q8 checkpoint (a router)
+                        staged[name] = self._stage_float(roles, tensors)
+                self.ckpt.drop_pages(q8.unit_page_names(self.quant, tensors))
+            else:
+                staged = {name: self._stage_float(roles, tensors) for name, roles in fusion(tensors)}
+                self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
+            host.update({(spec.key, name): t for name, t in staged.items()})
         return host
+
+    def _stage_float(self, roles, tensors) -> torch.Tensor:
+        rows = sum(tensors[r][1][0] for r in roles)
+        buf = torch.empty((rows, tensors[roles[0]][1][1]), dtype=self.dtype, pin_memory=True)
+        at = 0
+        for r in roles:
+            src = self.ckpt.view(tensors[r][0])
+            buf[at : at + src.shape[0]].copy_(src)
+            at += src.shape[0]
+        return buf
 
     # --- Backend contract ----------------------------------------------------------
     def new_buffer(self, geometry, raw=False):
@@ -180,15 +211,15 @@ class CudaBackend(Backend):
         del buffer  # raw: cudaFree runs as the last view dies; pool fallback: back to torch's cache
 
     def fill(self, buffer, source):
-        layer, name = source
+        host = self._host[source]
         if self.copy_stream is None:  # in stream order with the compute
-            buffer.copy_(self._host[layer][name], non_blocking=True)
+            buffer.copy_(host, non_blocking=True)
             return
         waits = self._last_read.pop(buffer.data_ptr(), None)
         if waits is not None:
             self.copy_stream.wait_event(waits)
         with torch.cuda.stream(self.copy_stream):
-            buffer.copy_(self._host[layer][name], non_blocking=True)
+            buffer.copy_(host, non_blocking=True)
 
     def fill_unit(self, fetch):
         try:
@@ -222,12 +253,12 @@ class CudaBackend(Backend):
 
         Events recorded while capturing exist only inside the graph, so none is kept for an eager wait.
         """
-        unpinned = [(layer, name) for plan in plans for fetch in plan.fetch for (layer, name) in
-                    (e.source for e in fetch.unit.entries) if not _pinned(self._host[layer][name])]
+        unpinned = [e.source for plan in plans for fetch in plan.fetch for e in fetch.unit.entries
+                    if not _pinned(self._host[e.source])]
         if unpinned:  # a pageable source cannot be copied inside a graph (an error, or garbage in older torch)
             if not self._said_unpinned:
                 self._said_unpinned = True
-                warnings.warn(f"the host copy of layer {unpinned[0][0]} ({unpinned[0][1]}) is not pinned, so the decode "
+                warnings.warn(f"the host copy of unit {unpinned[0][0]} ({unpinned[0][1]}) is not pinned, so the decode "
                               "step cannot be captured; it runs eagerly", KestrelNote, stacklevel=2)
             return None
         torch.cuda.synchronize(self.device)  # every eager upload and read is done: no eager event is needed inside
@@ -306,7 +337,7 @@ class CudaBackend(Backend):
 
     def close(self):
         super().close()
-        self._host = []
+        self._host = {}
         self._forget_events()
 
 

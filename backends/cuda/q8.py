@@ -30,8 +30,6 @@ import torch
 from kestrel_core import quant
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.errors import KestrelError, KestrelNote
-from kestrel_core.model import linear_specs
-from kestrel_core.modelconfig import ModelConfig
 from kestrel_core.residency import Geometry
 
 DTYPE = "q8"  # Geometry.dtype of a q8 entry
@@ -158,23 +156,22 @@ def stage_q8(ckpt: Checkpoint, parts: Sequence[quant.Q8Tensor], pin_memory: bool
     return w
 
 
-def stage_q8_layer(ckpt: Checkpoint, cfg: ModelConfig, info: quant.QuantInfo, layer: int,
-                   fused: Iterable[tuple[str, Sequence[str]]], pin_memory: bool = True) -> dict[str, Q8Weight]:
-    """entry name -> pinned host Q8Weight for one layer, with ``fused`` like CudaBackend.FUSED
-    (e.g. (("qkv", ("q", "k", "v")), ("o", ("o",)), ...))."""
-    specs = linear_specs(cfg, layer)
+def stage_q8_unit(ckpt: Checkpoint, info: quant.QuantInfo, tensors: dict, fused: Iterable[tuple[str, Sequence[str]]],
+                  pin_memory: bool = True) -> dict[str, Q8Weight]:
+    """entry name -> pinned host Q8Weight for one unit (``tensors``: role -> (name, shape), as UnitSpec.tensors),
+    with ``fused`` like cuda's ``fusion`` (e.g. (("qkv", ("q", "k", "v")), ("o", ("o",)), ...))."""
     return {
-        name: stage_q8(ckpt, [info.tensors[specs[role][0]] for role in roles], pin_memory=pin_memory)
+        name: stage_q8(ckpt, [info.tensors[tensors[role][0]] for role in roles], pin_memory=pin_memory)
         for name, roles in fused
     }
 
 
-def layer_page_names(cfg: ModelConfig, info: quant.QuantInfo, layer: int) -> list[str]:
-    """The checkpoint tensors behind one q8 layer (for Checkpoint.drop_pages after staging)."""
+def unit_page_names(info: quant.QuantInfo, tensors: dict) -> list[str]:
+    """The checkpoint tensors behind one unit's q8 weights (for Checkpoint.drop_pages after staging)."""
     out = []
-    for name, _ in linear_specs(cfg, layer).values():
-        t = info.tensors[name]
-        out += [t.qweight, t.scales]
+    for name, _ in tensors.values():
+        t = info.tensors.get(name)
+        out += [t.qweight, t.scales] if t is not None else [name]
     return out
 
 
