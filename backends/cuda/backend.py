@@ -24,18 +24,10 @@ from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelN
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
+from .layout import fusion
 from .rawcuda import RawBlock, raw_empty
 
 DTYPES = ("bfloat16", "float16", "float32")
-# The device layout: a unit's roles fused into the entries the math reads. A dense layer is qkv, o,
-# gate_up, down; a sparse layer's own unit qkv, o, router; an expert gate_up, down.
-FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)),
-         ("router", ("router",)))
-
-
-def fusion(tensors: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The entries of a unit with these roles (UnitSpec.tensors), in compute order."""
-    return tuple((name, roles) for name, roles in FUSED if all(r in tensors for r in roles))
 
 
 class CudaBackend(Backend):
