@@ -17,6 +17,7 @@ else:  # pragma: no cover
 
 OFF = "off"
 GRAPHS = ("auto", "off")
+EXPERT_FETCH = ("routed", "layer")
 
 
 def parse_keep(value: Any) -> int | str:
@@ -57,6 +58,12 @@ class ResidencyConfig:
     expert_policy: str = ""  # Mixture-of-Experts: e.g. expert_lru; empty: an expert stays until its layer goes
     expert_budget_mb: float = 0.0  # the bytes the expert policy keeps experts in (MiB; fractions allowed)
     expert_prefetch: bool = False  # decode: guess layer l+1's experts with its router on layer l's hidden state, upload them ahead
+    expert_fetch: str = attrs.field(default="routed")  # "routed": a sparse layer's experts come when routed to; "layer": with the layer
+
+    @expert_fetch.validator
+    def _check_expert_fetch(self, _, value: str) -> None:
+        if value not in EXPERT_FETCH:
+            raise ConfigError(f"expert_fetch must be one of {', '.join(EXPERT_FETCH)}, got {value!r}")
 
     @property
     def windowed(self) -> bool:

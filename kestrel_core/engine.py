@@ -53,6 +53,10 @@ def make_expert_policy(res, model: Model, units):
     if res.expert_prefetch and not model.config.is_moe:
         raise ConfigError(f"expert_prefetch is for Mixture-of-Experts models; {model.dir} ({model.config.model_type}) "
                           "has no experts: leave --expert-prefetch off")
+    if res.expert_fetch == "layer" and (res.expert_policy or res.expert_prefetch):
+        raise ConfigError("expert_fetch = 'layer' fetches every expert with its layer, so there is nothing for "
+                          f"{'an expert policy' if res.expert_policy else 'expert_prefetch'} to choose; "
+                          "use expert_fetch = 'routed'")
     if not res.expert_policy:
         if res.expert_budget_mb:
             raise ConfigError("expert_budget_mb needs an expert policy: set --expert-policy (e.g. expert_lru)")
@@ -96,7 +100,7 @@ class Run:
             self.backend.close()
             raise
         self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers, self.expert_policy,
-                             res.expert_prefetch)
+                             res.expert_prefetch, res.expert_fetch == "layer")
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,

@@ -135,11 +135,12 @@ class Window:
     """What the layer loop asks at each boundary; what policies and observers see as ``window``."""
 
     def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int,
-                 expert_policy: Any = None, expert_prefetch: bool = False):
+                 expert_policy: Any = None, expert_prefetch: bool = False, whole_layers: bool = False):
         self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
         self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
         self.expert_prefetch = expert_prefetch  # guess the next sparse layer's experts and upload them ahead
         self._guesses: dict[int, frozenset] = {}  # layer -> the expert units guessed for it
+        self.whole_layers = whole_layers  # a boundary fetches every unit of its layer (experts too), not only its own
         # Who answers there besides the observers: the expert policy, then the layer policy where it has the method.
         self._routers = [p for p in (expert_policy, policy) if hasattr(p, "on_experts_routed")]
         self.routing: list | None = None  # set to a list to record (phase, token, layer, experts) at each decision point
@@ -216,9 +217,11 @@ class Window:
         """Turn the policy's and observers' advice into this boundary's plan, updating the record."""
         self.phase = phase
         evict, ahead = self._merged(self._advice(layer, phase))
-        current = (self.units[(layer,)],)  # a sparse layer's experts are fetched once routed (``route``)
+        # A sparse layer's experts are fetched once routed (``route``), unless whole layers stream.
+        current = self.units.of_layer(layer) if self.whole_layers else (self.units[(layer,)],)
         if self.prefetch_depth:
-            ahead += [(d,) for d in self.horizon(layer)]
+            ahead += [u.key for d in self.horizon(layer) for u in
+                      (self.units.of_layer(d) if self.whole_layers else (self.units[(d,)],))]
         resident = self._resident
         if not evict and not ahead and all(u.key in resident for u in current):
             idle = self._idle.get((layer, phase))  # the steady state of a resident layer: nothing to do

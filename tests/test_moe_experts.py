@@ -190,3 +190,30 @@ def test_prefetch_stays_within_the_budget_plus_one_layers_guess(tiny_moe, regist
 def test_expert_prefetch_on_a_dense_model_is_refused(tiny_ckpt):
     with load(tiny_ckpt) as model, pytest.raises(ConfigError, match="expert_prefetch is for Mixture-of-Experts models"):
         model.open(expert_prefetch=True)
+
+
+def test_whole_layer_streaming_fetches_every_expert_with_its_layer(tiny_moe):
+    ref = generate(tiny_moe, keep="off")
+    routed = generate(tiny_moe, keep=1)
+    whole = generate(tiny_moe, keep=1, expert_fetch="layer")
+    assert whole.token_ids == routed.token_ids == ref.token_ids
+    with load(tiny_moe) as model, model.open(keep=1) as run:
+        units = run.backend.units
+        layer_bytes = [units.layer_bytes[layer] for layer in range(4)]
+    for step in whole.per_token:  # asymmetric keep=1: three layers come back each token, each with all its units
+        assert step["expert_misses"] == 0 and step["expert_hits"] == 3 * 2
+        assert step["bytes_uploaded"] in {sum(layer_bytes) - layer_bytes[k] for k in range(4)}
+        sparse = 3 if step["bytes_uploaded"] == sum(layer_bytes[1:]) else 2  # whether the kept layer is the dense one
+        assert step["layer_uploads"] == 3 + sparse * 8
+    assert min(p["bytes_uploaded"] for p in whole.per_token) > max(p["bytes_uploaded"] for p in routed.per_token)
+
+
+@pytest.mark.parametrize("settings", [dict(expert_policy="expert_lru", expert_budget_mb=1.0), dict(expert_prefetch=True)])
+def test_whole_layer_streaming_leaves_nothing_to_choose(tiny_moe, settings):
+    with load(tiny_moe) as model, pytest.raises(ConfigError, match="fetches every expert with its layer"):
+        model.open(keep=1, expert_fetch="layer", **settings)
+
+
+def test_an_unknown_expert_fetch_is_one_line(tiny_moe):
+    with load(tiny_moe) as model, pytest.raises(ConfigError, match="expert_fetch must be one of routed, layer, got 'all'"):
+        model.open(expert_fetch="all")
