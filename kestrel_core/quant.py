@@ -11,6 +11,12 @@ bounds checks. Pad columns are zero in both tensors. A group whose weights are a
 scale 0 (and q 0). The writer puts each ``qweight`` right before its ``scales`` in the file,
 so one entry is one contiguous byte range of the mapping.
 
+A Mixture-of-Experts (``qwen3_moe``) checkpoint is quantized the same way, tensor by tensor:
+a sparse layer's q/k/v/o and every expert's ``mlp.experts.E.{gate,up,down}_proj`` become
+``.qweight``/``.scales`` pairs named as above, and a dense layer of it (``mlp_only_layers``)
+quantizes its seven linears like a dense model's. The router (``mlp.gate.weight``,
+``[num_experts, hidden]``) keeps its original dtype (``FLOAT_ROLES``).
+
 Embeddings and norms keep their original dtype. ``lm_head`` is quantized unless
 ``keep_lm_head``. A tied model (``tie_word_embeddings``) with a quantized lm_head is untied:
 the embedding stays full precision for the lookup, a q8 copy of it becomes ``lm_head``, and
@@ -35,7 +41,7 @@ import torch
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from .devices import compute_device
 from .errors import CheckpointError, KestrelError
-from .model import all_specs, linear_specs
+from .model import all_specs, unit_specs
 from .modelconfig import ModelConfig
 from .outdir import check_output, is_model_file, model_output
 
@@ -51,6 +57,10 @@ META_UNTIED = "kestrel.untied"
 LAYOUT = "qweight I8 [K, Npad] then scales F32 [K/group, Npad]; W[n, k] = qweight[k, n] * scales[k // group, n]"
 QMAX = 127
 OUT_FILE = "model.safetensors"
+# Streamed roles that stay in the checkpoint's float dtype. The router of a sparse layer is small
+# ([num_experts, hidden]: 0.5 MB of Qwen3-30B-A3B's 1.2 GB layer in bf16) and decides which experts
+# run: int8 rounding of its weights would move its logits, flip near ties in the top-k and change the routing.
+FLOAT_ROLES = frozenset({"router"})
 
 
 class QuantError(KestrelError):
@@ -131,8 +141,11 @@ class QuantInfo:
 
 
 def quantized_specs(cfg: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int]]:
-    """``.weight`` name -> [N, K] of every linear a q8 checkpoint stores quantized."""
-    out = {name: tuple(shape) for layer in range(cfg.num_hidden_layers) for name, shape in linear_specs(cfg, layer).values()}
+    """``.weight`` name -> [N, K] of every linear a q8 checkpoint stores quantized, in unit order: each
+    layer's own unit (a dense layer's seven linears, a sparse layer's q/k/v/o), then that layer's experts
+    (gate, up, down each). The router (``FLOAT_ROLES``) is not among them."""
+    out = {name: tuple(shape) for unit in unit_specs(cfg) for role, (name, shape) in unit.tensors.items()
+           if role not in FLOAT_ROLES}
     if lm_head:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return out
@@ -277,9 +290,6 @@ def quantize_checkpoint(
             probe.close()
     with Model(src) as model:
         cfg, ckpt = model.config, model.checkpoint
-        if cfg.is_moe:
-            raise QuantError(f"{src} is a Mixture-of-Experts checkpoint ({cfg.model_type}); quantize handles dense "
-                             "Qwen3/Llama checkpoints only so far")
         q_lm_head = not keep_lm_head
         qspecs = quantized_specs(cfg, q_lm_head)
         bad = {name: k for name, (_, k) in qspecs.items() if k % group}
@@ -312,6 +322,8 @@ def quantize_checkpoint(
             META_UNTIED: "true" if untie else "false",
         }
 
+        every = max(16, len(qspecs) // 64)  # a MoE model has thousands of expert weights: about 64 progress lines
+
         def tensors() -> Iterator[torch.Tensor]:
             for i, (name, (n, k)) in enumerate(qspecs.items()):
                 # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
@@ -319,7 +331,7 @@ def quantize_checkpoint(
                 yield qweight.cpu()
                 yield scales.cpu()
                 ckpt.drop_pages([source[name]])  # keep the reader's RSS to about one tensor on big models
-                if progress and (i % 16 == 0 or i == len(qspecs) - 1):
+                if progress and (i % every == 0 or i == len(qspecs) - 1):
                     progress(f"quantize: {i + 1}/{len(qspecs)} linear weights")
             for it in floats:
                 yield ckpt.view(it.name)
@@ -342,6 +354,8 @@ def quantize_checkpoint(
         "lm_head": metadata[META_LM_HEAD],
         "untied": untie,
         "quantized": len(qspecs),
+        "experts": sum(".mlp.experts." in name for name in qspecs),  # of them, expert weights (0 for a dense model)
+        "float_routers": sum(cfg.moe_layer(layer) for layer in range(cfg.num_hidden_layers)),  # kept in their dtype
         "source_bytes": src_bytes,
         "bytes": written,
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..quant import GROUP_SIZES, quantize_checkpoint
 from .common import emit_json, mib, progress_printer
 
-HELP = "write a q8 checkpoint: int8 weights with one f32 scale per group of input columns, in device layout"
+HELP = ("write a q8 checkpoint: int8 weights with one f32 scale per group of input columns, in device layout "
+        "(Mixture-of-Experts: attention and experts q8, routers kept float)")
 
 
 def add_arguments(p):
@@ -25,8 +26,10 @@ def run(args) -> int:
         emit_json(summary)
         return 0
     untied = " (untied from the embeddings)" if summary["untied"] else ""
+    moe = (f" ({summary['experts']} of them experts'; {summary['float_routers']} routers kept float)"
+           if summary["experts"] else "")
     print(
-        f"wrote q8 group {summary['group_size']}, lm_head {summary['lm_head']}{untied}: {summary['quantized']} linear weights, "
+        f"wrote q8 group {summary['group_size']}, lm_head {summary['lm_head']}{untied}: {summary['quantized']} linear weights{moe}, "
         f"{mib(summary['source_bytes'])} -> {mib(summary['bytes'])} to {summary['out']}"
     )
     return 0
