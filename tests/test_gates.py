@@ -152,13 +152,50 @@ def test_runner_kv_layout(moe_dir):
     assert f32.quantity("mirror_slot").value == 48 * 8192 * 2 * 512 * 4
 
 
+def _independent_entries(layers, dense_layers, experts, resident):
+    """keep=off entries counted by hand from the shape: a dense layer is cuda's qkv, o, gate_up, down (cpu_ref: q, k,
+    v, o, gate, up, down); a sparse layer's own unit cuda's qkv, o, router (cpu_ref: q, k, v, o, router), and each
+    expert cuda's gate_up, down (cpu_ref: gate, up, down)."""
+    sparse = layers - dense_layers
+    return {"cuda": dense_layers * 4 + sparse * (3 + 2 * experts) + resident,
+            "cpu_ref": dense_layers * 7 + sparse * (5 + 3 * experts) + resident}
+
+
+def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_path, capsys):
+    from kestrel_core.model import KVCache
+
+    cfg = preset_config("qwen3-30b-a3b")
+    d = _write_config(tmp_path / "qwen3-30b-a3b-preset", cfg.to_hf_dict())  # config.json only, as presets write it
+    doc = _gate_json(capsys, "kv-paging", "--model", str(d), "--max-seq", "8192")
+    # The int8 mirror slot: layers x max_seq x (2 kv_dim + 8 kv heads), kv_dim = kv heads x head_dim = 4 x 128.
+    assert _q(doc, "mirror_slot")["value"] == 48 * 8192 * (2 * 4 * 128 + 8 * 4) == 415_236_096
+    # The reference row is the runner's own KVCache, sized without allocating it (the meta device).
+    kv = KVCache.allocate(read_model_config(d), 8192, torch.bfloat16, "meta")
+    assert len(kv) == 48
+    assert _q(doc, "runner_slot")["value"] == sum(c.k.nbytes + c.v.nbytes for c in kv) == 48 * 8192 * 2 * 512 * 2
+    # Resident, counted by hand: embed, final norm, untied lm_head; per layer input/post norms and Qwen3's q/k norms.
+    resident = 3 + 48 * 4
+    want = _independent_entries(layers=48, dense_layers=0, experts=128, resident=resident)
+    assert want == {"cuda": 48 * (3 + 2 * 128) + 195, "cpu_ref": 48 * (5 + 3 * 128) + 195}
+    doc = _gate_json(capsys, "window", "--model", str(d))
+    for backend in ("cuda", "cpu_ref"):
+        q = _q(doc, f"entries_{backend}")
+        assert q["value"] == want[backend], backend
+        assert "kestrel_core.model.unit_specs" in q["source"] and "195 resident" in q["source"]
+    assert "48 layer units x 3 + 6144 expert units x 2" in _q(doc, "entries_cuda")["source"]
+    assert "kestrel_cuda.layout.fusion" in _q(doc, "entries_cuda")["source"]
+    assert "48 layer units x 5 + 6144 expert units x 3" in _q(doc, "entries_cpu_ref")["source"]
+    assert (want["cuda"], want["cpu_ref"]) == (12_627, 18_867)
+
+
 def test_window_config_only_moe_needs_the_window(moe_dir, capsys):
     doc = _gate_json(capsys, "window", "--model", str(moe_dir), "--total-mb", str(SEED_TOTAL_MB))
     assert doc["verdict"] == BUILD  # 61 GB of bf16 weights against a 16 GB budget
     assert _q(doc, "checkpoint")["kind"] == "computed"  # no weights on disk
     assert _q(doc, "budget")["value"] == SEED_TOTAL_MB * MiB // 2
     assert _q(doc, "entries_seed")["value"] == 48 * 5 + 1  # MoE: 5 per layer + lm_head
-    assert _q(doc, "entries_cuda")["value"] is None  # kestrel does not run MoE
+    # kestrel runs it: per layer its own unit (cuda qkv, o, router) and 128 experts (gate_up, down), + 195 resident.
+    assert _q(doc, "entries_cuda")["value"] == 48 * (3 + 2 * 128) + 195
     # A q4 30B-A3B (the seed's) fits an 80 GB card: a flip on both variables.
     cell = next(c for c in doc["flip_table"] if c["card_gb"] == 80 and c["weight_dtype"] == "int4")
     assert cell["verdict"] == DONT_BUILD and cell["flips"]
@@ -245,6 +282,31 @@ def test_window_measured_entries_match_kestrels_layout(tiny_dir, capsys):
     assert doc["summary"].startswith("don't turn the window on")
     assert _q(doc, "bytes_window")["value"] == 5 * 43_008 * 4  # keep=1: 5 of 6 layers' matrices in f32
     assert [m["keep"] for m in doc["measurements"]] == ["off", 1]
+
+
+# tiny-moe: 4 layers, layer 0 dense, 8 experts; tied embeddings -> embed + norm + 4 x 4 norms = 18 resident.
+# tiny-llama: 5 dense layers, untied, no q/k norms -> embed + norm + lm_head + 5 x 2 norms = 13 resident.
+MEASURED_PRESETS = {"tiny-moe": _independent_entries(layers=4, dense_layers=1, experts=8, resident=2 + 4 * 4),
+                    "tiny-llama": _independent_entries(layers=5, dense_layers=5, experts=0, resident=3 + 5 * 2)}
+
+
+@pytest.fixture(scope="module", params=sorted(MEASURED_PRESETS))
+def measured_preset(request, tmp_path_factory):
+    name = request.param
+    return name, write_checkpoint(preset_config(name, "float32"), tmp_path_factory.mktemp(name), seed=0)
+
+
+def test_window_measured_entries_match_on_moe_and_dense_presets(measured_preset, capsys):
+    # keep=off with no expert policy: preload makes every unit resident, experts included, so the peak is the count.
+    name, d = measured_preset
+    want = MEASURED_PRESETS[name]
+    doc = _gate_json(capsys, "window", "--model", str(d), "--measure", "--backend", "cpu_ref",
+                     "--period-ms", "20", "--max-new-tokens", "4")
+    assert _q(doc, "entries_cpu_ref")["value"] == want["cpu_ref"]
+    assert _q(doc, "entries_cuda")["value"] == want["cuda"]
+    assert _q(doc, "entries_run")["value"] == want["cpu_ref"]
+    assert _q(doc, "entries_check")["value"] == "matches"
+    assert want == {"tiny-moe": {"cuda": 79, "cpu_ref": 112}, "tiny-llama": {"cuda": 33, "cpu_ref": 48}}[name]
 
 
 def test_window_reads_a_q8_checkpoint_as_the_cache_holds_it(tiny_dir, tmp_path, capsys):
@@ -419,6 +481,16 @@ def test_gpu_window_measured_entries(tiny_dir, capsys):
     # Half of the free memory measured before the run, as the backend computes it (other processes may move it a little).
     assert abs(_q(doc, "budget_run")["value"] - _q(doc, "budget")["value"]) <= 64 * MiB
     assert doc["measurements"][0]["memory"]["device"].startswith("cuda")
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_window_measured_entries_on_moe_and_dense_presets(measured_preset, capsys):
+    name, d = measured_preset
+    doc = _gate_json(capsys, "window", "--model", str(d), "--measure", "--backend", "cuda",
+                     "--period-ms", "20", "--max-new-tokens", "4")
+    assert _q(doc, "entries_run")["value"] == _q(doc, "entries_cuda")["value"] == MEASURED_PRESETS[name]["cuda"]
+    assert _q(doc, "entries_check")["value"] == "matches"
 
 
 class _FakeNvml:

@@ -7,17 +7,23 @@ prices the window's cost (the bytes it re-uploads every token) when they fit.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
+from kestrel_core.model import global_specs, small_specs, unit_specs
 from kestrel_core.modelconfig import ModelConfig
+from kestrel_cuda.layout import fusion  # the cuda backend's own layout: importable without a GPU
 
 from .context import GateContext
 from .figures import ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REMEASURE, WEIGHT_BYTES, fmt_mib, fmt_ratio
 from .framework import CARD_GB, WEIGHT_DTYPE, Evaluation, Gate, Needs, Quantity
 from .shapes import n_moe_layers, param_count, streamed_params
 
-# Streamed weight-cache entries per dense layer in kestrel's own layouts (the window's unit of upload):
-# cuda fuses q/k/v and gate/up (qkv, o, gate_up, down); cpu_ref keeps the seven matrices apart.
-KESTREL_ENTRIES_PER_LAYER = {"cuda": 4, "cpu_ref": 7}
+# kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.model.unit_specs
+# (a layer's own unit; each expert of a sparse layer), and per unit cpu_ref's one entry a role, cuda's fused entries.
+KESTREL_LAYOUTS = {
+    "cpu_ref": (len, "cpu_ref layout: one entry a role (UnitSpec.tensors)"),
+    "cuda": (lambda tensors: len(fusion(tensors)), "cuda layout kestrel_cuda.layout.fusion"),
+}
 # The seed engine's layout (DESIGN.md, "Device weight cache"): dense 7 single + 2 fused, MoE 5; plus lm_head.
 SEED_DENSE_ENTRIES, SEED_MOE_ENTRIES, SEED_GLOBAL_ENTRIES = 9, 5, 1
 
@@ -65,15 +71,17 @@ class WindowGate(Gate):
         finally:
             ckpt.close()
 
-    def _entries(self, ctx: GateContext) -> dict[str, int | None]:
-        """Expected resident entries at keep=off: the seed's formula and kestrel's layouts."""
+    def _entries(self, ctx: GateContext) -> dict:
+        """Expected resident entries at keep=off: the seed's formula, and kestrel's layouts over every unit
+        (keep=off with no expert policy preloads every unit, experts included) plus the resident entries;
+        "terms" holds each layout's sum as text."""
         c = ctx.config
         L, moe = c.num_hidden_layers, n_moe_layers(c)
-        out = {"seed": (L - moe) * SEED_DENSE_ENTRIES + moe * SEED_MOE_ENTRIES + SEED_GLOBAL_ENTRIES}
-        resident = _resident_entries(c)
-        for backend, per in KESTREL_ENTRIES_PER_LAYER.items():
-            out[backend] = None if resident is None else L * per + resident
-        out["resident"] = resident
+        out = {"seed": (L - moe) * SEED_DENSE_ENTRIES + moe * SEED_MOE_ENTRIES + SEED_GLOBAL_ENTRIES,
+               "resident": resident_entries(c), "terms": {}}
+        for backend, (streamed, terms) in kestrel_entries(c).items():
+            out[backend] = streamed + out["resident"]
+            out["terms"][backend] = terms
         return out
 
     def collect(self, ctx: GateContext) -> list[Quantity]:
@@ -142,11 +150,11 @@ class WindowGate(Gate):
         entries = self._entries(ctx)
         q.append(Quantity("entries_seed", "entries expected, seed formula", entries["seed"], "count", COMPUTED,
                           f"dense {SEED_DENSE_ENTRIES}/layer, MoE {SEED_MOE_ENTRIES}/layer, + lm_head"))
-        for backend, per in KESTREL_ENTRIES_PER_LAYER.items():
-            value = entries[backend]
-            src = (f"{per}/layer + {entries['resident']} resident (embed, norms, lm_head)" if value is not None
-                   else "n/a: kestrel runs dense qwen3/llama only")
-            q.append(Quantity(f"entries_{backend}", f"entries expected, kestrel {backend}", value, "count", COMPUTED, src))
+        for backend, terms in entries["terms"].items():
+            src = (f"{terms} + {entries['resident']} resident (embed, norms, lm_head); units from "
+                   f"kestrel_core.model.unit_specs, {KESTREL_LAYOUTS[backend][1]}")
+            q.append(Quantity(f"entries_{backend}", f"entries expected, kestrel {backend}", entries[backend], "count",
+                              COMPUTED, src))
         if off is not None:
             q += self._measured(ctx, off, win, entries)
         return q
@@ -205,10 +213,20 @@ class WindowGate(Gate):
                 f"{fmt_ratio(ev.ratio)}; the window would only add cost: {cost}.")
 
 
-def _resident_entries(cfg: ModelConfig) -> int | None:
-    """Never-evicted entries a kestrel run counts: embed, final norm, lm_head (untied), and every layer's norms/biases."""
-    from kestrel_core.model import global_specs, small_specs
-
-    if cfg.is_moe:
-        return None  # kestrel does not run it
+def resident_entries(cfg: ModelConfig) -> int:
+    """Never-evicted entries a kestrel run counts (Backend.load_globals): embed, final norm, lm_head (untied), and
+    every layer's norms/biases."""
     return len(global_specs(cfg)) + sum(len(small_specs(cfg, layer)) for layer in range(cfg.num_hidden_layers))
+
+
+def kestrel_entries(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
+    """backend -> (streamed entries over every residency unit, the sum as text: 'N layer units x E + ...')."""
+    units = unit_specs(cfg)
+    out = {}
+    for backend, (per_unit, _) in KESTREL_LAYOUTS.items():
+        # (kind, entries a unit) -> units: a layer's own unit (layer,) or an expert (layer, e)
+        groups = Counter(("expert" if len(u.key) > 1 else "layer", per_unit(u.tensors)) for u in units)
+        terms = " + ".join(f"{n} {kind} unit{'s' if n != 1 else ''} x {k}"
+                           for (kind, k), n in sorted(groups.items(), key=lambda g: (g[0][0] == "expert", -g[0][1])))
+        out[backend] = (sum(k * n for (_, k), n in groups.items()), terms)
+    return out
