@@ -85,11 +85,6 @@ def test_a_missing_expert_is_named(moe_copy, capsys):
     fails(gen(moe_copy), capsys, "missing tensor", name)
 
 
-def test_quantize_refuses_a_moe_checkpoint(tiny_moe, tmp_path, capsys):
-    fails(["quantize", "--model", str(tiny_moe), "--out", str(tmp_path / "q")], capsys,
-          "Mixture-of-Experts checkpoint", "dense")
-
-
 def _reference(x, router, experts, k, norm):
     """Every expert on every token, weighted by a mask of the top k: no grouping, no index_add."""
     probs = torch.softmax(x @ router.T, dim=-1)
@@ -202,9 +197,3 @@ def test_evicting_a_routed_expert_is_refused(tiny_moe, register_plugin, capsys):
     register_plugin(Greedy(), "greedy")
     with pytest.raises(PluginError, match=r"asked to evict expert unit \(1, \d+\), which layer 1 has just routed to"):
         generate(tiny_moe, keep=2)
-
-
-@pytest.mark.cuda
-def test_the_cuda_backend_says_it_does_not_run_experts_yet(tiny_moe, capsys):
-    fails(["generate", "--model", str(tiny_moe), "--backend", "cuda", "--prompt-ids", "1,2"], capsys,
-          "the cuda backend does not run Mixture-of-Experts models yet", "--backend cpu_ref")
