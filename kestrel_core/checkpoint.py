@@ -10,6 +10,7 @@ import json
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 import warnings
@@ -33,6 +34,20 @@ CORRUPT = "the file is corrupt: re-download or re-create it"
 DTYPES = {d.st: (d.numpy, d.torch, d.itemsize) for d in BY_ST.values()}
 FLOAT_DTYPES = tuple(BY_NAME[n].st for n in WEIGHT_NAMES)
 TORCH_TO_ST = {d.torch: d.st for d in BY_ST.values()}
+
+# The fused 3-D expert layout of transformers v5 (its Qwen3MoeExperts holds two stacked parameters):
+#   model.layers.N.mlp.experts.gate_up_proj  [E, 2*I, H]: expert e's gate_proj is rows 0..I-1 of [e], up_proj rows I..2I-1
+#   model.layers.N.mlp.experts.down_proj     [E, H, I]:   expert e's down_proj is [e]
+# Each slice is [out, in]: transformers computes F.linear(x, gate_up_proj[e]).chunk(2, dim=-1) (x @ W.T)
+# and F.linear(h, down_proj[e]), and its conversion mapping stacks the per-expert weights (dim 0) and
+# concatenates gate before up (dim 1). Checked on transformers 5.17: its Qwen3MoeExperts parameters have
+# these shapes, it loads such a file with the per-expert file's logits, and its save_pretrained writes
+# the per-expert layout (the fused one comes from a saved state dict). The transposed [E, H, 2I] that
+# some other models store is not read.
+FUSED_GATE_UP = "model.layers.{layer}.mlp.experts.gate_up_proj"
+FUSED_DOWN = "model.layers.{layer}.mlp.experts.down_proj"
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 @attrs.frozen
@@ -252,6 +267,48 @@ class Checkpoint:
             if t not in self._where:
                 raise CheckpointError(f"{self.dir / INDEX}: maps {t!r} to {fname} but that file has no such tensor; the shard set is incomplete")
         self.metadata = {k: v for f in self.files.values() for k, v in f.metadata.items()}
+        # per-expert name -> (the fused tensor it is a slice of, the slice's own TensorInfo)
+        self._alias: dict[str, tuple[str, TensorInfo]] = self._fused_experts()
+
+    def _fused_experts(self) -> dict[str, tuple[str, TensorInfo]]:
+        """Serve each expert of a fused 3-D layer (``FUSED_GATE_UP``, ``FUSED_DOWN``) under its per-expert name.
+
+        A slice of one expert is contiguous in the file, so it is a TensorInfo of its own: ``view``
+        maps it zero-copy and ``drop_pages`` drops the whole pages inside it. A fused tensor whose
+        shape cannot be sliced (not 3-D, or an odd gate_up) is left unsliced: validate_checkpoint
+        names it against config.json.
+        """
+        fused: dict[int, list[str]] = {}
+        for name in self._where:
+            m = _FUSED.fullmatch(name)
+            if m:
+                fused.setdefault(int(m.group(1)), []).append(name)
+        if not fused:
+            return {}
+        for name in self._where:
+            m = _PER_EXPERT.fullmatch(name)
+            if m and int(m.group(1)) in fused:
+                mine = [f for f in fused[int(m.group(1))] if f.endswith("down_proj") == (m.group(3) == "down")]
+                raise CheckpointError(
+                    f"{self.dir}: layer {m.group(1)} holds its experts in both layouts ({(mine or fused[int(m.group(1))])[0]!r} "
+                    f"and {name!r}); keep either the fused tensors or the per-expert ones"
+                )
+        out: dict[str, tuple[str, TensorInfo]] = {}
+        for layer, names in fused.items():
+            for name in names:
+                info = self._where[name].tensors[name]
+                gate_up = name.endswith("gate_up_proj")
+                if len(info.shape) != 3 or (gate_up and info.shape[1] % 2):
+                    continue
+                E, rows, cols = info.shape
+                parts = {"gate": (0, rows // 2), "up": (rows // 2, rows)} if gate_up else {"down": (0, rows)}
+                row_bytes = cols * DTYPES[info.dtype][2]
+                for e in range(E):
+                    for role, (lo, hi) in parts.items():
+                        alias = f"model.layers.{layer}.mlp.experts.{e}.{role}_proj.weight"
+                        start = info.start + (e * rows + lo) * row_bytes
+                        out[alias] = (name, TensorInfo(alias, info.dtype, (hi - lo, cols), start, start + (hi - lo) * row_bytes))
+        return out
 
     def _read_index(self) -> dict[str, str]:
         path = self.dir / INDEX
@@ -271,12 +328,19 @@ class Checkpoint:
         return weight_map
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._alias
 
     def names(self) -> list[str]:
+        """The tensors the files hold (a fused expert tensor once, not its per-expert slices)."""
         return list(self._where)
 
+    def source(self, name: str) -> str:
+        """The stored tensor behind ``name``: itself, or the fused tensor it is a slice of."""
+        return self._alias[name][0] if name in self._alias else name
+
     def info(self, name: str) -> TensorInfo:
+        if name in self._alias:
+            return self._alias[name][1]
         try:
             return self._where[name].tensors[name]
         except KeyError:
@@ -285,17 +349,18 @@ class Checkpoint:
             ) from None
 
     def view(self, name: str) -> torch.Tensor:
-        return self._where[name].view(self.info(name))
+        """A zero-copy, read-only view of ``name`` (a per-expert name of a fused layer: its slice)."""
+        return self.file_of(name).view(self.info(name))
 
     def file_of(self, name: str) -> SafetensorsFile:
         self.info(name)
-        return self._where[name]
+        return self._where[self.source(name)]
 
     def drop_pages(self, names: list[str]) -> None:
         by_file: dict[SafetensorsFile, list[tuple[int, int]]] = {}
         for n in names:
             info = self.info(n)
-            by_file.setdefault(self._where[n], []).append((info.start, info.end))
+            by_file.setdefault(self.file_of(n), []).append((info.start, info.end))
         for f, spans in by_file.items():
             f.drop_pages(merge_spans(spans))
 

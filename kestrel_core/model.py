@@ -49,7 +49,11 @@ def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int
 
 
 def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, int]]]:
-    """role -> (tensor name, [out, in]) of one expert, in the per-expert layout transformers writes."""
+    """role -> (tensor name, [out, in]) of one expert, in the per-expert layout transformers writes.
+
+    A checkpoint in transformers v5's fused 3-D layout (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]) serves these same names: Checkpoint resolves each to a slice.
+    """
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     p = f"model.layers.{layer}.mlp.experts.{expert}."
     return {"gate": (p + "gate_proj.weight", (i, h)), "up": (p + "up_proj.weight", (i, h)),
@@ -108,8 +112,25 @@ _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
 
 def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] = frozenset()) -> None:
     """Every tensor config.json implies is present, of a float dtype, and of the right shape; no other is there."""
+    from .checkpoint import FUSED_DOWN, FUSED_GATE_UP
     from .quant import q8_names  # quant imports this module
 
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for layer in filter(cfg.moe_layer, range(cfg.num_hidden_layers)):  # the fused 3-D layout, where a layer has it
+        fused = {FUSED_GATE_UP.format(layer=layer): (E, 2 * I, H), FUSED_DOWN.format(layer=layer): (E, H, I)}
+        present = [n for n in fused if n in ckpt]
+        for name in present:
+            info = ckpt.info(name)
+            if info.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"tensor {name!r} has dtype {info.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
+            if tuple(info.shape) != fused[name]:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(fused[name])}; "
+                    "config.json and the weights do not match"
+                )
+        if len(present) == 1:
+            gone = next(n for n in fused if n not in present)
+            raise CheckpointError(f"{ckpt.dir}: missing tensor {gone!r} (layer {layer} has {present[0]!r}); the checkpoint is incomplete")
     specs = all_specs(cfg)
     for name, shape in specs.items():
         if name in quantized:
@@ -130,6 +151,7 @@ def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: set[str] 
 
 def _check_all_used(ckpt: Checkpoint, cfg: ModelConfig, used: set[str]) -> None:
     """A tensor config.json does not account for means config.json describes another model."""
+    used = used | {ckpt.source(n) for n in used}  # a fused expert tensor is used through its slices
     unused = sorted(n for n in ckpt.names() if n not in used and not n.endswith(_IGNORED_SUFFIX))
     if not unused:
         return

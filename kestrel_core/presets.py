@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -61,6 +62,7 @@ PRESETS: dict[str, dict] = {
 }
 
 DTYPES = {name: BY_NAME[name].torch for name in WEIGHT_NAMES}
+META_ROUTER_SKEW = "kestrel.router_skew"  # safetensors metadata of a checkpoint written with --router-skew
 
 
 def preset_config(name: str, dtype: str = "bfloat16", layers: int | None = None) -> ModelConfig:
@@ -90,6 +92,76 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Genera
     return torch.randn(shape, generator=gen, device=device) * (1.5 / fan_in**0.5)
 
 
+# --- --router-skew: expert popularity that follows Zipf -----------------------------------
+
+# The noise of a random router's logits (std 1.5 on a normalized hidden state, from _init's 1.5/sqrt(fan_in))
+# in units of a Gumbel scale: with Gumbel noise of scale b, a logit bias of -S*b*log(r+1) makes the
+# router's first choice Zipf(S) (Gaussian noise of the same std is close).
+_ROUTER_GUMBEL = 1.5 * math.sqrt(6) / math.pi
+
+
+def _residual_rms(layer: int) -> float:
+    """About the RMS of the residual stream of a random kestrel model before layer ``layer``'s MLP
+    (measured on tiny, tiny-moe and demo: each block adds about the same variance, inputs being normalized)."""
+    return math.sqrt(1.4 + 6.0 * layer)
+
+
+def router_ranks(seed: int, layer: int, num_experts: int) -> list[int]:
+    """Each expert's popularity rank (0: the most routed to) in sparse layer ``layer`` of a skewed router."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"router-skew.{layer}".encode())) % 2**64)
+    order = torch.randperm(num_experts, generator=gen).tolist()  # order[r]: the expert at rank r
+    ranks = [0] * num_experts
+    for r, e in enumerate(order):
+        ranks[e] = r
+    return ranks
+
+
+def skew_channel(seed: int, hidden: int) -> int:
+    """The residual channel a skewed router reads its bias from."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(b"router-skew.channel")) % 2**64)
+    return int(torch.randint(hidden, (1,), generator=gen))
+
+
+def check_router_skew(cfg: ModelConfig, skew) -> float:
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not math.isfinite(skew) or skew < 0:
+        raise ConfigError(f"--router-skew must be a number >= 0 (0: the plain random router), got {skew!r}")
+    if skew and not any(cfg.moe_layer(layer) for layer in range(cfg.num_hidden_layers)):
+        what = "has no sparse layer" if cfg.is_moe else f"is dense ({cfg.model_type})"
+        raise ConfigError(f"--router-skew needs a Mixture-of-Experts model but this one {what}: "
+                          "drop --router-skew or pick a MoE preset such as tiny-moe")
+    return float(skew)
+
+
+def _apply_router_skew(name: str, t: torch.Tensor, cfg: ModelConfig, seed: int, skew: float) -> torch.Tensor:
+    """Bend one freshly drawn float32 tensor so that routers prefer experts by a Zipf(skew) law.
+
+    One residual channel ``d`` holds a constant: every embedding row has ``c`` there and no block
+    writes it (row d of each o_proj, dense down_proj and expert down_proj is zero), so at every
+    layer and token h[d] = c and the post-attention RMSNorm gives x[d] = c / rms(h) > 0 (its weight
+    at d is 1). Column d of a sparse layer's router holds each expert's bias: x[d] and the router's
+    noise both scale with 1 / rms(h), so bias / noise depends only on the RMS of the other channels,
+    which ``_residual_rms`` estimates per layer; the bias is -skew * log(rank + 1) Gumbel scales there.
+    The rest of the model is unchanged; with tied embeddings the constant shifts every output logit
+    alike. Measured (tiny-moe, and a 24-layer variant): routing shares by rank close to Zipf(skew)'s.
+    """
+    h = cfg.hidden_size
+    d = skew_channel(seed, h)
+    c = 4.0 / math.sqrt(h)  # about two embedding stds: a channel as small as the others at layer 0
+    parts = name.split(".")
+    if name == "model.embed_tokens.weight":
+        t[:, d] = c
+    elif name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+        t[d, :] = 0.0
+    elif parts[:2] == ["model", "layers"] and cfg.moe_layer(layer := int(parts[2])):
+        if name.endswith("post_attention_layernorm.weight"):
+            t[d] = 1.0
+        elif name.endswith("mlp.gate.weight"):
+            ranks = torch.tensor(router_ranks(seed, layer, cfg.num_experts), dtype=torch.float64)
+            scale = _ROUTER_GUMBEL * _residual_rms(layer) / c
+            t[:, d] = (-skew * scale * torch.log1p(ranks)).to(t.device, t.dtype)
+    return t
+
+
 def shard_plan(cfg: ModelConfig, shard_mb: int) -> list[list[str]]:
     """Tensor names of each file, in order: one file, or shards of at most ``shard_mb`` MiB (0: one file)."""
     if not isinstance(shard_mb, int) or isinstance(shard_mb, bool) or shard_mb < 0:
@@ -117,15 +189,22 @@ def write_checkpoint(
     progress: Callable[[str], None] | None = None,
     force: bool = False,
     flag: str = "--out",
+    router_skew: float = 0.0,
 ) -> Path:
     """Write config.json, *.safetensors (sharded above ``shard_mb``) and a byte-level tokenizer.json.
 
     The directory appears whole or not at all (``outdir.model_output``); a non-empty ``out`` is
-    refused unless ``force``.
+    refused unless ``force``. ``router_skew`` S > 0 (a MoE model only) draws routers whose first
+    choice follows about Zipf(S) over a seeded per-layer ranking of the experts (``router_ranks``;
+    see ``_apply_router_skew``); the safetensors metadata records it as ``kestrel.router_skew``.
     """
     out = Path(out)
     if not 0 <= seed < 2**64:
         raise ConfigError(f"--seed must be in 0..2**64-1, got {seed}")
+    router_skew = check_router_skew(cfg, router_skew)
+    metadata = {"format": "pt"}
+    if router_skew:
+        metadata[META_ROUTER_SKEW] = repr(router_skew)
     dev = compute_device(device)
     plan = shard_plan(cfg, shard_mb)
     dtype = DTYPES[cfg.torch_dtype]
@@ -139,9 +218,12 @@ def write_checkpoint(
             tensors = {}
             for name in names:
                 gen = torch.Generator(device=dev).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
-                tensors[name] = _init(name, specs[name], cfg, gen, dev).to(dtype).cpu().contiguous()
+                t = _init(name, specs[name], cfg, gen, dev)
+                if router_skew:
+                    t = _apply_router_skew(name, t, cfg, seed, router_skew)
+                tensors[name] = t.to(dtype).cpu().contiguous()
                 done += tensors[name].numel() * tensors[name].element_size()
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            save_file(tensors, str(tmp / fname), metadata=metadata)
             if progress:
                 progress(f"make-model: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB")
         if len(plan) > 1:

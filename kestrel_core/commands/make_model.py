@@ -16,6 +16,9 @@ def add_arguments(p):
     p.add_argument("--dtype", default="bfloat16", help=f"one of: {', '.join(DTYPES)}")
     p.add_argument("--layers", type=int, help="keep only the first N layers (per-layer shapes unchanged), e.g. to fit a disk")
     p.add_argument("--shard-mb", type=int, default=4096, help="split into shards of at most this many MiB (0: one file)")
+    p.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                   help="MoE presets: routers whose expert popularity follows about Zipf(S) (0: plain random routers, "
+                        "which route almost uniformly)")
     p.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is much faster for big presets)")
     p.add_argument("--json", action="store_true")
 
@@ -23,12 +26,13 @@ def add_arguments(p):
 def run(args) -> int:
     cfg = preset_config(args.preset, args.dtype, args.layers)
     out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device,
-                           progress=progress_printer(args.json), force=args.force)
+                           progress=progress_printer(args.json), force=args.force, router_skew=args.router_skew)
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files if f.endswith(".safetensors"))
     if args.json:
-        emit_json({"out": str(out), "preset": args.preset, "bytes": size, "files": files})
+        emit_json({"out": str(out), "preset": args.preset, "bytes": size, "files": files, "router_skew": args.router_skew})
     else:
         cut = f" of {PRESETS[args.preset]['num_hidden_layers']}" if args.layers else ""
-        print(f"wrote {args.preset} ({cfg.num_hidden_layers}{cut} layers, {size / 2**20:,.1f} MiB) to {out}")
+        skew = f", router skew {args.router_skew:g}" if args.router_skew else ""
+        print(f"wrote {args.preset} ({cfg.num_hidden_layers}{cut} layers, {size / 2**20:,.1f} MiB{skew}) to {out}")
     return 0
