@@ -64,15 +64,17 @@ class DecisionPoint:
         self.cfg, self.linear = run.model.config, run.backend.linear
 
     def __call__(self, chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict]:
+        """``used``: one token's experts in slot order (``sparse_mlp`` reads its weights by slot), else the distinct ones."""
         window, n = self.window, self.cfg.num_experts
+        ids = chosen[0] if chosen.shape[0] == 1 else torch.unique(chosen)  # one token's k experts are distinct
         router = window.guess_router(self.layer) if self.phase == "decode" else None
         if router is None:
-            used = torch.unique(chosen).tolist()
-            return used, window.route(self.layer, used, self.phase)
+            used = ids.tolist()
+            return used, window.route(self.layer, sorted(used), self.phase)
         guess = route(x, router, self.cfg, self.linear)[1]
-        both = torch.cat((torch.unique(chosen), torch.unique(guess) + n)).tolist()
+        both = torch.cat((ids, torch.unique(guess) + n)).tolist()
         used = [e for e in both if e < n]
-        return used, window.route(self.layer, used, self.phase, guess=[e - n for e in both if e >= n])
+        return used, window.route(self.layer, sorted(used), self.phase, guess=[e - n for e in both if e >= n])
 
 
 def experts_of(run: "Run", layer: int, phase: str) -> DecisionPoint | None:

@@ -321,12 +321,14 @@ def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ex
 
     ``expert_weights(e)`` gives expert e's weights: each routed expert is asked for once,
     whatever the number of tokens routed to it (a prefill uploads an expert at most once).
-    ``used``, where the caller has it already, is ``torch.unique(experts).tolist()``.
+    ``used``, where the caller has it already: ``experts[0].tolist()`` for one token (its k
+    experts in slot order), else ``torch.unique(experts).tolist()``.
     """
     out = torch.zeros_like(x)
-    if x.shape[0] == 1:  # one token routed to every used expert: no index lookup, so no host sync
-        for e in used if used is not None else experts[0].tolist():
-            out += expert_mlp(x, expert_weights(e), linear) * (weights * (experts == e)).sum(-1, keepdim=True)
+    if x.shape[0] == 1:  # one token: each expert's weight is a view by slot, so there is no index lookup or host sync
+        slots = used if used is not None else experts[0].tolist()
+        for slot, e in sorted(enumerate(slots), key=lambda se: se[1]):  # in expert order, as the grouped path sums
+            out += expert_mlp(x, expert_weights(e), linear) * weights[:, slot, None]
         return out
     for e in used if used is not None else torch.unique(experts).tolist():
         tokens, slot = torch.nonzero(experts == e, as_tuple=True)

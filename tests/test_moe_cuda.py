@@ -101,3 +101,32 @@ def test_a_budget_too_small_for_the_experts_names_the_expert_policy(tmp_path):
         with model.open(backend="cuda", keep="off", budget_mb=16, expert_policy="expert_lru", expert_budget_mb=4) as run:
             r = run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
         assert r.counters["peak_resident_bytes"] <= 16 * 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_q8(tiny_moe, tmp_path_factory):
+    from kestrel_core.quant import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("moe-cuda-q8") / "tiny-moe-q8"
+    quantize_checkpoint(tiny_moe, out, 32)
+    return out
+
+
+def test_q8_experts_run_under_the_expert_cache(tiny_moe_q8):
+    ref = generate(tiny_moe_q8, keep="off")
+    with load(tiny_moe_q8) as model, model.open(backend="cuda", keep="off") as run:
+        units = run.backend.units
+        assert {e.geometry.layout[0] for e in units[(1, 0)].entries} == {"q8"}  # gate_up and down stream as q8
+        assert [e.name for e in units[(1,)].entries] == ["qkv", "o", "router"]
+        assert units[(1,)].entries[2].geometry.layout == ()  # the router stays in float
+        expert = units[(1, 0)].nbytes
+    assert expert < EXPERT_BF16  # fewer bytes streamed an expert than bfloat16's
+    for policy, n, prefetch in (("expert_lru", 3, False), ("expert_lfu", 5, True)):
+        got = generate(tiny_moe_q8, keep="off", expert_policy=policy, expert_budget_mb=n * expert / 2**20,
+                       expert_prefetch=prefetch)
+        assert got.token_ids == ref.token_ids, (policy, n, prefetch)
+        assert sum(p["expert_misses"] for p in got.per_token) > 0
+    cpu = generate(tiny_moe_q8, backend="cpu_ref", tokens=1, keep_logits=True)
+    gpu = generate(tiny_moe_q8, dtype="float32", tokens=1, keep_logits=True)
+    a, b = gpu.logits[0].double(), cpu.logits[0].double()
+    assert float((a - b).norm() / b.norm()) < 1e-3  # one q8 weight set, dequantized alike (float32 on both)

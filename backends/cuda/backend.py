@@ -1,10 +1,12 @@
 """The CUDA backend: a bounded device weight cache fed from pinned host staging.
 
-Entries per layer are the layout the device computes from: fused QKV, o, fused
-gate-up, down. Each layer's host copy is pinned once at load, so an upload is one
-DMA per entry (no memset, transpose or sync). With ``prefetch = d``, layers
-``l+1..l+d`` upload on a side stream while ``l`` computes; events order the two
-streams, and a released buffer is refilled only after its last reader is done.
+A unit's entries are the layout the device computes from (``layout.fusion``): a dense
+layer is fused QKV, o, fused gate-up, down; a sparse layer's own unit QKV, o, router; an
+expert fused gate-up, down. Each unit's host copy is pinned once at load, so an upload is
+one DMA per entry (no memset, transpose or sync). With ``prefetch = d``, layers
+``l+1..l+d`` upload on a side stream while ``l`` computes (as do the guessed experts of
+speculative expert prefetch); a unit needed at once uploads on the compute stream. Events
+order the two streams, and a released buffer is refilled only after its last reader is done.
 A decode step whose plan repeats is captured as one CUDA graph (``capture``) and
 replayed (``replay``): uploads, prefetch, events, every layer and the argmax.
 """
@@ -63,6 +65,7 @@ class CudaBackend(Backend):
         self._said_unpinned = False
         self._ready: dict[tuple, torch.cuda.Event] = {}  # unit key -> its upload's event
         self._last_read: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> compute event at release
+        self._last_write: dict[int, torch.cuda.Event] = {}  # buffer data_ptr -> upload event of a prefetch evicted unused
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         if self.quant:
@@ -203,33 +206,46 @@ class CudaBackend(Backend):
         del buffer  # raw: cudaFree runs as the last view dies; pool fallback: back to torch's cache
 
     def fill(self, buffer, source):
-        host = self._host[source]
-        if self.copy_stream is None:  # in stream order with the compute
-            buffer.copy_(host, non_blocking=True)
-            return
-        waits = self._last_read.pop(buffer.data_ptr(), None)
-        if waits is not None:
-            self.copy_stream.wait_event(waits)
-        with torch.cuda.stream(self.copy_stream):
-            buffer.copy_(host, non_blocking=True)
+        """A copy from pinned staging on the current stream (in order with the compute)."""
+        buffer.copy_(self._host[source], non_blocking=True)
 
     def fill_unit(self, fetch):
+        """A prefetch (``fetch.ahead``) uploads on the side stream; a unit needed now uploads on the compute stream,
+        so it does not queue behind the side stream's prefetch."""
         try:
-            super().fill_unit(fetch)
+            if self.copy_stream is not None and fetch.ahead:
+                for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+                    ptr = buffer.data_ptr()
+                    waits = self._last_read.pop(ptr, None)  # its last reader, on the compute stream
+                    if waits is not None:
+                        self.copy_stream.wait_event(waits)
+                    self._last_write.pop(ptr, None)  # an earlier side-stream write is in this stream's order
+                    with torch.cuda.stream(self.copy_stream):
+                        self.fill(buffer, entry.source)
+                ev = torch.cuda.Event()
+                ev.record(self.copy_stream)
+                self._ready[fetch.unit.key] = ev
+                return
+            current = torch.cuda.current_stream(self.device)
+            for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+                ptr = buffer.data_ptr()
+                self._last_read.pop(ptr, None)  # its readers are earlier on this stream
+                pending = self._last_write.pop(ptr, None)  # a prefetch evicted unused may still be writing it
+                if pending is not None:
+                    current.wait_event(pending)
+                self.fill(buffer, entry.source)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(f"uploading unit {fetch.unit.key}") from None
-        if self.copy_stream is not None:
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-            self._ready[fetch.unit.key] = ev
 
     def retire(self, resident):
         if self.copy_stream is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))  # the last reader of these buffers is queued before this point
+            pending = self._ready.pop(resident.unit.key, None)  # evicted before any use: its upload may still run
             for buf in resident.buffers:
                 self._last_read[buf.data_ptr()] = ev
-            self._ready.pop(resident.unit.key, None)
+                if pending is not None:
+                    self._last_write[buf.data_ptr()] = pending
 
     def before_use(self, key):
         ev = self._ready.pop(key, None)
@@ -284,6 +300,7 @@ class CudaBackend(Backend):
     def _forget_events(self):
         self._ready.clear()
         self._last_read.clear()
+        self._last_write.clear()
 
     def load_resident(self, host):
         return host.to(device=self.device, dtype=self.dtype)
