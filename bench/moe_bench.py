@@ -1,7 +1,7 @@
 """Mixture-of-Experts benchmark on a GPU: kestrel's expert cache against everything resident, whole-layer
 streaming and peers, on the Qwen3-30B-A3B shape.
 
-    python bench/moe_bench.py --models /tmp/models --layers 10 [--tokens 40] [--skew 1.2] [--q8-group 64]
+    python bench/moe_bench.py --models /tmp/models --layers 8 [--tokens 33] [--skew 1.2] [--q8-group 64]
                               [--skip-peers] [--out DIR]
 
 ``--layers`` cuts the depth (the device's disk holds about one full model); every layer keeps the
@@ -140,7 +140,7 @@ def section(path: Path, router: str, scale: float, args) -> dict:
         rows = [off] + cache_rows(model, router, scale, args.tokens, args.warmup)
         if router == "uniform":
             rows.append(kestrel_row(model, "uniform whole-layer asymmetric keep=1 pf=1", args.slow_tokens, 1,
-                                    residency__keep=1, residency__expert_fetch="layer",
+                                    residency__keep=1, residency__expert_fetch="layer", residency__pool_slots=4096,
                                     backend__prefetch=int(BACKEND == "cuda")))
     for row in rows:  # a slow row generates fewer tokens: its ids against off's first ones
         row["ids_match_off"] = row["token_ids"] == off["token_ids"][: len(row["token_ids"])]
@@ -186,7 +186,9 @@ def peer_section(path: Path, args) -> dict:
         import airllm_peer
 
         scratch = Path(args.models) / "airllm-scratch"
-        out["airllm"] = airllm_peer.airllm_row(str(path), PROMPT, args.slow_tokens, str(scratch))
+        # AirLLM 4.0.0's own split keeps per-expert names, which transformers 5 cannot load into its fused experts
+        # module: fuse_experts rewrites the scratch split (never the checkpoint) into the fused layout first.
+        out["airllm"] = airllm_peer.airllm_row(str(path), PROMPT, args.slow_tokens, str(scratch), fuse_experts=True)
         shutil.rmtree(scratch, ignore_errors=True)
         log(f"airllm: {out['airllm'].get('ms_per_token')} {out['airllm'].get('error', '')}")
     except Exception as exc:
@@ -247,8 +249,8 @@ def main() -> int:
     global PRESET, BACKEND
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", required=True, help="where checkpoints are written (and found on a rerun)")
-    ap.add_argument("--layers", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=40, help="new tokens of each kestrel row")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=33, help="new tokens of each kestrel row")
     ap.add_argument("--warmup", type=int, default=8, help="decode steps left out of the steady-state figures")
     ap.add_argument("--slow-tokens", type=int, default=18, help="new tokens of the slow rows (whole layers, peers)")
     ap.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
@@ -284,9 +286,6 @@ def main() -> int:
     record["model_bytes"] = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     record["uniform"] = section(path, "uniform", scale, args)
     save("uniform")
-    if args.q8_group:
-        record["q8"] = q8_section(path, scale, args)
-        save("q8")
     if not args.skip_peers:
         record["peers"] = peer_section(path, args)
         save("peers")
@@ -294,6 +293,9 @@ def main() -> int:
         skewed = ensure_model(root, args.layers, args.skew)
         record["skewed"] = section(skewed, "skewed", scale, args)
         save("skewed")
+    if args.q8_group:
+        record["q8"] = q8_section(path, scale, args)
+        save("q8")
     record["targets"] = targets(record, cfg)
     log(f"targets: {record['targets']}")
     paths = save("done")
