@@ -209,6 +209,21 @@ class CudaBackend(Backend):
         """A copy from pinned staging on the current stream (in order with the compute)."""
         buffer.copy_(self._host[source], non_blocking=True)
 
+    def execute(self, plan):
+        """Evictions, then fetches in order; a prefetch after a demand upload in the same plan starts once that upload
+        is done, so the two do not share the link while the compute waits for the first."""
+        for resident in plan.evict:
+            self.retire(resident)
+        demand = False
+        for fetch in plan.fetch:
+            if fetch.ahead and demand and self.copy_stream is not None:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self.copy_stream.wait_event(ev)
+                demand = False
+            self.fill_unit(fetch)
+            demand = demand or not fetch.ahead
+
     def fill_unit(self, fetch):
         """A prefetch (``fetch.ahead``) uploads on the side stream; a unit needed now uploads on the compute stream,
         so it does not queue behind the side stream's prefetch."""
