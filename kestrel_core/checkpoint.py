@@ -25,6 +25,7 @@ from .errors import CheckpointError
 from .modelconfig import is_int, read_json, shown
 
 PAGE = mmap.PAGESIZE
+FAULT_GRANULE = 2 * 2**20  # the most one read fault maps of a file: a PMD-sized page-cache folio
 # Largest header the reference implementation accepts (100 MB); bigger means a lying length.
 MAX_HEADER = 100_000_000
 INDEX = "model.safetensors.index.json"
@@ -194,9 +195,10 @@ class SafetensorsFile:
 
     def drop_pages(self, spans: list[tuple[int, int]]) -> None:
         """madvise(MADV_DONTNEED) on whole pages inside each span; the next touch reads them back."""
+        size = len(self._mm)
         for lo, hi in spans:
             start = -(-lo // PAGE) * PAGE
-            stop = (hi // PAGE) * PAGE
+            stop = size if hi >= size else (hi // PAGE) * PAGE  # the file's last page may be partial
             if stop > start:
                 self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
@@ -214,6 +216,22 @@ def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], max(out[-1][1], hi))
         else:
             out.append((lo, hi))
+    return out
+
+
+def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` less ``holes`` (both merged and sorted)."""
+    out = []
+    for lo, hi in spans:
+        at = lo
+        for a, b in holes:
+            if b <= at or a >= hi:
+                continue
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < hi:
+            out.append((at, hi))
     return out
 
 
@@ -363,6 +381,29 @@ class Checkpoint:
             by_file.setdefault(self.file_of(n), []).append((info.start, info.end))
         for f, spans in by_file.items():
             f.drop_pages(merge_spans(spans))
+
+    def drop_around(self, names: list[str], keep: set[str], granule: int = FAULT_GRANULE) -> None:
+        """Drop the pages of the ``granule``-aligned stretches around ``names``, except those of the ``keep`` tensors.
+
+        One read fault may map a whole large folio of page cache (up to 2 MiB), so touching a tensor
+        can map its neighbours' pages too; this takes those out again while the tensors in ``keep``
+        (the resident ones) stay mapped.
+        """
+        by_file: dict[SafetensorsFile, list[tuple[int, int]]] = {}
+        for n in names:
+            info = self.info(n)
+            lo, hi = (info.start // granule) * granule, -(-info.end // granule) * granule
+            by_file.setdefault(self.file_of(n), []).append((lo, hi))
+        for f, windows in by_file.items():
+            windows = merge_spans(windows)
+            kept = []
+            for n in keep:
+                if self.file_of(n) is not f:
+                    continue
+                info = self.info(n)
+                if any(info.start < hi and info.end > lo for lo, hi in windows):
+                    kept.append((info.start, info.end))
+            f.drop_pages(_subtract(windows, merge_spans(kept)))
 
     def mapping_rss(self) -> int:
         """Resident bytes of this checkpoint's mappings, read from /proc/self/smaps."""

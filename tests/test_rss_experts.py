@@ -16,17 +16,12 @@ touching one page of a fresh file. So a fill maps up to a granule of its neighbo
 
 - the bound: RSS <= resident + 2 granules per resident run, and far below the no-policy run's RSS,
   where every expert is preloaded and stays (its layer never goes).
-- the tight bound, RSS <= resident (the design's "MADV_DONTNEED takes them out again"), fails where a
-  fault maps more than a page: cpu_ref's retire drops the evicted unit's own pages only, so pages a
-  neighbour's fill faulted in stay mapped until that expert is itself fetched and evicted. It is an
-  expected failure there (strict where the granule is a large folio), until cpu_ref also drops the
-  non-resident pages of the granules around each plan's units.
+- the tight bound, RSS <= resident (the design's "MADV_DONTNEED takes them out again"): cpu_ref drops
+  the non-resident pages of the 2 MiB stretches around each unit it fills or retires
+  (Checkpoint.drop_around), so pages a neighbour's fill faulted in do not stay mapped.
 
-Observed here (Linux 6.18, ext4, granule 2 MiB): peak 25.4 MiB at the first decode step (7 experts
-resident: the prefill's overshoot of the budget, trimmed there) against a bound of 52.6 MiB there; at
-most 1.2 MiB above the resident runs (4% of that sample's slack); 147.6 MiB with no expert policy.
-With cpu_ref dropping the non-resident pages of the 2 MiB granules around each plan's units (tried
-outside the tree, not committed) nothing is mapped beyond the resident runs and the tight test passes.
+Observed here (Linux 6.18, ext4, granule 2 MiB) before cpu_ref dropped the stretches: at most
+1.2 MiB above the resident runs; 147.6 MiB with no expert policy. With them: nothing above.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ pytestmark = [
 ]
 
 MiB = 2**20
-FAULT_AROUND = 64 * 1024  # the kernel's default fault_around_bytes
 PROMPT = [5, 17, 42, 99, 3]
 TOKENS = 24
 BUDGET_EXPERTS = 4
@@ -201,12 +195,8 @@ def test_expert_budget_bounds_the_mapping_rss(moe_dir, register_plugin, budgeted
     assert max(s["resident"] + s["runs"] * 2 * granule for s in samples) < everything / 2  # the bound is no cover
 
 
-def test_evicted_experts_leave_no_pages_behind(budgeted, granule, request):
+def test_evicted_experts_leave_no_pages_behind(budgeted):
     """The tight bound: nothing mapped beyond the resident runs (their partial pages are in ``resident``)."""
-    request.applymarker(pytest.mark.xfail(
-        granule > PAGE, strict=granule > FAULT_AROUND,
-        reason=f"a fault maps {granule // 1024} KiB here; cpu_ref's retire drops the evicted unit's own pages only, so "
-               "pages a fill faulted in beside it stay mapped until that neighbour is itself fetched and evicted"))
     samples, _, _ = budgeted
     worst = max(samples, key=lambda s: s["rss"] - s["resident"])
     print(f"\nmost mapped beyond the resident runs: {(worst['rss'] - worst['resident']) / MiB:.2f} MiB at {worst}")

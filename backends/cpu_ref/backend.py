@@ -33,6 +33,7 @@ class CpuRefBackend(Backend):
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()
+        self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self.load_globals()
 
     def layout(self, spec):
@@ -57,6 +58,7 @@ class CpuRefBackend(Backend):
     def _resident(self, name):
         q8 = self._q8.get(name)  # a q8 lm_head: dequantized once, resident for the run
         if q8 is None:
+            self._live.add(name)
             return super()._resident(name)
         t = self._dequantize(torch.empty((q8.n, q8.k), dtype=self.dtype), q8)
         self.counters.add_resident(t.numel() * t.element_size())
@@ -73,12 +75,26 @@ class CpuRefBackend(Backend):
     def load_resident(self, host):
         return host.to(self.dtype, copy=True)
 
+    def fill_unit(self, fetch):
+        super().fill_unit(fetch)
+        names = _names(fetch.unit)
+        self._live.update(names)
+        self.ckpt.drop_around(names, self._live)  # a fault maps a whole folio: not the neighbours' pages too
+
     def retire(self, resident):
-        names = []
-        for entry in resident.unit.entries:
-            source = entry.source
-            names += [source.qweight, source.scales] if isinstance(source, quant.Q8Tensor) else [source]
-        self.ckpt.drop_pages(names)
+        names = _names(resident.unit)
+        self._live.difference_update(names)
+        self.ckpt.drop_around(names, self._live)  # its pages, and any of its neighbours' that a fill mapped
+
 
     def memory_stats(self):
         return {"mapping_rss_bytes": self.ckpt.mapping_rss()}
+
+
+def _names(unit) -> list[str]:
+    """The checkpoint tensors behind a unit's entries."""
+    names = []
+    for entry in unit.entries:
+        source = entry.source
+        names += [source.qweight, source.scales] if isinstance(source, quant.Q8Tensor) else [source]
+    return names
