@@ -201,8 +201,33 @@ def _moe_fields(raw: dict, where: str, n_layers: int) -> dict:
     )
 
 
+def _newer_spellings(raw: dict, where: str) -> dict:
+    """config.json as transformers 5 may write it, in the older spelling this parser reads: ``rope_parameters``
+    (rope_theta and any scaling) for ``rope_theta`` / ``rope_scaling``, ``num_local_experts`` for ``num_experts``.
+    Where both spellings are present they must agree."""
+    out = dict(raw)
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: rope_parameters must be an object, got {shown(params)}; fix config.json")
+        if "rope_theta" in params:
+            if "rope_theta" in raw and raw["rope_theta"] != params["rope_theta"]:
+                raise ConfigError(f"{where}: rope_theta {shown(raw['rope_theta'])} and rope_parameters.rope_theta "
+                                  f"{shown(params['rope_theta'])} disagree; keep one")
+            out["rope_theta"] = params["rope_theta"]
+        if _rope_type(params) not in (None, "default") and raw.get("rope_scaling") is None:
+            out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    if "num_local_experts" in raw:
+        if "num_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
+            raise ConfigError(f"{where}: num_experts {shown(raw['num_experts'])} and num_local_experts "
+                              f"{shown(raw['num_local_experts'])} disagree; keep one")
+        out["num_experts"] = raw["num_local_experts"]
+    return out
+
+
 def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Validate a config.json dict; a missing or wrong field is an error naming it."""
+    raw = _newer_spellings(raw, where) if isinstance(raw, dict) else raw
     model_type = raw.get("model_type")
     if not (isinstance(model_type, str) and model_type in ARCHITECTURES):
         raise ConfigError(

@@ -86,3 +86,36 @@ def test_generate_on_a_moe_config_without_weights_is_one_line(moe_dir, capsys):
     assert main(["generate", "--model", str(moe_dir), "--prompt-ids", "1,2,3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kestrel: error: ") and err.count("\n") == 1 and "safetensors" in err, err
+
+
+def _transformers5_spelling(raw: dict) -> dict:
+    """The same config as transformers 5 writes it: rope_parameters and num_local_experts."""
+    out = {k: v for k, v in raw.items() if k not in ("rope_theta", "num_experts")}
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
+    out["num_local_experts"] = raw["num_experts"]
+    return out
+
+
+def test_transformers5_spelling_reads_as_the_published_one():
+    assert parse_model_config(_transformers5_spelling(QWEN3_30B_A3B)) == parse_model_config(QWEN3_30B_A3B)
+
+
+def test_rope_parameters_carry_llama3_scaling():
+    from kestrel_core.presets import PRESETS
+
+    raw = dict(PRESETS["tiny-llama"], torch_dtype="float32")
+    newer = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}
+    newer["rope_parameters"] = {"rope_theta": raw["rope_theta"], **raw["rope_scaling"]}
+    a, b = parse_model_config(newer), parse_model_config(raw)
+    assert a.rope_theta == b.rope_theta == 500000.0
+    assert a.inv_freq().tolist() == b.inv_freq().tolist()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"rope_parameters": {"rope_theta": 10000.0}}, "rope_theta 1000000.0 and rope_parameters.rope_theta 10000.0 disagree"),
+    ({"num_local_experts": 64}, "num_experts 128 and num_local_experts 64 disagree"),
+    ({"rope_parameters": "big"}, "rope_parameters must be an object"),
+])
+def test_two_spellings_that_disagree_are_refused(extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_model_config({**QWEN3_30B_A3B, **extra})
