@@ -1,0 +1,174 @@
+"""The host tier: how many host bytes a run may pin for its weights, and the bounded ring of pinned slots.
+
+A backend that uploads from pinned host memory either pins every streamed unit once at load
+(``mode == "all"``: an upload is then one DMA per entry) or, where that does not fit the host
+budget, stages each unit into one of a few pinned ring slots just before its upload
+(``mode == "ring"``). A slot is filled from the safetensors mapping: the roles an entry fuses
+(q, k, v; gate, up) are stacked and converted to the compute dtype while they are copied, on
+several threads. A slot is refilled only once the upload that read it is done.
+
+``KESTREL_HOST_MB`` beats the config's ``host_budget_mb``, which beats the default: everything
+pinned where it fits in half of the available RAM, else a ring in that half.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
+
+import attrs
+import torch
+
+from .errors import BudgetError, ConfigError
+
+HOST_ENV = "KESTREL_HOST_MB"
+ALIGN = 4096  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
+
+
+@attrs.frozen
+class HostBudget:
+    bytes: int
+    source: str  # where it came from: KESTREL_HOST_MB, config, or the default
+    mode: str  # "all": every streamed unit pinned once; "ring": a bounded ring of pinned slots
+
+
+def resolve_host_budget(config_mb: int, available_bytes: int, staged_bytes: int) -> HostBudget:
+    """The run's host budget, and whether every unit's staging (``staged_bytes``) fits in it."""
+    env = os.environ.get(HOST_ENV)
+    if env:
+        try:
+            mb = int(env)
+        except ValueError:
+            raise ConfigError(f"{HOST_ENV}={env!r} must be a whole number of MiB") from None
+        if mb <= 0:
+            raise ConfigError(f"{HOST_ENV}={mb} must be positive")
+        budget, source = mb * 2**20, HOST_ENV
+    elif config_mb < 0:
+        raise ConfigError(f"host_budget_mb must be >= 0 (0 means the default), got {config_mb}")
+    elif config_mb:
+        budget, source = config_mb * 2**20, "config"
+    else:
+        budget, source = available_bytes // 2, "default (half of the available host memory)"
+    return HostBudget(budget, source, "all" if staged_bytes <= budget else "ring")
+
+
+def ring_slots(budget: HostBudget, slot_bytes: int, depth: int) -> int:
+    """Slots the budget holds; refused below one unit being uploaded plus ``depth`` staged ahead."""
+    need = (1 + depth) * slot_bytes
+    if budget.bytes < need:
+        mib = 2**20
+        raise BudgetError(
+            f"host budget {budget.bytes // mib} MiB ({budget.source}) is below one streamed unit plus the prefetch "
+            f"depth: need at least {-(-need // mib)} MiB ({1 + depth} slots of {slot_bytes / mib:.1f} MiB); "
+            f"raise --host-budget-mb or {HOST_ENV}, or lower prefetch"
+        )
+    return budget.bytes // slot_bytes
+
+
+@attrs.frozen
+class SlotEntry:
+    """One entry of a unit as a slot holds it: ``parts`` (checkpoint tensor names) stacked along dim 0."""
+
+    name: str
+    shape: tuple[int, int]
+    parts: tuple[str, ...]
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def slot_bytes(units: Iterable[Sequence[SlotEntry]], dtype: torch.dtype) -> int:
+    """The slot size: the largest unit's entries, each starting on a page."""
+    return max(sum(_aligned(e.nbytes(dtype)) for e in entries) for entries in units)
+
+
+def _aligned_bytes(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page (a pinned block is; the CPU allocator's may not be)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+class Slot:
+    """One pinned buffer of the ring; ``done`` is what its last reader left (an event, or None: free now)."""
+
+    def __init__(self, raw: torch.Tensor, index: int):
+        self.raw, self.index = raw, index
+        self.done: Any = None
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+
+
+class PinnedRing:
+    """``n`` slots of ``nbytes`` each, pinned where a GPU is there to pin for, handed out in turn.
+
+    ``acquire`` returns the oldest slot once its last upload is done; ``fill`` copies a unit into it
+    from the checkpoint mapping (fused and converted on the way) and returns each entry's view.
+    """
+
+    def __init__(self, n: int, nbytes: int, dtype: torch.dtype, threads: int = 4, pin: bool | None = None):
+        if n < 1:
+            raise ConfigError(f"a ring needs at least one slot, got {n}")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.dtype, self.nbytes = dtype, nbytes
+        self._slots = deque(Slot(_aligned_bytes(nbytes, pin), i) for i in range(n))
+        # Asked for; torch's caching host allocator may round a pinned block up (to a power of two), which the
+        # cuda backend's use of the ring has to account for (or pin by registering pageable memory instead).
+        self.pinned_bytes = n * (nbytes + ALIGN) if pin else 0
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
+        self.bytes_staged = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def acquire(self) -> Slot:
+        slot = self._slots.popleft()
+        self._slots.append(slot)  # handed out in turn: the next acquire gets the oldest
+        slot.wait()
+        return slot
+
+    def fill(self, slot: Slot, entries: Sequence[SlotEntry], view) -> dict[str, torch.Tensor]:
+        """Stack and convert each entry's parts (``view(name)``: the mapped tensor) into the slot."""
+        out, copies, at = {}, [], 0
+        for entry in entries:
+            n = entry.nbytes(self.dtype)
+            if at + n > self.nbytes:
+                raise ConfigError(f"entry {entry.name} does not fit the ring's slot of {self.nbytes} bytes")
+            dst = slot.raw[at : at + n].view(self.dtype).view(entry.shape)
+            row = 0
+            for name in entry.parts:
+                src = view(name)
+                copies.append((dst[row : row + src.shape[0]], src))
+                row += src.shape[0]
+            if row != entry.shape[0]:
+                raise ConfigError(f"entry {entry.name}: its parts have {row} rows, the entry {entry.shape[0]}")
+            out[entry.name] = dst
+            at = _aligned(at + n)
+        if self._pool is None:
+            for dst, src in copies:
+                dst.copy_(src)
+        else:  # torch's copy releases the GIL: the parts copy side by side
+            for f in [self._pool.submit(dst.copy_, src) for dst, src in copies]:
+                f.result()
+        self.bytes_staged += sum(d.numel() * d.element_size() for d, _ in copies)
+        return out
+
+    def release(self, slot: Slot, done: Any) -> None:
+        """The slot's last reader (an event with ``synchronize``), waited for before the slot is refilled."""
+        slot.done = done
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.wait()
+        self._slots.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
