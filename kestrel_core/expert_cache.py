@@ -31,10 +31,10 @@ class ExpertCache:
         for key in routed:
             self.last[key] = self.clock
             self.uses[key] = self.uses.get(key, 0) + 1
-        units = window.units
-        resident = [k for k in window.resident_units if len(k) == 2]
+        units, present = window.units, window.resident_units  # a property that builds a set: read it once
+        resident = [k for k in present if len(k) == 2]
         used = sum(units[k].nbytes for k in resident)
-        need = sum(units[k].nbytes for k in routed if k not in window.resident_units)
+        need = sum(units[k].nbytes for k in routed if k not in present)
         victims = []
         for key in sorted((k for k in resident if k not in routed), key=self.rank):
             if used + need <= self.budget:
