@@ -86,3 +86,38 @@ def test_an_index_that_is_not_one(sharded_copy, text):
     (sharded_copy / INDEX).write_text(text)
     with pytest.raises(CheckpointError, match="index"):
         Checkpoint(sharded_copy)
+
+
+def test_span_subtraction():
+    from kestrel_core.checkpoint import _subtract
+
+    assert _subtract([(0, 100)], []) == [(0, 100)]
+    assert _subtract([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert _subtract([(0, 100)], [(0, 100)]) == []
+    assert _subtract([(0, 10), (20, 30)], [(5, 25)]) == [(0, 5), (25, 30)]
+    assert _subtract([(10, 20)], [(0, 5), (30, 40)]) == [(10, 20)]
+
+
+def test_drop_around_keeps_the_kept_tensors_and_drops_their_neighbours(demo_ckpt):
+    from kestrel_core.checkpoint import mapping_rss
+
+    ckpt = Checkpoint(demo_ckpt)
+    try:
+        names = sorted((n for n in ckpt.names() if ".layers." in n), key=lambda n: ckpt.info(n).start)
+        f = ckpt.file_of(names[0])
+        same = [n for n in names if ckpt.file_of(n) is f][:6]
+        paths = [str(f.path.resolve())]
+        ckpt.drop_pages(ckpt.names())
+        for n in same:
+            ckpt.view(n).sum()  # touch all six
+        touched = mapping_rss(paths)
+        keep = {same[2]}
+        ckpt.drop_around(same, keep)
+        left = mapping_rss(paths)
+        info = ckpt.info(same[2])
+        assert left < touched
+        assert left <= -(-info.end // 4096) * 4096 - info.start // 4096 * 4096  # only the kept tensor's pages
+        assert left >= (info.end - info.start) // 4096 * 4096 - 4096  # and those stay mapped
+        assert torch.equal(ckpt.view(same[0]).clone(), ckpt.view(same[0]))  # a dropped tensor reads back
+    finally:
+        ckpt.close()
