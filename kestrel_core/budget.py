@@ -20,17 +20,25 @@ def default_budget(free_bytes: int) -> int:
     return max(FLOOR, min(CAP, free_bytes // 2))
 
 
+def env_mib(name: str) -> int | None:
+    """The bytes an environment variable gives in whole MiB (a budget that beats the config), or None where unset."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    try:
+        mb = int(env)
+    except ValueError:
+        raise ConfigError(f"{name}={env!r} must be a whole number of MiB") from None
+    if mb <= 0:
+        raise ConfigError(f"{name}={mb} must be positive")
+    return mb * 2**20
+
+
 def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:
     """(budget bytes, where it came from): KESTREL_WCACHE_MB beats the config, which beats the default."""
-    env = os.environ.get(ENV)
-    if env:
-        try:
-            mb = int(env)
-        except ValueError:
-            raise ConfigError(f"{ENV}={env!r} must be a whole number of MiB") from None
-        if mb <= 0:
-            raise ConfigError(f"{ENV}={mb} must be positive")
-        return mb * 2**20, ENV
+    env = env_mib(ENV)
+    if env is not None:
+        return env, ENV
     if config_mb < 0:
         raise ConfigError(f"budget_mb must be >= 0 (0 means the default), got {config_mb}")
     if config_mb:

@@ -13,7 +13,6 @@ pinned where it fits in half of the available RAM, else a ring in that half.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
@@ -21,10 +20,11 @@ from typing import Any, Iterable, Sequence
 import attrs
 import torch
 
+from .budget import env_mib
+from .diskread import ALIGN, aligned_empty  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
 from .errors import BudgetError, ConfigError
 
 HOST_ENV = "KESTREL_HOST_MB"
-ALIGN = 4096  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
 
 
 @attrs.frozen
@@ -36,15 +36,9 @@ class HostBudget:
 
 def resolve_host_budget(config_mb: int, available_bytes: int, staged_bytes: int) -> HostBudget:
     """The run's host budget, and whether every unit's staging (``staged_bytes``) fits in it."""
-    env = os.environ.get(HOST_ENV)
-    if env:
-        try:
-            mb = int(env)
-        except ValueError:
-            raise ConfigError(f"{HOST_ENV}={env!r} must be a whole number of MiB") from None
-        if mb <= 0:
-            raise ConfigError(f"{HOST_ENV}={mb} must be positive")
-        budget, source = mb * 2**20, HOST_ENV
+    env = env_mib(HOST_ENV)
+    if env is not None:
+        budget, source = env, HOST_ENV
     elif config_mb < 0:
         raise ConfigError(f"host_budget_mb must be >= 0 (0 means the default), got {config_mb}")
     elif config_mb:
@@ -88,13 +82,6 @@ def slot_bytes(units: Iterable[Sequence[SlotEntry]], dtype: torch.dtype) -> int:
     return max(sum(_aligned(e.nbytes(dtype)) for e in entries) for entries in units)
 
 
-def _aligned_bytes(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory starting on a page (a pinned block is; the CPU allocator's may not be)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + nbytes]
-
-
 class Slot:
     """One pinned buffer of the ring; ``done`` is what its last reader left (an event, or None: free now)."""
 
@@ -120,10 +107,10 @@ class PinnedRing:
             raise ConfigError(f"a ring needs at least one slot, got {n}")
         pin = torch.cuda.is_available() if pin is None else pin
         self.dtype, self.nbytes = dtype, nbytes
-        self._slots = deque(Slot(_aligned_bytes(nbytes, pin), i) for i in range(n))
+        self._slots = deque(Slot(aligned_empty(nbytes, ALIGN, pin_memory=pin), i) for i in range(n))
         # Asked for; torch's caching host allocator may round a pinned block up (to a power of two), which the
         # cuda backend's use of the ring has to account for (or pin by registering pageable memory instead).
-        self.pinned_bytes = n * (nbytes + ALIGN) if pin else 0
+        self.pinned_bytes = sum(s.raw.untyped_storage().nbytes() for s in self._slots) if pin else 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
         self.bytes_staged = 0
 
