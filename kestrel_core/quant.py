@@ -109,6 +109,11 @@ class Q8Tensor:
     n_pad: int
 
     @property
+    def stored(self) -> tuple[str, str]:
+        """The checkpoint tensors it is stored as (what a reader maps, and drops the pages of)."""
+        return self.qweight, self.scales
+
+    @property
     def n_groups(self) -> int:
         return self.k // self.group
 

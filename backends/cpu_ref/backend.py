@@ -62,7 +62,7 @@ class CpuRefBackend(Backend):
             return super()._resident(name)
         t = self._dequantize(torch.empty((q8.n, q8.k), dtype=self.dtype), q8)
         self.counters.add_resident(t.numel() * t.element_size())
-        self.ckpt.drop_pages([q8.qweight, q8.scales])
+        self.ckpt.drop_pages(list(q8.stored))
         return t
 
     def new_buffer(self, geometry, raw=False):
@@ -93,8 +93,4 @@ class CpuRefBackend(Backend):
 
 def _names(unit) -> list[str]:
     """The checkpoint tensors behind a unit's entries."""
-    names = []
-    for entry in unit.entries:
-        source = entry.source
-        names += [source.qweight, source.scales] if isinstance(source, quant.Q8Tensor) else [source]
-    return names
+    return [n for e in unit.entries for n in (e.source.stored if isinstance(e.source, quant.Q8Tensor) else (e.source,))]

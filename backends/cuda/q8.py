@@ -168,11 +168,7 @@ def stage_q8_unit(ckpt: Checkpoint, info: quant.QuantInfo, tensors: dict, fused:
 
 def unit_page_names(info: quant.QuantInfo, tensors: dict) -> list[str]:
     """The checkpoint tensors behind one unit's q8 weights (for Checkpoint.drop_pages after staging)."""
-    out = []
-    for name, _ in tensors.values():
-        t = info.tensors.get(name)
-        out += [t.qweight, t.scales] if t is not None else [name]
-    return out
+    return [n for name, _ in tensors.values() for n in (info.tensors[name].stored if name in info.tensors else (name,))]
 
 
 def fused_geometry(parts: Sequence[quant.Q8Tensor], device) -> Geometry:
