@@ -24,6 +24,7 @@ import gc
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -185,7 +186,8 @@ def peer_section(path: Path, args) -> dict:
     try:
         import airllm_peer
 
-        scratch = Path(args.models) / "airllm-scratch"
+        # A new directory of this run's own: removing it afterwards cannot take anything of the user's.
+        scratch = Path(tempfile.mkdtemp(prefix="airllm-scratch-", dir=args.models))
         # AirLLM 4.0.0's own split keeps per-expert names, which transformers 5 cannot load into its fused experts
         # module: fuse_experts rewrites the scratch split (never the checkpoint) into the fused layout first.
         out["airllm"] = airllm_peer.airllm_row(str(path), PROMPT, args.slow_tokens, str(scratch), fuse_experts=True)
