@@ -154,9 +154,10 @@ def _fuse_split(split_dir: Path, fused_params: set[str]) -> int:
 
 
 def airllm_row(model_path, prompt_ids, n_new: int, scratch_dir, *, device: str = "cuda",
-               fuse_experts: bool = False, dtype=None) -> dict:
+               fuse_experts: bool = False, dtype=None, drop_cache_each_step: bool = False) -> dict:
     """AirLLM greedy decode of ``n_new`` tokens: prefill (token 1), then ``n_new - 1`` decode steps
-    of which the first is a warm-up. CUDA events time each (``device`` "cpu" uses perf_counter:
+    of which the first is a warm-up (``drop_cache_each_step``: the split's pages are dropped from the page
+    cache before each step, outside its timing). CUDA events time each (``device`` "cpu" uses perf_counter:
     for tests only). Returns the row; on any failure the row has ``error`` and ``stage``."""
     model_path = Path(model_path).resolve()
     scratch = Path(scratch_dir).resolve()
@@ -262,6 +263,11 @@ def airllm_row(model_path, prompt_ids, n_new: int, scratch_dir, *, device: str =
         dev = model.device
 
         def step(ids, past):
+            if drop_cache_each_step:  # the same cold disk kestrel's cold rows read: nothing of the split cached
+                from kestrel_core.diskread import drop_cache
+
+                for f in split_dir.glob("*.safetensors"):
+                    drop_cache(f)
             if cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()

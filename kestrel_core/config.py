@@ -41,6 +41,7 @@ class BackendConfig:
     graphs: str = attrs.field(default="auto")  # "auto": replay a repeating decode step where the backend can capture; "off": eager
 
     compile: bool = False  # run the decode step's layer math through torch.compile (fused kernels; the first step compiles)
+    host_budget_mb: float = 0.0  # pinned host MiB for streamed weights (cuda; fractions allowed); 0: all where half the RAM holds them, else a ring
 
     @graphs.validator
     def _check_graphs(self, _, value: str) -> None:

@@ -408,6 +408,36 @@ def read_spans(
         return reader.read_spans(file, dsts, spans)
 
 
+_libc = None
+
+
+def cached_fraction(t: torch.Tensor) -> float:
+    """The share of a mapped tensor's pages that are in the page cache now (``mincore``); 1.0 where that cannot be told.
+
+    A part wholly cached is copied from the mapping (the hot path); any other is read with
+    ``O_DIRECT`` (the cold path), which neither needs its pages nor leaves them behind.
+    """
+    global _libc
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return 1.0
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return 1.0
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = t.data_ptr() // page * page
+    n = -(-(t.data_ptr() + nbytes - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) != 0:
+        return 1.0  # not a mapping (a copy in memory): nothing to read from disk
+    return sum(b & 1 for b in bytes(vec)) / n
+
+
 def drop_cache(path: str | os.PathLike, sync: bool = False) -> None:
     """Drop ``path``'s clean pages from the page cache: ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file.
 

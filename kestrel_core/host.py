@@ -19,8 +19,15 @@ class HostStore:
             self._items[key] = make()
         return self._items[key]
 
+    def discard(self, key: Hashable) -> None:
+        """Drop one item, closing it where it can be closed (a pinned staging unpins)."""
+        item = self._items.pop(key, None)
+        if hasattr(item, "close"):
+            item.close()
+
     def clear(self) -> None:
-        self._items.clear()
+        for key in list(self._items):
+            self.discard(key)
 
 
 def meminfo() -> dict[str, int]:

@@ -13,6 +13,7 @@ pinned where it fits in half of the available RAM, else a ring in that half.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
@@ -34,7 +35,7 @@ class HostBudget:
     mode: str  # "all": every streamed unit pinned once; "ring": a bounded ring of pinned slots
 
 
-def resolve_host_budget(config_mb: int, available_bytes: int, staged_bytes: int) -> HostBudget:
+def resolve_host_budget(config_mb: float, available_bytes: int, staged_bytes: int) -> HostBudget:
     """The run's host budget, and whether every unit's staging (``staged_bytes``) fits in it."""
     env = env_mib(HOST_ENV)
     if env is not None:
@@ -42,7 +43,7 @@ def resolve_host_budget(config_mb: int, available_bytes: int, staged_bytes: int)
     elif config_mb < 0:
         raise ConfigError(f"host_budget_mb must be >= 0 (0 means the default), got {config_mb}")
     elif config_mb:
-        budget, source = config_mb * 2**20, "config"
+        budget, source = int(config_mb * 2**20), "config"
     else:
         budget, source = available_bytes // 2, "default (half of the available host memory)"
     return HostBudget(budget, source, "all" if staged_bytes <= budget else "ring")
@@ -82,12 +83,40 @@ def slot_bytes(units: Iterable[Sequence[SlotEntry]], dtype: torch.dtype) -> int:
     return max(sum(_aligned(e.nbytes(dtype)) for e in entries) for entries in units)
 
 
+class HostMemory:
+    """``nbytes`` of host memory starting on a page, page-locked where ``pin`` by registering it with CUDA
+    (``cudaHostRegister``): exactly these bytes are pinned, where torch's pinned allocator would round a
+    block up to a power of two. ``close`` (or the object's end) unregisters it."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.raw = aligned_empty(nbytes, ALIGN, pin_memory=False)
+        self.pinned_bytes = 0
+        if pin and nbytes:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), nbytes, 0))
+            except RuntimeError as exc:  # out of lockable memory (RLIMIT_MEMLOCK, or the host is full)
+                raise BudgetError(f"cannot page-lock {nbytes / 2**20:,.0f} MiB of host memory ({str(exc).splitlines()[0]}); "
+                                  f"lower --host-budget-mb or {HOST_ENV}") from None
+            self.pinned_bytes = nbytes
+            self._finalizer = weakref.finalize(self, _unregister, self.raw.data_ptr())
+
+    def close(self) -> None:
+        if self.pinned_bytes:
+            self._finalizer()
+            self.pinned_bytes = 0
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class Slot:
     """One pinned buffer of the ring; ``done`` is what its last reader left (an event, or None: free now)."""
 
     def __init__(self, raw: torch.Tensor, index: int):
         self.raw, self.index = raw, index
         self.done: Any = None
+        self.owner: Any = None  # the unit staged in it (the stager's bookkeeping)
 
     def wait(self) -> None:
         if self.done is not None:
@@ -96,7 +125,7 @@ class Slot:
 
 
 class PinnedRing:
-    """``n`` slots of ``nbytes`` each, pinned where a GPU is there to pin for, handed out in turn.
+    """``n`` slots of ``nbytes`` each, in one block pinned where a GPU is there to pin for, handed out in turn.
 
     ``acquire`` returns the oldest slot once its last upload is done; ``fill`` copies a unit into it
     from the checkpoint mapping (fused and converted on the way) and returns each entry's view.
@@ -105,12 +134,14 @@ class PinnedRing:
     def __init__(self, n: int, nbytes: int, dtype: torch.dtype, threads: int = 4, pin: bool | None = None):
         if n < 1:
             raise ConfigError(f"a ring needs at least one slot, got {n}")
+        if nbytes % ALIGN:
+            raise ConfigError(f"a ring's slot must be a multiple of {ALIGN} bytes (slot_bytes), got {nbytes}")
         pin = torch.cuda.is_available() if pin is None else pin
         self.dtype, self.nbytes = dtype, nbytes
-        self._slots = deque(Slot(aligned_empty(nbytes, ALIGN, pin_memory=pin), i) for i in range(n))
-        # Asked for; torch's caching host allocator may round a pinned block up (to a power of two), which the
-        # cuda backend's use of the ring has to account for (or pin by registering pageable memory instead).
-        self.pinned_bytes = sum(s.raw.untyped_storage().nbytes() for s in self._slots) if pin else 0
+        self.memory = HostMemory(n * nbytes, pin)
+        self.pinned_bytes = self.memory.pinned_bytes
+        self.slots = [Slot(self.memory.raw[i * nbytes : (i + 1) * nbytes], i) for i in range(n)]
+        self._slots = deque(self.slots)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
         self.bytes_staged = 0
 
@@ -159,3 +190,4 @@ class PinnedRing:
         self._slots.clear()
         if self._pool is not None:
             self._pool.shutdown()
+        self.memory.close()

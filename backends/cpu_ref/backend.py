@@ -9,13 +9,17 @@ into the same [N, K] compute-dtype buffers, so the math after upload is the floa
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.host_tier import HOST_ENV
 from kestrel_core.units import EntrySpec, Geometry
 
 DTYPES = ("float32", "float64")
@@ -30,6 +34,10 @@ class CpuRefBackend(Backend):
         if ctx.backend.device and compute_device(ctx.backend.device).type != "cpu":
             raise ConfigError(f"cpu_ref computes on the CPU, not on {ctx.backend.device}; use --backend cuda for a GPU")
         self.device = torch.device("cpu")
+        if ctx.backend.host_budget_mb or os.environ.get(HOST_ENV):
+            warnings.warn("the host budget bounds the cuda backend's pinned staging; cpu_ref pins nothing (it streams "
+                          "from the checkpoint mapping, its RSS bounded by keep), so the budget has no effect here",
+                          KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,10 @@ from kestrel_core.budget import resolve_budget
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
+from kestrel_core.host import meminfo
+from kestrel_core.host_tier import (ALIGN, HostMemory, PinnedRing, SlotEntry, resolve_host_budget,
+                                    ring_slots, slot_bytes)
+from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
@@ -72,7 +77,8 @@ class CudaBackend(Backend):
             q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
         self.lay_out_units()
         self._check_budget(ctx)
-        self._host = ctx.host.get(("cuda-pinned-staging", "q8" if self.quant else self.dtype), self._stage_host)
+        self._stager: Stager | None = None
+        self._host = self._set_up_host(ctx)
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
         try:
@@ -153,12 +159,44 @@ class CudaBackend(Backend):
         )
 
     # --- host staging --------------------------------------------------------------
-    def _stage_host(self) -> dict[tuple, torch.Tensor]:
+    def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:
+        """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
+        self._slot_entries = {spec.key: [SlotEntry(name, (sum(spec.tensors[r][1][0] for r in roles), spec.tensors[roles[0]][1][1]),
+                                                   tuple(spec.tensors[r][0] for r in roles)) for name, roles in fusion(spec.tensors)]
+                              for spec in ctx.unit_specs}
+        if self.quant:
+            staged = sum(u.nbytes for u in self.units.units.values())
+        else:
+            staged = sum(_aligned(e.nbytes(self.dtype)) for es in self._slot_entries.values() for e in es)
+        self.host_budget = resolve_host_budget(ctx.backend.host_budget_mb, meminfo().get("MemAvailable", 0), staged)
+        key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
+        if self.host_budget.mode == "all":
+            staging = ctx.host.get(key, self._stage_host)
+            self.counters.peak_host_pinned_bytes = staging.pinned_bytes
+            return staging.host
+        if self.quant:
+            raise ConfigError(
+                f"the host ring stages float checkpoints; this q8 checkpoint's {staged / 2**20:,.0f} MiB are pinned whole, "
+                f"over the host budget of {self.host_budget.bytes // 2**20} MiB ({self.host_budget.source}): raise "
+                "--host-budget-mb or KESTREL_HOST_MB, or run the float checkpoint")
+        ctx.host.discard(key)  # an earlier run's full staging would pin more than this run's budget
+        size = slot_bytes(self._slot_entries.values(), self.dtype)
+        depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))
+        n = ring_slots(self.host_budget, size, depth)
+        ring = PinnedRing(n, size, self.dtype, threads=4, pin=True)
+        self._stager = Stager(ring, Filler(self.ckpt), self._slot_entries.__getitem__, lookahead=n - 1)
+        self.counters.peak_host_pinned_bytes = ring.pinned_bytes
+        return {}
+
+    def _stage_host(self) -> "Staging":
         """Pin each unit once, already fused and in compute dtype (q8: in device layout): an upload is then a
-        plain DMA. Keyed by entry source, (unit key, entry name).
+        plain DMA. Keyed by entry source, (unit key, entry name). A float checkpoint's staging is one block,
+        page-locked by registering it, so exactly its bytes are pinned.
 
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
+        if not self.quant:
+            return self._stage_float_block()
         host: dict[tuple, torch.Tensor] = {}
         for spec in self.ctx.unit_specs:
             tensors = spec.tensors
@@ -173,7 +211,26 @@ class CudaBackend(Backend):
                 staged = {name: self._stage_float(roles, tensors) for name, roles in fusion(tensors)}
                 self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
             host.update({(spec.key, name): t for name, t in staged.items()})
-        return host
+        return Staging(host, None, sum(_nbytes(t) for t in host.values()))
+
+    def _stage_float_block(self) -> "Staging":
+        total = sum(_aligned(e.nbytes(self.dtype)) for es in self._slot_entries.values() for e in es)
+        memory = HostMemory(total, pin=True)
+        host: dict[tuple, torch.Tensor] = {}
+        at = 0
+        for key, entries in self._slot_entries.items():
+            for e in entries:
+                n = e.nbytes(self.dtype)
+                dst = memory.raw[at : at + n].view(self.dtype).view(e.shape)
+                row = 0
+                for name in e.parts:
+                    src = self.ckpt.view(name)
+                    dst[row : row + src.shape[0]].copy_(src)
+                    row += src.shape[0]
+                host[(key, e.name)] = dst
+                at += _aligned(n)
+            self.ckpt.drop_pages([name for e in entries for name in e.parts])  # the pinned copy is the host staging now
+        return Staging(host, memory, memory.pinned_bytes)
 
     def _stage_float(self, roles, tensors) -> torch.Tensor:
         rows = sum(tensors[r][1][0] for r in roles)
@@ -229,28 +286,46 @@ class CudaBackend(Backend):
         so it does not queue behind the side stream's prefetch."""
         try:
             if self.copy_stream is not None and fetch.ahead:
-                for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+                for buffer in fetch.buffers:
                     ptr = buffer.data_ptr()
                     waits = self._last_read.pop(ptr, None)  # its last reader, on the compute stream
                     if waits is not None:
                         self.copy_stream.wait_event(waits)
                     self._last_write.pop(ptr, None)  # an earlier side-stream write is in this stream's order
-                    with torch.cuda.stream(self.copy_stream):
-                        self.fill(buffer, entry.source)
+                with torch.cuda.stream(self.copy_stream):
+                    self._copy_unit(fetch, self.copy_stream)
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
                 self._ready[fetch.unit.key] = ev
                 return
             current = torch.cuda.current_stream(self.device)
-            for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+            for buffer in fetch.buffers:
                 ptr = buffer.data_ptr()
                 self._last_read.pop(ptr, None)  # its readers are earlier on this stream
                 pending = self._last_write.pop(ptr, None)  # a prefetch evicted unused may still be writing it
                 if pending is not None:
                     current.wait_event(pending)
-                self.fill(buffer, entry.source)
+            self._copy_unit(fetch, current)
         except torch.cuda.OutOfMemoryError:
             raise self._oom(f"uploading unit {fetch.unit.key}") from None
+
+    def _copy_unit(self, fetch, stream):
+        """The unit's entries from host to their buffers on ``stream``: from the full staging, or from a ring slot,
+        which goes back to the ring with the event its copies leave."""
+        if self._stager is None:
+            for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+                self.fill(buffer, entry.source)
+            return
+        slot, views = self._stager.take(fetch.unit.key)
+        try:
+            for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+                buffer.copy_(views[entry.name], non_blocking=True)
+        finally:
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._stager.give_back(slot, done)
+        filler, c = self._stager.filler, self.counters
+        c.host_hot_bytes, c.host_cold_bytes, c.disk_bytes_read = filler.hot_bytes, filler.cold_bytes, filler.disk_bytes_read
 
     def retire(self, resident):
         if self.copy_stream is not None:
@@ -276,6 +351,13 @@ class CudaBackend(Backend):
 
         Events recorded while capturing exist only inside the graph, so none is kept for an eager wait.
         """
+        if self._stager is not None:  # a slot's contents change every token: a graph would replay stale bytes
+            if not self._said_unpinned:
+                self._said_unpinned = True
+                warnings.warn("the host ring stages each unit into a slot just before its upload, so the decode step "
+                              "cannot be captured; it runs eagerly (a host budget that holds every unit lets it be)",
+                              KestrelNote, stacklevel=2)
+            return None
         unpinned = [e.source for plan in plans for fetch in plan.fetch for e in fetch.unit.entries
                     if not _pinned(self._host[e.source])]
         if unpinned:  # a pageable source cannot be copied inside a graph (an error, or garbage in older torch)
@@ -323,7 +405,9 @@ class CudaBackend(Backend):
     def _resident(self, name):
         t = self._q8.get(name)  # a q8 lm_head stays q8 on the device
         if t is None:
-            return super()._resident(name)
+            w = super()._resident(name)
+            self.ckpt.drop_pages([name])  # on the device now: its pages leave the mapping (and the RSS)
+            return w
         w = q8.load_resident_q8(self.ckpt, t, self.device)
         self.counters.add_resident(w.nbytes)
         return w
@@ -357,12 +441,41 @@ class CudaBackend(Backend):
             "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
             "raw_peak_bytes": RawBlock.peak_bytes,
             "budget_bytes": self.budget,
+            "host_pinned_bytes": self.counters.peak_host_pinned_bytes,
+            "host_budget_bytes": self.host_budget.bytes,
         }
 
     def close(self):
         super().close()
         self._host = {}
+        if self._stager is not None:
+            torch.cuda.synchronize(self.device)  # every upload from a slot is done before the ring unpins
+            self._stager.close()
+            self._stager.ring.close()
+            self._stager = None
         self._forget_events()
+
+
+@attrs.frozen
+class Staging:
+    """Every unit's host copy (entry source -> tensor), and the block that holds them where there is one."""
+
+    host: dict
+    memory: HostMemory | None
+    pinned_bytes: int
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(t) -> int:
+    t = t.raw if isinstance(t, q8.Q8Weight) else t
+    return t.numel() * t.element_size()
 
 
 def _pinned(host) -> bool:

@@ -1,0 +1,236 @@
+"""The host tier on a GPU: kestrel streaming at keep=1 through pinned host budgets, hot and cold, against its ceilings.
+
+    python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers] [--tokens 6] [--out DIR]
+
+``--rows kestrel`` measures, side by side in one run: the pinned H2D copy rate; the disk's
+sequential O_DIRECT read rate on the checkpoint's own filesystem; a multi-threaded pageable-to-
+pinned memcpy rate; and kestrel at keep=1, prefetch 1, at host budgets of everything, 4 GiB and
+1 GiB, each with the checkpoint's pages in the page cache (hot) and with them dropped (cold).
+
+Cold: the pages are dropped from the mapping and the cache (``POSIX_FADV_DONTNEED``) once the run is
+open, before the prompt. The ring's cold path reads with O_DIRECT, which leaves nothing in the
+cache, so every token after that reads from disk too; the row's counters show how its bytes came
+(``host_cold_bytes`` against ``host_hot_bytes`` a token). An all-pinned run never reads the file
+after load, so its cold row reads nothing and shows that.
+
+``--rows peers`` measures a kestrel cold row at 1 GiB again beside AirLLM (its per-layer shards
+dropped from the cache before every step, so that it reads the same cold disk) and accelerate's
+``disk_offload`` (an offload folder of memmapped weights; its pages are as the run leaves them:
+accelerate keeps them mapped, so they cannot be dropped).
+
+Peak RSS is sampled every 2 ms on a thread, from /proc/self/statm, over the generate call; the
+record gives it against the process's RSS before the run opened, the host budget and the slack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, copy_ceilings, utc_stamp, write_record  # noqa: E402
+
+from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
+from kestrel_core.diskread import drop_cache, sequential_read_rate  # noqa: E402
+from kestrel_core.engine import Model, open_run  # noqa: E402
+from kestrel_core.generate import generate  # noqa: E402
+from kestrel_core.host_tier import HOST_ENV  # noqa: E402
+from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
+
+PRESET = "qwen3-8b"
+PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
+BUDGETS = (("all", 0), ("4 GiB", 4096), ("1 GiB", 1024))
+SLACK = 768 * 2**20  # the O_DIRECT landing buffer (one unit, ~390 MiB on this shape) and the threads' own memory
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_model(root: Path) -> Path:
+    path = root / PRESET
+    if not (path / "config.json").is_file():
+        log(f"writing {path}")
+        write_checkpoint(preset_config(PRESET), path, seed=0, device="cuda")
+    return path
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    def __init__(self, every: float = 0.002):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(self.every)
+
+    def __enter__(self):
+        self.peak = rss()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+
+
+def drop_checkpoint(ckpt) -> float:
+    """Every page of the checkpoint out of the mapping and the cache; the seconds it took."""
+    t0 = time.perf_counter()
+    for f in ckpt.files.values():
+        f.drop_pages([(0, 2**62)])
+        drop_cache(f.path)
+    return time.perf_counter() - t0
+
+
+def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: int) -> dict:
+    cfg = KestrelConfig().override(backend__name="cuda", residency__keep=1, backend__prefetch=1,
+                                   backend__host_budget_mb=budget_mb)
+    gc.collect()
+    before = rss()
+    with open_run(model, cfg) as run:
+        dropped_s = drop_checkpoint(run.backend.ckpt) if cold else None
+        with RssPeak() as peak:
+            r = generate(run, PROMPT, GenerationConfig(max_new_tokens=tokens, stop_at_eos=False))
+        tier = run.backend.host_budget
+    steady = r.per_token[1:]  # the first decode step warms the pool
+    mean = lambda k: statistics.fmean(p[k] for p in steady)  # noqa: E731
+    ms = statistics.median(r.decode_ms[1:])
+    up = mean("bytes_uploaded")
+    row = {"label": label, "host_budget_mb": budget_mb, "mode": tier.mode, "host_budget_bytes": tier.bytes,
+           "cold": cold, "drop_s": dropped_s, "ms_per_token": ms, "decode_ms": r.decode_ms, "prefill_ms": r.prefill_ms,
+           "bytes_uploaded_per_token": up, "upload_GBps": up / ms / 1e6,
+           "bytes_from_disk_per_token": mean("host_cold_bytes"), "disk_bytes_read_per_token": mean("disk_bytes_read"),
+           "bytes_from_page_cache_per_token": mean("host_hot_bytes"),
+           "peak_host_pinned_bytes": r.counters["peak_host_pinned_bytes"],
+           "rss_before_open_bytes": before, "peak_rss_bytes": peak.peak, "peak_rss_over_before_bytes": peak.peak - before,
+           "slack_bytes": SLACK, "rss_bound_bytes": tier.bytes + SLACK, "steps": r.steps, "token_ids": r.token_ids}
+    log(f"{label:30} {ms:9.2f} ms/tok {up / 1e9:6.2f} GB/tok {row['upload_GBps']:6.1f} GB/s disk "
+        f"{row['bytes_from_disk_per_token'] / 1e9:6.2f} GB/tok cache {row['bytes_from_page_cache_per_token'] / 1e9:6.2f} "
+        f"pinned {row['peak_host_pinned_bytes'] / 2**30:6.2f} GiB rss+ {row['peak_rss_over_before_bytes'] / 2**30:6.2f} GiB")
+    torch.cuda.empty_cache()
+    return row
+
+
+def memcpy_rate(nbytes: int = 2**30, threads: int = 8) -> float:
+    """Pageable -> pinned, ``threads`` copies side by side (torch's copy releases the GIL), bytes/s."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    step = nbytes // threads
+    parts = [(dst[i * step:(i + 1) * step], src[i * step:(i + 1) * step]) for i in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: p[0].copy_(p[1]), parts))
+            times.append(time.perf_counter() - t0)
+    return step * threads / statistics.median(times)
+
+
+def ceilings(path: Path) -> dict:
+    out = copy_ceilings()
+    shard = max(path.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    drop_cache(shard)
+    out["odirect_read_GBps"] = sequential_read_rate(shard, nbytes=4 * 2**30, threads=8) / 1e9
+    out["odirect_file"] = shard.name
+    out["memcpy_pageable_to_pinned_GBps_8_threads"] = memcpy_rate() / 1e9
+    log(f"ceilings: {out}")
+    return out
+
+
+def peer_rows(path: Path, model: Model, tokens: int, models_dir: Path) -> dict:
+    out: dict = {"kestrel_cold_1GiB": kestrel_row(model, "kestrel 1 GiB cold (beside the peers)", 1024, True, tokens)}
+    try:
+        import airllm_peer
+
+        scratch = Path(tempfile.mkdtemp(prefix="airllm-scratch-", dir=models_dir))
+        out["airllm_cold"] = airllm_peer.airllm_row(str(path), PROMPT, 4, str(scratch), drop_cache_each_step=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        log(f"airllm cold: {out['airllm_cold'].get('ms_per_token')} {out['airllm_cold'].get('error', '')}")
+    except Exception as exc:  # a peer that cannot run is recorded, not fatal
+        out["airllm_cold"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        out["accelerate_disk_offload"] = accelerate_disk_offload(path, tokens, models_dir)
+        log(f"accelerate disk_offload: {out['accelerate_disk_offload'].get('ms_per_token')}")
+    except Exception as exc:
+        out["accelerate_disk_offload"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    return out
+
+
+def accelerate_disk_offload(path: Path, tokens: int, models_dir: Path) -> dict:
+    import accelerate
+    import moe_peers
+
+    folder = Path(tempfile.mkdtemp(prefix="offload-", dir=models_dir))
+    try:
+        model = moe_peers._load(path, torch.bfloat16)
+        accelerate.disk_offload(model, str(folder), execution_device=0)
+        ids, times, prefill = moe_peers._decode(model, PROMPT, tokens, "cuda", warmup=False)
+        row = moe_peers._row("accelerate disk_offload", ids, times[1:], prefill, moe_peers._peak("cuda"),
+                             offload_folder_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
+        del model
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--rows", choices=("kestrel", "peers"), default="kestrel")
+    ap.add_argument("--tokens", type=int, default=6, help="new tokens a row (the first decode step is left out)")
+    ap.add_argument("--out", action="append", default=[])
+    args = ap.parse_args()
+    os.environ.pop(HOST_ENV, None)
+    root = Path(args.models)
+    root.mkdir(parents=True, exist_ok=True)
+    path = ensure_model(root)
+    outs = [RESULTS] + [Path(d) for d in args.out]
+    stamp = utc_stamp()
+    rec: dict = {"preset": PRESET, "keep": 1, "prefetch": 1, "tokens": args.tokens, "rows_kind": args.rows,
+                 "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
+                 "mem_total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
+    rec["ceilings"] = ceilings(path)
+    with Model(path) as model:
+        kestrel_row(model, "warm-up (not recorded)", 1024, False, 3)
+        if args.rows == "kestrel":
+            rows = []
+            for name, mb in BUDGETS:
+                for cold in (False, True):
+                    rows.append(kestrel_row(model, f"{name} {'cold' if cold else 'hot'}", mb, cold, args.tokens))
+                    rec["rows"] = rows
+                    write_record("host_tier", rec, outs, stamp)
+            ref = rows[0]["token_ids"]
+            for row in rows:
+                row["ids_match_all_hot"] = row["token_ids"] == ref
+        else:
+            rec["peers"] = peer_rows(path, model, args.tokens, root)
+    for p in write_record("host_tier", rec, outs, stamp):
+        log(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The host tier on the cuda backend: a ring of pinned slots where the host budget cannot hold every unit.
+
+Greedy ids are identical to the all-pinned path for every policy, keep, prefetch and allocator,
+on dense and MoE checkpoints, from the page cache and from disk; pinned host bytes stay within
+the budget; a budget below one unit plus the prefetch depth is refused up front, with the bytes
+it needs; the environment beats the config.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kestrel_core import load
+from kestrel_core.diskread import drop_cache
+from kestrel_core.errors import BudgetError, ConfigError
+from kestrel_core.host_tier import ALIGN, HOST_ENV
+from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.quant import quantize_checkpoint
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT = [5, 17, 42, 99, 3]
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny"), tmp_path_factory.mktemp("host-tier") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("host-tier") / "tiny-moe", seed=3)
+
+
+def slot(model_dir) -> int:
+    """The ring's slot: the largest unit's bfloat16 entries, each on a page."""
+    with load(model_dir) as model, model.open(backend="cuda", keep=1) as run:
+        units = run.backend.units.units.values()
+        return max(sum(-(-e.geometry.nbytes // ALIGN) * ALIGN for e in u.entries) for u in units)
+
+
+def generate(model_dir, tokens=10, drop=False, **settings):
+    settings.setdefault("backend", "cuda")
+    with load(model_dir) as model, model.open(**settings) as run:
+        if drop:
+            for f in run.backend.ckpt.files.values():
+                f.drop_pages([(0, 2**62)])
+                drop_cache(f.path, sync=True)
+        r = run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False)
+        return r, run.backend.host_budget
+
+
+def test_ids_identical_to_all_pinned_across_policy_keep_prefetch_allocator(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    ref, tier = generate(tiny, keep="off")
+    assert tier.mode == "all" and ref.counters["host_hot_bytes"] == 0
+    size = slot(tiny)
+    for slots, (policy, keep), prefetch, allocator in itertools.product(
+            (2, 3, 5), (("asymmetric", 1), ("asymmetric", 3), ("future_evicting", 2)), (0, 1), ("pool", "free")):
+        budget = (slots * size + ALIGN // 2) / MiB  # room for `slots` slots and not one more
+        r, tier = generate(tiny, keep=keep, policy=policy, prefetch=prefetch, allocator=allocator, host_budget_mb=budget)
+        where = (slots, policy, keep, prefetch, allocator)
+        assert tier.mode == "ring", where
+        assert r.token_ids == ref.token_ids, where
+        assert 0 < r.counters["peak_host_pinned_bytes"] == slots * size <= tier.bytes, where
+        assert r.counters["host_hot_bytes"] + r.counters["host_cold_bytes"] >= r.counters["bytes_uploaded"], where
+        assert r.steps["eager"] == len(r.per_token), where  # a ring's step is not captured
+
+
+def test_all_pinned_is_one_block_of_exactly_the_staged_bytes(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    r, tier = generate(tiny, keep=1)
+    with load(tiny) as model, model.open(backend="cuda", keep=1) as run:
+        units = run.backend.units.units.values()
+        staged = sum(-(-e.geometry.nbytes // ALIGN) * ALIGN for u in units for e in u.entries)
+    assert tier.mode == "all" and r.counters["peak_host_pinned_bytes"] == staged
+    assert r.memory["host_pinned_bytes"] == staged
+    assert r.steps["captured"] + r.steps["replayed"] > 0  # registered memory is pinned: the step is captured
+
+
+def test_pages_dropped_come_from_disk_with_the_same_ids(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    ref, _ = generate(tiny, keep=1, prefetch=1)
+    r, tier = generate(tiny, keep=1, prefetch=1, host_budget_mb=3 * slot(tiny) / MiB, drop=True)
+    assert tier.mode == "ring" and r.token_ids == ref.token_ids
+    assert r.counters["host_cold_bytes"] > 0 and r.counters["disk_bytes_read"] >= r.counters["host_cold_bytes"]
+
+
+def test_moe_through_the_ring(tiny_moe, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    size = slot(tiny_moe)
+    expert = 3 * 32 * 64 * 2
+    for settings in (dict(keep="off", expert_policy="expert_lru", expert_budget_mb=4 * expert / MiB, expert_prefetch=True),
+                     dict(keep=1, prefetch=1), dict(keep=2, expert_fetch="layer")):
+        ref, _ = generate(tiny_moe, **settings)
+        r, tier = generate(tiny_moe, host_budget_mb=3 * size / MiB, **settings)
+        assert tier.mode == "ring" and r.token_ids == ref.token_ids, settings
+
+
+def test_a_budget_below_one_unit_and_the_prefetch_is_refused(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    size = slot(tiny)
+    with pytest.raises(BudgetError, match=r"host budget .* below one streamed unit plus the prefetch depth: need at least"):
+        generate(tiny, keep=1, prefetch=2, host_budget_mb=2.5 * size / MiB)
+    r, _ = generate(tiny, keep=1, prefetch=2, host_budget_mb=3 * size / MiB)  # three slots: the least it runs with
+    assert r.counters["peak_host_pinned_bytes"] == 3 * size
+
+
+def test_the_environment_beats_the_config(tiny, monkeypatch):
+    monkeypatch.setenv(HOST_ENV, "4096")
+    r, tier = generate(tiny, keep=1, host_budget_mb=0.01)
+    assert tier.mode == "all" and tier.source == HOST_ENV
+
+
+def test_a_q8_checkpoint_over_the_budget_is_refused(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    q = tmp_path / "tiny-q8"
+    quantize_checkpoint(tiny, q, 32)
+    with pytest.raises(ConfigError, match="the host ring stages float checkpoints"):
+        generate(q, keep=1, host_budget_mb=0.05)

@@ -1,0 +1,146 @@
+"""Staging units into the host ring (kestrel_core/staging.py), on the CPU with unpinned slots.
+
+The hot path (pages cached: copied from the mapping) and the cold path (pages dropped: O_DIRECT)
+give the same bytes, and count where they came from. The stager hands out each unit's slot with
+exactly the unit's fused, converted tensors, stages along the last pass ahead of the uploads, and
+stays correct when the forecast is wrong or the ring is too small to stage anything ahead.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel_core.checkpoint import Checkpoint
+from kestrel_core.diskread import cached_fraction, direct_io_supported, drop_cache
+from kestrel_core.host_tier import PinnedRing, SlotEntry, slot_bytes
+from kestrel_core.model import unit_specs
+from kestrel_core.modelconfig import read_model_config
+from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.staging import Filler, Stager
+from kestrel_cuda.layout import fusion
+
+DTYPE = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory) -> Path:
+    out = write_checkpoint(preset_config("tiny", "float32"), tmp_path_factory.mktemp("staging") / "tiny")
+    if not direct_io_supported(out):
+        pytest.skip(f"the filesystem of {out} refuses O_DIRECT")
+    return out
+
+
+def entries_of(cfg) -> dict:
+    out = {}
+    for spec in unit_specs(cfg):
+        t = spec.tensors
+        out[spec.key] = [SlotEntry(name, (sum(t[r][1][0] for r in roles), t[roles[0]][1][1]),
+                                   tuple(t[r][0] for r in roles)) for name, roles in fusion(t)]
+    return out
+
+
+def want(ckpt: Checkpoint, entry: SlotEntry) -> torch.Tensor:
+    return torch.cat([ckpt.view(n) for n in entry.parts]).to(DTYPE)
+
+
+def drop(ckpt_dir: Path, ckpt: Checkpoint) -> None:
+    for f in ckpt.files.values():  # out of the mapping (all of it: one fault maps a large folio), then the cache
+        f.drop_pages([(0, 2**62)])
+    drop_cache(ckpt_dir / "model.safetensors", sync=True)
+
+
+def test_cold_and_hot_parts_give_the_same_bytes_and_are_counted_apart(ckpt_dir):
+    ckpt = Checkpoint(ckpt_dir)
+    cfg = read_model_config(ckpt_dir)
+    entries = entries_of(cfg)[(0,)]
+    parts = [n for e in entries for n in e.parts]
+    nbytes = sum(ckpt.info(n).nbytes for n in parts)
+    filler = Filler(ckpt, threads=3)
+    try:
+        drop(ckpt_dir, ckpt)
+        if max(cached_fraction(ckpt.view(n)) for n in parts) == 1.0:
+            pytest.skip("this filesystem keeps the file's pages cached after POSIX_FADV_DONTNEED")
+        cold = {n: t.clone() for n, t in filler.sources(entries).items()}
+        assert filler.cold_bytes == nbytes and filler.hot_bytes == 0
+        assert filler.disk_bytes_read >= nbytes  # aligned supersets
+        for n in parts:  # now read the mapping (faulting the pages in): the same bytes
+            assert torch.equal(cold[n], ckpt.view(n)), n
+            assert cached_fraction(ckpt.view(n)) == 1.0
+        hot = filler.sources(entries)
+        assert filler.hot_bytes == nbytes and filler.cold_bytes == nbytes  # this time from the cache
+        assert all(torch.equal(hot[n], cold[n]) for n in parts)
+    finally:
+        filler.close()
+        ckpt.close()
+
+
+def test_a_filler_without_o_direct_reads_everything_through_the_mapping(ckpt_dir):
+    ckpt = Checkpoint(ckpt_dir)
+    filler = Filler(ckpt, direct=False)
+    try:
+        drop(ckpt_dir, ckpt)
+        entries = entries_of(read_model_config(ckpt_dir))[(1,)]
+        got = filler.sources(entries)
+        assert filler.cold_bytes == 0 and filler.hot_bytes == sum(ckpt.info(n).nbytes for e in entries for n in e.parts)
+        assert all(torch.equal(got[n], ckpt.view(n)) for e in entries for n in e.parts)
+    finally:
+        filler.close()
+        ckpt.close()
+
+
+class Done:
+    """What an upload leaves on a slot: the stager's worker waits on it before refilling the slot."""
+
+    def __init__(self):
+        self.waited = threading.Event()
+
+    def synchronize(self):
+        self.waited.set()
+
+
+def run_passes(ckpt_dir, slots: int, orders: list[list[tuple]], drop_pages: bool = False):
+    ckpt = Checkpoint(ckpt_dir)
+    cfg = read_model_config(ckpt_dir)
+    entries = entries_of(cfg)
+    ring = PinnedRing(slots, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
+    stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=slots - 1)
+    taken = []
+    try:
+        for order in orders:
+            if drop_pages:
+                drop(ckpt_dir, ckpt)
+            for key in order:
+                slot, views = stager.take(key)
+                for e in entries[key]:
+                    assert torch.equal(views[e.name], want(ckpt, e)), (key, e.name)
+                    assert views[e.name].dtype == DTYPE and views[e.name].shape == e.shape
+                taken.append(slot.index)
+                stager.give_back(slot, Done())
+        return stager, taken
+    finally:
+        stager.close()
+        ring.close()
+        ckpt.close()
+
+
+def test_the_stager_stages_ahead_along_the_last_pass(ckpt_dir):
+    layers = [(i,) for i in range(read_model_config(ckpt_dir).num_hidden_layers)]
+    stager, taken = run_passes(ckpt_dir, 3, [layers] * 3)
+    assert stager.staged_ahead > 0
+    # the first pass has no forecast; from the second on, every layer but the first was staged ahead
+    assert stager.ahead_hits >= 2 * (len(layers) - 1) - 1
+    assert set(taken) == {0, 1, 2}  # every slot was used, none other
+
+
+def test_a_wrong_forecast_and_a_one_slot_ring_stay_correct(ckpt_dir):
+    n = read_model_config(ckpt_dir).num_hidden_layers
+    forward = [(i,) for i in range(n)]
+    skipping = [(i,) for i in range(0, n, 2)] + [(i,) for i in range(1, n, 2)]  # not the order the forecast holds
+    stager, _ = run_passes(ckpt_dir, 2, [forward, skipping, forward, skipping[::-1]], drop_pages=True)
+    assert stager.filler.cold_bytes > 0  # dropped pages came from disk
+    one, taken = run_passes(ckpt_dir, 1, [forward, forward])
+    assert one.lookahead == 0 and one.staged_ahead == 0 and set(taken) == {0}
