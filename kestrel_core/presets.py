@@ -6,11 +6,11 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
+from . import progress
 from .devices import compute_device
 from .dtypes import BY_NAME, WEIGHT_NAMES, itemsize
 from .errors import ConfigError
@@ -186,7 +186,6 @@ def write_checkpoint(
     seed: int = 0,
     shard_mb: int = 0,
     device: str = "cpu",
-    progress: Callable[[str], None] | None = None,
     force: bool = False,
     flag: str = "--out",
     router_skew: float = 0.0,
@@ -197,6 +196,7 @@ def write_checkpoint(
     refused unless ``force``. ``router_skew`` S > 0 (a MoE model only) draws routers whose first
     choice follows about Zipf(S) over a seeded per-layer ranking of the experts (``router_ranks``;
     see ``_apply_router_skew``); the safetensors metadata records it as ``kestrel.router_skew``.
+    Under ``progress.shown`` a bar counts the bytes drawn.
     """
     out = Path(out)
     if not 0 <= seed < 2**64:
@@ -212,8 +212,7 @@ def write_checkpoint(
     total = sum(int(torch.Size(s).numel()) for s in specs.values()) * itemsize(dtype)
     files = ["model.safetensors"] if len(plan) == 1 else [
         f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
-    done = 0
-    with model_output(out, force, flag) as tmp:
+    with model_output(out, force, flag) as tmp, progress.bar(total, "make-model", "B") as bar:
         for fname, names in zip(files, plan):
             tensors = {}
             for name in names:
@@ -222,10 +221,9 @@ def write_checkpoint(
                 if router_skew:
                     t = _apply_router_skew(name, t, cfg, seed, router_skew)
                 tensors[name] = t.to(dtype).cpu().contiguous()
-                done += tensors[name].numel() * tensors[name].element_size()
+                bar.update(tensors[name].numel() * tensors[name].element_size())
+            bar.set_postfix_str(f"writing {fname}")
             save_file(tensors, str(tmp / fname), metadata=metadata)
-            if progress:
-                progress(f"make-model: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB")
         if len(plan) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {name: fname for fname, names in zip(files, plan) for name in names}}

@@ -33,11 +33,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import attrs
 import torch
 
+from . import progress
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from .devices import compute_device
 from .errors import CheckpointError, KestrelError
@@ -271,11 +272,11 @@ def quantize_checkpoint(
     out_dir: str | Path,
     group: int = 32,
     keep_lm_head: bool = False,
-    progress: Callable[[str], None] | None = None,
     device: str = "cpu",
     force: bool = False,
 ) -> dict:
-    """Write a q8 copy of a float Hugging Face directory; returns a summary."""
+    """Write a q8 copy of a float Hugging Face directory; returns a summary. Under ``progress.shown`` a bar
+    counts the linear weights quantized."""
     from .engine import Model  # engine imports this module
 
     group = parse_group_size(group)
@@ -327,22 +328,20 @@ def quantize_checkpoint(
             META_UNTIED: "true" if untie else "false",
         }
 
-        every = max(16, len(qspecs) // 64)  # a MoE model has thousands of expert weights: about 64 progress lines
-
-        def tensors() -> Iterator[torch.Tensor]:
-            for i, (name, (n, k)) in enumerate(qspecs.items()):
+        def tensors(bar) -> Iterator[torch.Tensor]:
+            for name in qspecs:
                 # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
                 qweight, scales = quantize(ckpt.view(source[name]).to(device), group)
                 yield qweight.cpu()
                 yield scales.cpu()
                 ckpt.drop_pages([source[name]])  # keep the reader's RSS to about one tensor on big models
-                if progress and (i % every == 0 or i == len(qspecs) - 1):
-                    progress(f"quantize: {i + 1}/{len(qspecs)} linear weights")
+                bar.update(1)
             for it in floats:
                 yield ckpt.view(it.name)
 
         with model_output(out, force) as tmp:
-            write_safetensors(tmp / OUT_FILE, items, tensors(), metadata)
+            with progress.bar(len(qspecs), "quantize", "weight") as bar:
+                write_safetensors(tmp / OUT_FILE, items, tensors(bar), metadata)
             raw = json.loads((src / "config.json").read_text())
             if untie:
                 raw["tie_word_embeddings"] = False

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable
 
 import attrs
 
-from . import plugins
+from . import plugins, progress
 from .config import OFF, KestrelConfig
 from .engine import Model, make_policy, open_run
 from .errors import ConfigError, KestrelError
@@ -85,8 +84,8 @@ def run_sweep(
     allocators: list[str],
     backends: list[str],
     prefetches: list[int] = (0,),
-    progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
+    """One row a setting, each run on ``model``; under ``progress.shown`` a bar counts the runs."""
     # Check every name, keep and prefetch before the first run, not minutes into the sweep.
     for keep in keeps:
         for policy in policies:
@@ -107,18 +106,20 @@ def run_sweep(
     for backend in backends:  # warm up (kernel loads, clocks) so the first row is not paying for it
         cfg = base.override(backend__name=backend, residency__keep=OFF, backend__prefetch=0)
         _run(model, cfg, prompt_ids[:2], f"warm-up on {backend}", max_new_tokens=2)
-    for i, (backend, policy, keep, allocator, prefetch) in enumerate(settings, 1):
-        if progress:
-            progress(f"sweep [{i}/{len(settings)}] {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
-        cfg = base.override(
-            backend__name=backend,
-            backend__prefetch=prefetch,
-            residency__policy=policy,
-            residency__keep=keep,
-            residency__allocator=allocator,
-        )
-        result, bound = _run(model, cfg, prompt_ids, f"run {backend} {policy} keep={keep} {allocator} prefetch={prefetch}")
-        rows.append(Row(backend, policy, keep, allocator, prefetch, result, bound))
+    with progress.bar(len(settings), "sweep", "run") as bar:
+        for backend, policy, keep, allocator, prefetch in settings:
+            setting = f"{backend} {policy} keep={keep} {allocator} prefetch={prefetch}"
+            bar.set_postfix_str(setting)
+            cfg = base.override(
+                backend__name=backend,
+                backend__prefetch=prefetch,
+                residency__policy=policy,
+                residency__keep=keep,
+                residency__allocator=allocator,
+            )
+            result, bound = _run(model, cfg, prompt_ids, f"run {setting}")
+            rows.append(Row(backend, policy, keep, allocator, prefetch, result, bound))
+            bar.update(1)
     return rows
 
 

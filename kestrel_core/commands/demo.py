@@ -6,12 +6,12 @@ import json
 import os
 from pathlib import Path
 
+from .. import progress
 from ..config import KestrelConfig, load_config
 from ..engine import Model
 from ..errors import ConfigError
 from ..presets import preset_config, write_checkpoint
 from ..sweep import available_backends, plotting, run_sweep
-from .common import progress_printer
 from .sweep import report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
@@ -33,7 +33,7 @@ def add_arguments(p):
     p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
 
 
-def ensure_demo_model(path: Path, progress=None) -> Path:
+def ensure_demo_model(path: Path) -> Path:
     """The demo checkpoint at ``path``: reused when it is kestrel's demo, written whole when ``path`` is new or empty."""
     cfg = preset_config("demo")
     config_json = path / "config.json"
@@ -46,22 +46,20 @@ def ensure_demo_model(path: Path, progress=None) -> Path:
             raise ConfigError(f"{path} holds a model that is not kestrel's demo checkpoint; "
                               "pass another --cache-dir, or remove that directory")
         return path
-    if progress:
-        progress(f"demo: writing the demo checkpoint to {path}")
+    progress.say(f"demo: writing the demo checkpoint to {path}")
     return write_checkpoint(cfg, path, seed=0, flag="--cache-dir")
 
 
 def run(args) -> int:
     if args.plot:
         plotting()
-    progress = progress_printer(args.json)
-    path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache(), progress)
-    base: KestrelConfig = load_config(args.config).override(
-        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
-    )
-    backends = available_backends(None)
-    if progress:
-        progress(f"demo: model {path}, backends: {', '.join(backends)}")
-    with Model(path) as model:
-        rows = run_sweep(model, base, PROMPT, KEEPS, POLICIES, ["pool", "free"], backends, progress=progress)
+    with progress.shown(not args.json):
+        path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
+        base: KestrelConfig = load_config(args.config).override(
+            generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
+        )
+        backends = available_backends(None)
+        progress.say(f"demo: model {path}, backends: {', '.join(backends)}")
+        with Model(path) as model:
+            rows = run_sweep(model, base, PROMPT, KEEPS, POLICIES, ["pool", "free"], backends)
     return report(rows, args.json, args.plot, {"model": str(path), "prompt_ids": PROMPT})

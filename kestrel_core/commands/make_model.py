@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from .. import progress
 from ..presets import DTYPES, PRESETS, preset_config, write_checkpoint
-from .common import emit_json, progress_printer
+from .common import emit_json
 
 HELP = "write a real Hugging Face-format Qwen3/Llama/Qwen3-MoE checkpoint with seeded random weights"
 
@@ -25,8 +26,9 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = preset_config(args.preset, args.dtype, args.layers)
-    out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device,
-                           progress=progress_printer(args.json), force=args.force, router_skew=args.router_skew)
+    with progress.shown(not args.json):
+        out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=args.shard_mb, device=args.device,
+                               force=args.force, router_skew=args.router_skew)
     files = sorted(p.name for p in out.iterdir())
     size = sum((out / f).stat().st_size for f in files if f.endswith(".safetensors"))
     if args.json:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from .. import progress
 from ..quant import GROUP_SIZES, quantize_checkpoint
-from .common import emit_json, mib, progress_printer
+from .common import emit_json, mib
 
 HELP = ("write a q8 checkpoint: int8 weights with one f32 scale per group of input columns, in device layout "
         "(Mixture-of-Experts: attention and experts q8, routers kept float)")
@@ -20,8 +21,9 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head,
-                                  progress=progress_printer(args.json), device=args.device, force=args.force)
+    with progress.shown(not args.json):
+        summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head,
+                                      device=args.device, force=args.force)
     if args.json:
         emit_json(summary)
         return 0

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from .. import progress
 from ..config import parse_keep
 from ..engine import Model
 from ..errors import ConfigError
 from ..sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot, plotting,
                      run_sweep)
-from .common import add_run_flags, config_from_args, emit_json, model_dir, progress_printer, prompt_ids_for
+from .common import add_run_flags, config_from_args, emit_json, model_dir, prompt_ids_for
 
 HELP = "sweep keep x policy x allocator (x backend); print the cost table and whether token ids stayed identical"
 DEFAULT_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -52,8 +53,7 @@ def run(args) -> int:
     if args.plot:
         plotting()
     keeps, policies, allocators, prefetches, backends = sweep_lists(args, cfg)
-    with Model(model_dir(cfg)) as model:
+    with progress.shown(not args.json), Model(model_dir(cfg)) as model:
         prompt = prompt_ids_for(cfg, model, default=DEFAULT_PROMPT)
-        rows = run_sweep(model, cfg, prompt, keeps, policies, allocators, backends, prefetches,
-                         progress=progress_printer(args.json))
+        rows = run_sweep(model, cfg, prompt, keeps, policies, allocators, backends, prefetches)
     return report(rows, args.json, args.plot, {"model": cfg.model, "prompt_ids": prompt})
