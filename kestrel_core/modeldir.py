@@ -1,7 +1,7 @@
 """A Hugging Face model directory, opened once: config.json, the safetensors (mmap'd), the tokenizer.
 
     from kestrel_core import load
-    model = load("/path/to/model")
+    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B")
     with model.open(policy="asymmetric", keep=2, backend="cpu_ref") as run:
         res = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
 """
@@ -15,6 +15,7 @@ from .checkpoint import Checkpoint
 from .config import KestrelConfig, with_settings
 from .errors import ConfigError
 from .host import HostStore
+from .hub import resolve
 from .model import unit_specs, validate_checkpoint
 from .modelconfig import ModelConfig, read_model_config
 from .quant import read_quant
@@ -29,7 +30,7 @@ class Model:
     """What every run on one model shares: the parsed config, the mapped checkpoint, host copies."""
 
     def __init__(self, model_dir: str | Path):
-        self.dir = Path(model_dir)
+        self.dir = resolve(model_dir)  # a directory, or a model name in the Hugging Face cache
         self.config: ModelConfig = read_model_config(self.dir)
         self.checkpoint = Checkpoint(self.dir)
         try:
@@ -81,5 +82,6 @@ class Model:
 
 
 def load(model_dir: str | Path) -> Model:
-    """Open a model directory (config.json + *.safetensors); close it with ``model.close()`` or ``with``."""
+    """Open a model directory (config.json + *.safetensors), or a model name such as ``"Qwen/Qwen3-8B"`` from the
+    local Hugging Face cache (never downloaded); close it with ``model.close()`` or ``with``."""
     return Model(model_dir)

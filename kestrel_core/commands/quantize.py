@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import progress
+from .. import hub, progress
 from ..quant import GROUP_SIZES, quantize_checkpoint
 from .common import emit_json, mib
 
@@ -11,7 +11,8 @@ HELP = ("write a q8 checkpoint: int8 weights with one f32 scale per group of inp
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, help="float Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--model", required=True, help="float Hugging Face model directory (config.json + *.safetensors), "
+                   "or a name in the local Hugging Face cache such as Qwen/Qwen3-8B (never downloaded)")
     p.add_argument("--out", required=True, help="output directory, new or empty (a model.safetensors, config.json, tokenizer files)")
     p.add_argument("--force", action="store_true", help="replace the model files of a non-empty --out as a whole")
     p.add_argument("--group-size", default="32", help=f"input columns per scale: {' | '.join(map(str, GROUP_SIZES))} (default 32)")
@@ -22,7 +23,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     with progress.shown(not args.json):
-        summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head,
+        summary = quantize_checkpoint(hub.resolve(args.model), args.out, args.group_size, args.keep_lm_head,
                                       device=args.device, force=args.force)
     if args.json:
         emit_json(summary)
