@@ -6,7 +6,7 @@ each other; plugins registered there are observers that see every boundary of ev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import attrs
 
@@ -104,18 +104,37 @@ class Run:
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
-                 **generation: Any) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
+                 stop_ids: Iterable[int] = (), **generation: Any) -> GenerationResult:
         """Generate from ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer); ``generation`` takes
-        kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos)."""
+        kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos).
+
+        As it runs, ``on_token(id)`` hears each generated id, and ``on_text(piece)`` (the model's tokenizer
+        needed) the text as it grows: the pieces join to the result's ``text``. ``stop_ids`` end the
+        generation as config.json's eos_token_id does (with stop_at_eos)."""
         unknown = sorted(set(generation) - {f.name for f in attrs.fields(type(self.config.generation))})
         if unknown:
             raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; "
                               f"allowed: {', '.join(f.name for f in attrs.fields(type(self.config.generation)))}")
+        tok = self.model.tokenizer
+        if on_text is not None and tok is None:
+            raise ConfigError(f"on_text needs a tokenizer: {self.model.dir} has no usable tokenizer.json; "
+                              "take the ids with on_token instead")
         gen = with_settings(self.config, generation, "generate").generation
         ids = self.model.prompt_ids(prompt_ids if prompt_ids is not None else list(gen.prompt_ids),
                                     prompt if prompt is not None else gen.prompt)
-        result = generate(self, ids, gen, keep_logits=keep_logits)
-        tok = self.model.tokenizer
+        stream = tok.stream() if on_text is not None else None
+
+        def each(token: int) -> None:
+            if on_token is not None:
+                on_token(token)
+            if stream is not None and (piece := stream.push(token)):
+                on_text(piece)
+
+        hear = each if on_token is not None or stream is not None else None
+        result = generate(self, ids, gen, keep_logits=keep_logits, on_token=hear, stop_ids=stop_ids)
+        if stream is not None and (rest := stream.finish()):
+            on_text(rest)
         return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
 
     def close(self) -> None:

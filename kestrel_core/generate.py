@@ -2,13 +2,14 @@
 
 Greedy decoding never waits on a token to launch the next step: each step's token (and whether
 its logits were finite) is copied to host memory without a wait and read one step later, so a
-step may run past an end-of-sequence token. That step is dropped, with its counters.
+step may run past an end-of-sequence token. That step is dropped, with its counters, and
+``on_token`` hears of a token only once it is read back: exactly the tokens of the result, in order.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import attrs
 import torch
@@ -151,9 +152,13 @@ def nonfinite(run: Run, ids: list[int], start: int, cache: list[KVCache], rope: 
     )
 
 
-def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool = False) -> GenerationResult:
+def generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool = False,
+             on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = ()) -> GenerationResult:
+    """Generate from ``prompt_ids``. ``on_token(id)`` is called with each token of the result as soon as it is
+    read back (the first from the prefill); ``stop_ids`` end the generation as config.json's eos_token_id
+    does, where ``gen.stop_at_eos``."""
     try:
-        return _generate(run, prompt_ids, gen, keep_logits)
+        return _generate(run, prompt_ids, gen, keep_logits, on_token, frozenset(stop_ids))
     except torch.cuda.OutOfMemoryError:
         budget = run.backend.budget
         hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
@@ -188,12 +193,13 @@ class _Readback:
         return token, bool(bad)
 
 
-def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool) -> GenerationResult:
+def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logits: bool,
+              on_token: Callable[[int], None] | None, stop_ids: frozenset[int]) -> GenerationResult:
     check_prompt(run, prompt_ids, gen)
     cfg, backend, window, counters = run.model.config, run.backend, run.window, run.counters
     sampler = Sampler(gen)
     eos = cfg.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | stop_ids
     max_seq = len(prompt_ids) + gen.max_new_tokens
     cache = allocate_cache(run, max_seq)
     fixed = counters.resident_bytes
@@ -209,6 +215,8 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
         prefill_end = backend.mark()
         prefill_ms = backend.elapsed_ms(t0, prefill_end)
         tokens = [token]
+        if on_token:
+            on_token(token)
         state = DecodeState(backend.device, rope, max_seq, greedy)
         state.start(token, len(prompt_ids))
         runner = StepRunner(run, state, cache, graphs=run.config.backend.graphs == "auto")
@@ -223,6 +231,8 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
             if bad:
                 raise nonfinite(run, [tokens[k]], len(prompt_ids) + k, cache, rope, "decode")
             tokens.append(token)
+            if on_token:
+                on_token(token)
             return gen.stop_at_eos and token in eos_ids
 
         try:

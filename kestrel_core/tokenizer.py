@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import ConfigError
+from .errors import ConfigError, KestrelNote
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: TextStream does the same windowed decode itself
+    DecodeStream = None
+
+INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that do not (yet) make a whole character
 
 
 class Tokenizer:
@@ -21,6 +29,77 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def stream(self) -> "TextStream":
+        return TextStream(self)
+
+
+class TextStream:
+    """The text of ids that arrive one at a time: ``push(id)`` gives the text that is ready, ``finish()`` the rest.
+
+    The pieces joined equal ``tokenizer.decode`` of every id pushed. A piece that would end in an
+    incomplete character (a byte-level or byte-fallback token that starts a multi-byte UTF-8
+    sequence) is held back until a later token completes it, so no replacement character appears
+    mid-stream; ``finish`` gives what is still held, as the whole decode has it.
+
+    Each step decodes a short window of ids (the last piece's and the new ones) and emits what the
+    new ids add to it, so that a decoder that treats a first token specially (a leading space) decodes
+    each token in context: the tokenizer's ``DecodeStream`` where the installed ``tokenizers`` has it,
+    else the same algorithm here.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, native: bool = True):
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # given out so far
+        self._native = DecodeStream(skip_special_tokens=False) if native and DecodeStream is not None else None
+        self._window: list[int] = []  # the last piece's ids, then the ids held back since
+        self._prefix = ""  # the window's text before the held ids
+        self._last = 0  # how many of the window's ids are the last piece's
+        self._diverged = False
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if self._diverged:
+            return ""
+        if self._native is not None:
+            try:
+                piece = self._native.step(self._tok._tok, token_id) or ""
+            except Exception:  # the library's InvalidPrefix: the window's text no longer starts as it did
+                piece, self._diverged = "", True
+        else:
+            piece = self._step(token_id)
+        self.text += piece
+        return piece
+
+    def _step(self, token_id: int) -> str:
+        """DecodeStream's step, for a ``tokenizers`` without it."""
+        self._window.append(token_id)
+        text = self._tok.decode(self._window)
+        if len(text) <= len(self._prefix) or text.endswith(INCOMPLETE):
+            return ""
+        if not text.startswith(self._prefix):
+            self._diverged = True
+            return ""
+        piece = text[len(self._prefix):]
+        self._window, self._last = self._window[self._last:], len(self._window) - self._last
+        self._prefix = self._tok.decode(self._window)
+        return piece
+
+    def finish(self) -> str:
+        """The text still held back (an incomplete character at the end decodes as the whole decode has it)."""
+        full = self._tok.decode(self.ids)
+        if not full.startswith(self.text):
+            warnings.warn("the streamed text differs from the decode of the whole generation (the tokenizer's decoder "
+                          "rewrote text it had already given); the result's text (--json) is the exact decode",
+                          KestrelNote, stacklevel=2)
+            return ""
+        rest = full[len(self.text):]
+        self.text = full
+        return rest
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

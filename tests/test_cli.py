@@ -45,7 +45,8 @@ def test_generate_prints_a_readable_report(tiny_ckpt, capsys):
     rc, out, _ = cli(capsys, "generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--keep", "1",
                      "--max-new-tokens", "3", "--ignore-eos")
     assert rc == 0
-    lines = dict(line.split(": ", 1) for line in out.splitlines())
+    report = out[out.rindex("token ids: "):]  # after the streamed text (the tokenizer's decode of these ids)
+    lines = dict(line.split(": ", 1) for line in report.splitlines())
     assert len(lines["token ids"].split()) == 3
     assert "policy=asymmetric keep=1" in lines["setting"]
     assert lines["per decoded token (last)"].startswith("5 layers")
@@ -58,8 +59,10 @@ def test_generate_prints_text_with_a_tokenizer(tiny_ckpt, capsys):
     assert out["prompt_ids"] == list(b"hello")  # the preset's tokenizer is byte-level
     tok = tokenizers.Tokenizer.from_file(str(tiny_ckpt / "tokenizer.json"))
     assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=False)
-    rc, plain, _ = cli(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "hello", "--max-new-tokens", "2")
-    assert rc == 0 and any(line.startswith("text: ") for line in plain.splitlines())
+    rc, plain, _ = cli(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "hello", "--max-new-tokens", "4",
+                       "--ignore-eos")
+    streamed, _, report = plain.rpartition("token ids: ")
+    assert rc == 0 and out["text"] and streamed == out["text"] + "\n"  # the text streams first, then the report
 
 
 def test_no_tokenizer_means_ids_only(tiny_copy, capsys):
@@ -94,7 +97,7 @@ def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys, monkeypatch):
     assert "invariance on cpu_ref: token ids identical across all 3 runs" in out
     assert "pinned_set vs asymmetric on cpu_ref at keep=2 (pool)" in out and "(25% fewer bytes)" in out
     assert out.count(" same\n") == 3 and "DIFF" not in out
-    assert "sweep:" in err and "2/3" in err and "cpu_ref off keep=off pool" in err  # a bar of the runs, on stderr
+    assert "sweep [3/3]" in err  # progress goes to stderr
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "2", "--max-new-tokens", "2")
     assert rc == 0 and err == ""  # not on a terminal: no progress, so an error would be the only line
@@ -185,15 +188,13 @@ def test_demo_json_finishes_identical(tmp_path, capsys):
     assert all(len(r["token_ids"]) == 3 for r in data["rows"])
 
 
-def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys, monkeypatch):
-    from kestrel_core import progress
+def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys):
     from kestrel_core.commands.demo import ensure_demo_model
 
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a person at a terminal hears of the write
-    with progress.shown():
-        path = ensure_demo_model(tmp_path / "demo-qwen3")
-        assert f"demo: writing the demo checkpoint to {path}\n" in capsys.readouterr().err
-        mtime = (path / "model.safetensors").stat().st_mtime_ns
-        assert ensure_demo_model(path) == path
-        assert capsys.readouterr().err == ""
+    said = []
+    path = ensure_demo_model(tmp_path / "demo-qwen3", said.append)
+    assert said == [f"demo: writing the demo checkpoint to {path}"]
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model(path, said.append) == path
+    assert len(said) == 1
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime

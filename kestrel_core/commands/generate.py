@@ -7,7 +7,8 @@ from ..errors import ConfigError
 from ..modeldir import load
 from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
 
-HELP = "generate tokens with a policy, keep, allocator and backend; print ids, ms/token and counters"
+HELP = ("generate tokens with a policy, keep, allocator and backend; print the text as it is generated "
+        "(the ids where the model has no tokenizer), then ms/token and counters")
 
 
 def add_arguments(p):
@@ -24,7 +25,14 @@ def run(args) -> int:
                 raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
             traces.check_new(args.trace)
             r.window.routing = []
-        result = r.generate()
+        if args.json:
+            result = r.generate()
+        else:
+            echo = Echo()
+            try:
+                result = r.generate(on_text=echo.text) if model.tokenizer else r.generate(on_token=echo.token)
+            finally:
+                echo.end()
         policy = r.policy.name
         if args.trace:
             traces.write_new(args.trace, traces.trace_record(traces.model_info(r), r.window.routing))
@@ -36,9 +44,8 @@ def run(args) -> int:
         return 0
     c = result.counters
     steps = len(result.decode_ms)
-    print(f"token ids: {' '.join(map(str, result.token_ids))}")
-    if text is not None:
-        print(f"text: {text!r}")
+    if text is not None:  # else the ids streamed as this very line
+        print(f"token ids: {' '.join(map(str, result.token_ids))}")
     print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} "
           f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
     print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {result.ms_per_token:.2f} ms/token (median of {steps})")
@@ -55,3 +62,23 @@ def run(args) -> int:
     for k, v in result.memory.items():
         print(f"{k.replace('_', ' ')}: {mib(v)}")
     return 0
+
+
+class Echo:
+    """Prints a generation as it comes, on stdout: the text as it grows, or ``token ids:`` and each id."""
+
+    def __init__(self):
+        self.started = False
+
+    def text(self, piece: str) -> None:
+        print(piece, end="", flush=True)
+        self.started = True
+
+    def token(self, token: int) -> None:
+        print(f" {token}" if self.started else f"token ids: {token}", end="", flush=True)
+        self.started = True
+
+    def end(self) -> None:
+        """End the streamed line, so that what follows (the report, or an error) starts on its own."""
+        if self.started:
+            print(flush=True)
