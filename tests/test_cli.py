@@ -97,7 +97,7 @@ def test_sweep_prints_the_table_and_the_verdict(tiny_ckpt, capsys, monkeypatch):
     assert "invariance on cpu_ref: token ids identical across all 3 runs" in out
     assert "pinned_set vs asymmetric on cpu_ref at keep=2 (pool)" in out and "(25% fewer bytes)" in out
     assert out.count(" same\n") == 3 and "DIFF" not in out
-    assert "sweep [3/3]" in err  # progress goes to stderr
+    assert "sweep:" in err and "2/3" in err and "cpu_ref off keep=off pool" in err  # a bar of the runs, on stderr
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     rc, out, err = cli(capsys, "sweep", "--model", str(tiny_ckpt), "--keep", "2", "--max-new-tokens", "2")
     assert rc == 0 and err == ""  # not on a terminal: no progress, so an error would be the only line
@@ -188,13 +188,15 @@ def test_demo_json_finishes_identical(tmp_path, capsys):
     assert all(len(r["token_ids"]) == 3 for r in data["rows"])
 
 
-def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys):
+def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys, monkeypatch):
+    from kestrel_core import progress
     from kestrel_core.commands.demo import ensure_demo_model
 
-    said = []
-    path = ensure_demo_model(tmp_path / "demo-qwen3", said.append)
-    assert said == [f"demo: writing the demo checkpoint to {path}"]
-    mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_demo_model(path, said.append) == path
-    assert len(said) == 1
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a person at a terminal hears of the write
+    with progress.shown():
+        path = ensure_demo_model(tmp_path / "demo-qwen3")
+        assert f"demo: writing the demo checkpoint to {path}\n" in capsys.readouterr().err
+        mtime = (path / "model.safetensors").stat().st_mtime_ns
+        assert ensure_demo_model(path) == path
+        assert capsys.readouterr().err == ""
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
