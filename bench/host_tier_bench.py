@@ -217,8 +217,8 @@ def main() -> int:
         kestrel_row(model, "warm-up (not recorded)", 1024, False, 3)
         if args.rows == "kestrel":
             rows = []
-            for name, mb in BUDGETS:
-                for cold in (False, True):
+            for cold in (False, True):  # hot rows first: a cold row's drop leaves the cache empty, and O_DIRECT keeps it so
+                for name, mb in BUDGETS:
                     rows.append(kestrel_row(model, f"{name} {'cold' if cold else 'hot'}", mb, cold, args.tokens))
                     rec["rows"] = rows
                     write_record("host_tier", rec, outs, stamp)

@@ -78,6 +78,7 @@ class CudaBackend(Backend):
         self.lay_out_units()
         self._check_budget(ctx)
         self._stager: Stager | None = None
+        self._registered = False
         self._host = self._set_up_host(ctx)
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
@@ -173,6 +174,8 @@ class CudaBackend(Backend):
         if self.host_budget.mode == "all":
             staging = ctx.host.get(key, self._stage_host)
             self.counters.peak_host_pinned_bytes = staging.pinned_bytes
+            # A registered block is page-locked, though torch's is_pinned knows only its own allocator's blocks.
+            self._registered = staging.memory is not None and staging.memory.pinned_bytes > 0
             return staging.host
         if self.quant:
             raise ConfigError(
@@ -183,7 +186,7 @@ class CudaBackend(Backend):
         size = slot_bytes(self._slot_entries.values(), self.dtype)
         depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))
         n = ring_slots(self.host_budget, size, depth)
-        ring = PinnedRing(n, size, self.dtype, threads=4, pin=True)
+        ring = PinnedRing(n, size, self.dtype, threads=8, pin=True)
         self._stager = Stager(ring, Filler(self.ckpt), self._slot_entries.__getitem__, lookahead=n - 1)
         self.counters.peak_host_pinned_bytes = ring.pinned_bytes
         return {}
@@ -358,8 +361,8 @@ class CudaBackend(Backend):
                               "cannot be captured; it runs eagerly (a host budget that holds every unit lets it be)",
                               KestrelNote, stacklevel=2)
             return None
-        unpinned = [e.source for plan in plans for fetch in plan.fetch for e in fetch.unit.entries
-                    if not _pinned(self._host[e.source])]
+        unpinned = [] if self._registered else [e.source for plan in plans for fetch in plan.fetch
+                                                for e in fetch.unit.entries if not _pinned(self._host[e.source])]
         if unpinned:  # a pageable source cannot be copied inside a graph (an error, or garbage in older torch)
             if not self._said_unpinned:
                 self._said_unpinned = True
