@@ -11,7 +11,7 @@ import warnings
 from . import plugins
 from .errors import KestrelError, KestrelNote, PluginError
 
-SUBCOMMANDS = ("make_model", "generate", "sweep", "replay", "plugins", "demo", "quantize")
+SUBCOMMANDS = ("make_model", "generate", "chat", "sweep", "replay", "plugins", "demo", "quantize")
 
 
 def _add(sub, name: str, command) -> None:

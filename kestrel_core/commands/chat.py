@@ -1,0 +1,189 @@
+"""kestrel chat: a conversation with a model, one message a line on stdin, each reply streamed as it is generated."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import attrs
+
+from .. import progress
+from ..chat_template import ChatTemplate, load_chat_template
+from ..config import GenerationConfig
+from ..errors import ConfigError, KestrelNote
+from ..generate import GenerationResult
+from ..modeldir import Model, load
+from ..modelconfig import read_json
+from .common import add_run_flags, config_from_args, model_dir
+
+HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
+
+EXIT, RESET = ("/exit", "/quit"), "/reset"
+REPLY_TOKENS = 512  # a reply's cap where neither --max-new-tokens nor kestrel.toml sets one (generate's 16 is short)
+
+
+def add_arguments(p):
+    add_run_flags(p)
+    p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument("--template-var", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable for the chat template, VALUE as JSON where it parses (e.g. enable_thinking=false "
+                        "for Qwen3); repeatable")
+
+
+def run(args) -> int:
+    if args.prompt is not None or args.prompt_ids is not None:
+        raise ConfigError("kestrel chat reads its messages from stdin, one a line; drop --prompt/--prompt-ids "
+                          "(use --system for a system message, or kestrel generate for one prompt)")
+    variables = template_vars(args.template_var)
+    cfg = config_from_args(args)
+    if args.max_new_tokens is None and cfg.generation.max_new_tokens == GenerationConfig().max_new_tokens:
+        cfg = cfg.override(generation__max_new_tokens=REPLY_TOKENS)
+    with progress.shown(not args.json), load(model_dir(cfg)) as model:
+        if model.tokenizer is None:
+            raise ConfigError(f"{model.dir} has no tokenizer.json, and chat turns text into ids through it: a model "
+                              "without a tokenizer cannot chat; use `kestrel generate --prompt-ids 1,2,3`")
+        template = load_chat_template(model.dir)
+        ends = end_ids(model, template)
+        with model.open(cfg) as r:
+            chat = Chat(r, template, ends, variables, args.system)
+            prompt = "> " if sys.stdin.isatty() and not args.json else ""
+            if prompt:
+                import readline  # noqa: F401  (line editing and history for input())
+            progress.say(f"kestrel chat: {model.dir}; one message a line, {RESET} starts over, {EXIT[0]} or Ctrl-D leaves")
+            while (line := read_line(prompt)) is not None:
+                message = line.strip()
+                if not message:
+                    continue
+                if message in EXIT:
+                    break
+                if message == RESET:
+                    chat.reset()
+                    continue
+                if args.json:
+                    reply = chat.reply(message)
+                    print(json.dumps(reply.record()), flush=True)
+                else:
+                    reply = chat.reply(message, write)
+                    write("\n")
+                progress.say(f"[{len(reply.ids)} tokens, {reply.result.ms_per_token:.1f} ms/token]")
+    if chat.cut:
+        warnings.warn(f"{chat.cut} of {chat.replies} replies stopped at the {cfg.generation.max_new_tokens}-token cap "
+                      "(or the model's last position) before the model ended its turn; raise --max-new-tokens "
+                      "for longer replies", KestrelNote)
+    return 0
+
+
+@attrs.frozen
+class Reply:
+    result: GenerationResult
+    ids: list[int]  # as generated, the end-of-turn id included
+    text: str  # the reply as it joins the conversation: the end-of-turn token's text left out
+    ended: bool  # whether the model ended its turn (else the token cap cut it)
+    prompt_tokens: int  # the conversation so far, rendered
+
+    def record(self) -> dict:
+        return {"reply": self.text, "token_ids": self.ids, "ended": self.ended, "prompt_tokens": self.prompt_tokens,
+                "ms_per_token": round(self.result.ms_per_token, 3), "prefill_ms": round(self.result.prefill_ms, 3)}
+
+
+class Chat:
+    """The conversation on one open run: each reply is generated from the whole conversation, rendered again."""
+
+    def __init__(self, run, template: ChatTemplate, ends: frozenset[int], variables: dict | None = None,
+                 system: str | None = None):
+        self.run, self.template, self.ends = run, template, ends
+        self.variables = dict(variables or {})
+        self.system = system
+        self.tokenizer = run.model.tokenizer
+        self.replies = self.cut = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, message: str, write=None) -> Reply:
+        """The model's reply to ``message``, its text given to ``write`` as it grows; both join the conversation."""
+        gen = self.run.config.generation
+        messages = self.messages + [{"role": "user", "content": message}]
+        prompt = self.tokenizer.encode(self.template.render(messages, add_generation_prompt=True, **self.variables))
+        room = self.run.model.config.max_position_embeddings - len(prompt)
+        if room < 1:
+            raise ConfigError(f"the conversation is {len(prompt)} tokens, and the model has "
+                              f"{self.run.model.config.max_position_embeddings} positions: no room for a reply; "
+                              f"start a new chat ({RESET})")
+        stream = self.tokenizer.stream()
+        ids: list[int] = []
+
+        def hear(token: int) -> None:
+            ids.append(token)
+            if gen.stop_at_eos and token in self.ends:
+                return  # the end of the turn is not part of the reply; the loop stops on it
+            piece = stream.push(token)
+            if write and piece:
+                write(piece)
+
+        result = self.run.generate(prompt_ids=prompt, on_token=hear, stop_ids=self.ends,
+                                   max_new_tokens=min(gen.max_new_tokens, room))
+        rest = stream.finish()
+        if write and rest:
+            write(rest)
+        ended = gen.stop_at_eos and bool(ids) and ids[-1] in self.ends
+        text = stream.text
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        self.replies += 1
+        self.cut += gen.stop_at_eos and not ended
+        return Reply(result, ids, text, bool(ended), len(prompt))
+
+
+def end_ids(model: Model, template: ChatTemplate) -> frozenset[int]:
+    """The ids that end a reply: eos_token_id in config.json and generation_config.json, and the template's
+    eos_token (Qwen3's <|im_end|>, say); a model that names none cannot end a turn."""
+    ids = set(_ids(model.config.eos_token_id))
+    path = model.dir / "generation_config.json"
+    if path.is_file():
+        raw = read_json(path)
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        if not (eos is None or _is_id(eos) or (isinstance(eos, list) and all(_is_id(i) for i in eos))):
+            raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {json.dumps(eos)[:80]}")
+        ids |= set(_ids(eos))
+    if template.eos_token:
+        token = model.tokenizer.token_to_id(template.eos_token)
+        if token is not None:
+            ids.add(token)
+    if not ids:
+        raise ConfigError(f"{model.dir} names no end-of-sequence token (eos_token_id in config.json or "
+                          "generation_config.json, eos_token in tokenizer_config.json), so a reply could not end; add one")
+    return frozenset(ids)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
+def template_vars(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise ConfigError(f"--template-var must be NAME=VALUE, got {pair!r}; e.g. --template-var enable_thinking=false")
+        try:
+            out[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name.strip()] = value  # a plain string
+    return out
+
+
+def read_line(prompt: str) -> str | None:
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def write(text: str) -> None:
+    print(text, end="", flush=True)
