@@ -107,6 +107,16 @@ def test_the_python_api_loads_a_name(hf_cache):
             assert len(run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, stop_at_eos=False).token_ids) == 2
 
 
+def test_a_lookup_writes_nothing_to_the_cache(hf_cache, capsys):
+    def tree():
+        return sorted((str(p.relative_to(hf_cache)), p.lstat().st_mtime_ns) for p in hf_cache.rglob("*"))
+
+    before = tree()
+    generate_json(capsys, REPO)
+    fails(["generate", "--model", "Org/Missing", *RUN], capsys, "not in the Hugging Face cache")
+    assert tree() == before
+
+
 def test_hf_home_names_the_cache_when_hf_hub_cache_is_unset(hf_cache, tmp_path, monkeypatch, tiny_model, capsys):
     home = tmp_path / "hf-home"
     cache_model(home / "hub", "other/model", tiny_model)
