@@ -129,6 +129,10 @@ class PinnedRing:
 
     ``acquire`` returns the oldest slot once its last upload is done; ``fill`` copies a unit into it
     from the checkpoint mapping (fused and converted on the way) and returns each entry's view.
+
+    The block is registered (``HostMemory``), so exactly the budget's bytes are locked. torch does not
+    know registered memory as pinned, so it copies from a slot synchronously (the uploading thread
+    waits for each copy, while the stager's worker fills the next slots).
     """
 
     def __init__(self, n: int, nbytes: int, dtype: torch.dtype, threads: int = 4, pin: bool | None = None):

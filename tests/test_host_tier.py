@@ -102,3 +102,28 @@ def test_slots_come_in_turn_and_wait_for_their_last_reader():
     with pytest.raises(ConfigError, match="its parts have 3 rows, the entry 4"):
         ring.fill(b, [SlotEntry("qkv", (4, 8), ("q",))], lambda name: torch.zeros(3, 8))
     ring.close()
+
+
+def test_the_flag_and_the_toml_key_set_the_host_budget(tmp_path):
+    from kestrel_core.cli import build_parser
+    from kestrel_core.commands.common import config_from_args
+
+    args = build_parser().parse_args(["generate", "--host-budget-mb", "1536.5"])
+    assert config_from_args(args).backend.host_budget_mb == 1536.5
+    toml = tmp_path / "kestrel.toml"
+    toml.write_text("[backend]\nhost_budget_mb = 2048\n")
+    args = build_parser().parse_args(["generate", "--config", str(toml)])
+    assert config_from_args(args).backend.host_budget_mb == 2048
+    toml.write_text('[backend]\nhost_budget_mb = "lots"\n')
+    with pytest.raises(ConfigError, match="host_budget_mb must be float"):
+        config_from_args(build_parser().parse_args(["generate", "--config", str(toml)]))
+
+
+def test_cpu_ref_says_the_host_budget_does_not_apply(tiny_ckpt, monkeypatch):
+    from kestrel_core import load
+    from kestrel_core.errors import KestrelNote
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    with pytest.warns(KestrelNote, match="cpu_ref pins nothing"):
+        with load(tiny_ckpt) as model, model.open(backend="cpu_ref", host_budget_mb=512):
+            pass

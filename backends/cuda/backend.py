@@ -78,7 +78,6 @@ class CudaBackend(Backend):
         self.lay_out_units()
         self._check_budget(ctx)
         self._stager: Stager | None = None
-        self._registered = False
         self._host = self._set_up_host(ctx)
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
@@ -174,8 +173,6 @@ class CudaBackend(Backend):
         if self.host_budget.mode == "all":
             staging = ctx.host.get(key, self._stage_host)
             self.counters.peak_host_pinned_bytes = staging.pinned_bytes
-            # A registered block is page-locked, though torch's is_pinned knows only its own allocator's blocks.
-            self._registered = staging.memory is not None and staging.memory.pinned_bytes > 0
             return staging.host
         if self.quant:
             raise ConfigError(
@@ -193,13 +190,12 @@ class CudaBackend(Backend):
 
     def _stage_host(self) -> "Staging":
         """Pin each unit once, already fused and in compute dtype (q8: in device layout): an upload is then a
-        plain DMA. Keyed by entry source, (unit key, entry name). A float checkpoint's staging is one block,
-        page-locked by registering it, so exactly its bytes are pinned.
+        plain DMA. Keyed by entry source, (unit key, entry name). Each entry is a block of torch's pinned
+        allocator, which torch copies from asynchronously and inside a captured graph (memory registered with
+        cudaHostRegister is not one of its blocks: torch copies from it synchronously, so a graph cannot hold it).
 
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
-        if not self.quant:
-            return self._stage_float_block()
         host: dict[tuple, torch.Tensor] = {}
         for spec in self.ctx.unit_specs:
             tensors = spec.tensors
@@ -215,25 +211,6 @@ class CudaBackend(Backend):
                 self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
             host.update({(spec.key, name): t for name, t in staged.items()})
         return Staging(host, None, sum(_nbytes(t) for t in host.values()))
-
-    def _stage_float_block(self) -> "Staging":
-        total = sum(_aligned(e.nbytes(self.dtype)) for es in self._slot_entries.values() for e in es)
-        memory = HostMemory(total, pin=True)
-        host: dict[tuple, torch.Tensor] = {}
-        at = 0
-        for key, entries in self._slot_entries.items():
-            for e in entries:
-                n = e.nbytes(self.dtype)
-                dst = memory.raw[at : at + n].view(self.dtype).view(e.shape)
-                row = 0
-                for name in e.parts:
-                    src = self.ckpt.view(name)
-                    dst[row : row + src.shape[0]].copy_(src)
-                    row += src.shape[0]
-                host[(key, e.name)] = dst
-                at += _aligned(n)
-            self.ckpt.drop_pages([name for e in entries for name in e.parts])  # the pinned copy is the host staging now
-        return Staging(host, memory, memory.pinned_bytes)
 
     def _stage_float(self, roles, tensors) -> torch.Tensor:
         rows = sum(tensors[r][1][0] for r in roles)
@@ -361,8 +338,8 @@ class CudaBackend(Backend):
                               "cannot be captured; it runs eagerly (a host budget that holds every unit lets it be)",
                               KestrelNote, stacklevel=2)
             return None
-        unpinned = [] if self._registered else [e.source for plan in plans for fetch in plan.fetch
-                                                for e in fetch.unit.entries if not _pinned(self._host[e.source])]
+        unpinned = [e.source for plan in plans for fetch in plan.fetch for e in fetch.unit.entries
+                    if not _pinned(self._host[e.source])]
         if unpinned:  # a pageable source cannot be copied inside a graph (an error, or garbage in older torch)
             if not self._said_unpinned:
                 self._said_unpinned = True

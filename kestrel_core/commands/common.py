@@ -34,6 +34,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
     p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")
     p.add_argument("--pool-slots", type=int, help="buffers the pool may hold (default 128)")
+    p.add_argument("--host-budget-mb", type=float, help="cuda: MiB of pinned host memory for streamed weights "
+                   "(also KESTREL_HOST_MB); default: every layer where half the available RAM holds them, else a ring")
     p.add_argument("--expert-policy", help="Mixture-of-Experts: the expert policy (expert_lru, expert_lfu, or a plugin's)")
     p.add_argument("--expert-budget-mb", type=float, help="Mixture-of-Experts: MiB the expert policy keeps experts in")
     p.add_argument("--expert-prefetch", action="store_true", default=None,
@@ -71,6 +73,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         backend__device=args.device,
         backend__graphs=args.graphs,
         backend__compile=args.compile,
+        backend__host_budget_mb=args.host_budget_mb,
         backend__prefetch=single(_int(args.prefetch, "--prefetch")),
         residency__policy=single(args.policy),
         residency__keep=None if sweep or args.keep is None else parse_keep(args.keep),  # a sweep parses its list
