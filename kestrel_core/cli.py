@@ -8,7 +8,7 @@ import importlib
 import sys
 import warnings
 
-from . import plugins
+from . import plugins, progress
 from .errors import KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "sweep", "replay", "plugins", "demo", "quantize")
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("default")
-            rc = args.run(args) or 0
+            with progress.shown(not getattr(args, "json", False)):  # bars on stderr, for a person at a terminal
+                rc = args.run(args) or 0
         for note in notes:  # after the output, and only when the command did not fail
             if issubclass(note.category, KestrelNote):
                 print(f"kestrel: note: {note.message}", file=sys.stderr)

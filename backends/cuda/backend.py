@@ -19,6 +19,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from kestrel_core import progress
 from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.budget import resolve_budget
 from kestrel_core.devices import compute_device
@@ -197,20 +198,26 @@ class CudaBackend(Backend):
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
         host: dict[tuple, torch.Tensor] = {}
-        for spec in self.ctx.unit_specs:
-            tensors = spec.tensors
-            if self.quant:
-                staged = q8.stage_q8_unit(self.ckpt, self.quant, tensors,
-                                          [(n, r) for n, r in fusion(tensors) if tensors[r[0]][0] in self._q8])
-                for name, roles in fusion(tensors):
-                    if name not in staged:  # a float entry of a q8 checkpoint (a router)
-                        staged[name] = self._stage_float(roles, tensors)
-                self.ckpt.drop_pages(q8.unit_page_names(self.quant, tensors))
-            else:
-                staged = {name: self._stage_float(roles, tensors) for name, roles in fusion(tensors)}
-                self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
-            host.update({(spec.key, name): t for name, t in staged.items()})
+        with progress.bar(len(self.ctx.unit_specs), "pinning", unit="unit") as bar:
+            for spec in self.ctx.unit_specs:
+                host.update(self._stage_unit(spec))
+                bar.update(1)
         return Staging(host, None, sum(_nbytes(t) for t in host.values()))
+
+    def _stage_unit(self, spec) -> dict[tuple, torch.Tensor]:
+        """One unit's host staging, keyed (unit key, entry name)."""
+        tensors = spec.tensors
+        if self.quant:
+            staged = q8.stage_q8_unit(self.ckpt, self.quant, tensors,
+                                      [(n, r) for n, r in fusion(tensors) if tensors[r[0]][0] in self._q8])
+            for name, roles in fusion(tensors):
+                if name not in staged:  # a float entry of a q8 checkpoint (a router)
+                    staged[name] = self._stage_float(roles, tensors)
+            self.ckpt.drop_pages(q8.unit_page_names(self.quant, tensors))
+        else:
+            staged = {name: self._stage_float(roles, tensors) for name, roles in fusion(tensors)}
+            self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
+        return {(spec.key, name): t for name, t in staged.items()}
 
     def _stage_float(self, roles, tensors) -> torch.Tensor:
         rows = sum(tensors[r][1][0] for r in roles)
