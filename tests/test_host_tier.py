@@ -11,7 +11,7 @@ from kestrel_core.host_tier import (HOST_ENV, HostBudget, PinnedRing, SlotEntry,
                                     slot_bytes)
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
-from kestrel_cuda.layout import fusion
+from kestrel_cuda.layout import slot_entries
 
 MiB = 2**20
 
@@ -50,12 +50,7 @@ def test_a_budget_below_one_unit_and_the_prefetch_says_what_it_needs():
 
 def _entries(cfg):
     """Each unit's entries in cuda's fused layout, as the ring stages them."""
-    out = {}
-    for spec in unit_specs(cfg):
-        t = spec.tensors
-        out[spec.key] = [SlotEntry(name, (sum(t[r][1][0] for r in roles), t[roles[0]][1][1]),
-                                   tuple(t[r][0] for r in roles)) for name, roles in fusion(t)]
-    return out
+    return {spec.key: slot_entries(spec.tensors) for spec in unit_specs(cfg)}
 
 
 class Event:

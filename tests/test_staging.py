@@ -21,7 +21,7 @@ from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.staging import Filler, Stager
-from kestrel_cuda.layout import fusion
+from kestrel_cuda.layout import slot_entries
 
 DTYPE = torch.bfloat16
 
@@ -35,12 +35,7 @@ def ckpt_dir(tmp_path_factory) -> Path:
 
 
 def entries_of(cfg) -> dict:
-    out = {}
-    for spec in unit_specs(cfg):
-        t = spec.tensors
-        out[spec.key] = [SlotEntry(name, (sum(t[r][1][0] for r in roles), t[roles[0]][1][1]),
-                                   tuple(t[r][0] for r in roles)) for name, roles in fusion(t)]
-    return out
+    return {spec.key: slot_entries(spec.tensors) for spec in unit_specs(cfg)}
 
 
 def want(ckpt: Checkpoint, entry: SlotEntry) -> torch.Tensor:

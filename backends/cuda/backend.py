@@ -26,13 +26,13 @@ from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
 from kestrel_core.host import meminfo
-from kestrel_core.host_tier import (ALIGN, HostMemory, PinnedRing, SlotEntry, resolve_host_budget,
+from kestrel_core.host_tier import (ALIGN, HostMemory, PinnedRing, resolve_host_budget,
                                     ring_slots, slot_bytes)
 from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
-from .layout import fusion
+from .layout import fusion, slot_entries
 from .rawcuda import RawBlock, raw_empty
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -162,9 +162,7 @@ class CudaBackend(Backend):
     # --- host staging --------------------------------------------------------------
     def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:
         """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
-        self._slot_entries = {spec.key: [SlotEntry(name, (sum(spec.tensors[r][1][0] for r in roles), spec.tensors[roles[0]][1][1]),
-                                                   tuple(spec.tensors[r][0] for r in roles)) for name, roles in fusion(spec.tensors)]
-                              for spec in ctx.unit_specs}
+        self._slot_entries = {spec.key: slot_entries(spec.tensors) for spec in ctx.unit_specs}
         if self.quant:
             staged = sum(u.nbytes for u in self.units.units.values())
         else:
