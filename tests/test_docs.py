@@ -43,7 +43,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # The pages whose blocks are run. A docs page of another part joins by following the conventions above.
 RUN = ["README.md", "docs/cli.md", "docs/plugins.md", "docs/gates.md", "docs/moe.md", "docs/q8.md",
-       "docs/backends.md", "docs/performance.md", "docs/decode-graphs.md"]
+       "docs/backends.md", "docs/performance.md", "docs/decode-graphs.md", "docs/chat.md", "docs/models.md"]
 LANGUAGES = {"sh", "python", "toml", "text"}
 SKIPS = {"gpu", "download", "install"}
 MARKER = re.compile(r"<!-- docs-test: (\S+)(?: (\S+))? -->")
