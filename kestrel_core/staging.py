@@ -16,6 +16,7 @@ forecast of the next (a forecast that misses costs a staging on demand, never a 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -25,7 +26,7 @@ import torch
 
 from .checkpoint import DTYPES, Checkpoint
 from .diskread import ALIGN, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported
-from .host_tier import PinnedRing, Slot, SlotEntry
+from .host_tier import PartRead, PinnedRing, Slot, SlotEntry
 
 HOT, COLD = "hot", "cold"
 
@@ -41,18 +42,33 @@ class Filler:
         self._reader = Reader(threads) if direct else None
         self._files: dict[Any, DirectFile] = {}
         self._scratch = aligned_empty(0)
+        self._fds: dict[Any, int] = {}  # buffered descriptors of the hot path's pread
+        self._read_hot: set[str] = set()  # parts of the unit being staged that pread reads
         self.hot_bytes = 0  # part bytes copied from the page cache
         self.cold_bytes = 0  # part bytes read from disk
         self.disk_bytes_read = 0  # what those reads took from disk (their aligned supersets)
 
-    def sources(self, entries: Sequence[SlotEntry]) -> dict[str, torch.Tensor]:
-        """Each part's bytes as a tensor of its stored dtype and shape, read from disk first where not cached."""
-        views = {name: self.ckpt.view(name) for e in entries for name in e.parts}
+    def sources(self, entries: Sequence[SlotEntry], dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Each part's bytes: read from disk first where not all cached (a tensor of its stored dtype and shape);
+        where cached and stored in ``dtype`` (the slot's), a ``PartRead`` that reads it straight into the slot;
+        else the mapping's view, which the ring converts as it copies."""
+        views: dict[str, Any] = {name: self.ckpt.view(name) for e in entries for name in e.parts}
         cold = [n for n, v in views.items() if self.direct and cached_fraction(v) < 1.0]
         self.hot_bytes += sum(v.numel() * v.element_size() for n, v in views.items() if n not in cold)
+        for n, v in views.items():
+            if n not in cold and v.dtype == dtype and v.dim() == 2:
+                info, f = self.ckpt.info(n), self.ckpt.file_of(n)
+                views[n] = PartRead(self._fd(f.path), info.start, info.nbytes, v.shape[0], str(f.path))
+                self._read_hot.add(n)
         if cold:
             views.update(self._read(cold))
         return views
+
+    def _fd(self, path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         infos = [self.ckpt.info(n) for n in names]
@@ -86,10 +102,17 @@ class Filler:
         return out
 
     def done(self, entries: Sequence[SlotEntry]) -> None:
-        """The unit is in its slot: take its pages out of the mapping (they stay in the cache, not in our RSS)."""
-        self.ckpt.drop_pages([name for e in entries for name in e.parts])
+        """The unit is in its slot: take the pages it copied from the mapping out of it (they stay in the cache, not
+        in our RSS); a part read with pread or O_DIRECT never mapped any."""
+        mapped = [name for e in entries for name in e.parts if name not in self._read_hot]
+        if mapped:
+            self.ckpt.drop_pages(mapped)
+        self._read_hot.clear()
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         for df in self._files.values():
             df.close()
         self._files.clear()
@@ -196,7 +219,7 @@ class Stager:
             try:
                 slot.wait()  # its last upload is done
                 entries = self.entries_of(key)
-                views = self.ring.fill(slot, entries, self.filler.sources(entries).__getitem__)
+                views = self.ring.fill(slot, entries, self.filler.sources(entries, self.ring.dtype).__getitem__)
                 self.filler.done(entries)
             except BaseException as exc:  # the uploading thread raises it
                 with self._cv:

@@ -139,3 +139,26 @@ def test_a_wrong_forecast_and_a_one_slot_ring_stay_correct(ckpt_dir):
     assert stager.filler.cold_bytes > 0  # dropped pages came from disk
     one, taken = run_passes(ckpt_dir, 1, [forward, forward])
     assert one.lookahead == 0 and one.staged_ahead == 0 and set(taken) == {0}
+
+
+def test_hot_parts_in_the_slots_dtype_are_read_with_pread_and_never_mapped(tmp_path):
+    out = write_checkpoint(preset_config("tiny"), tmp_path / "tiny-bf16")  # stored in bfloat16, the slot's dtype
+    ckpt = Checkpoint(out)
+    entries = entries_of(read_model_config(out))
+    ring = PinnedRing(2, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
+    stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=1)
+    try:
+        expect = {(key, e.name): want(ckpt, e).clone() for key, es in entries.items() for e in es}
+        for f in ckpt.files.values():  # the pages are cached (just written and read) and not mapped
+            f.drop_pages([(0, 2**62)])
+        for key in entries:
+            slot, views = stager.take(key)
+            for e in entries[key]:
+                assert torch.equal(views[e.name], expect[key, e.name]), (key, e.name)
+            stager.give_back(slot, Done())
+            assert ckpt.mapping_rss() == 0, key  # read through the page cache's copy: nothing faulted in
+        assert stager.filler.hot_bytes == sum(ckpt.info(n).nbytes for es in entries.values() for e in es for n in e.parts)
+    finally:
+        stager.close()
+        ring.close()
+        ckpt.close()
