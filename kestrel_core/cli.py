@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except KestrelError as exc:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of our output left (`kestrel generate ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141  # 128 + SIGPIPE, as a shell reports it
     except OSError as exc:  # a disk or permission problem the command did not name itself
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"kestrel: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",

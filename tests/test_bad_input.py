@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import os
 import subprocess
 import sys
 
@@ -226,3 +227,17 @@ def test_a_real_process_prints_one_line_and_exits_2(tiny_copy, case):
     assert proc.stderr.startswith("kestrel: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert ("truncated" if case == "truncated" else "unknown policy 'clairvoyant'") in proc.stderr
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(tiny_ckpt):
+    """`kestrel generate ... | head -0`: the pipe is closed before the first line; kestrel exits quietly (141, as a
+    shell reports SIGPIPE), without the disk advice an OSError gets."""
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails with EPIPE
+    proc = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "generate", "--model", str(tiny_ckpt),
+                           "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ignore-eos"],
+                          stdout=write, stderr=subprocess.PIPE, timeout=120)
+    os.close(write)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, (proc.returncode, err)
+    assert "check the path" not in err and "Traceback" not in err and "Exception ignored" not in err, err
