@@ -38,7 +38,7 @@ from typing import Iterator
 import attrs
 import torch
 
-from . import progress
+from . import hub, progress
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from .devices import compute_device
 from .errors import CheckpointError, KestrelError
@@ -281,7 +281,7 @@ def quantize_checkpoint(
 
     group = parse_group_size(group)
     device = compute_device(device)
-    src, out = Path(model_dir), Path(out_dir)
+    src, out = hub.resolve(model_dir), Path(out_dir)  # a directory, or a name in the Hugging Face cache
     if src.is_dir() and out.exists() and out.resolve() == src.resolve():
         raise QuantError("--out must be a different directory from --model")
     check_output(out, force)  # before any work

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import hub, progress
+from .. import progress
 from ..quant import GROUP_SIZES, quantize_checkpoint
 from .common import emit_json, mib
 
@@ -23,7 +23,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     with progress.shown(not args.json):
-        summary = quantize_checkpoint(hub.resolve(args.model), args.out, args.group_size, args.keep_lm_head,
+        summary = quantize_checkpoint(args.model, args.out, args.group_size, args.keep_lm_head,
                                       device=args.device, force=args.force)
     if args.json:
         emit_json(summary)
