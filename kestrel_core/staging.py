@@ -1,11 +1,13 @@
 """Staging units into the host ring: where each part's bytes come from, and a worker that stages ahead.
 
 ``Filler`` reads the parts of one unit for a ring slot. A part whose pages are all in the page
-cache (``cached_fraction``) is copied from the mapping: the hot path, several copies side by side.
-Any other part is read with ``O_DIRECT`` into an aligned scratch buffer (several reads in flight)
-and converted from there: the cold path, which neither needs the file's pages nor leaves them in
-the cache. After a unit is staged its pages are dropped from the mapping (``MADV_DONTNEED``), so
-the process's RSS holds the ring and the scratch, not the model.
+cache (``cached_fraction``) takes the hot path: read with buffered ``pread`` straight into the slot
+where it is stored in the slot's dtype, else copied from the mapping and converted, several
+pieces side by side. Any other part is read with ``O_DIRECT`` into an aligned scratch buffer
+(several reads in flight) and converted from there: the cold path, which neither needs the file's
+pages nor leaves them in the cache. The pages a mapping copy faulted in are dropped from the
+mapping once the unit is staged (``MADV_DONTNEED``), so the process's RSS holds the ring and the
+scratch, not the model.
 
 ``Stager`` stages units into ring slots on one worker thread. An upload takes its unit's slot
 (staging it then if it was not staged yet) and hands the slot back with the event its copy left.
@@ -25,14 +27,13 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .checkpoint import DTYPES, Checkpoint
-from .diskread import ALIGN, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported
+from .diskread import HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported
 from .host_tier import PartRead, PinnedRing, Slot, SlotEntry
-
-HOT, COLD = "hot", "cold"
 
 
 class Filler:
-    """One unit's parts for a slot: hot parts as mapping views, cold ones read from disk into scratch."""
+    """One unit's parts for a slot: hot parts as reads into the slot (or mapping views), cold ones read from disk
+    into scratch. Where O_DIRECT is off, a part not cached is read through the mapping, and counts as cold."""
 
     def __init__(self, ckpt: Checkpoint, threads: int = 4, direct: bool | None = None):
         self.ckpt = ckpt
@@ -53,10 +54,16 @@ class Filler:
         where cached and stored in ``dtype`` (the slot's), a ``PartRead`` that reads it straight into the slot;
         else the mapping's view, which the ring converts as it copies."""
         views: dict[str, Any] = {name: self.ckpt.view(name) for e in entries for name in e.parts}
-        cold = [n for n, v in views.items() if self.direct and cached_fraction(v) < 1.0]
-        self.hot_bytes += sum(v.numel() * v.element_size() for n, v in views.items() if n not in cold)
+        cached = {n for n, v in views.items() if cached_fraction(v) == 1.0}
         for n, v in views.items():
-            if n not in cold and v.dtype == dtype and v.dim() == 2:
+            nbytes = v.numel() * v.element_size()
+            if n in cached:
+                self.hot_bytes += nbytes
+            else:
+                self.cold_bytes += nbytes
+        cold = [n for n in views if self.direct and n not in cached]
+        for n, v in views.items():
+            if n in cached and v.dtype == dtype and v.dim() == 2:
                 info, f = self.ckpt.info(n), self.ckpt.file_of(n)
                 views[n] = PartRead(self._fd(f.path), info.start, info.nbytes, v.shape[0], str(f.path))
                 self._read_hot.add(n)
@@ -72,24 +79,21 @@ class Filler:
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         infos = [self.ckpt.info(n) for n in names]
-        files = [self.ckpt.file_of(n) for n in names]
-        sizes = [_span(info) for info in infos]
-        total = sum(sizes)
-        if self._scratch.numel() < total:
-            self._scratch = aligned_empty(total)
+        files = [self._direct(self.ckpt.file_of(n)) for n in names]
+        align = max(df.alignment for df in files)  # each read's buffer starts on its file's alignment
+        sizes = [_up(df.span_bytes(info.start, info.nbytes), align) for df, info in zip(files, infos)]
+        if self._scratch.numel() < sum(sizes) or self._scratch.data_ptr() % align:
+            self._scratch = aligned_empty(sum(sizes), align)
         pending, at = [], 0
-        by_file: dict[Any, tuple[list, list, list]] = {}
-        for name, info, f, size in zip(names, infos, files, sizes):
-            dsts, spans, which = by_file.setdefault(f, ([], [], []))
+        by_file: dict[DirectFile, tuple[list, list, list]] = {}
+        for name, info, df, size in zip(names, infos, files, sizes):
+            dsts, spans, which = by_file.setdefault(df, ([], [], []))
             dsts.append(self._scratch[at : at + size])
             spans.append((info.start, info.nbytes))
             which.append((name, info))
             at += size
         before = self._reader.bytes_read
-        for f, (dsts, spans, which) in by_file.items():
-            df = self._files.get(f)
-            if df is None:
-                df = self._files[f] = DirectFile(f.path)
+        for df, (dsts, spans, which) in by_file.items():
             pending.append((self._reader.submit(df, dsts, spans), which))
         out = {}
         for reads, which in pending:
@@ -97,9 +101,14 @@ class Filler:
                 _, dtype, _ = DTYPES[info.dtype]
                 t = raw.view(torch.bfloat16 if info.dtype == "BF16" else dtype)
                 out[name] = t.view(info.shape)
-        self.cold_bytes += sum(info.nbytes for info in infos)
         self.disk_bytes_read += self._reader.bytes_read - before
         return out
+
+    def _direct(self, f) -> DirectFile:
+        df = self._files.get(f)
+        if df is None:
+            df = self._files[f] = DirectFile(f.path)
+        return df
 
     def done(self, entries: Sequence[SlotEntry]) -> None:
         """The unit is in its slot: take the pages it copied from the mapping out of it (they stay in the cache, not
@@ -120,9 +129,8 @@ class Filler:
             self._reader.close()
 
 
-def _span(info) -> int:
-    lo = info.start // ALIGN * ALIGN
-    return -(-(info.end - lo) // ALIGN) * ALIGN
+def _up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 class Stager:
