@@ -26,7 +26,7 @@ from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
 from kestrel_core.host import meminfo
-from kestrel_core.host_tier import (ALIGN, HostMemory, PinnedRing, resolve_host_budget,
+from kestrel_core.host_tier import (ALIGN, PinnedRing, resolve_host_budget,
                                     ring_slots, slot_bytes)
 from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
@@ -200,7 +200,7 @@ class CudaBackend(Backend):
             for spec in self.ctx.unit_specs:
                 host.update(self._stage_unit(spec))
                 bar.update(1)
-        return Staging(host, None, sum(_nbytes(t) for t in host.values()))
+        return Staging(host, sum(_nbytes(t) for t in host.values()))
 
     def _stage_unit(self, spec) -> dict[tuple, torch.Tensor]:
         """One unit's host staging, keyed (unit key, entry name)."""
@@ -443,15 +443,10 @@ class CudaBackend(Backend):
 
 @attrs.frozen
 class Staging:
-    """Every unit's host copy (entry source -> tensor), and the block that holds them where there is one."""
+    """Every unit's host copy (entry source -> pinned tensor) and the bytes they pin; dropping it unpins them."""
 
     host: dict
-    memory: HostMemory | None
     pinned_bytes: int
-
-    def close(self) -> None:
-        if self.memory is not None:
-            self.memory.close()
 
 
 def _aligned(n: int) -> int:
