@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("default")
             with progress.shown(not getattr(args, "json", False)):  # bars on stderr, for a person at a terminal
                 rc = args.run(args) or 0
+                sys.stdout.flush()  # here, so that a reader gone away is met by the handler below, not at exit
         for note in notes:  # after the output, and only when the command did not fail
             if issubclass(note.category, KestrelNote):
                 print(f"kestrel: note: {note.message}", file=sys.stderr)

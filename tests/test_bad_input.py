@@ -236,7 +236,8 @@ def test_a_reader_that_leaves_early_is_not_an_error(tiny_ckpt):
     os.close(read)  # no reader at all: the first write fails with EPIPE
     proc = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "generate", "--model", str(tiny_ckpt),
                            "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ignore-eos"],
-                          stdout=write, stderr=subprocess.PIPE, timeout=120)
+                          stdout=write, stderr=subprocess.PIPE, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # block-buffered, as in a pipe
     os.close(write)
     err = proc.stderr.decode()
     assert proc.returncode == 141, (proc.returncode, err)
