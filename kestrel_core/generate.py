@@ -198,8 +198,7 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
     check_prompt(run, prompt_ids, gen)
     cfg, backend, window, counters = run.model.config, run.backend, run.window, run.counters
     sampler = Sampler(gen)
-    eos = cfg.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | stop_ids
+    eos_ids = set(run.model.eos_ids) | stop_ids  # config.json's and generation_config.json's
     max_seq = len(prompt_ids) + gen.max_new_tokens
     cache = allocate_cache(run, max_seq)
     fixed = counters.resident_bytes

@@ -17,13 +17,33 @@ from .errors import ConfigError
 from .host import HostStore
 from .hub import resolve
 from .model import unit_specs, validate_checkpoint
-from .modelconfig import ModelConfig, read_model_config
+from .modelconfig import ModelConfig, read_json, read_model_config
 from .quant import read_quant
 from .tokenizer import Tokenizer, load_tokenizer
 from .units import UnitSpec
 
 if TYPE_CHECKING:
     from .engine import Run
+
+
+def _ids(value) -> set[int]:
+    return set() if value is None else set(value) if isinstance(value, list) else {value}
+
+
+def eos_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
+    """The ids that end a generation: eos_token_id in config.json and in generation_config.json (where a
+    checkpoint has one; Qwen3's lists its chat turn's end there too), as transformers' generate reads them."""
+    ids = _ids(config.eos_token_id)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        raw = read_json(path)
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        is_id = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+        if not (eos is None or is_id(eos) or (isinstance(eos, list) and all(is_id(i) for i in eos))):
+            raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {str(eos)[:80]}; "
+                              "fix the file or remove the key")
+        ids |= _ids(eos)
+    return frozenset(ids)
 
 
 class Model:
@@ -37,6 +57,7 @@ class Model:
             self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint
             validate_checkpoint(self.checkpoint, self.config, self.quant.names if self.quant else frozenset())
             self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
+            self.eos_ids: frozenset[int] = eos_ids(self.dir, self.config)
         except BaseException:
             self.checkpoint.close()
             raise

@@ -223,3 +223,23 @@ def test_bad_generation_settings(tiny_ckpt):
             run.generate(prompt_ids=[1], max_tokens=3)
         with pytest.raises(ConfigError, match="max_new_tokens must be int"):
             run.generate(prompt_ids=[1], max_new_tokens="3")
+
+
+def test_generation_stops_at_generation_configs_eos_too(tiny_copy):
+    """Qwen3 lists its chat turn's end in generation_config.json, not config.json: generate stops there too."""
+    import json
+
+    from kestrel_core import load
+    from kestrel_core.errors import ConfigError
+
+    with load(tiny_copy) as model, model.open(backend="cpu_ref") as run:
+        free = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, stop_at_eos=False).token_ids
+    stop = free[3]
+    assert stop not in free[:3]  # the tiny preset's greedy ids: the fourth is new
+    (tiny_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, stop]}))
+    with load(tiny_copy) as model, model.open(backend="cpu_ref") as run:
+        assert model.eos_ids == {256, stop}
+        assert run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8).token_ids == free[:4]
+    (tiny_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": "end"}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id must be a token id"):
+        load(tiny_copy)

@@ -14,7 +14,6 @@ from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
 from ..generate import GenerationResult
 from ..modeldir import Model, load
-from ..modelconfig import read_json
 from .common import add_run_flags, config_from_args, model_dir
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
@@ -139,14 +138,7 @@ class Chat:
 def end_ids(model: Model, template: ChatTemplate) -> frozenset[int]:
     """The ids that end a reply: eos_token_id in config.json and generation_config.json, and the template's
     eos_token (Qwen3's <|im_end|>, say); a model that names none cannot end a turn."""
-    ids = set(_ids(model.config.eos_token_id))
-    path = model.dir / "generation_config.json"
-    if path.is_file():
-        raw = read_json(path)
-        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        if not (eos is None or _is_id(eos) or (isinstance(eos, list) and all(_is_id(i) for i in eos))):
-            raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {json.dumps(eos)[:80]}")
-        ids |= set(_ids(eos))
+    ids = set(model.eos_ids)
     if template.eos_token:
         token = model.tokenizer.token_to_id(template.eos_token)
         if token is not None:
@@ -155,14 +147,6 @@ def end_ids(model: Model, template: ChatTemplate) -> frozenset[int]:
         raise ConfigError(f"{model.dir} names no end-of-sequence token (eos_token_id in config.json or "
                           "generation_config.json, eos_token in tokenizer_config.json), so a reply could not end; add one")
     return frozenset(ids)
-
-
-def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _ids(value) -> list[int]:
-    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def template_vars(pairs: list[str]) -> dict:

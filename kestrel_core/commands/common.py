@@ -115,14 +115,6 @@ def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) 
     return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
 
 
-def progress_printer(quiet: bool = False):
-    """Progress lines on stderr for a person at a terminal; None under --json or when stderr is not a terminal,
-    so that an error stays the only line a script sees."""
-    if quiet or not sys.stderr.isatty():
-        return None
-    return lambda message: print(message, file=sys.stderr, flush=True)
-
-
 def emit_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=1)
     sys.stdout.write("\n")
