@@ -29,8 +29,6 @@ the busiest expert's share of steps and the share of a step's experts the step b
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
 import statistics
 import sys
 import tempfile
@@ -41,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_record  # noqa: E402
 
 from kestrel_core import load, plugins  # noqa: E402
-from kestrel_core.checkpoint import PAGE, mapping_rss, merge_spans  # noqa: E402
+from kestrel_core.checkpoint import ResidentRuns, fault_granule  # noqa: E402
 from kestrel_core.hookspecs import hookimpl  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 
@@ -50,42 +48,15 @@ PROMPT = [1, 2, 3, 4]
 OBSERVER = "rss-experts-bench"
 
 
-def granule(directory: Path) -> int:
-    """The bytes one read fault maps on ``directory``'s file system: touch one page of a fresh 8 MiB file."""
-    path = directory / "granule-probe"
-    path.write_bytes(os.urandom(8 * MiB))
-    try:
-        with open(path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            mm[4 * MiB + 100]
-            return max(PAGE, mapping_rss([str(path.resolve())]))
-        finally:
-            mm.close()
-    finally:
-        path.unlink()
-
-
 class RssSampler:
     def __init__(self, ckpt, unit_names):
         self.ckpt = ckpt
-        self.fixed = {f: [(0, min(t.start for t in f.tensors.values()))] for f in ckpt.files.values()}
-        for name in ckpt.names():
-            if name not in unit_names:
-                info = ckpt.info(name)
-                self.fixed[ckpt.file_of(name)].append((info.start, info.end))
+        self.runs = ResidentRuns(ckpt, unit_names)
         self.samples: list[dict] = []
 
     def sample(self, window, where, phase):
-        spans = {f: list(s) for f, s in self.fixed.items()}
-        units = 0
-        for key in window.resident_units:
-            for entry in window.units[key].entries:
-                info = self.ckpt.info(entry.source)
-                spans[self.ckpt.file_of(entry.source)].append((info.start, info.end))
-                units += info.nbytes
-        runs = [r for s in spans.values() for r in merge_spans(s)]
-        bound = sum(-(-hi // PAGE) * PAGE - lo // PAGE * PAGE for lo, hi in runs)
+        names = [e.source for key in window.resident_units for e in window.units[key].entries]
+        runs, bound, units = self.runs.of(names)
         self.samples.append({"where": where, "phase": phase, "token": window.token, "rss": self.ckpt.mapping_rss(), "bound": bound,
                              "unit_mapping_bytes": units, "runs": len(runs),
                              "experts": sum(len(k) == 2 for k in window.resident_units)})
@@ -182,7 +153,7 @@ def main() -> int:
             write_s = time.perf_counter() - t0
             preset = f"qwen3-30b-a3b --layers {args.layers}"
             print(f"wrote {preset} in {write_s:.0f} s")
-        fault = granule(Path(tmp))  # the temp dir's file system (the model's, unless --model)
+        fault = fault_granule(Path(tmp))  # the temp dir's file system (the model's, unless --model)
         rows = []
         with load(path) as model:
             ckpt, mcfg = model.checkpoint, model.config

@@ -26,8 +26,6 @@ Observed here (Linux 6.18, ext4, granule 2 MiB) before cpu_ref dropped the stret
 
 from __future__ import annotations
 
-import mmap
-import os
 import shutil
 import statistics
 import sys
@@ -36,7 +34,7 @@ import attrs
 import pytest
 
 from kestrel_core import load, plugins
-from kestrel_core.checkpoint import PAGE, mapping_rss, merge_spans
+from kestrel_core.checkpoint import PAGE, ResidentRuns, fault_granule
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.model import all_specs
 from kestrel_core.presets import preset_config, write_checkpoint
@@ -79,21 +77,8 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def granule(moe_dir):
-    """The bytes one read fault maps, on the checkpoint's file system: touch one page of a fresh 8 MiB file."""
-    path = moe_dir.parent / "granule-probe"
-    with open(path, "wb") as fh:
-        fh.write(os.urandom(8 * MiB))
-    try:
-        with open(path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            mm[4 * MiB + 100]
-            got = mapping_rss([str(path.resolve())])
-        finally:
-            mm.close()
-    finally:
-        path.unlink()
-    return max(got, PAGE)
+    """The bytes one read fault maps, on the checkpoint's file system."""
+    return fault_granule(moe_dir.parent)
 
 
 class RssSampler:
@@ -101,28 +86,12 @@ class RssSampler:
 
     def __init__(self, ckpt, unit_names):
         self.ckpt = ckpt
-        # Never evicted: each file's header and every tensor that is in no unit (embeddings, norms).
-        self.fixed = {f: [(0, min(t.start for t in f.tensors.values()))] for f in ckpt.files.values()}
-        for name in ckpt.names():
-            if name not in unit_names:
-                info = ckpt.info(name)
-                self.fixed[ckpt.file_of(name)].append((info.start, info.end))
+        self.runs = ResidentRuns(ckpt, unit_names)  # header, never-evicted tensors, and the resident units'
         self.samples: list[dict] = []
 
-    def resident_runs(self, window):
-        spans = {f: list(s) for f, s in self.fixed.items()}
-        tensor_bytes = 0
-        for key in window.resident_units:
-            for entry in window.units[key].entries:
-                info = self.ckpt.info(entry.source)
-                spans[self.ckpt.file_of(entry.source)].append((info.start, info.end))
-                tensor_bytes += info.nbytes
-        runs = [run for s in spans.values() for run in merge_spans(s)]
-        paged = sum(-(-hi // PAGE) * PAGE - lo // PAGE * PAGE for lo, hi in runs)
-        return runs, paged, tensor_bytes
-
     def sample(self, window, where, layer, phase):
-        runs, paged, tensor_bytes = self.resident_runs(window)
+        runs, paged, tensor_bytes = self.runs.of(e.source for key in window.resident_units
+                                                 for e in window.units[key].entries)
         self.samples.append(dict(
             where=where, phase=phase, token=window.token, layer=layer, rss=self.ckpt.mapping_rss(),
             resident=paged, runs=len(runs), unit_bytes=tensor_bytes, window_bytes=window.resident_bytes,
