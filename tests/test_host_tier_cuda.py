@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kestrel_core import load
-from kestrel_core.diskread import drop_cache
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.host_tier import ALIGN, HOST_ENV
 from kestrel_core.presets import preset_config, write_checkpoint
@@ -47,9 +46,7 @@ def generate(model_dir, tokens=10, drop=False, **settings):
     settings.setdefault("backend", "cuda")
     with load(model_dir) as model, model.open(**settings) as run:
         if drop:
-            for f in run.backend.ckpt.files.values():
-                f.drop_pages([(0, 2**62)])
-                drop_cache(f.path, sync=True)
+            run.backend.ckpt.drop_cached(sync=True)
         r = run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False)
         return r, run.backend.host_budget
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.diskread import cached_fraction, direct_io_supported, drop_cache
+from kestrel_core.diskread import cached_fraction, direct_io_supported
 from kestrel_core.host_tier import PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
@@ -45,16 +45,10 @@ def want(ckpt: Checkpoint, entry: SlotEntry) -> torch.Tensor:
 def _drops(ckpt_dir: Path) -> bool:
     ckpt = Checkpoint(ckpt_dir)
     try:
-        drop(ckpt_dir, ckpt)
+        ckpt.drop_cached(sync=True)
         return cached_fraction(ckpt.view(ckpt.names()[-1])) < 1.0
     finally:
         ckpt.close()
-
-
-def drop(ckpt_dir: Path, ckpt: Checkpoint) -> None:
-    for f in ckpt.files.values():  # out of the mapping (all of it: one fault maps a large folio), then the cache
-        f.drop_pages([(0, 2**62)])
-    drop_cache(ckpt_dir / "model.safetensors", sync=True)
 
 
 def test_cold_and_hot_parts_give_the_same_bytes_and_are_counted_apart(ckpt_dir):
@@ -65,7 +59,7 @@ def test_cold_and_hot_parts_give_the_same_bytes_and_are_counted_apart(ckpt_dir):
     nbytes = sum(ckpt.info(n).nbytes for n in parts)
     filler = Filler(ckpt, threads=3)
     try:
-        drop(ckpt_dir, ckpt)
+        ckpt.drop_cached(sync=True)
         if max(cached_fraction(ckpt.view(n)) for n in parts) == 1.0:
             pytest.skip("this filesystem keeps the file's pages cached after POSIX_FADV_DONTNEED")
         cold = {n: t.clone() for n, t in filler.sources(entries).items()}
@@ -88,7 +82,7 @@ def test_a_filler_without_o_direct_reads_everything_through_the_mapping(ckpt_dir
     ckpt = Checkpoint(ckpt_dir)
     filler = Filler(ckpt, direct=False)
     try:
-        drop(ckpt_dir, ckpt)
+        ckpt.drop_cached(sync=True)
         entries = entries_of(read_model_config(ckpt_dir))[(1,)]
         got = filler.sources(entries)
         total = sum(ckpt.info(n).nbytes for e in entries for n in e.parts)
@@ -120,7 +114,7 @@ def run_passes(ckpt_dir, slots: int, orders: list[list[tuple]], drop_pages: bool
     try:
         for order in orders:
             if drop_pages:
-                drop(ckpt_dir, ckpt)
+                ckpt.drop_cached(sync=True)
             for key in order:
                 slot, views = stager.take(key)
                 for e in entries[key]:
@@ -162,8 +156,7 @@ def test_hot_parts_in_the_slots_dtype_are_read_with_pread_and_never_mapped(tmp_p
     stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=1)
     try:
         expect = {(key, e.name): want(ckpt, e).clone() for key, es in entries.items() for e in es}
-        for f in ckpt.files.values():  # the pages are cached (just written and read) and not mapped
-            f.drop_pages([(0, 2**62)])
+        ckpt.unmap_all()  # the pages are cached (just written and read) and not mapped
         for key in entries:
             slot, views = stager.take(key)
             for e in entries[key]:
