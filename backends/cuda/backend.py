@@ -191,7 +191,7 @@ class CudaBackend(Backend):
         """Pin each unit once, already fused and in compute dtype (q8: in device layout): an upload is then a
         plain DMA. Keyed by entry source, (unit key, entry name). Each entry is a block of torch's pinned
         allocator, which torch copies from asynchronously and inside a captured graph (memory registered with
-        cudaHostRegister is not one of its blocks: torch copies from it synchronously, so a graph cannot hold it).
+        cudaHostRegister is copied from asynchronously too, but it is not one of its blocks, so a graph refuses it).
 
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
