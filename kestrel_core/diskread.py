@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import CheckpointError, KestrelError
@@ -417,9 +418,14 @@ def cached_fraction(t: torch.Tensor) -> float:
     A part wholly cached is copied from the mapping (the hot path); any other is read with
     ``O_DIRECT`` (the cold path), which neither needs its pages nor leaves them behind.
     """
+    return resident_fraction(t.data_ptr(), t.numel() * t.element_size())
+
+
+def resident_fraction(ptr: int, nbytes: int) -> float:
+    """The share of the pages of the mapped range ``[ptr, ptr + nbytes)`` that are in the page cache now (``mincore``:
+    a file mapping's pages count whether or not this process has touched them); 1.0 where that cannot be told."""
     global _libc
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
+    if nbytes <= 0:
         return 1.0
     if _libc is None:
         try:
@@ -430,12 +436,12 @@ def cached_fraction(t: torch.Tensor) -> float:
     if not _libc:
         return 1.0
     page = os.sysconf("SC_PAGE_SIZE")
-    lo = t.data_ptr() // page * page
-    n = -(-(t.data_ptr() + nbytes - lo) // page)
+    lo = ptr // page * page
+    n = -(-(ptr + nbytes - lo) // page)
     vec = (ctypes.c_ubyte * n)()
     if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) != 0:
         return 1.0  # not a mapping (a copy in memory): nothing to read from disk
-    return sum(b & 1 for b in bytes(vec)) / n
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / n  # bit 0: resident; the rest are reserved
 
 
 def drop_cache(path: str | os.PathLike, sync: bool = False) -> None:
