@@ -24,7 +24,7 @@ import torch
 
 from .budget import env_mib
 from .diskread import ALIGN, aligned_empty  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
-from .errors import BudgetError, CheckpointError, ConfigError
+from .errors import BudgetError, ConfigError
 
 HOST_ENV = "KESTREL_HOST_MB"
 
@@ -125,31 +125,9 @@ class Slot:
             self.done = None
 
 
-class PartRead:
-    """A part read from its file straight into the slot with buffered ``pread`` (the page cache's copy, no faults
-    on a mapping): for a part stored in the slot's own dtype, ``rows`` rows of ``nbytes`` at ``offset``."""
-
-    PIECE = 8 * 2**20  # one thread's share of a large part
-
-    def __init__(self, fd: int, offset: int, nbytes: int, rows: int, path: str = "?"):
-        self.fd, self.offset, self.nbytes, self.rows, self.path = fd, offset, nbytes, rows, path
-
-    def pieces(self, dst: torch.Tensor) -> list:
-        flat = dst.view(-1).view(torch.uint8)
-        if flat.numel() != self.nbytes:
-            raise ConfigError(f"{self.path}: a part of {self.nbytes} bytes does not fill its {flat.numel()}-byte rows")
-        return [(self._read, (flat, lo, min(lo + self.PIECE, self.nbytes))) for lo in range(0, self.nbytes, self.PIECE)]
-
-    def _read(self, job) -> None:
-        flat, lo, hi = job
-        buf = memoryview(flat[lo:hi].numpy())
-        at = 0
-        while at < hi - lo:
-            got = os.preadv(self.fd, [buf[at:]], self.offset + lo + at)
-            if got <= 0:
-                raise CheckpointError(f"{self.path}: truncated file: a read at offset {self.offset + lo + at} "
-                                      "found its end; re-download or re-create it")
-            at += got
+def fill_threads() -> int:
+    """The threads that fill a slot: every core but two (the decode loop's and the stager's), 2 to 16."""
+    return max(2, min(16, (os.cpu_count() or 4) - 2))
 
 
 class PinnedRing:
@@ -158,12 +136,13 @@ class PinnedRing:
     ``acquire`` returns the oldest slot once its last upload is done; ``fill`` copies a unit into it
     from the checkpoint mapping (fused and converted on the way) and returns each entry's view.
 
-    The block is registered (``HostMemory``), so exactly the budget's bytes are locked. torch does not
-    know registered memory as pinned, so it copies from a slot synchronously (the uploading thread
-    waits for each copy, while the stager's worker fills the next slots).
+    The block is registered (``HostMemory``), so exactly the budget's bytes are locked. torch copies
+    from registered memory asynchronously, at the pinned rate (``bench/ring_copy_bench.py``), but its
+    ``is_pinned()`` is False, so a CUDA graph refuses to capture such a copy: a ring's step runs eagerly.
+    ``threads`` (default ``fill_threads()``) copy a unit's parts side by side.
     """
 
-    def __init__(self, n: int, nbytes: int, dtype: torch.dtype, threads: int = 4, pin: bool | None = None):
+    def __init__(self, n: int, nbytes: int, dtype: torch.dtype, threads: int | None = None, pin: bool | None = None):
         if n < 1:
             raise ConfigError(f"a ring needs at least one slot, got {n}")
         if nbytes % ALIGN:
@@ -174,6 +153,7 @@ class PinnedRing:
         self.pinned_bytes = self.memory.pinned_bytes
         self.slots = [Slot(self.memory.raw[i * nbytes : (i + 1) * nbytes], i) for i in range(n)]
         self._slots = deque(self.slots)
+        threads = fill_threads() if threads is None else threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
         self.bytes_staged = 0
 
@@ -196,8 +176,8 @@ class PinnedRing:
             dst = slot.raw[at : at + n].view(self.dtype).view(entry.shape)
             row = 0
             for name in entry.parts:
-                src = view(name)
-                rows = src.rows if isinstance(src, PartRead) else src.shape[0]
+                src = view(name)  # a tensor to copy (and convert), or a part that reads itself into the slot
+                rows = src.shape[0] if isinstance(src, torch.Tensor) else src.rows
                 copies.append((dst[row : row + rows], src))
                 row += rows
             if row != entry.shape[0]:
@@ -206,10 +186,10 @@ class PinnedRing:
             at = _aligned(at + n)
         work = []  # (function, argument): a copy, or a piece of a read straight into the slot
         for dst, src in copies:
-            if isinstance(src, PartRead):
-                work += src.pieces(dst)
-            else:
+            if isinstance(src, torch.Tensor):
                 work.append((dst.copy_, src))
+            else:
+                work += src.pieces(dst)
         if self._pool is None:
             for fn, arg in work:
                 fn(arg)

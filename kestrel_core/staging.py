@@ -1,13 +1,14 @@
 """Staging units into the host ring: where each part's bytes come from, and a worker that stages ahead.
 
-``Filler`` reads the parts of one unit for a ring slot. A part whose pages are all in the page
-cache (``cached_fraction``) takes the hot path: read with buffered ``pread`` straight into the slot
-where it is stored in the slot's dtype, else copied from the mapping and converted, several
-pieces side by side. Any other part is read with ``O_DIRECT`` into an aligned scratch buffer
-(several reads in flight) and converted from there: the cold path, which neither needs the file's
-pages nor leaves them in the cache. The pages a mapping copy faulted in are dropped from the
-mapping once the unit is staged (``MADV_DONTNEED``), so the process's RSS holds the ring and the
-scratch, not the model.
+``Filler`` reads the parts of one unit for a ring slot. A part stored in the slot's dtype reads
+itself into the slot in pieces, side by side (``PartRead``): a piece whose pages are all in the
+page cache (``mincore``) with buffered ``pread`` (the hot path: the cache's copy, nothing mapped),
+any other with ``O_DIRECT`` into the thread's aligned scratch and copied from there (the cold path,
+which neither needs the file's pages nor leaves them in the cache). A part that must be converted
+is copied from the mapping and converted where all its pages are cached, else read with
+``O_DIRECT`` (several reads in flight) and converted from there; the pages a mapping copy faulted in
+are dropped from the mapping once the unit is staged (``MADV_DONTNEED``). So the process's RSS
+holds the ring and the scratch, not the model.
 
 ``Stager`` stages units into ring slots on one worker thread. An upload takes its unit's slot
 (staging it then if it was not staged yet) and hands the slot back with the event its copy left.
@@ -27,13 +28,60 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .checkpoint import DTYPES, Checkpoint
-from .diskread import HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported
-from .host_tier import PartRead, PinnedRing, Slot, SlotEntry
+from .diskread import (CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported,
+                       resident_fraction)
+from .errors import CheckpointError, ConfigError
+from .host_tier import PinnedRing, Slot, SlotEntry
+
+
+class PartRead:
+    """A part stored in the slot's dtype, ``rows`` rows of ``nbytes`` at file ``offset``, read straight into the slot
+    in pieces of ``PIECE`` bytes that the ring's threads read side by side.
+
+    A piece whose pages are all cached (``mincore`` on the part's mapped address ``mapped_ptr``;
+    no page is faulted in) is read with buffered ``pread``; any other with ``O_DIRECT`` (``direct``)
+    into the reading thread's aligned scratch and copied into the slot, or, where there is no
+    ``direct``, with buffered ``pread`` too. Each piece counts its bytes on the filler, hot or cold.
+    """
+
+    PIECE = CHUNK
+
+    def __init__(self, filler: "Filler", fd: int, offset: int, nbytes: int, rows: int, path: str,
+                 mapped_ptr: int | None, direct: DirectFile | None):
+        self.filler, self.fd, self.offset, self.nbytes, self.rows, self.path = filler, fd, offset, nbytes, rows, path
+        self.mapped_ptr, self.direct = mapped_ptr, direct
+
+    def pieces(self, dst: torch.Tensor) -> list:
+        flat = dst.view(-1).view(torch.uint8)
+        if flat.numel() != self.nbytes:
+            raise ConfigError(f"{self.path}: a part of {self.nbytes} bytes does not fill its {flat.numel()}-byte rows")
+        return [(self._read, (flat, lo, min(lo + self.PIECE, self.nbytes))) for lo in range(0, self.nbytes, self.PIECE)]
+
+    def _read(self, job) -> None:
+        flat, lo, hi = job
+        n = hi - lo
+        cached = self.mapped_ptr is None or resident_fraction(self.mapped_ptr + lo, n) == 1.0
+        if cached or self.direct is None:
+            self._pread(memoryview(flat[lo:hi].numpy()), self.offset + lo)
+        else:
+            scratch = self.filler.piece_scratch(self.direct.alignment, self.direct.span_bytes(self.offset + lo, n))
+            flat[lo:hi].copy_(self.direct.read_span(scratch, self.offset + lo, n))
+        self.filler.count(hot=n if cached else 0, cold=0 if cached else n)
+
+    def _pread(self, buf: memoryview, offset: int) -> None:
+        at = 0
+        while at < len(buf):
+            got = os.preadv(self.fd, [buf[at:]], offset + at)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: truncated file: a read at offset {offset + at} "
+                                      "found its end; re-download or re-create it")
+            at += got
 
 
 class Filler:
-    """One unit's parts for a slot: hot parts as reads into the slot (or mapping views), cold ones read from disk
-    into scratch. Where O_DIRECT is off, a part not cached is read through the mapping, and counts as cold."""
+    """One unit's parts for a slot: parts in the slot's dtype as ``PartRead`` (hot pieces by pread, cold ones by
+    O_DIRECT), the rest as mapping views where cached, else read from disk into scratch. Where O_DIRECT is off, what
+    is not cached is read through the page cache, and counts as cold."""
 
     def __init__(self, ckpt: Checkpoint, threads: int = 4, direct: bool | None = None):
         self.ckpt = ckpt
@@ -43,30 +91,50 @@ class Filler:
         self._reader = Reader(threads) if direct else None
         self._files: dict[Any, DirectFile] = {}
         self._scratch = aligned_empty(0)
+        self._local = threading.local()  # each ring thread's scratch for a cold piece
+        self._lock = threading.Lock()
         self._fds: dict[Any, int] = {}  # buffered descriptors of the hot path's pread
-        self._read_hot: set[str] = set()  # parts of the unit being staged that pread reads
+        self._read_hot: set[str] = set()  # parts of the unit being staged that read themselves (never mapped)
         self.hot_bytes = 0  # part bytes copied from the page cache
         self.cold_bytes = 0  # part bytes read from disk
-        self.disk_bytes_read = 0  # what those reads took from disk (their aligned supersets)
+
+    @property
+    def disk_bytes_read(self) -> int:
+        """What the cold reads took from disk (their aligned supersets, less what lay past a file's end)."""
+        return sum(df.bytes_read for df in self._files.values())
+
+    def count(self, hot: int = 0, cold: int = 0) -> None:
+        with self._lock:
+            self.hot_bytes += hot
+            self.cold_bytes += cold
+
+    def piece_scratch(self, align: int, nbytes: int) -> torch.Tensor:
+        """The calling thread's aligned scratch of at least ``nbytes`` (kept for its next cold piece)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes or buf.data_ptr() % align:
+            buf = self._local.buf = aligned_empty(max(nbytes, PartRead.PIECE + 2 * align), align)
+        return buf
 
     def sources(self, entries: Sequence[SlotEntry], dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """Each part's bytes: read from disk first where not all cached (a tensor of its stored dtype and shape);
-        where cached and stored in ``dtype`` (the slot's), a ``PartRead`` that reads it straight into the slot;
-        else the mapping's view, which the ring converts as it copies."""
+        """Each part's bytes: where it is stored in ``dtype`` (the slot's), a ``PartRead`` that reads it into the slot
+        (and counts it); else the mapping's view where all its pages are cached, which the ring converts as it
+        copies, or a tensor of its stored dtype and shape read from disk."""
         views: dict[str, Any] = {name: self.ckpt.view(name) for e in entries for name in e.parts}
-        cached = {n for n, v in views.items() if cached_fraction(v) == 1.0}
         for n, v in views.items():
-            nbytes = v.numel() * v.element_size()
-            if n in cached:
-                self.hot_bytes += nbytes
-            else:
-                self.cold_bytes += nbytes
-        cold = [n for n in views if self.direct and n not in cached]
-        for n, v in views.items():
-            if n in cached and v.dtype == dtype and v.dim() == 2:
+            if v.dtype == dtype and v.dim() == 2:
                 info, f = self.ckpt.info(n), self.ckpt.file_of(n)
-                views[n] = PartRead(self._fd(f.path), info.start, info.nbytes, v.shape[0], str(f.path))
+                views[n] = PartRead(self, self._fd(f.path), info.start, info.nbytes, v.shape[0], str(f.path),
+                                    v.data_ptr(), self._direct(f) if self.direct else None)
                 self._read_hot.add(n)
+        rest = [n for n in views if n not in self._read_hot]
+        cached = {n for n in rest if cached_fraction(views[n]) == 1.0}
+        for n in rest:
+            nbytes = views[n].numel() * views[n].element_size()
+            if n in cached:
+                self.count(hot=nbytes)
+            else:
+                self.count(cold=nbytes)
+        cold = [n for n in rest if self.direct and n not in cached]
         if cold:
             views.update(self._read(cold))
         return views
@@ -92,7 +160,6 @@ class Filler:
             spans.append((info.start, info.nbytes))
             which.append((name, info))
             at += size
-        before = self._reader.bytes_read
         for df, (dsts, spans, which) in by_file.items():
             pending.append((self._reader.submit(df, dsts, spans), which))
         out = {}
@@ -101,7 +168,6 @@ class Filler:
                 _, dtype, _ = DTYPES[info.dtype]
                 t = raw.view(torch.bfloat16 if info.dtype == "BF16" else dtype)
                 out[name] = t.view(info.shape)
-        self.disk_bytes_read += self._reader.bytes_read - before
         return out
 
     def _direct(self, f) -> DirectFile:
@@ -112,7 +178,7 @@ class Filler:
 
     def done(self, entries: Sequence[SlotEntry]) -> None:
         """The unit is in its slot: take the pages it copied from the mapping out of it (they stay in the cache, not
-        in our RSS); a part read with pread or O_DIRECT never mapped any."""
+        in our RSS); a part that read itself (pread or O_DIRECT) never mapped any."""
         mapped = [name for e in entries for name in e.parts if name not in self._read_hot]
         if mapped:
             self.ckpt.drop_pages(mapped)

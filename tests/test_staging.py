@@ -1,13 +1,14 @@
 """Staging units into the host ring (kestrel_core/staging.py), on the CPU with unpinned slots.
 
-The hot path (pages cached: copied from the mapping) and the cold path (pages dropped: O_DIRECT)
-give the same bytes, and count where they came from. The stager hands out each unit's slot with
+The hot path (pages cached: read with pread, or copied from the mapping) and the cold path (pages
+dropped: O_DIRECT) give the same bytes, and count where they came from, piece by piece. The stager hands out each unit's slot with
 exactly the unit's fused, converted tensors, stages along the last pass ahead of the uploads, and
 stays correct when the forecast is wrong or the ring is too small to stage anything ahead.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -15,12 +16,12 @@ import pytest
 import torch
 
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.diskread import cached_fraction, direct_io_supported
+from kestrel_core.diskread import cached_fraction, direct_io_supported, resident_fraction
 from kestrel_core.host_tier import PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.staging import Filler, Stager
+from kestrel_core.staging import Filler, PartRead, Stager
 from kestrel_cuda.layout import slot_entries
 
 DTYPE = torch.bfloat16
@@ -166,5 +167,51 @@ def test_hot_parts_in_the_slots_dtype_are_read_with_pread_and_never_mapped(tmp_p
         assert stager.filler.hot_bytes == sum(ckpt.info(n).nbytes for es in entries.values() for e in es for n in e.parts)
     finally:
         stager.close()
+        ring.close()
+        ckpt.close()
+
+
+def test_a_part_in_the_slots_dtype_reads_its_cached_pieces_with_pread_and_the_rest_with_o_direct(tmp_path, monkeypatch):
+    """Piece by piece: the pieces whose pages are cached are hot, the rest come from disk and leave nothing cached."""
+    out = write_checkpoint(preset_config("tiny"), tmp_path / "tiny-bf16")
+    if not direct_io_supported(out):
+        pytest.skip(f"the filesystem of {out} refuses O_DIRECT")
+    monkeypatch.setattr(PartRead, "PIECE", 4096)  # a tiny part in several pieces
+    ckpt = Checkpoint(out)
+    entries = entries_of(read_model_config(out))[(0,)]
+    parts = [n for e in entries for n in e.parts]
+    gate = next(n for n in parts if n.endswith("gate_proj.weight"))
+    up = next(n for n in parts if n.endswith("up_proj.weight"))
+    info, path = ckpt.info(gate), ckpt.file_of(gate).path
+    ring = PinnedRing(1, slot_bytes([entries], DTYPE), DTYPE, threads=3, pin=False)
+    filler = Filler(ckpt)
+    try:
+        expect = {e.name: want(ckpt, e).clone() for e in entries}
+        ckpt.drop_cached(sync=True)
+        if max(cached_fraction(ckpt.view(n)) for n in parts) > 0.0:
+            pytest.skip("this filesystem keeps the file's pages cached after POSIX_FADV_DONTNEED")
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the pages under gate's first two pieces back in the cache, and nothing else (no readahead)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, 2 * 4096, info.start)
+        finally:
+            os.close(fd)
+        view = ckpt.view(gate)
+        page = os.sysconf("SC_PAGE_SIZE")
+        if resident_fraction(view.data_ptr(), 2 * 4096) < 1.0 or resident_fraction(
+                (view.data_ptr() + 3 * 4096) // page * page, page) > 0.0:
+            pytest.skip("the page cache did not take exactly the pages read")
+        slot = ring.acquire()
+        got = ring.fill(slot, entries, filler.sources(entries, DTYPE).__getitem__)
+        filler.done(entries)
+        for e in entries:
+            assert torch.equal(got[e.name], expect[e.name]), e.name
+        total = sum(ckpt.info(n).nbytes for n in parts)
+        assert filler.hot_bytes == 2 * 4096 and filler.cold_bytes == total - 2 * 4096
+        assert filler.disk_bytes_read >= filler.cold_bytes  # aligned supersets
+        assert cached_fraction(ckpt.view(up)) == 0.0  # read with O_DIRECT: the cache did not take it
+        assert ckpt.mapping_rss() == 0  # nothing was read through the mapping
+    finally:
+        filler.close()
         ring.close()
         ckpt.close()

@@ -182,7 +182,7 @@ class CudaBackend(Backend):
         size = slot_bytes(self._slot_entries.values(), self.dtype)
         depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))
         n = ring_slots(self.host_budget, size, depth)
-        ring = PinnedRing(n, size, self.dtype, threads=8, pin=True)
+        ring = PinnedRing(n, size, self.dtype, pin=True)
         self._stager = Stager(ring, Filler(self.ckpt), self._slot_entries.__getitem__, lookahead=n - 1)
         self.counters.peak_host_pinned_bytes = ring.pinned_bytes
         return {}
