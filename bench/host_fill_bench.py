@@ -1,6 +1,9 @@
 """The host ring's hot path on its own: staging rate from the page cache, copied through the mapping or read with pread.
 
-    python bench/host_fill_bench.py --models /tmp/models [--preset small-300m] [--rounds 3] [--threads 2]
+    python bench/host_fill_bench.py --models /tmp/models [--preset small-300m] [--rounds 3] [--threads 2,4]
+    python bench/host_fill_bench.py --model /tmp/models/qwen3-8b --threads 4,8,14
+
+(``--model`` takes a checkpoint already written, such as the one ``host_tier_bench.py`` writes.)
 
 Every streamed unit of a checkpoint whose pages are in the page cache is staged into the slots of a
 ring (unpinned here: the staging is host work, so this runs on a machine without a GPU), the two
@@ -11,7 +14,7 @@ ways side by side, interleaved round by round:
 - **pread**: each part read with buffered ``pread`` straight into the slot (the page cache's copy;
   nothing mapped, nothing to drop). This is what the ring does for a part stored in the slot's dtype.
 
-The record gives GB/s for each, per round.
+For each ``--threads`` count (the ring's fill threads), the record gives GB/s for each, per round.
 """
 
 from __future__ import annotations
@@ -51,37 +54,48 @@ def stage_all(ckpt: Checkpoint, entries: dict, ring: PinnedRing, filler: Filler,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", required=True)
+    ap.add_argument("--models", help="where to write (and find) the --preset checkpoint")
+    ap.add_argument("--model", help="a bf16 checkpoint already written (instead of --models/--preset)")
     ap.add_argument("--preset", default="small-300m")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="2", help="fill thread counts, comma-separated")
     args = ap.parse_args()
-    path = Path(args.models) / f"{args.preset}-bf16"
-    if not (path / "config.json").is_file():
-        write_checkpoint(preset_config(args.preset), path, seed=0)
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.model:
+        path = Path(args.model)
+    elif args.models:
+        path = Path(args.models) / f"{args.preset}-bf16"
+        if not (path / "config.json").is_file():
+            write_checkpoint(preset_config(args.preset), path, seed=0)
+    else:
+        ap.error("give --models (with --preset) or --model")
     entries = {spec.key: slot_entries(spec.tensors) for spec in unit_specs(read_model_config(path))}
     ckpt = Checkpoint(path)
-    ring = PinnedRing(3, slot_bytes(entries.values(), DTYPE), DTYPE, threads=args.threads, pin=False)
-    filler = Filler(ckpt, threads=args.threads, direct=False)  # the hot path only: every page is cached
     rows = []
+    filler = Filler(ckpt, direct=False)  # the hot path only: every page is cached
     try:
         for f in ckpt.files.values():  # warm the page cache: read every byte once
             with open(f.path, "rb") as fh:
                 while fh.read(64 * 2**20):
                     pass
-        stage_all(ckpt, entries, ring, filler, pread=True)  # warm-up, not recorded
-        for rnd in range(args.rounds):
-            for pread in ((False, True) if rnd % 2 == 0 else (True, False)):
-                seconds, nbytes = stage_all(ckpt, entries, ring, filler, pread)
-                rows.append({"round": rnd, "path": "pread" if pread else "mapping", "seconds": seconds,
-                             "bytes": nbytes, "GBps": nbytes / seconds / 1e9})
-                print(f"round {rnd} {rows[-1]['path']:8} {rows[-1]['GBps']:6.2f} GB/s", file=sys.stderr)
+        for n in threads:
+            ring = PinnedRing(3, slot_bytes(entries.values(), DTYPE), DTYPE, threads=n, pin=False)
+            try:
+                stage_all(ckpt, entries, ring, filler, pread=True)  # warm-up, not recorded
+                for rnd in range(args.rounds):
+                    for pread in ((False, True) if rnd % 2 == 0 else (True, False)):
+                        seconds, nbytes = stage_all(ckpt, entries, ring, filler, pread)
+                        rows.append({"threads": n, "round": rnd, "path": "pread" if pread else "mapping",
+                                     "seconds": seconds, "bytes": nbytes, "GBps": nbytes / seconds / 1e9})
+                        print(f"threads {n} round {rnd} {rows[-1]['path']:8} {rows[-1]['GBps']:6.2f} GB/s", file=sys.stderr)
+            finally:
+                ring.close()
     finally:
         filler.close()
-        ring.close()
         ckpt.close()
-    summary = {p: statistics.median(r["GBps"] for r in rows if r["path"] == p) for p in ("mapping", "pread")}
-    rec = {"preset": args.preset, "threads": args.threads, "rounds": args.rounds, "slot_bytes": ring.nbytes,
+    summary = {f"{p} {n} threads": statistics.median(r["GBps"] for r in rows if r["path"] == p and r["threads"] == n)
+               for n in threads for p in ("mapping", "pread")}
+    rec = {"model": path.name, "threads": threads, "rounds": args.rounds, "slot_bytes": slot_bytes(entries.values(), DTYPE),
            "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")), "rows": rows,
            "median_GBps": summary}
     print(write_record("host_fill", rec, [RESULTS])[0])

@@ -3,8 +3,8 @@
     python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers] [--tokens 6] [--out DIR]
 
 ``--rows kestrel`` measures, side by side in one run: the pinned H2D copy rate; the disk's
-sequential O_DIRECT read rate on the checkpoint's own filesystem; a multi-threaded pageable-to-
-pinned memcpy rate; and kestrel at keep=1, prefetch 1, at host budgets of everything, 4 GiB and
+sequential O_DIRECT read rate on the checkpoint's own filesystem; a pageable-to-pinned memcpy rate
+on 8 threads and on as many as the ring fills a slot with (``fill_threads``); and kestrel at keep=1, prefetch 1, at host budgets of everything, 4 GiB and
 1 GiB, each with the checkpoint's pages in the page cache (hot) and with them dropped (cold).
 
 Cold: the pages are dropped from the mapping and the cache (``POSIX_FADV_DONTNEED``) once the run is
@@ -45,7 +45,7 @@ from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
 from kestrel_core.diskread import drop_cache, sequential_read_rate  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
-from kestrel_core.host_tier import HOST_ENV  # noqa: E402
+from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 
 PRESET = "qwen3-8b"
@@ -149,7 +149,8 @@ def ceilings(path: Path) -> dict:
     drop_cache(shard)
     out["odirect_read_GBps"] = sequential_read_rate(shard, nbytes=4 * 2**30, threads=8) / 1e9
     out["odirect_file"] = shard.name
-    out["memcpy_pageable_to_pinned_GBps_8_threads"] = memcpy_rate() / 1e9
+    for n in sorted({8, fill_threads()}):  # 8, and as many as the ring fills a slot with here
+        out[f"memcpy_pageable_to_pinned_GBps_{n}_threads"] = memcpy_rate(threads=n) / 1e9
     log(f"ceilings: {out}")
     return out
 
