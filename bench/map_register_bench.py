@@ -17,7 +17,10 @@ are all in the page cache, in units of ``--unit-mib`` MiB (one 8B-shape layer is
   them in again), and the copy rate from a registered mapping;
 - **mapped**: register, upload and unregister pipelined (a worker registers unit i+1 while unit i
   uploads, and unregisters it once its copy's event is done); and the register rate with the unit
-  split over 4 threads, to see whether registering scales with threads.
+  split over 4 threads, to see whether registering scales with threads;
+- **hybrid**: for each of ``--shares``, that share of each unit registered in place on the worker
+  while the pool preads the rest into a slot, both uploaded (registering pins pages without
+  copying bytes, so the two may add up).
 
 Also whether cuFile (GPUDirect Storage) and its kernel driver are present here.
 """
@@ -81,6 +84,8 @@ def main() -> int:
     ap.add_argument("--gib", type=int, default=4)
     ap.add_argument("--unit-mib", type=int, default=384)
     ap.add_argument("--threads", type=int, default=14)
+    ap.add_argument("--shares", type=lambda v: [float(x) for x in v.split(",")], default=[0.3, 0.45, 0.6],
+                    help="the shares of a unit the hybrid registers in place, comma-separated")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -211,13 +216,56 @@ def main() -> int:
                 worker.submit(lambda j=j: (unregister(j), drop(j))).result()
             torch.cuda.synchronize()
             rec["mapped_GBps"] = n_units * unit / (time.perf_counter() - t0) / 1e9
+        # hybrid: the first share of each unit registered in place (on the worker) while the pool preads the rest into a slot
+        slots_mem = HostMemory(2 * unit, pin=True)
+        slots = [slots_mem.raw[i * unit:(i + 1) * unit] for i in range(2)]
+        rec["hybrid_GBps"] = {}
+        with ThreadPoolExecutor(1) as worker, ThreadPoolExecutor(args.threads) as pool:
+            for share in args.shares:
+                fu = int(unit * share) // 4096 * 4096
+
+                def reg_part(i: int) -> None:
+                    check(cudart.cudaHostRegister(base + i * unit, fu, READ_ONLY), "cudaHostRegister")
+
+                def unreg_part(i: int) -> None:
+                    check(cudart.cudaHostUnregister(base + i * unit), "cudaHostUnregister")
+                    libc.madvise(ctypes.c_void_p(base + i * unit), ctypes.c_size_t(fu), MADV_DONTNEED)
+
+                events: list = [None, None]
+                last: list = []
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(n_units):
+                    s = i % 2
+                    if events[s] is not None:
+                        events[s].synchronize()
+                    reg = worker.submit(reg_part, i)
+                    pread_into(fd, slots[s][fu:].numpy(), i * unit + fu, pool, args.threads)
+                    reg.result()
+                    with torch.cuda.stream(stream):
+                        dev[s][:fu].copy_(host[i][:fu], non_blocking=True)
+                        dev[s][fu:].copy_(slots[s][fu:], non_blocking=True)
+                        events[s] = torch.cuda.Event()
+                        events[s].record(stream)
+                    last.append((i, events[s]))
+                    while len(last) > 1:
+                        j, e = last.pop(0)
+                        e.synchronize()
+                        worker.submit(unreg_part, j)
+                for j, e in last:
+                    e.synchronize()
+                    worker.submit(unreg_part, j).result()
+                torch.cuda.synchronize()
+                rec["hybrid_GBps"][str(share)] = n_units * unit / (time.perf_counter() - t0) / 1e9
+        slots_mem.close()
         del host, arr
         mm.close()
         os.close(fd)
     finally:
         path.unlink(missing_ok=True)
     rec["verdict_inputs"] = {k: rec[k] for k in ("pinned_h2d_GBps", "fill_GBps", "ring_GBps", "register_GBps",
-                                                   "register_4_threads_GBps", "mapped_copy_GBps", "mapped_GBps")}
+                                                   "register_4_threads_GBps", "mapped_copy_GBps", "mapped_GBps",
+                                                   "hybrid_GBps")}
     print(rec["verdict_inputs"], rec["gds"], file=sys.stderr)
     for p in write_record("map_register", rec, [RESULTS, *map(Path, args.out)]):
         print(p, file=sys.stderr)
