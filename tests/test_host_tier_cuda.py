@@ -16,6 +16,7 @@ import torch
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.host_tier import ALIGN, HOST_ENV
+from kestrel_core.pinned_arena import arena_bytes
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.quant import quantize_checkpoint
 
@@ -68,14 +69,34 @@ def test_ids_identical_to_all_pinned_across_policy_keep_prefetch_allocator(tiny,
         assert r.steps["eager"] == len(r.per_token), where  # a ring's step is not captured
 
 
-def test_all_pinned_counts_every_entry_and_is_captured(tiny, monkeypatch):
+def entry_sizes(model_dir) -> list[int]:
+    with load(model_dir) as model, model.open(backend="cuda", keep=1) as run:
+        return [e.geometry.nbytes for u in run.backend.units.units.values() for e in u.entries]
+
+
+def test_all_pinned_counts_the_arenas_blocks_and_is_captured(tiny, monkeypatch):
     monkeypatch.delenv(HOST_ENV, raising=False)
-    r, tier = generate(tiny, keep=1)
     with load(tiny) as model, model.open(backend="cuda", keep=1) as run:
-        staged = sum(e.geometry.nbytes for u in run.backend.units.units.values() for e in u.entries)
-    assert tier.mode == "all" and r.counters["peak_host_pinned_bytes"] == staged
-    assert r.memory["host_pinned_bytes"] == staged
+        host = run.backend._host
+        assert run.backend.host_budget.mode == "all"
+        assert all(t.is_pinned() and t.data_ptr() % ALIGN == 0 for t in host.values())
+        blocks = {t.untyped_storage().data_ptr() for t in host.values()}
+        assert len(blocks) < len(host)  # entries share the arena's blocks, not one block each
+        r = run.generate(prompt_ids=PROMPT, max_new_tokens=10, stop_at_eos=False)
+    pinned = arena_bytes(entry_sizes(tiny))
+    assert r.counters["peak_host_pinned_bytes"] == r.memory["host_pinned_bytes"] == pinned
     assert r.steps["captured"] + r.steps["replayed"] > 0  # torch's pinned blocks: the step is captured
+
+
+def test_a_budget_that_holds_the_entries_but_not_the_arenas_blocks_takes_the_ring(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    sizes = entry_sizes(tiny)
+    bare = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+    assert bare < arena_bytes(sizes)  # the tiny model's blocks round up past its entries
+    ref, _ = generate(tiny, keep=1)
+    r, tier = generate(tiny, keep=1, host_budget_mb=bare / MiB)
+    assert tier.mode == "ring" and r.counters["peak_host_pinned_bytes"] <= tier.bytes
+    assert r.token_ids == ref.token_ids
 
 
 def test_pages_dropped_come_from_disk_with_the_same_ids(tiny, monkeypatch):

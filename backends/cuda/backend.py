@@ -28,6 +28,7 @@ from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelN
 from kestrel_core.host import meminfo
 from kestrel_core.host_tier import (ALIGN, PinnedRing, resolve_host_budget,
                                     ring_slots, slot_bytes)
+from kestrel_core.pinned_arena import PinnedArena, arena_bytes
 from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
@@ -163,10 +164,7 @@ class CudaBackend(Backend):
     def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:
         """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
         self._slot_entries = {spec.key: slot_entries(spec.tensors) for spec in ctx.unit_specs}
-        if self.quant:
-            staged = sum(u.nbytes for u in self.units.units.values())
-        else:
-            staged = sum(_aligned(e.nbytes(self.dtype)) for es in self._slot_entries.values() for e in es)
+        staged = arena_bytes(self._host_sizes())  # what pinning every unit locks (its blocks, not the bare sum)
         self.host_budget = resolve_host_budget(ctx.backend.host_budget_mb, meminfo().get("MemAvailable", 0), staged)
         key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
         if self.host_budget.mode == "all":
@@ -196,30 +194,39 @@ class CudaBackend(Backend):
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
         host: dict[tuple, torch.Tensor] = {}
+        sizes = self._host_sizes()
+        arena = PinnedArena(sum(map(_aligned, sizes)), max(sizes, default=0))
         with progress.bar(len(self.ctx.unit_specs), "pinning", unit="unit") as bar:
             for spec in self.ctx.unit_specs:
-                host.update(self._stage_unit(spec))
+                host.update(self._stage_unit(spec, arena))
                 bar.update(1)
-        return Staging(host, sum(_nbytes(t) for t in host.values()))
+        return Staging(host, arena.pinned_bytes)
 
-    def _stage_unit(self, spec) -> dict[tuple, torch.Tensor]:
-        """One unit's host staging, keyed (unit key, entry name)."""
+    def _host_sizes(self) -> list[int]:
+        """Each host entry's bytes, in the order the staging takes them (unit by unit, entry by entry)."""
+        return [e.geometry.nbytes for u in self.units.units.values() for e in u.entries]
+
+    def _stage_unit(self, spec, arena: PinnedArena) -> dict[tuple, torch.Tensor]:
+        """One unit's host staging, keyed (unit key, entry name), each entry a view of the arena, in ``layout``
+        order (the order ``_host_sizes`` gives the arena)."""
         tensors = spec.tensors
+        staged = {}
+        for name, roles in fusion(tensors):
+            parts = [self._q8.get(tensors[r][0]) for r in roles]
+            if parts[0] is not None:
+                staged[name] = q8.stage_q8(self.ckpt, parts, alloc=arena.take)
+            else:  # a float checkpoint's entry, or a float entry of a q8 one (a router)
+                staged[name] = self._stage_float(roles, tensors, arena)
         if self.quant:
-            staged = q8.stage_q8_unit(self.ckpt, self.quant, tensors,
-                                      [(n, r) for n, r in fusion(tensors) if tensors[r[0]][0] in self._q8])
-            for name, roles in fusion(tensors):
-                if name not in staged:  # a float entry of a q8 checkpoint (a router)
-                    staged[name] = self._stage_float(roles, tensors)
             self.ckpt.drop_pages(q8.unit_page_names(self.quant, tensors))
         else:
-            staged = {name: self._stage_float(roles, tensors) for name, roles in fusion(tensors)}
             self.ckpt.drop_pages([n for n, _ in tensors.values()])  # the pinned copy is the host staging now
         return {(spec.key, name): t for name, t in staged.items()}
 
-    def _stage_float(self, roles, tensors) -> torch.Tensor:
+    def _stage_float(self, roles, tensors, arena: PinnedArena) -> torch.Tensor:
         rows = sum(tensors[r][1][0] for r in roles)
-        buf = torch.empty((rows, tensors[roles[0]][1][1]), dtype=self.dtype, pin_memory=True)
+        cols = tensors[roles[0]][1][1]
+        buf = arena.take(rows * cols * itemsize(self.dtype)).view(self.dtype).view(rows, cols)
         at = 0
         for r in roles:
             src = self.ckpt.view(tensors[r][0])
@@ -451,11 +458,6 @@ class Staging:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _nbytes(t) -> int:
-    t = t.raw if isinstance(t, q8.Q8Weight) else t
-    return t.numel() * t.element_size()
 
 
 def _pinned(host) -> bool:

@@ -133,16 +133,21 @@ def is_q8_geometry(geometry: Geometry) -> bool:
 
 
 # --- host staging (what the CUDA backend pins once per model) ------------------------------
-def stage_q8(ckpt: Checkpoint, parts: Sequence[quant.Q8Tensor], pin_memory: bool = True) -> Q8Weight:
+def stage_q8(ckpt: Checkpoint, parts: Sequence[quant.Q8Tensor], pin_memory: bool = True,
+             alloc: Callable[[int], torch.Tensor] | None = None) -> Q8Weight:
     """One host entry in device layout. A single part is copied as stored; several (q, k, v or
     gate, up, which share K and the group) are fused along N: their real columns side by side,
-    then one padding, so the fused output splits exactly like the float path's."""
+    then one padding, so the fused output splits exactly like the float path's. ``alloc(nbytes)``, where
+    given, supplies its bytes (a view of a ``PinnedArena``) instead of a block of its own."""
     k, group = parts[0].k, parts[0].group
     if any((p.k, p.group) != (k, group) for p in parts):
         raise ValueError("fused q8 parts must share K and the group size")
     n = sum(p.n for p in parts)
     n_pad = parts[0].n_pad if len(parts) == 1 else quant.pad_n(n)
-    w = Q8Weight.empty(n, k, group, n_pad, pin_memory=pin_memory)
+    if alloc is not None:
+        w = Q8Weight(alloc(quant.layout_nbytes(k, group, n_pad)), n, k, group, n_pad)
+    else:
+        w = Q8Weight.empty(n, k, group, n_pad, pin_memory=pin_memory)
     if len(parts) == 1:
         w.qweight.copy_(ckpt.view(parts[0].qweight))
         w.scales.copy_(ckpt.view(parts[0].scales))
