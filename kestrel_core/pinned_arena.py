@@ -85,3 +85,14 @@ def arena_bytes(sizes: Iterable[int], block: int = BLOCK) -> int:
     for n in sizes:
         arena.take(n)
     return arena.pinned_bytes
+
+
+def release_cached_pinned() -> bool:
+    """Hand the pinned blocks torch's allocator keeps cached (freed, still locked) back to the system; False where
+    this torch has no way to (then they stay locked until the process ends)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty()
+    return True

@@ -16,7 +16,7 @@ import torch
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.host_tier import ALIGN, HOST_ENV
-from kestrel_core.pinned_arena import arena_bytes
+from kestrel_core.pinned_arena import arena_bytes, release_cached_pinned
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.quant import quantize_checkpoint
 
@@ -86,6 +86,26 @@ def test_all_pinned_counts_the_arenas_blocks_and_is_captured(tiny, monkeypatch):
     pinned = arena_bytes(entry_sizes(tiny))
     assert r.counters["peak_host_pinned_bytes"] == r.memory["host_pinned_bytes"] == pinned
     assert r.steps["captured"] + r.steps["replayed"] > 0  # torch's pinned blocks: the step is captured
+
+
+def test_torch_counts_the_arenas_blocks_and_takes_them_back_when_a_ring_replaces_the_staging(tiny, monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+
+    def torch_pinned() -> int:  # every pinned block torch's allocator owns, in use or cached, as it rounded them
+        return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+
+    assert release_cached_pinned()
+    bare = sum(-(-n // ALIGN) * ALIGN for n in entry_sizes(tiny))
+    with load(tiny) as model:
+        before = torch_pinned()
+        with model.open(backend="cuda", keep=1) as run:
+            assert run.backend.host_budget.mode == "all"
+            pinned = run.backend.counters.peak_host_pinned_bytes
+            grown = torch_pinned() - before
+        assert pinned <= grown < pinned + MiB  # what torch locked is what the counter says
+        with model.open(backend="cuda", keep=1, host_budget_mb=bare / MiB) as run:
+            assert run.backend.host_budget.mode == "ring"
+            assert torch_pinned() - before < MiB  # the staging's blocks were handed back, not kept cached
 
 
 def test_a_budget_that_holds_the_entries_but_not_the_arenas_blocks_takes_the_ring(tiny, monkeypatch):

@@ -28,7 +28,7 @@ from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelN
 from kestrel_core.host import meminfo
 from kestrel_core.host_tier import (ALIGN, PinnedRing, resolve_host_budget,
                                     ring_slots, slot_bytes)
-from kestrel_core.pinned_arena import PinnedArena, arena_bytes
+from kestrel_core.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
@@ -448,12 +448,19 @@ class CudaBackend(Backend):
         self._forget_events()
 
 
-@attrs.frozen
+@attrs.define
 class Staging:
-    """Every unit's host copy (entry source -> pinned tensor) and the bytes they pin; dropping it unpins them."""
+    """Every unit's host copy (entry source -> pinned tensor) and the bytes they pin. ``close`` lets go of them
+    and hands torch's cached pinned blocks back (torch keeps a freed pinned block for reuse, still locked);
+    a block a live run still reads stays."""
 
     host: dict
     pinned_bytes: int
+
+    def close(self) -> None:
+        self.host = {}
+        self.pinned_bytes = 0
+        release_cached_pinned()
 
 
 def _aligned(n: int) -> int:
