@@ -3,7 +3,7 @@
 torch's pinned allocator rounds every block up to a power of two. Pinning each entry of the 8B
 shape on its own (48, 32, 192 and 96 MiB a layer, plus the norms) locked 16.9 GiB for 12.9 GiB of
 weights: the process's RSS, not the bytes asked for (``bench/results/host_tier_20261204T031712Z.json``,
-the "all" rows). A ``PinnedArena`` hands out page-aligned views of a few large blocks instead, each
+the "all" rows). A ``PinnedArena`` hands out views, at page offsets, of a few large blocks instead, each
 a power of two, the last one no larger than what is left needs. Each view stays one of torch's
 pinned blocks, so a copy from it is asynchronous and a CUDA graph can capture it (memory
 registered with ``cudaHostRegister`` is not).
@@ -54,7 +54,7 @@ class PinnedArena:
         return [size for _, size, _ in self._blocks]
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A page-aligned uint8 view of ``nbytes`` pinned bytes, in the first block with room for it (None where
+        """A uint8 view of ``nbytes`` pinned bytes at a page offset of the first block with room for it (None where
         the arena only counts)."""
         need = _aligned(nbytes)
         if need > self.cap:
@@ -71,7 +71,7 @@ class PinnedArena:
         return None if block[0] is None else block[0][at : at + nbytes]
 
     def _new(self, size: int) -> torch.Tensor:
-        if self.pin:  # cudaHostAlloc: page-aligned, and exactly a power of two (no slack to align within)
+        if self.pin:  # exactly a power of two, no slack to align within: torch's block starts on 512 bytes at least
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return aligned_empty(size, ALIGN)
 

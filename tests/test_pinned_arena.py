@@ -1,4 +1,4 @@
-"""PinnedArena: the full staging's entries as page-aligned views of a few power-of-two blocks.
+"""PinnedArena: the full staging's entries as views, at page offsets, of a few power-of-two blocks.
 
 torch's pinned allocator rounds each block up to a power of two, so the arena's blocks are powers
 of two and it packs entries into them; ``arena_bytes`` says what it will lock before anything is
@@ -32,7 +32,7 @@ def test_the_8b_shape_pins_within_two_percent_of_its_entries_where_one_block_eac
     assert one_block_each > 1.3 * payload  # the waste the arena removes (16.9 GiB for 12.9 here)
 
 
-def test_views_are_page_aligned_disjoint_and_counted_by_their_blocks():
+def test_views_sit_at_page_offsets_are_disjoint_and_are_counted_by_their_blocks():
     sizes = [5 * MiB + 3, 1 * MiB, 7 * MiB, 300, 2 * MiB, 6 * MiB + 1]
     arena = PinnedArena(sum(aligned(n) for n in sizes), max(sizes), block=8 * MiB, pin=False)
     views = [arena.take(n) for n in sizes]
