@@ -51,7 +51,7 @@ from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 PRESET = "qwen3-8b"
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
 BUDGETS = (("all", 0), ("4 GiB", 4096), ("1 GiB", 1024))
-SLACK = 768 * 2**20  # the O_DIRECT landing buffer (one unit, ~390 MiB on this shape) and the threads' own memory
+SLACK = 768 * 2**20  # the cold path's aligned scratch (8 MiB a fill thread, a landing buffer for parts read whole) and the threads' own memory
 
 
 def log(msg: str) -> None:
