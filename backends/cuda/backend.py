@@ -187,9 +187,10 @@ class CudaBackend(Backend):
 
     def _stage_host(self) -> "Staging":
         """Pin each unit once, already fused and in compute dtype (q8: in device layout): an upload is then a
-        plain DMA. Keyed by entry source, (unit key, entry name). Each entry is a block of torch's pinned
-        allocator, which torch copies from asynchronously and inside a captured graph (memory registered with
-        cudaHostRegister is copied from asynchronously too, but it is not one of its blocks, so a graph refuses it).
+        plain DMA. Keyed by entry source, (unit key, entry name). Each entry is a view of one of a
+        ``PinnedArena``'s blocks of torch's pinned allocator, which torch copies from asynchronously and inside a
+        captured graph (memory registered with cudaHostRegister is copied from asynchronously too, but it is not
+        one of its blocks, so a graph refuses it).
 
         The staging lives in the opened model's host store, so a sweep pins the weights once.
         """
