@@ -69,7 +69,8 @@ def _floor(n: int, alignment: int) -> int:
     return n // alignment * alignment
 
 
-def _ceil(n: int, alignment: int) -> int:
+def round_up(n: int, alignment: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``alignment`` (a page by default: where a DMA, and O_DIRECT, want a buffer)."""
     return -(-n // alignment) * alignment
 
 
@@ -77,7 +78,7 @@ def span_bytes(offset: int, nbytes: int, alignment: int = ALIGN) -> int:
     """The bytes a buffer needs to read ``[offset, offset + nbytes)``: its aligned superset (0 for an empty span)."""
     if nbytes <= 0:
         return 0
-    return _ceil(offset + nbytes, alignment) - _floor(offset, alignment)
+    return round_up(offset + nbytes, alignment) - _floor(offset, alignment)
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGN, pin_memory: bool | None = False) -> torch.Tensor:
@@ -301,7 +302,7 @@ class DirectFile:
         """The aligned superset of a span cut into ``(lo, hi, need)`` pieces of at most ``chunk`` bytes."""
         if nbytes == 0:
             return []
-        start, end = _floor(offset, self.alignment), _ceil(offset + nbytes, self.alignment)
+        start, end = _floor(offset, self.alignment), round_up(offset + nbytes, self.alignment)
         want = offset + nbytes
         return [(lo, min(lo + chunk, end), min(lo + chunk, want)) for lo in range(start, end, chunk)]
 
@@ -315,7 +316,7 @@ class DirectFile:
         flat, start = self._slot(dst, offset, nbytes)
         if nbytes:
             buf = memoryview(flat.numpy())
-            for lo, hi, need in self._pieces(offset, nbytes, _ceil(CHUNK, self.alignment)):
+            for lo, hi, need in self._pieces(offset, nbytes, round_up(CHUNK, self.alignment)):
                 self._read_piece(buf, start, lo, hi, need)
         return flat[offset - start : offset - start + nbytes]
 
@@ -374,7 +375,7 @@ class Reader:
         """Start reading each ``(offset, nbytes)`` of ``spans`` into its ``dsts`` slot (as ``DirectFile.read_span``)."""
         if len(dsts) != len(spans):
             raise KestrelError(f"read_spans got {len(dsts)} buffers for {len(spans)} spans; pass one buffer a span")
-        chunk = _ceil(self.chunk, file.alignment)
+        chunk = round_up(self.chunk, file.alignment)
         work, views = [], []
         for dst, (offset, nbytes) in zip(dsts, spans):
             flat, start = file._slot(dst, offset, nbytes)
@@ -480,7 +481,7 @@ def sequential_read_rate(
         total = f.size if nbytes is None else min(nbytes, f.size)
         if total <= 0:
             raise KestrelError(f"{f.path}: nothing to read ({f.size} bytes in the file, nbytes={nbytes}); pass a non-empty file")
-        chunk = _ceil(max(chunk, f.alignment), f.alignment)
+        chunk = round_up(max(chunk, f.alignment), f.alignment)
         pieces = f._pieces(0, total, chunk)
         errors: list[BaseException] = []
 

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from .budget import env_mib
-from .diskread import ALIGN, aligned_empty  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
+from .diskread import ALIGN, aligned_empty, round_up  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
 from .errors import BudgetError, ConfigError
 
 HOST_ENV = "KESTREL_HOST_MB"
@@ -75,13 +75,10 @@ class SlotEntry:
         return self.shape[0] * self.shape[1] * torch.empty((), dtype=dtype).element_size()
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
 
 def slot_bytes(units: Iterable[Sequence[SlotEntry]], dtype: torch.dtype) -> int:
     """The slot size: the largest unit's entries, each starting on a page."""
-    return max(sum(_aligned(e.nbytes(dtype)) for e in entries) for entries in units)
+    return max(sum(round_up(e.nbytes(dtype)) for e in entries) for entries in units)
 
 
 class HostMemory:
@@ -183,7 +180,7 @@ class PinnedRing:
             if row != entry.shape[0]:
                 raise ConfigError(f"entry {entry.name}: its parts have {row} rows, the entry {entry.shape[0]}")
             out[entry.name] = dst
-            at = _aligned(at + n)
+            at = round_up(at + n)
         work = []  # (function, argument): a copy, or a piece of a read straight into the slot
         for dst, src in copies:
             if isinstance(src, torch.Tensor):

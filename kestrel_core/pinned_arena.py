@@ -18,14 +18,11 @@ from typing import Iterable
 
 import torch
 
-from .diskread import ALIGN, aligned_empty
+from .diskread import ALIGN, aligned_empty, round_up
 from .errors import ConfigError
 
 BLOCK = 2**30  # the largest block the arena asks for, unless one entry is larger
 
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _pow2(n: int) -> int:
@@ -40,11 +37,11 @@ class PinnedArena:
     ``allocate=False`` only counts (``arena_bytes``)."""
 
     def __init__(self, total: int, largest: int, block: int = BLOCK, pin: bool = True, allocate: bool = True):
-        if total < 0 or largest < 0 or _aligned(largest) > _aligned(total):
+        if total < 0 or largest < 0 or round_up(largest) > round_up(total):
             raise ConfigError(f"an arena of {total} bytes cannot hold an entry of {largest}")
-        self.cap = max(block, _pow2(_aligned(largest)))
+        self.cap = max(block, _pow2(round_up(largest)))
         self.pin, self.allocate = pin, allocate
-        self._left = _aligned(total)  # bytes not yet taken
+        self._left = round_up(total)  # bytes not yet taken
         self._blocks: list[list] = []  # [tensor or None, size, bytes used]
         self.pinned_bytes = 0
 
@@ -56,7 +53,7 @@ class PinnedArena:
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 view of ``nbytes`` pinned bytes at a page offset of the first block with room for it (None where
         the arena only counts)."""
-        need = _aligned(nbytes)
+        need = round_up(nbytes)
         if need > self.cap:
             raise ConfigError(f"an entry of {nbytes} bytes is larger than the arena's blocks of {self.cap}")
         block = next((b for b in self._blocks if b[1] - b[2] >= need), None)
@@ -81,7 +78,7 @@ def arena_bytes(sizes: Iterable[int], block: int = BLOCK) -> int:
     sizes = list(sizes)
     if not sizes:
         return 0
-    arena = PinnedArena(sum(_aligned(n) for n in sizes), max(sizes), block, allocate=False)
+    arena = PinnedArena(sum(round_up(n) for n in sizes), max(sizes), block, allocate=False)
     for n in sizes:
         arena.take(n)
     return arena.pinned_bytes

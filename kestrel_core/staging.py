@@ -29,7 +29,7 @@ import torch
 
 from .checkpoint import DTYPES, Checkpoint
 from .diskread import (CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported,
-                       resident_fraction)
+                       resident_fraction, round_up)
 from .errors import CheckpointError, ConfigError
 from .host_tier import PinnedRing, Slot, SlotEntry
 
@@ -149,7 +149,7 @@ class Filler:
         infos = [self.ckpt.info(n) for n in names]
         files = [self._direct(self.ckpt.file_of(n)) for n in names]
         align = max(df.alignment for df in files)  # each read's buffer starts on its file's alignment
-        sizes = [_up(df.span_bytes(info.start, info.nbytes), align) for df, info in zip(files, infos)]
+        sizes = [round_up(df.span_bytes(info.start, info.nbytes), align) for df, info in zip(files, infos)]
         if self._scratch.numel() < sum(sizes) or self._scratch.data_ptr() % align:
             self._scratch = aligned_empty(sum(sizes), align)
         pending, at = [], 0
@@ -193,10 +193,6 @@ class Filler:
         self._files.clear()
         if self._reader is not None:
             self._reader.close()
-
-
-def _up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 class Stager:

@@ -15,7 +15,8 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
-from kestrel_core.host_tier import ALIGN, HOST_ENV
+from kestrel_core.diskread import ALIGN, round_up
+from kestrel_core.host_tier import HOST_ENV
 from kestrel_core.pinned_arena import arena_bytes, release_cached_pinned
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.quant import quantize_checkpoint
@@ -40,7 +41,7 @@ def slot(model_dir) -> int:
     """The ring's slot: the largest unit's bfloat16 entries, each on a page."""
     with load(model_dir) as model, model.open(backend="cuda", keep=1) as run:
         units = run.backend.units.units.values()
-        return max(sum(-(-e.geometry.nbytes // ALIGN) * ALIGN for e in u.entries) for u in units)
+        return max(sum(round_up(e.geometry.nbytes) for e in u.entries) for u in units)
 
 
 def generate(model_dir, tokens=10, drop=False, **settings):
@@ -95,7 +96,7 @@ def test_torch_counts_the_arenas_blocks_and_takes_them_back_when_a_ring_replaces
         return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
 
     assert release_cached_pinned()
-    bare = sum(-(-n // ALIGN) * ALIGN for n in entry_sizes(tiny))
+    bare = sum(round_up(n) for n in entry_sizes(tiny))
     with load(tiny) as model:
         before = torch_pinned()
         with model.open(backend="cuda", keep=1) as run:
@@ -111,7 +112,7 @@ def test_torch_counts_the_arenas_blocks_and_takes_them_back_when_a_ring_replaces
 def test_a_budget_that_holds_the_entries_but_not_the_arenas_blocks_takes_the_ring(tiny, monkeypatch):
     monkeypatch.delenv(HOST_ENV, raising=False)
     sizes = entry_sizes(tiny)
-    bare = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+    bare = sum(round_up(n) for n in sizes)
     assert bare < arena_bytes(sizes)  # the tiny model's blocks round up past its entries
     ref, _ = generate(tiny, keep=1)
     r, tier = generate(tiny, keep=1, host_budget_mb=bare / MiB)

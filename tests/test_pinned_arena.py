@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_core.diskread import ALIGN
+from kestrel_core.diskread import ALIGN, round_up
 from kestrel_core.errors import ConfigError
 from kestrel_core.pinned_arena import BLOCK, PinnedArena, arena_bytes
 
@@ -19,14 +19,10 @@ MiB = 2**20
 LAYER_8B = [48 * MiB, 32 * MiB, 192 * MiB, 96 * MiB, 8192, 8192, 256, 256]
 
 
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def test_the_8b_shape_pins_within_two_percent_of_its_entries_where_one_block_each_pinned_a_third_more():
     sizes = LAYER_8B * 36
-    payload = sum(aligned(n) for n in sizes)
-    one_block_each = sum(1 << (aligned(n) - 1).bit_length() for n in sizes)  # what pinning each entry alone locks
+    payload = sum(round_up(n) for n in sizes)
+    one_block_each = sum(1 << (round_up(n) - 1).bit_length() for n in sizes)  # what pinning each entry alone locks
     pinned = arena_bytes(sizes)
     assert payload <= pinned <= 1.02 * payload
     assert one_block_each > 1.3 * payload  # the waste the arena removes (16.9 GiB for 12.9 here)
@@ -34,7 +30,7 @@ def test_the_8b_shape_pins_within_two_percent_of_its_entries_where_one_block_eac
 
 def test_views_sit_at_page_offsets_are_disjoint_and_are_counted_by_their_blocks():
     sizes = [5 * MiB + 3, 1 * MiB, 7 * MiB, 300, 2 * MiB, 6 * MiB + 1]
-    arena = PinnedArena(sum(aligned(n) for n in sizes), max(sizes), block=8 * MiB, pin=False)
+    arena = PinnedArena(sum(round_up(n) for n in sizes), max(sizes), block=8 * MiB, pin=False)
     views = [arena.take(n) for n in sizes]
     assert [v.numel() for v in views] == sizes
     assert all(v.dtype == torch.uint8 and v.data_ptr() % ALIGN == 0 for v in views)

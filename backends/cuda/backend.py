@@ -26,8 +26,8 @@ from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
 from kestrel_core.host import meminfo
-from kestrel_core.host_tier import (ALIGN, PinnedRing, resolve_host_budget,
-                                    ring_slots, slot_bytes)
+from kestrel_core.diskread import round_up
+from kestrel_core.host_tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
 from kestrel_core.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from kestrel_core.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
@@ -196,7 +196,7 @@ class CudaBackend(Backend):
         """
         host: dict[tuple, torch.Tensor] = {}
         sizes = self._host_sizes()
-        arena = PinnedArena(sum(map(_aligned, sizes)), max(sizes, default=0))
+        arena = PinnedArena(sum(map(round_up, sizes)), max(sizes, default=0))
         with progress.bar(len(self.ctx.unit_specs), "pinning", unit="unit") as bar:
             for spec in self.ctx.unit_specs:
                 host.update(self._stage_unit(spec, arena))
@@ -463,9 +463,6 @@ class Staging:
         self.pinned_bytes = 0
         release_cached_pinned()
 
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _pinned(host) -> bool:
