@@ -78,6 +78,35 @@ def pread_into(fd: int, buf: np.ndarray, offset: int, pool: ThreadPoolExecutor, 
     list(pool.map(one, range(0, buf.nbytes, step)))
 
 
+def two_slots(n_units: int, stream, stage, upload, retire=lambda i: None, finish=lambda: None) -> float:
+    """Seconds to move ``n_units`` units through two slots: ``stage(i, s)`` fills slot ``s`` once its last upload is
+    done, ``upload(i, s)`` queues its copies on ``stream``, ``retire(i)`` runs once unit i's upload is done and the
+    next unit's is queued; ``finish()`` runs after the last retire, inside the timing."""
+    events: list = [None, None]
+    last = None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n_units):
+        s = i % 2
+        if events[s] is not None:
+            events[s].synchronize()
+        stage(i, s)
+        with torch.cuda.stream(stream):
+            upload(i, s)
+            events[s] = torch.cuda.Event()
+            events[s].record(stream)
+        if last is not None:
+            last[1].synchronize()
+            retire(last[0])
+        last = (i, events[s])
+    if last is not None:
+        last[1].synchronize()
+        retire(last[0])
+    finish()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp")
@@ -127,20 +156,9 @@ def main() -> int:
                 pread_into(fd, slot_np[i % 2], i * unit, pool, args.threads)
                 times.append(time.perf_counter() - t0)
             rec["fill_GBps"] = unit / statistics.median(times) / 1e9
-            events: list = [None, None]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n_units):
-                s = i % 2
-                if events[s] is not None:
-                    events[s].synchronize()
-                pread_into(fd, slot_np[s], i * unit, pool, args.threads)
-                with torch.cuda.stream(stream):
-                    dev[s].copy_(slots[s], non_blocking=True)
-                    events[s] = torch.cuda.Event()
-                    events[s].record(stream)
-            torch.cuda.synchronize()
-            rec["ring_GBps"] = n_units * unit / (time.perf_counter() - t0) / 1e9
+            secs = two_slots(n_units, stream, lambda i, s: pread_into(fd, slot_np[s], i * unit, pool, args.threads),
+                             lambda i, s: dev[s].copy_(slots[s], non_blocking=True))
+            rec["ring_GBps"] = n_units * unit / secs / 1e9
         slots_mem.close()
 
         def drop(i: int) -> None:
@@ -231,34 +249,21 @@ def main() -> int:
                     check(cudart.cudaHostUnregister(base + i * unit), "cudaHostUnregister")
                     libc.madvise(ctypes.c_void_p(base + i * unit), ctypes.c_size_t(fu), MADV_DONTNEED)
 
-                events: list = [None, None]
-                last: list = []
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for i in range(n_units):
-                    s = i % 2
-                    if events[s] is not None:
-                        events[s].synchronize()
+                def stage(i: int, s: int) -> None:
                     reg = worker.submit(reg_part, i)
                     pread_into(fd, slots[s][fu:].numpy(), i * unit + fu, pool, args.threads)
                     reg.result()
-                    with torch.cuda.stream(stream):
-                        dev[s][:fu].copy_(host[i][:fu], non_blocking=True)
-                        dev[s][fu:].copy_(slots[s][fu:], non_blocking=True)
-                        events[s] = torch.cuda.Event()
-                        events[s].record(stream)
-                    last.append((i, events[s]))
-                    while len(last) > 1:
-                        j, e = last.pop(0)
-                        e.synchronize()
-                        worker.submit(unreg_part, j)
-                for j, e in last:
-                    e.synchronize()
-                    worker.submit(unreg_part, j).result()
-                torch.cuda.synchronize()
-                rec["hybrid_GBps"][str(share)] = n_units * unit / (time.perf_counter() - t0) / 1e9
+
+                def upload(i: int, s: int) -> None:
+                    dev[s][:fu].copy_(host[i][:fu], non_blocking=True)
+                    dev[s][fu:].copy_(slots[s][fu:], non_blocking=True)
+
+                secs = two_slots(n_units, stream, stage, upload, retire=lambda j: worker.submit(unreg_part, j),
+                                 finish=lambda: worker.submit(lambda: None).result())  # the last unregister is done
+                rec["hybrid_GBps"][str(share)] = n_units * unit / secs / 1e9
         slots_mem.close()
-        del host, arr
+        host.clear()  # the views of the mapping go before it closes
+        del arr
         mm.close()
         os.close(fd)
     finally:
