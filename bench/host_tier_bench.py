@@ -1,6 +1,6 @@
 """The host tier on a GPU: kestrel streaming at keep=1 through pinned host budgets, hot and cold, against its ceilings.
 
-    python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers] [--tokens 6] [--out DIR]
+    python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers|moe] [--tokens 6] [--out DIR]
 
 ``--rows kestrel`` measures, side by side in one run: the pinned H2D copy rate; the disk's
 sequential O_DIRECT read rate on the checkpoint's own filesystem; a pageable-to-pinned memcpy rate
@@ -12,6 +12,11 @@ open, before the prompt. The ring's cold path reads with O_DIRECT, which leaves 
 cache, so every token after that reads from disk too; the row's counters show how its bytes came
 (``host_cold_bytes`` against ``host_hot_bytes`` a token). An all-pinned run never reads the file
 after load, so its cold row reads nothing and shows that.
+
+``--rows moe`` measures Mixture-of-Experts through the host tier: the Qwen3-30B-A3B shape cut to
+``--moe-layers`` layers (each with the full model's shapes), keep=off with expert_lru at the full
+depth's 2 GiB scaled to the cut, so each layer's own unit stays on the device and every routed
+expert that misses is staged and uploaded; at host budgets of everything, 1 GiB and 256 MiB, hot and cold.
 
 ``--rows peers`` measures a kestrel cold row at 1 GiB again beside AirLLM (its per-layer shards
 dropped from the cache before every step, so that it reads the same cold disk) and accelerate's
@@ -51,6 +56,8 @@ from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 PRESET = "qwen3-8b"
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
 BUDGETS = (("all", 0), ("4 GiB", 4096), ("1 GiB", 1024))
+MOE_PRESET, MOE_EXPERT_GIB = "qwen3-30b-a3b", 2
+MOE_BUDGETS = (("all", 0), ("1 GiB", 1024), ("256 MiB", 256))
 SLACK = 768 * 2**20  # the cold path's aligned scratch (8 MiB a fill thread, a landing buffer for parts read whole) and the threads' own memory
 
 
@@ -99,9 +106,10 @@ def drop_checkpoint(ckpt) -> float:
     return time.perf_counter() - t0
 
 
-def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: int) -> dict:
-    cfg = KestrelConfig().override(backend__name="cuda", residency__keep=1, backend__prefetch=1,
-                                   backend__host_budget_mb=budget_mb)
+def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: int, **flags) -> dict:
+    """One row at host budget ``budget_mb`` (0: the default); ``flags`` override keep=1, prefetch 1."""
+    settings = dict(backend__name="cuda", residency__keep=1, backend__prefetch=1, backend__host_budget_mb=budget_mb)
+    cfg = KestrelConfig().override(**{**settings, **flags})
     gc.collect()
     before = rss()
     with open_run(model, cfg) as run:
@@ -120,12 +128,37 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
            "bytes_from_page_cache_per_token": mean("host_hot_bytes"),
            "peak_host_pinned_bytes": r.counters["peak_host_pinned_bytes"],
            "rss_before_open_bytes": before, "peak_rss_bytes": peak.peak, "peak_rss_over_before_bytes": peak.peak - before,
-           "slack_bytes": SLACK, "rss_bound_bytes": tier.bytes + SLACK, "steps": r.steps, "token_ids": r.token_ids}
+           "slack_bytes": SLACK, "rss_bound_bytes": tier.bytes + SLACK, "steps": r.steps, "token_ids": r.token_ids,
+           "expert_misses_per_token": mean("expert_misses"), "settings": {k: str(v) for k, v in flags.items()}}
     log(f"{label:30} {ms:9.2f} ms/tok {up / 1e9:6.2f} GB/tok {row['upload_GBps']:6.1f} GB/s disk "
         f"{row['bytes_from_disk_per_token'] / 1e9:6.2f} GB/tok cache {row['bytes_from_page_cache_per_token'] / 1e9:6.2f} "
         f"pinned {row['peak_host_pinned_bytes'] / 2**30:6.2f} GiB rss+ {row['peak_rss_over_before_bytes'] / 2**30:6.2f} GiB")
     torch.cuda.empty_cache()
     return row
+
+
+def moe_rows(root: Path, layers: int, tokens: int) -> dict:
+    """The Qwen3-30B-A3B shape cut to ``layers`` layers, keep=off with expert_lru at the full depth's 2 GiB scaled to
+    the cut: the layers' own units stay on the device and the routed experts that miss stream through the host tier,
+    at each of ``MOE_BUDGETS``, hot and cold."""
+    path = root / f"{MOE_PRESET}-L{layers}"
+    if not (path / "config.json").is_file():
+        log(f"writing {path}")
+        write_checkpoint(preset_config(MOE_PRESET, layers=layers), path, seed=0, device="cuda")
+    full = preset_config(MOE_PRESET).num_hidden_layers
+    flags = dict(residency__keep="off", residency__expert_policy="expert_lru", backend__prefetch=0,
+                 residency__expert_budget_mb=MOE_EXPERT_GIB * 1024 * layers / full)
+    out: dict = {"path": path.name, "layers": layers, "full_depth_layers": full, "expert_budget_full_depth_gib": MOE_EXPERT_GIB,
+                 "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")), "rows": []}
+    with Model(path) as model:
+        kestrel_row(model, "moe warm-up (not recorded)", 1024, False, 3, **flags)
+        for cold in (False, True):
+            for name, mb in MOE_BUDGETS:
+                out["rows"].append(kestrel_row(model, f"moe {name} {'cold' if cold else 'hot'}", mb, cold, tokens, **flags))
+    ref = out["rows"][0]["token_ids"]
+    for row in out["rows"]:
+        row["ids_match_all_hot"] = row["token_ids"] == ref
+    return out
 
 
 def memcpy_rate(nbytes: int = 2**30, threads: int = 8) -> float:
@@ -198,16 +231,23 @@ def accelerate_disk_offload(path: Path, tokens: int, models_dir: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", required=True)
-    ap.add_argument("--rows", choices=("kestrel", "peers"), default="kestrel")
+    ap.add_argument("--rows", choices=("kestrel", "peers", "moe"), default="kestrel")
+    ap.add_argument("--moe-layers", type=int, default=8, help="--rows moe: the layers of the Qwen3-30B-A3B shape kept")
     ap.add_argument("--tokens", type=int, default=6, help="new tokens a row (the first decode step is left out)")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args()
     os.environ.pop(HOST_ENV, None)
     root = Path(args.models)
     root.mkdir(parents=True, exist_ok=True)
-    path = ensure_model(root)
     outs = [RESULTS] + [Path(d) for d in args.out]
     stamp = utc_stamp()
+    if args.rows == "moe":
+        rec = {"preset": MOE_PRESET, "tokens": args.tokens, "rows_kind": "moe", "ceilings": copy_ceilings(),
+               "moe": moe_rows(root, args.moe_layers, args.tokens)}
+        for p in write_record("host_tier", rec, outs, stamp):
+            log(f"wrote {p}")
+        return 0
+    path = ensure_model(root)
     rec: dict = {"preset": PRESET, "keep": 1, "prefetch": 1, "tokens": args.tokens, "rows_kind": args.rows,
                  "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
                  "mem_total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
