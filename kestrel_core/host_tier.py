@@ -150,7 +150,7 @@ class PinnedRing:
         self.pinned_bytes = self.memory.pinned_bytes
         self.slots = [Slot(self.memory.raw[i * nbytes : (i + 1) * nbytes], i) for i in range(n)]
         self._slots = deque(self.slots)
-        threads = fill_threads() if threads is None else threads
+        self.threads = threads = fill_threads() if threads is None else max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
         self.bytes_staged = 0
 
@@ -182,11 +182,13 @@ class PinnedRing:
             out[entry.name] = dst
             at = round_up(at + n)
         work = []  # (function, argument): a copy, or a piece of a read straight into the slot
+        reads = [src for _, src in copies if not isinstance(src, torch.Tensor)]
+        piece = type(reads[0]).piece_bytes(sum(r.nbytes for r in reads), self.threads) if reads else None
         for dst, src in copies:
             if isinstance(src, torch.Tensor):
                 work.append((dst.copy_, src))
             else:
-                work += src.pieces(dst)
+                work += src.pieces(dst, piece)
         if self._pool is None:
             for fn, arg in work:
                 fn(arg)
