@@ -12,9 +12,11 @@ holds the ring and the scratch, not the model.
 
 ``Stager`` stages units into ring slots on one worker thread. An upload takes its unit's slot
 (staging it then if it was not staged yet) and hands the slot back with the event its copy left.
-After each layer unit it takes, the worker stages the units that followed that one in the last
-pass over the layers: the window's plans repeat token after token, so the last pass is the
-forecast of the next (a forecast that misses costs a staging on demand, never a wrong result).
+Units a plan is about to upload (``expect``: a sparse layer's routed experts, known only at its
+router) are staged ahead first, in order, as many at a time as the slots allow. After each layer
+unit it takes, the worker stages the units that followed that one in the last pass over the
+layers: the window's plans repeat token after token, so the last pass is the forecast of the next
+(a forecast that misses costs a staging on demand, never a wrong result).
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ class Stager:
         self._staged: dict[Hashable, Future] = {}  # staged or being staged, not yet taken
         self._held: set[int] = set()  # slots taken and not yet handed back
         self._next = 0  # the slot the ring hands out next
+        self._expected: deque = deque()  # units a plan uploads next, not yet staged
         self._last_pass: list[Hashable] = []
         self._pass: list[Hashable] = []
         self._stop = False
@@ -231,6 +234,19 @@ class Stager:
         self.ahead_hits = 0  # of those, the ones an upload then took
 
     # --- the uploading thread ---------------------------------------------------------
+    def expect(self, keys: Sequence[Hashable]) -> None:
+        """The units the next uploads take, in order (a plan's fetches): staged ahead back to back, at most
+        ``lookahead`` staged and not yet taken at a time (more would take the slot of one staged and not yet taken)."""
+        with self._cv:
+            self._expected = deque(k for k in keys if k not in self._staged)
+            self._top_up()
+
+    def _top_up(self) -> None:  # holds the lock
+        while self._expected and len(self._staged) < self.lookahead:
+            key = self._expected.popleft()
+            if key not in self._staged:
+                self._submit(key, demand=False)
+
     def take(self, key: Hashable) -> tuple[Slot, dict[str, torch.Tensor]]:
         """The unit's slot and entry views, staged now if it was not already; hand it back with ``give_back``."""
         with self._cv:
@@ -245,9 +261,12 @@ class Stager:
                     self._jobs.appendleft(job)
             if fut.ahead:  # type: ignore[attr-defined]
                 self.ahead_hits += 1
+            if key in self._expected:
+                self._expected.remove(key)
         slot, views = fut.result()
         with self._cv:
             self._held.add(slot.index)
+            self._top_up()
         self._forecast(key)
         return slot, views
 

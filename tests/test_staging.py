@@ -257,3 +257,32 @@ def test_the_ring_cuts_a_small_units_parts_into_pieces_of_its_share_a_thread(tmp
         ring.close()
         ckpt.close()
 
+
+def test_expected_units_are_staged_ahead_in_order_without_taking_each_others_slots(tmp_path):
+    out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
+    ckpt = Checkpoint(out)
+    entries = entries_of(read_model_config(out))
+    experts = sorted(k for k in entries if len(k) == 2 and k[0] == 1)[:6]  # layer 1 is sparse
+    ring = PinnedRing(3, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
+    stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=2)
+    try:
+        stager.expect(experts)
+        for _ in range(500):  # the worker stages what it may ahead, then waits for a take
+            with stager._cv:
+                staged = list(stager._staged.values())
+            if staged and all(f.done() for f in staged):
+                break
+            threading.Event().wait(0.01)
+        assert len(staged) == 2  # lookahead: one slot stays free for the upload
+        for key in experts:
+            slot, views = stager.take(key)
+            for e in entries[key]:
+                assert torch.equal(views[e.name], want(ckpt, e)), (key, e.name)
+            stager.give_back(slot, Done())
+        assert stager.ahead_hits == len(experts)  # every one was staged before its upload asked for it
+        # each staged exactly once: none lost its slot to a later one before it was taken
+        assert ring.bytes_staged == sum(DTYPE.itemsize * e.shape[0] * e.shape[1] for k in experts for e in entries[k])
+    finally:
+        stager.close()
+        ring.close()
+        ckpt.close()

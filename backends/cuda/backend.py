@@ -261,9 +261,12 @@ class CudaBackend(Backend):
 
     def execute(self, plan):
         """Evictions, then fetches in order; a prefetch after a demand upload in the same plan starts once that upload
-        is done, so the two do not share the link while the compute waits for the first."""
+        is done, so the two do not share the link while the compute waits for the first. With a host ring, the plan's
+        units are staged into it back to back ahead of their uploads."""
         for resident in plan.evict:
             self.retire(resident)
+        if self._stager is not None and plan.fetch:
+            self._stager.expect([fetch.unit.key for fetch in plan.fetch])
         demand = False
         for fetch in plan.fetch:
             if fetch.ahead and demand and self.copy_stream is not None:
