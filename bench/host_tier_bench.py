@@ -17,6 +17,8 @@ after load, so its cold row reads nothing and shows that.
 ``--moe-layers`` layers (each with the full model's shapes), keep=off with expert_lru at the full
 depth's 2 GiB scaled to the cut, so each layer's own unit stays on the device and every routed
 expert that misses is staged and uploaded; at host budgets of everything, 1 GiB and 256 MiB, hot and cold.
+``--moe-variants`` adds the 1 GiB hot row with the ring's two small-unit measures (pieces cut to a
+thread's share, ``Stager.expect``) taken back one at a time and both together.
 
 ``--rows peers`` measures a kestrel cold row at 1 GiB again beside AirLLM (its per-layer shards
 dropped from the cache before every step, so that it reads the same cold disk) and accelerate's
@@ -30,6 +32,7 @@ record gives it against the process's RSS before the run opened, the host budget
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
@@ -52,6 +55,7 @@ from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
+from kestrel_core.staging import PartRead, Stager  # noqa: E402
 
 PRESET = "qwen3-8b"
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
@@ -137,7 +141,22 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
     return row
 
 
-def moe_rows(root: Path, layers: int, tokens: int) -> dict:
+@contextlib.contextmanager
+def staging_variant(pieces: bool, expect: bool):
+    """The ring's staging with either of its two small-unit measures taken back, for a row that measures without it:
+    ``pieces=False`` reads every part whole (8 MiB pieces); ``expect=False`` stages a plan's units only on demand."""
+    saved_min, saved_expect = PartRead.MIN_PIECE, Stager.expect
+    if not pieces:
+        PartRead.MIN_PIECE = PartRead.PIECE
+    if not expect:
+        Stager.expect = lambda self, keys: None
+    try:
+        yield
+    finally:
+        PartRead.MIN_PIECE, Stager.expect = saved_min, saved_expect
+
+
+def moe_rows(root: Path, layers: int, tokens: int, variants: bool = False) -> dict:
     """The Qwen3-30B-A3B shape cut to ``layers`` layers, keep=off with expert_lru at the full depth's 2 GiB scaled to
     the cut: the layers' own units stay on the device and the routed experts that miss stream through the host tier,
     at each of ``MOE_BUDGETS``, hot and cold."""
@@ -155,6 +174,13 @@ def moe_rows(root: Path, layers: int, tokens: int) -> dict:
         for cold in (False, True):
             for name, mb in MOE_BUDGETS:
                 out["rows"].append(kestrel_row(model, f"moe {name} {'cold' if cold else 'hot'}", mb, cold, tokens, **flags))
+        if variants:  # the 1 GiB hot row again with each measure taken back, and with both
+            for pieces, expect in ((False, True), (True, False), (False, False)):
+                label = f"moe 1 GiB hot, {'small pieces' if pieces else 'parts whole'}, {'expect' if expect else 'on demand'}"
+                with staging_variant(pieces, expect):
+                    row = kestrel_row(model, label, 1024, False, tokens, **flags)
+                row.update(variant={"small_pieces": pieces, "expect": expect})
+                out["rows"].append(row)
     ref = out["rows"][0]["token_ids"]
     for row in out["rows"]:
         row["ids_match_all_hot"] = row["token_ids"] == ref
@@ -233,6 +259,8 @@ def main() -> int:
     ap.add_argument("--models", required=True)
     ap.add_argument("--rows", choices=("kestrel", "peers", "moe"), default="kestrel")
     ap.add_argument("--moe-layers", type=int, default=8, help="--rows moe: the layers of the Qwen3-30B-A3B shape kept")
+    ap.add_argument("--moe-variants", action="store_true",
+                    help="--rows moe: the 1 GiB hot row again with small pieces and expect each taken back, and both")
     ap.add_argument("--tokens", type=int, default=6, help="new tokens a row (the first decode step is left out)")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args()
@@ -243,7 +271,7 @@ def main() -> int:
     stamp = utc_stamp()
     if args.rows == "moe":
         rec = {"preset": MOE_PRESET, "tokens": args.tokens, "rows_kind": "moe", "ceilings": copy_ceilings(),
-               "moe": moe_rows(root, args.moe_layers, args.tokens)}
+               "moe": moe_rows(root, args.moe_layers, args.tokens, args.moe_variants)}
         for p in write_record("host_tier", rec, outs, stamp):
             log(f"wrote {p}")
         return 0
