@@ -127,11 +127,33 @@ def fill_threads() -> int:
     return max(2, min(16, (os.cpu_count() or 4) - 2))
 
 
+class PendingFill:
+    """A unit's fill started on the ring's threads: ``result()`` waits for its copies and returns each entry's view."""
+
+    def __init__(self, ring: "PinnedRing", out: dict[str, torch.Tensor], futures: list, nbytes: int):
+        self.ring, self.out, self.futures, self.nbytes = ring, out, futures, nbytes
+
+    def result(self) -> dict[str, torch.Tensor]:
+        errors = []
+        for f in self.futures:  # every copy ends before the slot is handed on, even where one failed
+            exc = f.exception()
+            if exc is not None:
+                errors.append(exc)
+        self.futures = []
+        if errors:
+            raise errors[0]
+        if self.nbytes:
+            self.ring.bytes_staged += self.nbytes
+            self.nbytes = 0
+        return self.out
+
+
 class PinnedRing:
     """``n`` slots of ``nbytes`` each, in one block pinned where a GPU is there to pin for, handed out in turn.
 
     ``acquire`` returns the oldest slot once its last upload is done; ``fill`` copies a unit into it
-    from the checkpoint mapping (fused and converted on the way) and returns each entry's view.
+    from the checkpoint mapping (fused and converted on the way) and returns each entry's view
+    (``start`` queues the copies and returns at once, so that several units copy side by side).
 
     The block is registered (``HostMemory``), so exactly the budget's bytes are locked. torch copies
     from registered memory asynchronously, at the pinned rate (``bench/ring_copy_bench.py``), but its
@@ -165,6 +187,11 @@ class PinnedRing:
 
     def fill(self, slot: Slot, entries: Sequence[SlotEntry], view) -> dict[str, torch.Tensor]:
         """Stack and convert each entry's parts (``view(name)``: the mapped tensor) into the slot."""
+        return self.start(slot, entries, view).result()
+
+    def start(self, slot: Slot, entries: Sequence[SlotEntry], view) -> "PendingFill":
+        """``fill``, its copies queued on the ring's threads behind those of any fill started before; ``result()``
+        waits for them. Several units started back to back are copied side by side."""
         out, copies, at = {}, [], 0
         for entry in entries:
             n = entry.nbytes(self.dtype)
@@ -189,14 +216,13 @@ class PinnedRing:
                 work.append((dst.copy_, src))
             else:
                 work += src.pieces(dst, piece)
+        nbytes = sum(d.numel() * d.element_size() for d, _ in copies)
         if self._pool is None:
             for fn, arg in work:
                 fn(arg)
-        else:  # torch's copy and os.preadv release the GIL: the parts copy side by side
-            for f in [self._pool.submit(fn, arg) for fn, arg in work]:
-                f.result()
-        self.bytes_staged += sum(d.numel() * d.element_size() for d, _ in copies)
-        return out
+            return PendingFill(self, out, [], nbytes)
+        # torch's copy and os.preadv release the GIL: the parts copy side by side
+        return PendingFill(self, out, [self._pool.submit(fn, arg) for fn, arg in work], nbytes)
 
     def release(self, slot: Slot, done: Any) -> None:
         """The slot's last reader (an event with ``synchronize``), waited for before the slot is refilled."""

@@ -12,6 +12,8 @@ holds the ring and the scratch, not the model.
 
 ``Stager`` stages units into ring slots on one worker thread. An upload takes its unit's slot
 (staging it then if it was not staged yet) and hands the slot back with the event its copy left.
+Small units queued together (experts) are staged side by side, their copies on the ring's threads
+at once, and handed out in order as each is done.
 Units a plan is about to upload (``expect``: a sparse layer's routed experts, known only at its
 router) are staged ahead first, in order, as many at a time as the slots allow. After each layer
 unit it takes, the worker stages the units that followed that one in the last pass over the
@@ -209,11 +211,14 @@ class Filler:
 
 
 class Stager:
-    """Units staged into ``ring`` slots on a worker thread: on demand (``take``), and ahead along the last pass.
+    """Units staged into ``ring`` slots on a worker thread: on demand (``take``), ahead of a plan's uploads
+    (``expect``), and ahead along the last pass.
 
     ``entries_of(key)`` is a unit's slot layout; ``lookahead`` how many units the worker stages
     ahead of the one just taken (at most the ring's slots less one, which an upload may hold).
     """
+
+    BATCH_BYTES = 64 * 2**20  # units staged side by side at most, in bytes (a larger unit goes alone)
 
     def __init__(self, ring: PinnedRing, filler: Filler, entries_of: Callable[[Hashable], Sequence[SlotEntry]],
                  lookahead: int):
@@ -310,29 +315,54 @@ class Stager:
                     self._cv.wait()
                 if self._stop:
                     return
-                key, fut = self._jobs.popleft()
-                if fut.cancelled():
+                batch = self._batch()
+            started = []
+            for key, fut, slot in batch:  # each unit's copies queued on the ring's threads behind the one before
+                try:
+                    slot.wait()  # its last upload is done
+                    entries = self.entries_of(key)
+                    pending = self.ring.start(slot, entries, self.filler.sources(entries, self.ring.dtype).__getitem__)
+                    started.append((fut, slot, entries, pending))
+                except BaseException as exc:  # the uploading thread raises it
+                    self._failed(fut, slot, exc)
+            for fut, slot, entries, pending in started:  # handed out in order, each as soon as its copies are done
+                try:
+                    views = pending.result()
+                    self.filler.done(entries)
+                except BaseException as exc:
+                    self._failed(fut, slot, exc)
                     continue
-                slot = self._acquire(key)
-            if slot is None:
-                continue
-            try:
-                slot.wait()  # its last upload is done
-                entries = self.entries_of(key)
-                views = self.ring.fill(slot, entries, self.filler.sources(entries, self.ring.dtype).__getitem__)
-                self.filler.done(entries)
-            except BaseException as exc:  # the uploading thread raises it
-                with self._cv:
-                    slot.owner = None
-                fut.set_exception(exc)
-                continue
-            if fut.ahead:
-                self.staged_ahead += 1
-            fut.set_result((slot, views))
+                if fut.ahead:
+                    self.staged_ahead += 1
+                fut.set_result((slot, views))
 
-    def _acquire(self, key: Hashable) -> Slot | None:
+    def _batch(self) -> list[tuple[Hashable, Future, Slot]]:
+        """The next job with its slot (waited for), and the jobs queued behind it that have a free slot now, up to
+        ``BATCH_BYTES`` in all: small units (experts) are staged side by side, a layer alone. Holds the lock."""
+        batch: list = []
+        nbytes = 0
+        while self._jobs and nbytes < self.BATCH_BYTES:
+            key, fut = self._jobs[0]
+            if fut.cancelled():
+                self._jobs.popleft()
+                continue
+            slot = self._acquire(key, wait=not batch)
+            if slot is None:
+                break
+            self._jobs.popleft()
+            batch.append((key, fut, slot))
+            nbytes += sum(e.nbytes(self.ring.dtype) for e in self.entries_of(key))
+        return batch
+
+    def _failed(self, fut: Future, slot: Slot, exc: BaseException) -> None:
+        with self._cv:
+            slot.owner = None
+        fut.set_exception(exc)
+
+    def _acquire(self, key: Hashable, wait: bool = True) -> Slot | None:
         """The next slot in turn that no upload holds, taking it from a unit staged ahead and not yet taken
-        (that unit is staged again if asked for). Holds the lock; None where the job was dropped meanwhile."""
+        (that unit is staged again if asked for). Holds the lock; None where the job was dropped meanwhile, or where
+        no slot is free now and not ``wait``."""
         slots = self.ring.slots
         while True:
             for d in range(len(slots)):
@@ -348,6 +378,8 @@ class Stager:
                 self._next = (slot.index + 1) % len(slots)
                 slot.owner = key
                 return slot
+            if not wait:
+                return None
             self._cv.wait()
             if self._stop:
                 return None

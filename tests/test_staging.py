@@ -17,7 +17,7 @@ import torch
 
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.diskread import cached_fraction, direct_io_supported, resident_fraction
-from kestrel_core.host_tier import PinnedRing, SlotEntry, slot_bytes
+from kestrel_core.host_tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
@@ -286,3 +286,39 @@ def test_expected_units_are_staged_ahead_in_order_without_taking_each_others_slo
         stager.close()
         ring.close()
         ckpt.close()
+
+
+def test_small_units_queued_together_are_staged_side_by_side_and_handed_out_in_order(tmp_path, monkeypatch):
+    out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
+    ckpt = Checkpoint(out)
+    entries = entries_of(read_model_config(out))
+    experts = sorted(k for k in entries if len(k) == 2 and k[0] == 1)[:5]
+    events = []
+    real_start, real_result = PinnedRing.start, PendingFill.result
+
+    def start(ring, slot, es, view):
+        pending = real_start(ring, slot, es, view)
+        pending.key = next(k for k in experts if entries[k] == es)
+        events.append(("start", pending.key))
+        return pending
+
+    def result(pending):
+        events.append(("result", pending.key))
+        return real_result(pending)
+
+    monkeypatch.setattr(PinnedRing, "start", start)
+    monkeypatch.setattr(PendingFill, "result", result)
+    ring = PinnedRing(6, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
+    stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=5)
+    try:
+        stager.expect(experts)  # queued under the stager's lock: the worker finds all five at once
+        for key in experts:
+            slot, views = stager.take(key)
+            for e in entries[key]:
+                assert torch.equal(views[e.name], want(ckpt, e)), (key, e.name)
+            stager.give_back(slot, Done())
+    finally:
+        stager.close()
+        ring.close()
+        ckpt.close()
+    assert events == [("start", k) for k in experts] + [("result", k) for k in experts]
