@@ -12,7 +12,8 @@ in the page cache, the median microseconds to stage one expert unit:
 - **fill**: ``PinnedRing.fill`` of the unit from those sources, with the parts read whole (8 MiB
   pieces: a part a piece) and with the ring's pieces for the unit (``PartRead.piece_bytes``);
 - **stager**: ``Stager.take``/``give_back`` through the worker thread, 8 experts at a time (a
-  layer's top-8), on demand and with ``expect`` announcing the 8 first.
+  layer's top-8), on demand, with ``expect`` announcing the 8 first and the worker staging them one at
+  a time, and with ``expect`` and the 8 staged side by side.
 
 The slots are pinned (registered) where there is a GPU, else pageable. Nothing is uploaded: this
 is the host's side of an expert's staging.
@@ -155,8 +156,10 @@ def main() -> int:
     filler.close()
     ring.release(slot, None)
 
-    for expect in (False, True):
+    for expect, batch in ((False, True), (True, False), (True, True)):
         stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=len(ring) - 1)
+        if not batch:
+            stager.BATCH_BYTES = 1
         times = []
         try:
             for g in range(0, len(experts) - TOP_K + 1, TOP_K):
@@ -170,7 +173,7 @@ def main() -> int:
                 times.append((time.perf_counter() - t0) / len(group))
         finally:
             stager.close()
-        out[f"stager, {'expect' if expect else 'on demand'}"] = median_us(times)
+        out[f"stager, {'expect' if expect else 'on demand'}{'' if batch else ', one at a time'}"] = median_us(times)
     ring.close()
     ckpt.close()
     for k, v in out.items():

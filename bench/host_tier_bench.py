@@ -17,8 +17,9 @@ after load, so its cold row reads nothing and shows that.
 ``--moe-layers`` layers (each with the full model's shapes), keep=off with expert_lru at the full
 depth's 2 GiB scaled to the cut, so each layer's own unit stays on the device and every routed
 expert that misses is staged and uploaded; at host budgets of everything, 1 GiB and 256 MiB, hot and cold.
-``--moe-variants`` adds the 1 GiB hot row with the ring's two small-unit measures (pieces cut to a
-thread's share, ``Stager.expect``) taken back one at a time and both together.
+``--moe-variants`` adds the 1 GiB hot row with the ring's small-unit measures (pieces cut to a
+thread's share, ``Stager.expect``, small units staged side by side) taken back one at a time and
+all together.
 
 ``--rows peers`` measures a kestrel cold row at 1 GiB again beside AirLLM (its per-layer shards
 dropped from the cache before every step, so that it reads the same cold disk) and accelerate's
@@ -141,19 +142,25 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
     return row
 
 
+MEASURES = ("pieces", "expect", "batch")
+
+
 @contextlib.contextmanager
-def staging_variant(pieces: bool, expect: bool):
-    """The ring's staging with either of its two small-unit measures taken back, for a row that measures without it:
-    ``pieces=False`` reads every part whole (8 MiB pieces); ``expect=False`` stages a plan's units only on demand."""
-    saved_min, saved_expect = PartRead.MIN_PIECE, Stager.expect
-    if not pieces:
+def staging_variant(off: tuple[str, ...]):
+    """The ring's staging with some of its small-unit measures taken back, for a row that measures without them:
+    ``pieces`` reads every part whole (8 MiB pieces), ``expect`` stages a plan's units only on demand, ``batch``
+    stages one unit at a time."""
+    saved = PartRead.MIN_PIECE, Stager.expect, Stager.BATCH_BYTES
+    if "pieces" in off:
         PartRead.MIN_PIECE = PartRead.PIECE
-    if not expect:
+    if "expect" in off:
         Stager.expect = lambda self, keys: None
+    if "batch" in off:
+        Stager.BATCH_BYTES = 1
     try:
         yield
     finally:
-        PartRead.MIN_PIECE, Stager.expect = saved_min, saved_expect
+        PartRead.MIN_PIECE, Stager.expect, Stager.BATCH_BYTES = saved
 
 
 def moe_rows(root: Path, layers: int, tokens: int, variants: bool = False) -> dict:
@@ -174,12 +181,11 @@ def moe_rows(root: Path, layers: int, tokens: int, variants: bool = False) -> di
         for cold in (False, True):
             for name, mb in MOE_BUDGETS:
                 out["rows"].append(kestrel_row(model, f"moe {name} {'cold' if cold else 'hot'}", mb, cold, tokens, **flags))
-        if variants:  # the 1 GiB hot row again with each measure taken back, and with both
-            for pieces, expect in ((False, True), (True, False), (False, False)):
-                label = f"moe 1 GiB hot, {'small pieces' if pieces else 'parts whole'}, {'expect' if expect else 'on demand'}"
-                with staging_variant(pieces, expect):
-                    row = kestrel_row(model, label, 1024, False, tokens, **flags)
-                row.update(variant={"small_pieces": pieces, "expect": expect})
+        if variants:  # the 1 GiB hot row again with each measure taken back, and with all of them
+            for off in [(m,) for m in MEASURES] + [MEASURES]:
+                with staging_variant(off):
+                    row = kestrel_row(model, f"moe 1 GiB hot, without {' '.join(off)}", 1024, False, tokens, **flags)
+                row.update(measures_off=list(off))
                 out["rows"].append(row)
     ref = out["rows"][0]["token_ids"]
     for row in out["rows"]:
@@ -260,7 +266,7 @@ def main() -> int:
     ap.add_argument("--rows", choices=("kestrel", "peers", "moe"), default="kestrel")
     ap.add_argument("--moe-layers", type=int, default=8, help="--rows moe: the layers of the Qwen3-30B-A3B shape kept")
     ap.add_argument("--moe-variants", action="store_true",
-                    help="--rows moe: the 1 GiB hot row again with small pieces and expect each taken back, and both")
+                    help="--rows moe: the 1 GiB hot row again with each small-unit measure taken back, and all")
     ap.add_argument("--tokens", type=int, default=6, help="new tokens a row (the first decode step is left out)")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args()
