@@ -411,9 +411,9 @@ class Checkpoint:
             f.drop_pages([(0, f.size)])
 
     def drop_cached(self, sync: bool = False) -> None:
-        """Every page out of the mapping and then out of the page cache (``diskread.drop_cache``): the next read
+        """Every page out of the mapping and then out of the page cache (``pagecache.drop_cache``): the next read
         of any tensor goes to disk. Unmapping comes first, since the cache keeps a page a mapping holds."""
-        from .diskread import drop_cache
+        from .pagecache import drop_cache
 
         self.unmap_all()
         for f in self.files.values():

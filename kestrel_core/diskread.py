@@ -38,7 +38,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from .errors import CheckpointError, KestrelError
@@ -131,7 +130,7 @@ def dio_alignment(path: str | os.PathLike) -> int | None:
     return max(mem, off) or None
 
 
-def _cannot_open(path: Path, exc: OSError) -> CheckpointError:
+def cannot_open(path: Path, exc: OSError) -> CheckpointError:
     return CheckpointError(f"{path}: cannot open ({exc.strerror})")
 
 
@@ -144,7 +143,7 @@ def _probe_file(path: Path) -> bool:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False
-        raise _cannot_open(path, exc) from None
+        raise cannot_open(path, exc) from None
     try:
         alignment = max(ALIGN, dio_alignment(path) or 0)
         os.preadv(fd, [memoryview(aligned_empty(alignment, alignment).numpy())], 0)
@@ -201,7 +200,7 @@ class DirectFile:
         try:
             st = os.stat(self.path)
         except OSError as exc:
-            raise _cannot_open(self.path, exc) from None
+            raise cannot_open(self.path, exc) from None
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{self.path}: not a regular file; replace it with the safetensors file")
         reported = dio_alignment(self.path)
@@ -218,7 +217,7 @@ class DirectFile:
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 raise KestrelError(f"{self.path}: {REFUSED}") from None
-            raise _cannot_open(self.path, exc) from None
+            raise cannot_open(self.path, exc) from None
         self.size = os.fstat(self.fd).st_size
         self.bytes_read = 0
         self.reads = 0
@@ -408,62 +407,6 @@ def read_spans(
     """``Reader(threads, chunk).read_spans(file, dsts, spans)`` on a pool made for this one call."""
     with Reader(threads, chunk) as reader:
         return reader.read_spans(file, dsts, spans)
-
-
-_libc = None
-
-
-def cached_fraction(t: torch.Tensor) -> float:
-    """The share of a mapped tensor's pages that are in the page cache now (``mincore``); 1.0 where that cannot be told.
-
-    A part wholly cached is copied from the mapping (the hot path); any other is read with
-    ``O_DIRECT`` (the cold path), which neither needs its pages nor leaves them behind.
-    """
-    return resident_fraction(t.data_ptr(), t.numel() * t.element_size())
-
-
-def resident_fraction(ptr: int, nbytes: int) -> float:
-    """The share of the pages of the mapped range ``[ptr, ptr + nbytes)`` that are in the page cache now (``mincore``:
-    a file mapping's pages count whether or not this process has touched them); 1.0 where that cannot be told."""
-    global _libc
-    if nbytes <= 0:
-        return 1.0
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
-        return 1.0
-    page = os.sysconf("SC_PAGE_SIZE")
-    lo = ptr // page * page
-    n = -(-(ptr + nbytes - lo) // page)
-    vec = (ctypes.c_ubyte * n)()
-    if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) != 0:
-        return 1.0  # not a mapping (a copy in memory): nothing to read from disk
-    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / n  # bit 0: resident; the rest are reserved
-
-
-def drop_cache(path: str | os.PathLike, sync: bool = False) -> None:
-    """Drop ``path``'s clean pages from the page cache: ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file.
-
-    Dirty pages (written and not yet on disk) stay: ``sync=True`` writes them back first (fdatasync).
-    Pages a live mapping has mapped stay too: ``Checkpoint.drop_pages`` unmaps those.
-    """
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise _cannot_open(path, exc) from None
-    try:
-        if sync:
-            os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError as exc:
-        raise KestrelError(f"{path}: cannot drop its cached pages ({exc.strerror})") from None
-    finally:
-        os.close(fd)
 
 
 def sequential_read_rate(

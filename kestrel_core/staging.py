@@ -32,10 +32,10 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .checkpoint import DTYPES, Checkpoint
-from .diskread import (CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, cached_fraction, direct_io_supported,
-                       resident_fraction, round_up)
+from .diskread import CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, direct_io_supported, round_up
 from .errors import CheckpointError, ConfigError
 from .host_tier import PinnedRing, Slot, SlotEntry
+from .pagecache import cached_fraction, range_cached
 
 
 class PartRead:
@@ -43,8 +43,8 @@ class PartRead:
     in pieces that the ring's threads read side by side: ``PIECE`` bytes, or fewer (down to ``MIN_PIECE``) where the
     unit is too small to give every thread a piece of that size (``piece_bytes``): an expert's parts are a few MiB.
 
-    A piece whose pages are all cached (``mincore`` on the part's mapped address ``mapped_ptr``;
-    no page is faulted in) is read with buffered ``pread``; any other with ``O_DIRECT`` (``direct``)
+    A piece whose pages are all cached (``pagecache.range_cached``: ``cachestat`` on the file, else ``mincore`` on the
+    part's mapped address ``mapped_ptr``; no page is faulted in) is read with buffered ``pread``; any other with ``O_DIRECT`` (``direct``)
     into the reading thread's aligned scratch and copied into the slot, or, where there is no
     ``direct``, with buffered ``pread`` too. Each piece counts its bytes on the filler, hot or cold.
     """
@@ -75,7 +75,7 @@ class PartRead:
     def _read(self, job) -> None:
         flat, lo, hi = job
         n = hi - lo
-        cached = self.mapped_ptr is None or resident_fraction(self.mapped_ptr + lo, n) == 1.0
+        cached = range_cached(self.fd, self.offset + lo, n, None if self.mapped_ptr is None else self.mapped_ptr + lo)
         if cached or self.direct is None:
             self._pread(memoryview(flat[lo:hi].numpy()), self.offset + lo)
         else:

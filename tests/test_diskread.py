@@ -24,7 +24,6 @@ from kestrel_core.diskread import (
     Reader,
     aligned_empty,
     direct_io_supported,
-    drop_cache,
     read_spans,
     sequential_read_rate,
     span_bytes,
@@ -265,14 +264,6 @@ def test_direct_io_supported_probes_an_empty_directory(ckpt_dir, tmp_path):
     assert direct_io_supported(empty) is True and not any(empty.iterdir())  # the probe file is gone again
     with pytest.raises(CheckpointError, match="cannot open"):
         direct_io_supported(tmp_path / "missing")
-
-
-def test_drop_cache(ckpt_dir, tmp_path):
-    path = ckpt_dir / "model.safetensors"
-    drop_cache(path)
-    drop_cache(path, sync=True)
-    with pytest.raises(CheckpointError, match="cannot open"):
-        drop_cache(tmp_path / "missing")
 
 
 def test_sequential_read_rate(ckpt_dir):

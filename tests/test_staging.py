@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.diskread import cached_fraction, direct_io_supported, resident_fraction
+from kestrel_core.diskread import direct_io_supported
+from kestrel_core.pagecache import cached_fraction, resident_fraction
 from kestrel_core.host_tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
