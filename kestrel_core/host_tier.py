@@ -172,7 +172,7 @@ class PinnedRing:
         self.pinned_bytes = self.memory.pinned_bytes
         self.slots = [Slot(self.memory.raw[i * nbytes : (i + 1) * nbytes], i) for i in range(n)]
         self._slots = deque(self.slots)
-        self.threads = threads = fill_threads() if threads is None else max(1, threads)
+        threads = fill_threads() if threads is None else max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
         self.bytes_staged = 0
 
@@ -209,13 +209,11 @@ class PinnedRing:
             out[entry.name] = dst
             at = round_up(at + n)
         work = []  # (function, argument): a copy, or a piece of a read straight into the slot
-        reads = [src for _, src in copies if not isinstance(src, torch.Tensor)]
-        piece = type(reads[0]).piece_bytes(sum(r.nbytes for r in reads), self.threads) if reads else None
         for dst, src in copies:
             if isinstance(src, torch.Tensor):
                 work.append((dst.copy_, src))
             else:
-                work += src.pieces(dst, piece)
+                work += src.pieces(dst)
         nbytes = sum(d.numel() * d.element_size() for d, _ in copies)
         if self._pool is None:
             for fn, arg in work:

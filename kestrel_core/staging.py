@@ -40,8 +40,9 @@ from .pagecache import cached_fraction, range_cached
 
 class PartRead:
     """A part stored in the slot's dtype, ``rows`` rows of ``nbytes`` at file ``offset``, read straight into the slot
-    in pieces that the ring's threads read side by side: ``PIECE`` bytes, or fewer (down to ``MIN_PIECE``) where the
-    unit is too small to give every thread a piece of that size (``piece_bytes``): an expert's parts are a few MiB.
+    in pieces of ``PIECE`` bytes that the ring's threads read side by side. A part of a few MiB (an expert's) is one
+    piece: cut smaller, on more threads, an expert staged slower on the H200 host (1.96 ms against 1.11 ms for its
+    parts whole, ``bench/expert_staging_bench.py``, record ``bench/results/expert_staging_20261204T110041Z.json``).
 
     A piece whose pages are all cached (``pagecache.range_cached``: ``cachestat`` on the file, else ``mincore`` on the
     part's mapped address ``mapped_ptr``; no page is faulted in) is read with buffered ``pread``; any other with ``O_DIRECT`` (``direct``)
@@ -50,26 +51,18 @@ class PartRead:
     """
 
     PIECE = CHUNK
-    MIN_PIECE = 2**20
 
     def __init__(self, filler: "Filler", fd: int, offset: int, nbytes: int, rows: int, path: str,
                  mapped_ptr: int | None, direct: DirectFile | None):
         self.filler, self.fd, self.offset, self.nbytes, self.rows, self.path = filler, fd, offset, nbytes, rows, path
         self.mapped_ptr, self.direct = mapped_ptr, direct
 
-    @classmethod
-    def piece_bytes(cls, unit_bytes: int, threads: int) -> int:
-        """The piece for a unit of ``unit_bytes`` read on ``threads`` threads: its share a thread, on pages, no larger
-        than ``PIECE`` and no smaller than ``MIN_PIECE`` (a floor that keeps a piece's fixed cost, a ``mincore`` and a
-        task on the pool, small beside its bytes)."""
-        return min(cls.PIECE, max(cls.MIN_PIECE, round_up(-(-unit_bytes // max(1, threads)))))
-
-    def pieces(self, dst: torch.Tensor, piece: int | None = None) -> list:
-        """The (function, argument) jobs that read this part into ``dst``, ``piece`` bytes each (default ``PIECE``)."""
+    def pieces(self, dst: torch.Tensor) -> list:
+        """The (function, argument) jobs that read this part into ``dst``, ``PIECE`` bytes each."""
         flat = dst.view(-1).view(torch.uint8)
         if flat.numel() != self.nbytes:
             raise ConfigError(f"{self.path}: a part of {self.nbytes} bytes does not fill its {flat.numel()}-byte rows")
-        step = piece or self.PIECE
+        step = self.PIECE
         return [(self._read, (flat, lo, min(lo + step, self.nbytes))) for lo in range(0, self.nbytes, step)]
 
     def _read(self, job) -> None:

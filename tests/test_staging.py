@@ -218,47 +218,6 @@ def test_a_part_in_the_slots_dtype_reads_its_cached_pieces_with_pread_and_the_re
         ckpt.close()
 
 
-def test_a_small_unit_is_cut_into_smaller_pieces_so_that_every_thread_reads_one():
-    MiB = 2**20
-    layer_8b, expert_30b = 375 * 10**6, 3 * 2048 * 768 * 2
-    assert PartRead.piece_bytes(layer_8b, 14) == PartRead.PIECE  # a big unit keeps the full piece
-    assert PartRead.piece_bytes(expert_30b, 14) == PartRead.MIN_PIECE  # an expert: its share, floored
-    assert PartRead.piece_bytes(expert_30b, 2) == 4608 * 1024  # half of 9 MiB, on a page
-    for unit, threads in [(expert_30b, 2), (expert_30b, 4), (5 * MiB + 1, 3)]:
-        piece = PartRead.piece_bytes(unit, threads)
-        assert piece % 4096 == 0 and PartRead.MIN_PIECE <= piece <= PartRead.PIECE
-        assert piece * threads >= unit > piece * (threads - 1) or piece in (PartRead.MIN_PIECE, PartRead.PIECE)
-
-
-def test_the_ring_cuts_a_small_units_parts_into_pieces_of_its_share_a_thread(tmp_path, monkeypatch):
-    out = write_checkpoint(preset_config("tiny"), tmp_path / "tiny-bf16")  # parts in the slot's dtype read themselves
-    monkeypatch.setattr(PartRead, "MIN_PIECE", 4096)  # the tiny model's parts are a few pages
-    reads = []
-    real = PartRead._read
-    monkeypatch.setattr(PartRead, "_read", lambda self, job: (reads.append((self.path, job[1], job[2])), real(self, job)))
-    ckpt = Checkpoint(out)
-    entries = entries_of(read_model_config(out))[(0,)]
-    ring = PinnedRing(1, slot_bytes([entries], DTYPE), DTYPE, threads=8, pin=False)
-    filler = Filler(ckpt)
-    try:
-        sources = filler.sources(entries, DTYPE)
-        parts = {n: s for n, s in sources.items() if isinstance(s, PartRead)}
-        assert parts  # the tiny bf16 model's 2-D parts
-        total = sum(p.nbytes for p in parts.values())
-        piece = PartRead.piece_bytes(total, 8)
-        assert piece < PartRead.PIECE
-        got = ring.fill(ring.acquire(), entries, sources.__getitem__)
-        for e in entries:
-            assert torch.equal(got[e.name], want(ckpt, e)), e.name
-        assert len(reads) == sum(-(-p.nbytes // piece) for p in parts.values())
-        assert max(hi - lo for _, lo, hi in reads) <= piece and len(reads) > len(parts)  # the larger parts were cut
-    finally:
-        filler.done(entries)
-        filler.close()
-        ring.close()
-        ckpt.close()
-
-
 def test_expected_units_are_staged_ahead_in_order_without_taking_each_others_slots(tmp_path):
     out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
     ckpt = Checkpoint(out)
