@@ -8,9 +8,11 @@ in the page cache, the median microseconds to stage one expert unit:
 
 - **preadv**: its parts read with ``os.preadv``, all on one thread, and one part a thread (the bytes'
   own cost, and no Python around them but the call);
+- **cachestat / mincore**: asking whether an expert's three parts are all in the page cache, on the
+  file (``cachestat``, the ring's way where the kernel has it) and on the mapping (``mincore``);
 - **sources**: ``Filler.sources`` alone (the views and ``PartRead`` objects built before a read);
-- **fill**: ``PinnedRing.fill`` of the unit from those sources, with the parts read whole (8 MiB
-  pieces: a part a piece) and with the ring's pieces for the unit (``PartRead.piece_bytes``);
+- **fill**: ``PinnedRing.fill`` of the unit from those sources, with the parts read whole (the ring's
+  8 MiB pieces: a part a piece) and in 1 MiB pieces (three a part, on more threads);
 - **stager**: ``Stager.take``/``give_back`` through the worker thread, 8 experts at a time (a
   layer's top-8), on demand, with ``expect`` announcing the 8 first and the worker staging them one at
   a time, and with ``expect`` and the 8 staged side by side.
@@ -38,6 +40,7 @@ from kestrel_core.checkpoint import Checkpoint  # noqa: E402
 from kestrel_core.host_tier import PinnedRing, fill_threads, slot_bytes  # noqa: E402
 from kestrel_core.model import unit_specs  # noqa: E402
 from kestrel_core.modelconfig import read_model_config  # noqa: E402
+from kestrel_core.pagecache import cached_pages, resident_fraction  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 from kestrel_core.staging import Filler, PartRead, Stager  # noqa: E402
 from kestrel_cuda.layout import slot_entries  # noqa: E402
@@ -45,6 +48,7 @@ from kestrel_cuda.layout import slot_entries  # noqa: E402
 PRESET = "qwen3-30b-a3b"
 DTYPE = torch.bfloat16
 TOP_K = 8
+SMALL_PIECE = 2**20
 
 
 def log(msg: str) -> None:
@@ -85,8 +89,8 @@ def main() -> int:
     ring = PinnedRing(2 * TOP_K, slot_bytes([entries[k] for k in experts], DTYPE), DTYPE, threads=threads, pin=pin)
     unit_bytes = sum(ckpt.info(n).nbytes for e in entries[experts[0]] for n in e.parts)
     rec: dict = {"preset": PRESET, "layers": args.layers, "experts": len(experts), "threads": threads,
-                 "pinned_slots": pin, "expert_bytes": unit_bytes,
-                 "piece_bytes": PartRead.piece_bytes(unit_bytes, threads), "us_per_expert": {}}
+                 "pinned_slots": pin, "expert_bytes": unit_bytes, "piece_bytes": PartRead.PIECE,
+                 "small_piece_bytes": SMALL_PIECE, "us_per_expert": {}}
     out = rec["us_per_expert"]
 
     # the bytes alone: preadv of each part into the slot, on one thread and a part a thread
@@ -127,6 +131,23 @@ def main() -> int:
     out["preadv a part a thread"] = median_us(times)
     os.close(fd)
 
+    # asking whether a part's pages are all cached: cachestat on the file (the ring's way where the kernel has it),
+    # mincore on its mapping (the fallback)
+    parts = [n for k in experts for e in entries[k] for n in e.parts]
+    fd = os.open(ckpt.file_of(parts[0]).path, os.O_RDONLY)
+    rec["cachestat"] = cached_pages(fd, ckpt.info(parts[0]).start, ckpt.info(parts[0]).nbytes) is not None
+    for label, ask in (("cachestat", lambda n: cached_pages(fd, ckpt.info(n).start, ckpt.info(n).nbytes)),
+                       ("mincore", lambda n: resident_fraction(ckpt.view(n).data_ptr(), ckpt.info(n).nbytes))):
+        if label == "cachestat" and not rec["cachestat"]:
+            continue
+        times = []
+        for n in parts:
+            t0 = time.perf_counter()
+            ask(n)
+            times.append(time.perf_counter() - t0)
+        out[f"{label}, a part (x3 an expert)"] = median_us(times) * 3
+    os.close(fd)
+
     filler = Filler(ckpt)
     times = []
     for k in experts:
@@ -136,10 +157,9 @@ def main() -> int:
         filler.done(entries[k])
     out["sources"] = median_us(times)
 
-    def fill_times(piece: int | None) -> list[float]:
-        saved = PartRead.MIN_PIECE
-        if piece:
-            PartRead.MIN_PIECE = piece
+    def fill_times(piece: int) -> list[float]:
+        saved = PartRead.PIECE
+        PartRead.PIECE = piece
         try:
             times = []
             for k in experts:
@@ -149,10 +169,10 @@ def main() -> int:
                 times.append(time.perf_counter() - t0)
             return times
         finally:
-            PartRead.MIN_PIECE = saved
+            PartRead.PIECE = saved
 
-    out["fill, parts whole (8 MiB pieces)"] = median_us(fill_times(PartRead.PIECE))
-    out[f"fill, {rec['piece_bytes'] // 1024} KiB pieces"] = median_us(fill_times(None))
+    out[f"fill, parts whole ({PartRead.PIECE // 2**20} MiB pieces)"] = median_us(fill_times(PartRead.PIECE))
+    out[f"fill, {SMALL_PIECE // 2**20} MiB pieces"] = median_us(fill_times(SMALL_PIECE))
     filler.close()
     ring.release(slot, None)
 

@@ -17,9 +17,9 @@ after load, so its cold row reads nothing and shows that.
 ``--moe-layers`` layers (each with the full model's shapes), keep=off with expert_lru at the full
 depth's 2 GiB scaled to the cut, so each layer's own unit stays on the device and every routed
 expert that misses is staged and uploaded; at host budgets of everything, 1 GiB and 256 MiB, hot and cold.
-``--moe-variants`` adds the 1 GiB hot row with the ring's small-unit measures (pieces cut to a
-thread's share, ``Stager.expect``, small units staged side by side) taken back one at a time and
-all together.
+``--moe-variants`` adds, before the cold rows, the 1 GiB hot row with the ring's small-unit measures
+(``Stager.expect``, small units staged side by side) taken back one at a time and together, and with
+the parts read in 1 MiB pieces instead of whole.
 
 ``--rows peers`` measures a kestrel cold row at 1 GiB again beside AirLLM (its per-layer shards
 dropped from the cache before every step, so that it reads the same cold disk) and accelerate's
@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, copy_ceilings, utc_stamp, write_record  # noqa: E402
 
 from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
-from kestrel_core.diskread import drop_cache, sequential_read_rate  # noqa: E402
+from kestrel_core.diskread import sequential_read_rate  # noqa: E402
+from kestrel_core.pagecache import drop_cache  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
@@ -142,17 +143,18 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
     return row
 
 
-MEASURES = ("pieces", "expect", "batch")
+MEASURES = ("expect", "batch")
+PIECE_VARIANT = 2**20  # the smaller piece the variants try: a 3 MiB expert part cut in three
 
 
 @contextlib.contextmanager
-def staging_variant(off: tuple[str, ...]):
+def staging_variant(off: tuple[str, ...] = (), piece: int | None = None):
     """The ring's staging with some of its small-unit measures taken back, for a row that measures without them:
-    ``pieces`` reads every part whole (8 MiB pieces), ``expect`` stages a plan's units only on demand, ``batch``
-    stages one unit at a time."""
-    saved = PartRead.MIN_PIECE, Stager.expect, Stager.BATCH_BYTES
-    if "pieces" in off:
-        PartRead.MIN_PIECE = PartRead.PIECE
+    ``expect`` stages a plan's units only on demand, ``batch`` stages one unit at a time; ``piece`` reads the parts
+    in pieces of that many bytes (the ring's is ``PartRead.PIECE``: an expert's parts whole)."""
+    saved = PartRead.PIECE, Stager.expect, Stager.BATCH_BYTES
+    if piece:
+        PartRead.PIECE = piece
     if "expect" in off:
         Stager.expect = lambda self, keys: None
     if "batch" in off:
@@ -160,7 +162,17 @@ def staging_variant(off: tuple[str, ...]):
     try:
         yield
     finally:
-        PartRead.MIN_PIECE, Stager.expect, Stager.BATCH_BYTES = saved
+        PartRead.PIECE, Stager.expect, Stager.BATCH_BYTES = saved
+
+
+def warm_cache(path: Path) -> float:
+    """Read the checkpoint's files through the page cache (a hot row after a cold one finds its pages there); seconds."""
+    t0 = time.perf_counter()
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 * 2**20):
+                pass
+    return time.perf_counter() - t0
 
 
 def moe_rows(root: Path, layers: int, tokens: int, variants: bool = False) -> dict:
@@ -177,16 +189,20 @@ def moe_rows(root: Path, layers: int, tokens: int, variants: bool = False) -> di
     out: dict = {"path": path.name, "layers": layers, "full_depth_layers": full, "expert_budget_full_depth_gib": MOE_EXPERT_GIB,
                  "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")), "rows": []}
     with Model(path) as model:
+        log(f"page cache warmed in {warm_cache(path):.1f} s")
         kestrel_row(model, "moe warm-up (not recorded)", 1024, False, 3, **flags)
-        for cold in (False, True):
-            for name, mb in MOE_BUDGETS:
-                out["rows"].append(kestrel_row(model, f"moe {name} {'cold' if cold else 'hot'}", mb, cold, tokens, **flags))
-        if variants:  # the 1 GiB hot row again with each measure taken back, and with all of them
-            for off in [(m,) for m in MEASURES] + [MEASURES]:
-                with staging_variant(off):
-                    row = kestrel_row(model, f"moe 1 GiB hot, without {' '.join(off)}", 1024, False, tokens, **flags)
-                row.update(measures_off=list(off))
+        for name, mb in MOE_BUDGETS:
+            out["rows"].append(kestrel_row(model, f"moe {name} hot", mb, False, tokens, **flags))
+        if variants:  # the 1 GiB hot row again, before any cold row: each measure taken back, all of them, small pieces
+            cases = [((m,), None) for m in MEASURES] + [(MEASURES, None), ((), PIECE_VARIANT)]
+            for off, piece in cases:
+                label = f"without {' '.join(off)}" if off else f"{piece // 2**20} MiB pieces"
+                with staging_variant(off, piece):
+                    row = kestrel_row(model, f"moe 1 GiB hot, {label}", 1024, False, tokens, **flags)
+                row.update(measures_off=list(off), piece_bytes=piece or PartRead.PIECE)
                 out["rows"].append(row)
+        for name, mb in MOE_BUDGETS:
+            out["rows"].append(kestrel_row(model, f"moe {name} cold", mb, True, tokens, **flags))
     ref = out["rows"][0]["token_ids"]
     for row in out["rows"]:
         row["ids_match_all_hot"] = row["token_ids"] == ref
