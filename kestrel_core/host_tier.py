@@ -72,7 +72,7 @@ class SlotEntry:
     parts: tuple[str, ...]
 
     def nbytes(self, dtype: torch.dtype) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty((), dtype=dtype).element_size()
+        return self.shape[0] * self.shape[1] * dtype.itemsize
 
 
 
@@ -174,6 +174,7 @@ class PinnedRing:
         self._slots = deque(self.slots)
         threads = fill_threads() if threads is None else max(1, threads)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kestrel-ring") if threads > 1 else None
+        self._laid_out: dict = {}  # (slot, entries, rows) -> its views (``_lay_out``)
         self.bytes_staged = 0
 
     def __len__(self) -> int:
@@ -192,35 +193,49 @@ class PinnedRing:
     def start(self, slot: Slot, entries: Sequence[SlotEntry], view) -> "PendingFill":
         """``fill``, its copies queued on the ring's threads behind those of any fill started before; ``result()``
         waits for them. Several units started back to back are copied side by side."""
-        out, copies, at = {}, [], 0
-        for entry in entries:
-            n = entry.nbytes(self.dtype)
-            if at + n > self.nbytes:
-                raise ConfigError(f"entry {entry.name} does not fit the ring's slot of {self.nbytes} bytes")
-            dst = slot.raw[at : at + n].view(self.dtype).view(entry.shape)
-            row = 0
-            for name in entry.parts:
-                src = view(name)  # a tensor to copy (and convert), or a part that reads itself into the slot
-                rows = src.shape[0] if isinstance(src, torch.Tensor) else src.rows
-                copies.append((dst[row : row + rows], src))
-                row += rows
-            if row != entry.shape[0]:
-                raise ConfigError(f"entry {entry.name}: its parts have {row} rows, the entry {entry.shape[0]}")
-            out[entry.name] = dst
-            at = round_up(at + n)
+        # each part: a tensor to copy (and convert), or a part that reads itself into the slot
+        srcs = [[view(name) for name in entry.parts] for entry in entries]
+        rows = tuple(tuple(s.shape[0] if isinstance(s, torch.Tensor) else s.rows for s in ss) for ss in srcs)
+        key = (slot.index, tuple((e.name, e.shape) for e in entries), rows)
+        laid = self._laid_out.get(key)
+        if laid is None:
+            laid = self._laid_out[key] = self._lay_out(slot, entries, rows)
+        out, dsts = laid
         work = []  # (function, argument): a copy, or a piece of a read straight into the slot
-        for dst, src in copies:
-            if isinstance(src, torch.Tensor):
-                work.append((dst.copy_, src))
-            else:
-                work += src.pieces(dst)
-        nbytes = sum(d.numel() * d.element_size() for d, _ in copies)
+        for ss, ds in zip(srcs, dsts):
+            for src, (dst, flat) in zip(ss, ds):
+                if isinstance(src, torch.Tensor):
+                    work.append((dst.copy_, src))
+                else:
+                    work += src.pieces(flat)
+        nbytes = sum(e.nbytes(self.dtype) for e in entries)
         if self._pool is None:
             for fn, arg in work:
                 fn(arg)
-            return PendingFill(self, out, [], nbytes)
+            return PendingFill(self, dict(out), [], nbytes)
         # torch's copy and os.preadv release the GIL: the parts copy side by side
-        return PendingFill(self, out, [self._pool.submit(fn, arg) for fn, arg in work], nbytes)
+        return PendingFill(self, dict(out), [self._pool.submit(fn, arg) for fn, arg in work], nbytes)
+
+    def _lay_out(self, slot: Slot, entries: Sequence[SlotEntry], rows: tuple) -> tuple[dict, list]:
+        """A unit's layout in a slot, made once for each slot and layout (every expert of a model has the same):
+        each entry's view, and each part's rows in it (and those rows as flat bytes, which a part reads into)."""
+        out, dsts, at = {}, [], 0
+        for entry, part_rows in zip(entries, rows):
+            n = entry.nbytes(self.dtype)
+            if at + n > self.nbytes:
+                raise ConfigError(f"entry {entry.name} does not fit the ring's slot of {self.nbytes} bytes")
+            if sum(part_rows) != entry.shape[0]:
+                raise ConfigError(f"entry {entry.name}: its parts have {sum(part_rows)} rows, the entry {entry.shape[0]}")
+            dst = slot.raw[at : at + n].view(self.dtype).view(entry.shape)
+            parts, row = [], 0
+            for r in part_rows:
+                part = dst[row : row + r]
+                parts.append((part, part.view(-1).view(torch.uint8)))
+                row += r
+            out[entry.name] = dst
+            dsts.append(parts)
+            at = round_up(at + n)
+        return out, dsts
 
     def release(self, slot: Slot, done: Any) -> None:
         """The slot's last reader (an event with ``synchronize``), waited for before the slot is refilled."""

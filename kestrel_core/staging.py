@@ -57,9 +57,8 @@ class PartRead:
         self.filler, self.fd, self.offset, self.nbytes, self.rows, self.path = filler, fd, offset, nbytes, rows, path
         self.mapped_ptr, self.direct = mapped_ptr, direct
 
-    def pieces(self, dst: torch.Tensor) -> list:
-        """The (function, argument) jobs that read this part into ``dst``, ``PIECE`` bytes each."""
-        flat = dst.view(-1).view(torch.uint8)
+    def pieces(self, flat: torch.Tensor) -> list:
+        """The (function, argument) jobs that read this part into ``flat`` (its rows as bytes), ``PIECE`` bytes each."""
         if flat.numel() != self.nbytes:
             raise ConfigError(f"{self.path}: a part of {self.nbytes} bytes does not fill its {flat.numel()}-byte rows")
         step = self.PIECE
@@ -70,7 +69,7 @@ class PartRead:
         n = hi - lo
         cached = range_cached(self.fd, self.offset + lo, n, None if self.mapped_ptr is None else self.mapped_ptr + lo)
         if cached or self.direct is None:
-            self._pread(memoryview(flat[lo:hi].numpy()), self.offset + lo)
+            self._pread(memoryview(flat.numpy())[lo:hi], self.offset + lo)
         else:
             scratch = self.filler.piece_scratch(self.direct.alignment, self.direct.span_bytes(self.offset + lo, n))
             flat[lo:hi].copy_(self.direct.read_span(scratch, self.offset + lo, n))
@@ -102,7 +101,8 @@ class Filler:
         self._local = threading.local()  # each ring thread's scratch for a cold piece
         self._lock = threading.Lock()
         self._fds: dict[Any, int] = {}  # buffered descriptors of the hot path's pread
-        self._read_hot: set[str] = set()  # parts of the unit being staged that read themselves (never mapped)
+        self._parts: dict[tuple, PartRead] = {}  # (name, slot dtype) -> the part that reads itself, made once
+        self._reads_itself: set[str] = set()  # those parts' names: never mapped
         self.hot_bytes = 0  # part bytes copied from the page cache
         self.cold_bytes = 0  # part bytes read from disk
 
@@ -127,14 +127,21 @@ class Filler:
         """Each part's bytes: where it is stored in ``dtype`` (the slot's), a ``PartRead`` that reads it into the slot
         (and counts it); else the mapping's view where all its pages are cached, which the ring converts as it
         copies, or a tensor of its stored dtype and shape read from disk."""
-        views: dict[str, Any] = {name: self.ckpt.view(name) for e in entries for name in e.parts}
-        for n, v in views.items():
-            if v.dtype == dtype and v.dim() == 2:
-                info, f = self.ckpt.info(n), self.ckpt.file_of(n)
-                views[n] = PartRead(self, self._fd(f.path), info.start, info.nbytes, v.shape[0], str(f.path),
-                                    v.data_ptr(), self._direct(f) if self.direct else None)
-                self._read_hot.add(n)
-        rest = [n for n in views if n not in self._read_hot]
+        views: dict[str, Any] = {}
+        for e in entries:
+            for n in e.parts:
+                part = self._parts.get((n, dtype))
+                if part is None:
+                    v = self.ckpt.view(n)
+                    if v.dtype != dtype or v.dim() != 2:
+                        views[n] = v
+                        continue
+                    info, f = self.ckpt.info(n), self.ckpt.file_of(n)
+                    part = self._parts[(n, dtype)] = PartRead(self, self._fd(f.path), info.start, info.nbytes, v.shape[0],
+                                                              str(f.path), v.data_ptr(), self._direct(f) if self.direct else None)
+                    self._reads_itself.add(n)
+                views[n] = part
+        rest = [n for n, v in views.items() if not isinstance(v, PartRead)]
         cached = {n for n in rest if cached_fraction(views[n]) == 1.0}
         for n in rest:
             nbytes = views[n].numel() * views[n].element_size()
@@ -187,10 +194,9 @@ class Filler:
     def done(self, entries: Sequence[SlotEntry]) -> None:
         """The unit is in its slot: take the pages it copied from the mapping out of it (they stay in the cache, not
         in our RSS); a part that read itself (pread or O_DIRECT) never mapped any."""
-        mapped = [name for e in entries for name in e.parts if name not in self._read_hot]
+        mapped = [name for e in entries for name in e.parts if name not in self._reads_itself]
         if mapped:
             self.ckpt.drop_pages(mapped)
-        self._read_hot.clear()
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -282,3 +282,29 @@ def test_small_units_queued_together_are_staged_side_by_side_and_handed_out_in_o
         ring.close()
         ckpt.close()
     assert events == [("start", k) for k in experts] + [("result", k) for k in experts]
+
+
+def test_a_slot_lays_out_one_layout_once_and_every_unit_of_it_fills_it_exactly(tmp_path):
+    """Experts share a layout: the slot's views are made once, and each expert staged into them after another
+    holds its own bytes (nothing of the one before), and so does a unit of another layout in the same slot."""
+    out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")  # bf16: every 2-D part reads itself
+    ckpt = Checkpoint(out)
+    entries = entries_of(read_model_config(out))
+    experts = sorted(k for k in entries if len(k) == 2)[:4]
+    ring = PinnedRing(1, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
+    filler = Filler(ckpt)
+    try:
+        slot = ring.acquire()
+        for key in [*experts, (0,), experts[0]]:
+            slot.raw.fill_(0xA5)  # whatever the slot held: the fill must cover every byte of the unit's entries
+            got = ring.fill(slot, entries[key], filler.sources(entries[key], DTYPE).__getitem__)
+            filler.done(entries[key])
+            for e in entries[key]:
+                assert torch.equal(got[e.name], want(ckpt, e)), (key, e.name)
+        assert len(ring._laid_out) == 2  # the experts' layout and the layer's, in the one slot
+        parts = {n for k in experts for e in entries[k] for n in e.parts}
+        assert parts <= {name for name, _ in filler._parts}  # each expert's parts made once, kept
+    finally:
+        filler.close()
+        ring.close()
+        ckpt.close()
