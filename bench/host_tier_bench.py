@@ -52,10 +52,10 @@ from common import RESULTS, copy_ceilings, utc_stamp, write_record  # noqa: E402
 
 from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
 from kestrel_core.diskread import sequential_read_rate  # noqa: E402
-from kestrel_core.pagecache import drop_cache  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
+from kestrel_core.pagecache import drop_cache  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 from kestrel_core.staging import PartRead, Stager  # noqa: E402
 
