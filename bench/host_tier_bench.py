@@ -1,11 +1,16 @@
 """The host tier on a GPU: kestrel streaming at keep=1 through pinned host budgets, hot and cold, against its ceilings.
 
-    python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers|moe] [--tokens 6] [--out DIR]
+    python bench/host_tier_bench.py --models /tmp/models [--rows kestrel|peers|moe] [--piece-variants] [--tokens 6] [--out DIR]
 
 ``--rows kestrel`` measures, side by side in one run: the pinned H2D copy rate; the disk's
 sequential O_DIRECT read rate on the checkpoint's own filesystem; a pageable-to-pinned memcpy rate
 on 8 threads and on as many as the ring fills a slot with (``fill_threads``); and kestrel at keep=1, prefetch 1, at host budgets of everything, 4 GiB and
-1 GiB, each with the checkpoint's pages in the page cache (hot) and with them dropped (cold).
+1 GiB, each with the checkpoint's pages in the page cache (hot: the files are read through the cache
+first, and each row records the share of their pages cached as it starts) and with them dropped
+(cold: each ring row between two O_DIRECT reads of the largest shard, 2 GiB on 8 threads, since this
+disk's rate drifts over a run; the row gives its disk rate against their mean).
+``--piece-variants`` adds, before the cold rows, the 1 GiB hot row with the parts read in pieces of
+2, 4 and 16 MiB instead of the ring's 8 MiB.
 
 Cold: the pages are dropped from the mapping and the cache (``POSIX_FADV_DONTNEED``) once the run is
 open, before the prompt. The ring's cold path reads with O_DIRECT, which leaves nothing in the
@@ -55,7 +60,7 @@ from kestrel_core.diskread import sequential_read_rate  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
-from kestrel_core.pagecache import drop_cache  # noqa: E402
+from kestrel_core.pagecache import cached_pages, drop_cache  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 from kestrel_core.staging import PartRead, Stager  # noqa: E402
 
@@ -112,17 +117,45 @@ def drop_checkpoint(ckpt) -> float:
     return time.perf_counter() - t0
 
 
+def cached_share(files) -> float | None:
+    """The share of the checkpoint's file pages in the page cache now (``cachestat``); None where it cannot be told."""
+    cached = pages = 0
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = cached_pages(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if got is None:
+            return None
+        cached, pages = cached + got[0], pages + got[1]
+    return cached / max(pages, 1)
+
+
+def adjacent_ceiling(shard: Path) -> float:
+    """The O_DIRECT read rate of ``shard`` now (2 GiB, 8 threads), GB/s: measured on each side of a cold row, since
+    this disk's rate drifts over a run (it read 1.0 to 1.7 GB/s within one run of ``sequential_read_rate``)."""
+    drop_cache(shard)
+    return sequential_read_rate(shard, nbytes=2 * 2**30, threads=8) / 1e9
+
+
 def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: int, **flags) -> dict:
-    """One row at host budget ``budget_mb`` (0: the default); ``flags`` override keep=1, prefetch 1."""
+    """One row at host budget ``budget_mb`` (0: the default); ``flags`` override keep=1, prefetch 1. A cold row
+    that reads from disk measures the O_DIRECT ceiling just before and just after it."""
     settings = dict(backend__name="cuda", residency__keep=1, backend__prefetch=1, backend__host_budget_mb=budget_mb)
     cfg = KestrelConfig().override(**{**settings, **flags})
     gc.collect()
     before = rss()
     with open_run(model, cfg) as run:
+        files = [f.path for f in run.backend.ckpt.files.values()]
+        shard = max(files, key=lambda f: os.path.getsize(f))
+        tier = run.backend.host_budget
+        ceiling_before = adjacent_ceiling(shard) if cold and tier.mode == "ring" else None
         dropped_s = drop_checkpoint(run.backend.ckpt) if cold else None
+        share = cached_share(files)
         with RssPeak() as peak:
             r = generate(run, PROMPT, GenerationConfig(max_new_tokens=tokens, stop_at_eos=False))
-        tier = run.backend.host_budget
+        ceiling_after = adjacent_ceiling(shard) if ceiling_before is not None else None
     steady = r.per_token[1:]  # the first decode step warms the pool
     mean = lambda k: statistics.fmean(p[k] for p in steady)  # noqa: E731
     ms = statistics.median(r.decode_ms[1:])
@@ -135,16 +168,24 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
            "peak_host_pinned_bytes": r.counters["peak_host_pinned_bytes"],
            "rss_before_open_bytes": before, "peak_rss_bytes": peak.peak, "peak_rss_over_before_bytes": peak.peak - before,
            "slack_bytes": SLACK, "rss_bound_bytes": tier.bytes + SLACK, "steps": r.steps, "token_ids": r.token_ids,
-           "expert_misses_per_token": mean("expert_misses"), "settings": {k: str(v) for k, v in flags.items()}}
+           "expert_misses_per_token": mean("expert_misses"), "settings": {k: str(v) for k, v in flags.items()},
+           "page_cache_share_before": share, "disk_GBps": mean("disk_bytes_read") / ms / 1e6,
+           "odirect_adjacent_GBps": None if ceiling_before is None else [ceiling_before, ceiling_after]}
+    if ceiling_before is not None:
+        row["disk_vs_adjacent_ceiling"] = row["disk_GBps"] / statistics.fmean([ceiling_before, ceiling_after])
     log(f"{label:30} {ms:9.2f} ms/tok {up / 1e9:6.2f} GB/tok {row['upload_GBps']:6.1f} GB/s disk "
         f"{row['bytes_from_disk_per_token'] / 1e9:6.2f} GB/tok cache {row['bytes_from_page_cache_per_token'] / 1e9:6.2f} "
-        f"pinned {row['peak_host_pinned_bytes'] / 2**30:6.2f} GiB rss+ {row['peak_rss_over_before_bytes'] / 2**30:6.2f} GiB")
+        f"pinned {row['peak_host_pinned_bytes'] / 2**30:6.2f} GiB rss+ {row['peak_rss_over_before_bytes'] / 2**30:6.2f} GiB"
+        + ("" if share is None else f" cached {share:.2f}")
+        + ("" if ceiling_before is None else f" ceiling {ceiling_before:.2f}/{ceiling_after:.2f} GB/s "
+           f"ratio {row['disk_vs_adjacent_ceiling']:.2f}"))
     torch.cuda.empty_cache()
     return row
 
 
 MEASURES = ("expect", "batch")
 PIECE_VARIANT = 2**20  # the smaller piece the variants try: a 3 MiB expert part cut in three
+DENSE_PIECES = (2 * 2**20, 4 * 2**20, 16 * 2**20)  # --piece-variants: pieces around the ring's 8 MiB for a dense layer
 
 
 @contextlib.contextmanager
@@ -163,6 +204,15 @@ def staging_variant(off: tuple[str, ...] = (), piece: int | None = None):
         yield
     finally:
         PartRead.PIECE, Stager.expect, Stager.BATCH_BYTES = saved
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def warm_cache(path: Path) -> float:
@@ -283,6 +333,8 @@ def main() -> int:
     ap.add_argument("--moe-layers", type=int, default=8, help="--rows moe: the layers of the Qwen3-30B-A3B shape kept")
     ap.add_argument("--moe-variants", action="store_true",
                     help="--rows moe: the 1 GiB hot row again with each small-unit measure taken back, and all")
+    ap.add_argument("--piece-variants", action="store_true",
+                    help="--rows kestrel: the 1 GiB hot row again with the parts read in pieces of each of DENSE_PIECES")
     ap.add_argument("--tokens", type=int, default=6, help="new tokens a row (the first decode step is left out)")
     ap.add_argument("--out", action="append", default=[])
     args = ap.parse_args()
@@ -302,15 +354,24 @@ def main() -> int:
                  "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
                  "mem_total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
     rec["ceilings"] = ceilings(path)
+    rec["mem_available_bytes_before_rows"] = mem_available()
     with Model(path) as model:
+        rec["page_cache_warmed_s"] = warm_cache(path)  # the ceilings dropped a shard; the hot rows need every page
         kestrel_row(model, "warm-up (not recorded)", 1024, False, 3)
         if args.rows == "kestrel":
             rows = []
-            for cold in (False, True):  # hot rows first: a cold row's drop leaves the cache empty, and O_DIRECT keeps it so
-                for name, mb in BUDGETS:
-                    rows.append(kestrel_row(model, f"{name} {'cold' if cold else 'hot'}", mb, cold, args.tokens))
-                    rec["rows"] = rows
-                    write_record("host_tier", rec, outs, stamp)
+            for name, mb in BUDGETS:
+                rows.append(kestrel_row(model, f"{name} hot", mb, False, args.tokens))
+            for piece in DENSE_PIECES if args.piece_variants else ():  # before any cold row, on the same warm cache
+                with staging_variant(piece=piece):
+                    row = kestrel_row(model, f"1 GiB hot, {piece // 2**20} MiB pieces", 1024, False, args.tokens)
+                row["piece_bytes"] = piece
+                rows.append(row)
+            rec["rows"] = rows
+            write_record("host_tier", rec, outs, stamp)
+            for name, mb in BUDGETS:  # a cold row's drop leaves the cache empty, and O_DIRECT keeps it so
+                rows.append(kestrel_row(model, f"{name} cold", mb, True, args.tokens))
+                write_record("host_tier", rec, outs, stamp)
             ref = rows[0]["token_ids"]
             for row in rows:
                 row["ids_match_all_hot"] = row["token_ids"] == ref
