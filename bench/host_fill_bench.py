@@ -1,7 +1,7 @@
 """The host ring's hot path on its own: staging rate from the page cache, copied through the mapping or read with pread.
 
     python bench/host_fill_bench.py --models /tmp/models [--preset small-300m] [--rounds 3] [--threads 2,4]
-    python bench/host_fill_bench.py --model /tmp/models/qwen3-8b --threads 4,8,14
+    python bench/host_fill_bench.py --model /tmp/models/qwen3-8b --threads 4,8,14 [--mapped] [--dma]
 
 (``--model`` takes a checkpoint already written, such as the one ``host_tier_bench.py`` writes.)
 
@@ -12,7 +12,13 @@ ways side by side, interleaved round by round:
 - **mapping**: each part copied from the safetensors mapping (faulting its pages in), then the
   unit's pages dropped from the mapping so the process's RSS does not grow with the model;
 - **pread**: each part read with buffered ``pread`` straight into the slot (the page cache's copy;
-  nothing mapped, nothing to drop). This is what the ring does for a part stored in the slot's dtype.
+  nothing mapped, nothing to drop). This is what the ring does for a part stored in the slot's dtype;
+- **mapped** (``--mapped``): each part copied from the mapping with its pages left mapped, after an untimed
+  pass that faulted them all in: a plain memory copy, the upper bound of a hot path that kept the model
+  mapped (and so in the process's RSS).
+
+``--dma`` runs, on a thread beside each timed pass, pinned host-to-device copies of 1 GiB back to back (as the
+ring's uploads do beside its fill), and records the rate they kept: memory copies and DMA share the host's memory.
 
 For each ``--threads`` count (the ring's fill threads), the record gives GB/s for each, per round.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,15 +48,49 @@ from kestrel_cuda.layout import slot_entries  # noqa: E402
 DTYPE = torch.bfloat16
 
 
-def stage_all(ckpt: Checkpoint, entries: dict, ring: PinnedRing, filler: Filler, pread: bool) -> tuple[float, int]:
+def stage_all(ckpt: Checkpoint, entries: dict, ring: PinnedRing, filler: Filler, path: str) -> tuple[float, int]:
+    """Every unit staged once by ``path`` (pread, mapping, mapped); seconds and bytes."""
     t0 = time.perf_counter()
     total = 0
     for key, es in entries.items():
         slot = ring.acquire()
-        ring.fill(slot, es, filler.sources(es, DTYPE if pread else None).__getitem__)
-        filler.done(es)
+        ring.fill(slot, es, filler.sources(es, DTYPE if path == "pread" else None).__getitem__)
+        if path == "mapping":
+            filler.done(es)
         total += sum(e.nbytes(DTYPE) for e in es)
     return time.perf_counter() - t0, total
+
+
+class Dma:
+    """Pinned host -> device copies of 1 GiB back to back on a thread while in the ``with`` block; ``GBps`` after."""
+
+    def __init__(self, on: bool):
+        self.on, self.GBps = on, None
+        if on:
+            self.src = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+            self.dst = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+            self.stream = torch.cuda.Stream()
+
+    def _run(self):
+        with torch.cuda.stream(self.stream):
+            while not self._stop.is_set():
+                self.dst.copy_(self.src, non_blocking=True)
+                self.stream.synchronize()
+                self.copies += 1
+
+    def __enter__(self):
+        if self.on:
+            self._stop, self.copies = threading.Event(), 0
+            self._t = threading.Thread(target=self._run)
+            self.t0 = time.perf_counter()
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self._stop.set()
+            self._t.join()
+            self.GBps = self.copies * 2**30 / (time.perf_counter() - self.t0) / 1e9
 
 
 def main() -> int:
@@ -59,7 +100,12 @@ def main() -> int:
     ap.add_argument("--preset", default="small-300m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="2", help="fill thread counts, comma-separated")
+    ap.add_argument("--mapped", action="store_true", help="also copy from the mapping with its pages kept mapped")
+    ap.add_argument("--dma", action="store_true", help="pinned host-to-device copies beside each pass (needs CUDA)")
     args = ap.parse_args()
+    if args.dma and not torch.cuda.is_available():
+        ap.error("--dma needs a CUDA device")
+    paths = ("mapping", "pread") + (("mapped",) if args.mapped else ())
     threads = [int(t) for t in args.threads.split(",")]
     if args.model:
         path = Path(args.model)
@@ -81,21 +127,25 @@ def main() -> int:
         for n in threads:
             ring = PinnedRing(3, slot_bytes(entries.values(), DTYPE), DTYPE, threads=n, pin=False)
             try:
-                stage_all(ckpt, entries, ring, filler, pread=True)  # warm-up, not recorded
+                stage_all(ckpt, entries, ring, filler, "pread")  # warm-up, not recorded
+                if args.mapped:
+                    stage_all(ckpt, entries, ring, filler, "mapped")  # faults every page in, not recorded
                 for rnd in range(args.rounds):
-                    for pread in ((False, True) if rnd % 2 == 0 else (True, False)):
-                        seconds, nbytes = stage_all(ckpt, entries, ring, filler, pread)
-                        rows.append({"threads": n, "round": rnd, "path": "pread" if pread else "mapping",
-                                     "seconds": seconds, "bytes": nbytes, "GBps": nbytes / seconds / 1e9})
-                        print(f"threads {n} round {rnd} {rows[-1]['path']:8} {rows[-1]['GBps']:6.2f} GB/s", file=sys.stderr)
+                    for path_ in (paths if rnd % 2 == 0 else paths[::-1]):
+                        with Dma(args.dma) as dma:
+                            seconds, nbytes = stage_all(ckpt, entries, ring, filler, path_)
+                        rows.append({"threads": n, "round": rnd, "path": path_, "seconds": seconds, "bytes": nbytes,
+                                     "GBps": nbytes / seconds / 1e9, "dma_beside_GBps": dma.GBps})
+                        print(f"threads {n} round {rnd} {path_:8} {rows[-1]['GBps']:6.2f} GB/s"
+                              + ("" if dma.GBps is None else f" dma beside {dma.GBps:6.2f} GB/s"), file=sys.stderr)
             finally:
                 ring.close()
     finally:
         filler.close()
         ckpt.close()
     summary = {f"{p} {n} threads": statistics.median(r["GBps"] for r in rows if r["path"] == p and r["threads"] == n)
-               for n in threads for p in ("mapping", "pread")}
-    rec = {"model": path.name, "threads": threads, "rounds": args.rounds, "slot_bytes": slot_bytes(entries.values(), DTYPE),
+               for n in threads for p in paths}
+    rec = {"model": path.name, "threads": threads, "rounds": args.rounds, "dma_beside": args.dma, "slot_bytes": slot_bytes(entries.values(), DTYPE),
            "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")), "rows": rows,
            "median_GBps": summary}
     print(write_record("host_fill", rec, [RESULTS])[0])
