@@ -144,6 +144,8 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
     that reads from disk measures the O_DIRECT ceiling just before and just after it."""
     settings = dict(backend__name="cuda", residency__keep=1, backend__prefetch=1, backend__host_budget_mb=budget_mb)
     cfg = KestrelConfig().override(**{**settings, **flags})
+    if budget_mb:  # a ring's open hands back an all-pinned row's staging: hand it back first, so "before" excludes it
+        model.host.clear()
     gc.collect()
     before = rss()
     with open_run(model, cfg) as run:
