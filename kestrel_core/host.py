@@ -19,6 +19,10 @@ class HostStore:
             self._items[key] = make()
         return self._items[key]
 
+    def peek(self, key: Hashable) -> Any:
+        """The item under ``key`` if one was made, else None (nothing is made)."""
+        return self._items.get(key)
+
     def discard(self, key: Hashable) -> None:
         """Drop one item, closing it where it can be closed (a pinned staging unpins)."""
         item = self._items.pop(key, None)

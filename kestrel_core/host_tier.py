@@ -47,7 +47,15 @@ def resolve_host_budget(config_mb: float, available_bytes: int, staged_bytes: in
         budget, source = int(config_mb * 2**20), "config"
     else:
         budget, source = available_bytes // 2, "default (half of the available host memory)"
-    return HostBudget(budget, source, "all" if staged_bytes <= budget else "ring")
+    mode = "all" if staged_bytes <= budget else "ring"
+    pins = staged_bytes if mode == "all" else budget  # what the run would page-lock, at most
+    if available_bytes and pins > available_bytes:  # an explicit budget past the host: refused before locking a page
+        mib = 2**20
+        raise BudgetError(
+            f"host budget {budget // mib:,} MiB ({source}) would page-lock {pins // mib:,} MiB, more than the "
+            f"{available_bytes // mib:,} MiB of host memory available now (MemAvailable); lower --host-budget-mb or "
+            f"{HOST_ENV} below {available_bytes // mib:,} (0: the default, half of it)")
+    return HostBudget(budget, source, mode)
 
 
 def ring_slots(budget: HostBudget, slot_bytes: int, depth: int) -> int:

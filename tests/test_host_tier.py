@@ -35,6 +35,25 @@ def test_the_environment_beats_the_config(monkeypatch):
         resolve_host_budget(0, 2**30, 2**30)
 
 
+def test_a_budget_that_would_lock_more_than_the_host_has_is_refused_before_locking(monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    avail = 8 * 2**30
+    # all pinned: a 10 GiB staging under a 12 GiB budget on a host with 8 GiB available
+    with pytest.raises(BudgetError, match=r"host budget 12,288 MiB \(config\) would page-lock 10,240 MiB, more than "
+                                          r"the 8,192 MiB of host memory available now .*lower --host-budget-mb"):
+        resolve_host_budget(12 * 1024, avail, 10 * 2**30)
+    # a ring: it locks its budget
+    monkeypatch.setenv(HOST_ENV, str(9 * 1024))
+    with pytest.raises(BudgetError, match=r"9,216 MiB \(KESTREL_HOST_MB\) would page-lock 9,216 MiB"):
+        resolve_host_budget(0, avail, 40 * 2**30)
+    monkeypatch.delenv(HOST_ENV)
+    # what fits is taken: a staging of 6 GiB under the same 12 GiB budget, a ring of 7 GiB
+    assert resolve_host_budget(12 * 1024, avail, 6 * 2**30).mode == "all"
+    assert resolve_host_budget(7 * 1024, avail, 40 * 2**30).mode == "ring"
+    # where the available memory cannot be read (0), nothing is refused for it
+    assert resolve_host_budget(12 * 1024, 0, 10 * 2**30).mode == "all"
+
+
 def test_a_negative_config_budget_is_refused(monkeypatch):
     monkeypatch.delenv(HOST_ENV, raising=False)
     with pytest.raises(ConfigError, match="host_budget_mb must be >= 0"):

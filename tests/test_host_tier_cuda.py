@@ -160,3 +160,30 @@ def test_a_q8_checkpoint_over_the_budget_is_refused(tiny, tmp_path, monkeypatch)
     quantize_checkpoint(tiny, q, 32)
     with pytest.raises(ConfigError, match="the host ring stages float checkpoints"):
         generate(q, keep=1, host_budget_mb=0.05)
+
+
+def test_a_second_run_counts_the_staging_it_reuses_as_available(tiny, monkeypatch):
+    """A sweep's later run finds the host's available memory lower by the staging an earlier run pinned; that
+    staging is this run's to reuse (or free), so it counts as available and the run is not refused for it."""
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    import kestrel_cuda.backend as cuda_backend
+
+    staged = arena_bytes(entry_sizes(tiny))
+    held = {"bytes": 0}  # what the model's staging pins now, as the host would see it
+    total = staged + staged // 2  # the host: room for the staging once, not twice
+    monkeypatch.setattr(cuda_backend, "meminfo", lambda: {"MemAvailable": total - held["bytes"]})
+    budget_mb = (staged + MiB) / MiB  # explicit: everything fits in it
+    with load(tiny) as model:
+        with model.open(backend="cuda", keep=1, host_budget_mb=budget_mb) as run:
+            assert run.backend.host_budget.mode == "all"
+            held["bytes"] = run.backend.counters.peak_host_pinned_bytes
+            first = run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids
+        assert held["bytes"] == staged
+        with model.open(backend="cuda", keep=1, host_budget_mb=budget_mb) as run:  # reuses the staging
+            assert run.backend.host_budget.mode == "all"
+            assert run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids == first
+        held["bytes"] = 0
+    with load(tiny) as model:  # a fresh model on a host short of room for its staging is refused up front
+        monkeypatch.setattr(cuda_backend, "meminfo", lambda: {"MemAvailable": staged // 2})
+        with pytest.raises(BudgetError, match="would page-lock .* more than the .* MiB of host memory available"):
+            model.open(backend="cuda", keep=1, host_budget_mb=budget_mb)

@@ -165,8 +165,12 @@ class CudaBackend(Backend):
         """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
         self._slot_entries = {spec.key: slot_entries(spec.tensors) for spec in ctx.unit_specs}
         staged = arena_bytes(self._host_sizes())  # what pinning every unit locks (its blocks, not the bare sum)
-        self.host_budget = resolve_host_budget(ctx.backend.host_budget_mb, meminfo().get("MemAvailable", 0), staged)
         key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
+        held = ctx.host.peek(key)  # an earlier run's staging of this model: this run reuses or frees it
+        available = meminfo().get("MemAvailable", 0)
+        if available and held is not None:
+            available += held.pinned_bytes
+        self.host_budget = resolve_host_budget(ctx.backend.host_budget_mb, available, staged)
         if self.host_budget.mode == "all":
             staging = ctx.host.get(key, self._stage_host)
             self.counters.peak_host_pinned_bytes = staging.pinned_bytes
