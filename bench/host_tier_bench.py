@@ -59,6 +59,7 @@ from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
 from kestrel_core.diskread import sequential_read_rate  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
+from kestrel_core.host import meminfo  # noqa: E402
 from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
 from kestrel_core.pagecache import cached_pages, drop_cache  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
@@ -132,11 +133,12 @@ def cached_share(files) -> float | None:
     return cached / max(pages, 1)
 
 
-def adjacent_ceiling(shard: Path) -> float:
-    """The O_DIRECT read rate of ``shard`` now (2 GiB, 8 threads), GB/s: measured on each side of a cold row, since
-    this disk's rate drifts over a run (it read 1.0 to 1.7 GB/s within one run of ``sequential_read_rate``)."""
+def odirect_ceiling(shard: Path, nbytes: int = 2 * 2**30) -> float:
+    """The O_DIRECT read rate of ``shard``'s first ``nbytes`` now, on 8 threads, GB/s. Read at the start of a run and
+    on each side of a cold ring row, since this disk's rate drifts over a run (1.66 GB/s at the start of
+    ``host_tier_20261204T182017Z``, 0.80 to 1.52 GB/s beside its cold rows)."""
     drop_cache(shard)
-    return sequential_read_rate(shard, nbytes=2 * 2**30, threads=8) / 1e9
+    return sequential_read_rate(shard, nbytes=nbytes, threads=8) / 1e9
 
 
 def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: int, **flags) -> dict:
@@ -152,12 +154,12 @@ def kestrel_row(model: Model, label: str, budget_mb: int, cold: bool, tokens: in
         files = [f.path for f in run.backend.ckpt.files.values()]
         shard = max(files, key=lambda f: os.path.getsize(f))
         tier = run.backend.host_budget
-        ceiling_before = adjacent_ceiling(shard) if cold and tier.mode == "ring" else None
+        ceiling_before = odirect_ceiling(shard) if cold and tier.mode == "ring" else None
         dropped_s = drop_checkpoint(run.backend.ckpt) if cold else None
         share = cached_share(files)
         with RssPeak() as peak:
             r = generate(run, PROMPT, GenerationConfig(max_new_tokens=tokens, stop_at_eos=False))
-        ceiling_after = adjacent_ceiling(shard) if ceiling_before is not None else None
+        ceiling_after = odirect_ceiling(shard) if ceiling_before is not None else None
     steady = r.per_token[1:]  # the first decode step warms the pool
     mean = lambda k: statistics.fmean(p[k] for p in steady)  # noqa: E731
     ms = statistics.median(r.decode_ms[1:])
@@ -206,15 +208,6 @@ def staging_variant(off: tuple[str, ...] = (), piece: int | None = None):
         yield
     finally:
         PartRead.PIECE, Stager.expect, Stager.BATCH_BYTES = saved
-
-
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (0 where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def warm_cache(path: Path) -> float:
@@ -279,8 +272,7 @@ def memcpy_rate(nbytes: int = 2**30, threads: int = 8) -> float:
 def ceilings(path: Path) -> dict:
     out = copy_ceilings()
     shard = max(path.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    drop_cache(shard)
-    out["odirect_read_GBps"] = sequential_read_rate(shard, nbytes=4 * 2**30, threads=8) / 1e9
+    out["odirect_read_GBps"] = odirect_ceiling(shard, nbytes=4 * 2**30)
     out["odirect_file"] = shard.name
     for n in sorted({8, fill_threads()}):  # 8, and as many as the ring fills a slot with here
         out[f"memcpy_pageable_to_pinned_GBps_{n}_threads"] = memcpy_rate(threads=n) / 1e9
@@ -356,7 +348,7 @@ def main() -> int:
                  "model_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
                  "mem_total_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")}
     rec["ceilings"] = ceilings(path)
-    rec["mem_available_bytes_before_rows"] = mem_available()
+    rec["mem_available_bytes_before_rows"] = meminfo().get("MemAvailable", 0)
     with Model(path) as model:
         rec["page_cache_warmed_s"] = warm_cache(path)  # the ceilings dropped a shard; the hot rows need every page
         kestrel_row(model, "warm-up (not recorded)", 1024, False, 3)
