@@ -264,7 +264,7 @@ def airllm_row(model_path, prompt_ids, n_new: int, scratch_dir, *, device: str =
 
         def step(ids, past):
             if drop_cache_each_step:  # the same cold disk kestrel's cold rows read: nothing of the split cached
-                from kestrel_core.pagecache import drop_cache
+                from kestrel_cuda.host.pagecache import drop_cache
 
                 for f in split_dir.glob("*.safetensors"):
                     drop_cache(f)

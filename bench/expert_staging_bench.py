@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_record  # noqa: E402
 
 from kestrel_core.checkpoint import Checkpoint  # noqa: E402
-from kestrel_core.host_tier import PinnedRing, fill_threads, slot_bytes  # noqa: E402
+from kestrel_cuda.host.tier import PinnedRing, fill_threads, slot_bytes  # noqa: E402
 from kestrel_core.model import unit_specs  # noqa: E402
 from kestrel_core.modelconfig import read_model_config  # noqa: E402
-from kestrel_core.pagecache import cached_pages, resident_fraction  # noqa: E402
+from kestrel_cuda.host.pagecache import cached_pages, resident_fraction  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
-from kestrel_core.staging import Filler, PartRead, Stager  # noqa: E402
+from kestrel_cuda.host.staging import Filler, PartRead, Stager  # noqa: E402
 from kestrel_cuda.layout import slot_entries  # noqa: E402
 
 PRESET = "qwen3-30b-a3b"

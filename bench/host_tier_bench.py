@@ -56,14 +56,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, copy_ceilings, utc_stamp, write_record  # noqa: E402
 
 from kestrel_core.config import GenerationConfig, KestrelConfig  # noqa: E402
-from kestrel_core.diskread import sequential_read_rate  # noqa: E402
+from kestrel_cuda.host.diskread import sequential_read_rate  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.host import meminfo  # noqa: E402
-from kestrel_core.host_tier import HOST_ENV, fill_threads  # noqa: E402
-from kestrel_core.pagecache import cached_pages, drop_cache  # noqa: E402
+from kestrel_cuda.host.tier import HOST_ENV, fill_threads  # noqa: E402
+from kestrel_cuda.host.pagecache import cached_pages, drop_cache, drop_checkpoint  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
-from kestrel_core.staging import PartRead, Stager  # noqa: E402
+from kestrel_cuda.host.staging import PartRead, Stager  # noqa: E402
 
 PRESET = "qwen3-8b"
 PROMPT = [785, 3974, 13876, 38835, 34208, 916, 279, 15678]
@@ -114,7 +114,7 @@ class RssPeak:
 def drop_checkpoint(ckpt) -> float:
     """Every page of the checkpoint out of the mapping and the cache; the seconds it took."""
     t0 = time.perf_counter()
-    ckpt.drop_cached()
+    drop_checkpoint(ckpt)
     return time.perf_counter() - t0
 
 

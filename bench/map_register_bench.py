@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, time_cuda, write_record  # noqa: E402
 
-from kestrel_core.host_tier import HostMemory  # noqa: E402
+from kestrel_cuda.host.tier import HostMemory  # noqa: E402
 
 READ_ONLY = 0x08  # cudaHostRegisterReadOnly: a read-only (file) mapping may be registered with it
 MADV_DONTNEED = 4

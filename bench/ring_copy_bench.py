@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, time_cuda, write_record  # noqa: E402
 
-from kestrel_core.host_tier import HostMemory  # noqa: E402
+from kestrel_cuda.host.tier import HostMemory  # noqa: E402
 
 
 def host_return_s(dev: torch.Tensor, src: torch.Tensor, reps: int) -> float:

@@ -410,15 +410,6 @@ class Checkpoint:
         for f in self.files.values():
             f.drop_pages([(0, f.size)])
 
-    def drop_cached(self, sync: bool = False) -> None:
-        """Every page out of the mapping and then out of the page cache (``pagecache.drop_cache``): the next read
-        of any tensor goes to disk. Unmapping comes first, since the cache keeps a page a mapping holds."""
-        from .pagecache import drop_cache
-
-        self.unmap_all()
-        for f in self.files.values():
-            drop_cache(f.path, sync=sync)
-
     def mapping_rss(self) -> int:
         """Resident bytes of this checkpoint's mappings, read from /proc/self/smaps."""
         return mapping_rss([str(f.path.resolve()) for f in self.files.values()])

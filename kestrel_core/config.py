@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OFF = "off"
+# Environment variables that beat a setting of the config file (whole MiB).
+WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
+HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
 EXPERT_FETCH = ("routed", "layer")
 
@@ -30,6 +34,20 @@ def parse_keep(value: Any) -> int | str:
         return int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"keep must be a layer count or 'off', got {value!r}") from None
+
+
+def env_mib(name: str) -> int | None:
+    """The bytes an environment variable gives in whole MiB (a budget that beats the config), or None where unset."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    try:
+        mb = int(env)
+    except ValueError:
+        raise ConfigError(f"{name}={env!r} must be a whole number of MiB") from None
+    if mb <= 0:
+        raise ConfigError(f"{name}={mb} must be positive")
+    return mb * 2**20
 
 
 @attrs.frozen

@@ -112,10 +112,6 @@ class Counters:
     expert_prefetches: int = 0  # experts uploaded ahead on a speculative guess
     expert_guessed: int = 0  # routed experts at decision points that had a guess (recall's denominator)
     expert_guess_hits: int = 0  # of those, the ones the guess named (recall = expert_guess_hits / expert_guessed)
-    host_hot_bytes: int = 0  # host ring: bytes staged from the page cache (copied from the mapping)
-    host_cold_bytes: int = 0  # host ring: bytes staged from disk (O_DIRECT)
-    disk_bytes_read: int = 0  # what those reads took from disk (aligned supersets)
-    peak_host_pinned_bytes: int = 0  # host bytes page-locked for streamed weights (the staging, or the ring)
     resident_bytes: int = 0  # weight bytes resident now (streamed + never-evicted)
     peak_resident_bytes: int = 0
     resident_entries: int = 0

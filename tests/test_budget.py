@@ -3,8 +3,8 @@
 import pytest
 
 import kestrel_cuda.backend
-from kestrel_core import budget
-from kestrel_core.budget import CAP, FLOOR, default_budget, resolve_budget
+from kestrel_cuda import budget
+from kestrel_cuda.budget import CAP, FLOOR, default_budget, resolve_budget
 from kestrel_core.errors import ConfigError
 
 GiB, MiB = 2**30, 2**20

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel_core import diskread
+from kestrel_cuda.host import diskread
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.diskread import (
+from kestrel_cuda.host.diskread import (
     ALIGN,
     DirectFile,
     Reader,

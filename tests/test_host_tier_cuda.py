@@ -15,11 +15,12 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
-from kestrel_core.diskread import ALIGN, round_up
-from kestrel_core.host_tier import HOST_ENV
-from kestrel_core.pinned_arena import arena_bytes, release_cached_pinned
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.quant import quantize_checkpoint
+from kestrel_cuda.host.diskread import ALIGN, round_up
+from kestrel_cuda.host.pagecache import drop_checkpoint
+from kestrel_cuda.host.pinned_arena import arena_bytes, release_cached_pinned
+from kestrel_cuda.host.tier import HOST_ENV
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,7 +49,7 @@ def generate(model_dir, tokens=10, drop=False, **settings):
     settings.setdefault("backend", "cuda")
     with load(model_dir) as model, model.open(**settings) as run:
         if drop:
-            run.backend.ckpt.drop_cached(sync=True)
+            drop_checkpoint(run.backend.ckpt, sync=True)
         r = run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False)
         return r, run.backend.host_budget
 
@@ -56,7 +57,7 @@ def generate(model_dir, tokens=10, drop=False, **settings):
 def test_ids_identical_to_all_pinned_across_policy_keep_prefetch_allocator(tiny, monkeypatch):
     monkeypatch.delenv(HOST_ENV, raising=False)
     ref, tier = generate(tiny, keep="off")
-    assert tier.mode == "all" and ref.counters["host_hot_bytes"] == 0
+    assert tier.mode == "all" and "host_ring_hot_bytes" not in ref.memory
     size = slot(tiny)
     for slots, (policy, keep), prefetch, allocator in itertools.product(
             (2, 3, 5), (("asymmetric", 1), ("asymmetric", 3), ("future_evicting", 2)), (0, 1), ("pool", "free")):
@@ -65,8 +66,8 @@ def test_ids_identical_to_all_pinned_across_policy_keep_prefetch_allocator(tiny,
         where = (slots, policy, keep, prefetch, allocator)
         assert tier.mode == "ring", where
         assert r.token_ids == ref.token_ids, where
-        assert 0 < r.counters["peak_host_pinned_bytes"] == slots * size <= tier.bytes, where
-        assert r.counters["host_hot_bytes"] + r.counters["host_cold_bytes"] >= r.counters["bytes_uploaded"], where
+        assert 0 < r.memory["host_pinned_bytes"] == slots * size <= tier.bytes, where
+        assert r.memory["host_ring_hot_bytes"] + r.memory["host_ring_cold_bytes"] >= r.counters["bytes_uploaded"], where
         assert r.steps["eager"] == len(r.per_token), where  # a ring's step is not captured
 
 
@@ -85,7 +86,7 @@ def test_all_pinned_counts_the_arenas_blocks_and_is_captured(tiny, monkeypatch):
         assert len(blocks) < len(host)  # entries share the arena's blocks, not one block each
         r = run.generate(prompt_ids=PROMPT, max_new_tokens=10, stop_at_eos=False)
     pinned = arena_bytes(entry_sizes(tiny))
-    assert r.counters["peak_host_pinned_bytes"] == r.memory["host_pinned_bytes"] == pinned
+    assert r.memory["host_pinned_bytes"] == pinned
     assert r.steps["captured"] + r.steps["replayed"] > 0  # torch's pinned blocks: the step is captured
 
 
@@ -101,7 +102,7 @@ def test_torch_counts_the_arenas_blocks_and_takes_them_back_when_a_ring_replaces
         before = torch_pinned()
         with model.open(backend="cuda", keep=1) as run:
             assert run.backend.host_budget.mode == "all"
-            pinned = run.backend.counters.peak_host_pinned_bytes
+            pinned = run.backend.host_pinned_bytes
             grown = torch_pinned() - before
         assert pinned <= grown < pinned + MiB  # what torch locked is what the counter says
         with model.open(backend="cuda", keep=1, host_budget_mb=bare / MiB) as run:
@@ -116,7 +117,7 @@ def test_a_budget_that_holds_the_entries_but_not_the_arenas_blocks_takes_the_rin
     assert bare < arena_bytes(sizes)  # the tiny model's blocks round up past its entries
     ref, _ = generate(tiny, keep=1)
     r, tier = generate(tiny, keep=1, host_budget_mb=bare / MiB)
-    assert tier.mode == "ring" and r.counters["peak_host_pinned_bytes"] <= tier.bytes
+    assert tier.mode == "ring" and r.memory["host_pinned_bytes"] <= tier.bytes
     assert r.token_ids == ref.token_ids
 
 
@@ -125,7 +126,7 @@ def test_pages_dropped_come_from_disk_with_the_same_ids(tiny, monkeypatch):
     ref, _ = generate(tiny, keep=1, prefetch=1)
     r, tier = generate(tiny, keep=1, prefetch=1, host_budget_mb=3 * slot(tiny) / MiB, drop=True)
     assert tier.mode == "ring" and r.token_ids == ref.token_ids
-    assert r.counters["host_cold_bytes"] > 0 and r.counters["disk_bytes_read"] >= r.counters["host_cold_bytes"]
+    assert r.memory["host_ring_cold_bytes"] > 0 and r.memory["host_ring_disk_read_bytes"] >= r.memory["host_ring_cold_bytes"]
 
 
 def test_moe_through_the_ring(tiny_moe, monkeypatch):
@@ -145,7 +146,7 @@ def test_a_budget_below_one_unit_and_the_prefetch_is_refused(tiny, monkeypatch):
     with pytest.raises(BudgetError, match=r"host budget .* below one streamed unit plus the prefetch depth: need at least"):
         generate(tiny, keep=1, prefetch=2, host_budget_mb=2.5 * size / MiB)
     r, _ = generate(tiny, keep=1, prefetch=2, host_budget_mb=3 * size / MiB)  # three slots: the least it runs with
-    assert r.counters["peak_host_pinned_bytes"] == 3 * size
+    assert r.memory["host_pinned_bytes"] == 3 * size
 
 
 def test_the_environment_beats_the_config(tiny, monkeypatch):
@@ -176,7 +177,7 @@ def test_a_second_run_counts_the_staging_it_reuses_as_available(tiny, monkeypatc
     with load(tiny) as model:
         with model.open(backend="cuda", keep=1, host_budget_mb=budget_mb) as run:
             assert run.backend.host_budget.mode == "all"
-            held["bytes"] = run.backend.counters.peak_host_pinned_bytes
+            held["bytes"] = run.backend.host_pinned_bytes
             first = run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids
         assert held["bytes"] == staged
         with model.open(backend="cuda", keep=1, host_budget_mb=budget_mb) as run:  # reuses the staging

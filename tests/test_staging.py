@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.diskread import direct_io_supported
-from kestrel_core.pagecache import cached_fraction, resident_fraction
-from kestrel_core.host_tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
+from kestrel_cuda.host.diskread import direct_io_supported
+from kestrel_cuda.host.pagecache import cached_fraction, drop_checkpoint, resident_fraction
+from kestrel_cuda.host.tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.model import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.staging import Filler, PartRead, Stager
+from kestrel_cuda.host.staging import Filler, PartRead, Stager
 from kestrel_cuda.layout import slot_entries
 
 DTYPE = torch.bfloat16
@@ -47,7 +47,7 @@ def want(ckpt: Checkpoint, entry: SlotEntry) -> torch.Tensor:
 def _drops(ckpt_dir: Path) -> bool:
     ckpt = Checkpoint(ckpt_dir)
     try:
-        ckpt.drop_cached(sync=True)
+        drop_checkpoint(ckpt, sync=True)
         return cached_fraction(ckpt.view(ckpt.names()[-1])) < 1.0
     finally:
         ckpt.close()
@@ -61,7 +61,7 @@ def test_cold_and_hot_parts_give_the_same_bytes_and_are_counted_apart(ckpt_dir):
     nbytes = sum(ckpt.info(n).nbytes for n in parts)
     filler = Filler(ckpt, threads=3)
     try:
-        ckpt.drop_cached(sync=True)
+        drop_checkpoint(ckpt, sync=True)
         if max(cached_fraction(ckpt.view(n)) for n in parts) == 1.0:
             pytest.skip("this filesystem keeps the file's pages cached after POSIX_FADV_DONTNEED")
         cold = {n: t.clone() for n, t in filler.sources(entries).items()}
@@ -84,7 +84,7 @@ def test_a_filler_without_o_direct_reads_everything_through_the_mapping(ckpt_dir
     ckpt = Checkpoint(ckpt_dir)
     filler = Filler(ckpt, direct=False)
     try:
-        ckpt.drop_cached(sync=True)
+        drop_checkpoint(ckpt, sync=True)
         entries = entries_of(read_model_config(ckpt_dir))[(1,)]
         got = filler.sources(entries)
         total = sum(ckpt.info(n).nbytes for e in entries for n in e.parts)
@@ -116,7 +116,7 @@ def run_passes(ckpt_dir, slots: int, orders: list[list[tuple]], drop_pages: bool
     try:
         for order in orders:
             if drop_pages:
-                ckpt.drop_cached(sync=True)
+                drop_checkpoint(ckpt, sync=True)
             for key in order:
                 slot, views = stager.take(key)
                 for e in entries[key]:
@@ -188,7 +188,7 @@ def test_a_part_in_the_slots_dtype_reads_its_cached_pieces_with_pread_and_the_re
     filler = Filler(ckpt)
     try:
         expect = {e.name: want(ckpt, e).clone() for e in entries}
-        ckpt.drop_cached(sync=True)
+        drop_checkpoint(ckpt, sync=True)
         if max(cached_fraction(ckpt.view(n)) for n in parts) > 0.0:
             pytest.skip("this filesystem keeps the file's pages cached after POSIX_FADV_DONTNEED")
         fd = os.open(path, os.O_RDONLY)

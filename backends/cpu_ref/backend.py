@@ -19,7 +19,7 @@ from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
-from kestrel_core.host_tier import HOST_ENV
+from kestrel_core.config import HOST_ENV
 from kestrel_core.units import EntrySpec, Geometry
 
 DTYPES = ("float32", "float64")

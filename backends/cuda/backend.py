@@ -21,15 +21,15 @@ import torch.nn.functional as F
 
 from kestrel_core import progress
 from kestrel_core.backend import Backend, BackendContext
-from kestrel_core.budget import resolve_budget
+from kestrel_cuda.budget import resolve_budget
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
 from kestrel_core.host import meminfo
-from kestrel_core.diskread import round_up
-from kestrel_core.host_tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
-from kestrel_core.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
-from kestrel_core.staging import Filler, Stager
+from kestrel_cuda.host.diskread import round_up
+from kestrel_cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
+from kestrel_cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
+from kestrel_cuda.host.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
 from . import q8
@@ -173,7 +173,7 @@ class CudaBackend(Backend):
         self.host_budget = resolve_host_budget(ctx.backend.host_budget_mb, available, staged)
         if self.host_budget.mode == "all":
             staging = ctx.host.get(key, self._stage_host)
-            self.counters.peak_host_pinned_bytes = staging.pinned_bytes
+            self.host_pinned_bytes = staging.pinned_bytes
             return staging.host
         if self.quant:
             raise ConfigError(
@@ -186,7 +186,7 @@ class CudaBackend(Backend):
         n = ring_slots(self.host_budget, size, depth)
         ring = PinnedRing(n, size, self.dtype, pin=True)
         self._stager = Stager(ring, Filler(self.ckpt), self._slot_entries.__getitem__, lookahead=n - 1)
-        self.counters.peak_host_pinned_bytes = ring.pinned_bytes
+        self.host_pinned_bytes = ring.pinned_bytes
         return {}
 
     def _stage_host(self) -> "Staging":
@@ -324,8 +324,6 @@ class CudaBackend(Backend):
             done = torch.cuda.Event()
             done.record(stream)
             self._stager.give_back(slot, done)
-        filler, c = self._stager.filler, self.counters
-        c.host_hot_bytes, c.host_cold_bytes, c.disk_bytes_read = filler.hot_bytes, filler.cold_bytes, filler.disk_bytes_read
 
     def retire(self, resident):
         if self.copy_stream is not None:
@@ -441,9 +439,18 @@ class CudaBackend(Backend):
             "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
             "raw_peak_bytes": RawBlock.peak_bytes,
             "budget_bytes": self.budget,
-            "host_pinned_bytes": self.counters.peak_host_pinned_bytes,
+            "host_pinned_bytes": self.host_pinned_bytes,
             "host_budget_bytes": self.host_budget.bytes,
+            **self._ring_stats(),
         }
+
+    def _ring_stats(self) -> dict[str, int]:
+        """Where the host ring's staged bytes came from, counted since the run opened (none without a ring)."""
+        if self._stager is None:
+            return {}
+        f = self._stager.filler
+        return {"host_ring_hot_bytes": f.hot_bytes, "host_ring_cold_bytes": f.cold_bytes,
+                "host_ring_disk_read_bytes": f.disk_bytes_read}
 
     def close(self):
         super().close()

@@ -59,9 +59,6 @@ def run(args) -> int:
         print(f"per decoded token (last): {per['layer_uploads']} layers, {mib(per['bytes_uploaded'])} uploaded")
     print(f"peak resident: {mib(c['peak_resident_bytes'])} ({c['peak_resident_entries']} entries); "
           f"allocations: {c['allocations']}, pool hits: {c['pool_hits']}, real frees: {c['frees']}")
-    if c["host_hot_bytes"] or c["host_cold_bytes"]:  # the host ring staged units: where their bytes came from
-        print(f"host ring: {mib(c['peak_host_pinned_bytes'])} pinned; staged {mib(c['host_hot_bytes'])} from the page cache, "
-              f"{mib(c['host_cold_bytes'])} from disk ({mib(c['disk_bytes_read'])} read)")
     for k, v in result.memory.items():
         print(f"{k.replace('_', ' ')}: {mib(v)}")
     return 0

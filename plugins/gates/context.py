@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from kestrel_core.budget import resolve_budget
+from kestrel_cuda.budget import resolve_budget
 from kestrel_core.errors import ConfigError
 from kestrel_core.modelconfig import ModelConfig, check_runnable, read_model_config
 

@@ -18,8 +18,9 @@ from typing import Iterable
 
 import torch
 
+from kestrel_core.errors import ConfigError
+
 from .diskread import ALIGN, aligned_empty, round_up
-from .errors import ConfigError
 
 BLOCK = 2**30  # the largest block the arena asks for, unless one entry is larger
 

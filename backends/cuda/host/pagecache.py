@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kestrel_core.errors import KestrelError
+
 from .diskread import cannot_open
-from .errors import KestrelError
 
 _libc = None  # libc for mincore, False where there is none
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(platform.machine())  # the generic syscall table's number
@@ -133,3 +134,11 @@ def drop_cache(path: str | os.PathLike, sync: bool = False) -> None:
         raise KestrelError(f"{path}: cannot drop its cached pages ({exc.strerror})") from None
     finally:
         os.close(fd)
+
+
+def drop_checkpoint(ckpt, sync: bool = False) -> None:
+    """Every page of a ``Checkpoint``'s files out of its mapping and then out of the page cache: the next read of
+    any tensor goes to disk. Unmapping comes first, since the cache keeps a page a mapping holds."""
+    ckpt.unmap_all()
+    for f in ckpt.files.values():
+        drop_cache(f.path, sync=sync)

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import CheckpointError, KestrelError
+from kestrel_core.errors import CheckpointError, KestrelError
 
 ALIGN = 4096
 MIN_ALIGN = 512  # the smallest logical block size of a block device

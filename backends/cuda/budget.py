@@ -7,31 +7,15 @@ beats the default.
 
 from __future__ import annotations
 
-import os
-
-from .errors import ConfigError
+from kestrel_core.config import WCACHE_ENV as ENV, env_mib
+from kestrel_core.errors import ConfigError
 
 CAP = 24 * 2**30
 FLOOR = 256 * 2**20
-ENV = "KESTREL_WCACHE_MB"
 
 
 def default_budget(free_bytes: int) -> int:
     return max(FLOOR, min(CAP, free_bytes // 2))
-
-
-def env_mib(name: str) -> int | None:
-    """The bytes an environment variable gives in whole MiB (a budget that beats the config), or None where unset."""
-    env = os.environ.get(name)
-    if not env:
-        return None
-    try:
-        mb = int(env)
-    except ValueError:
-        raise ConfigError(f"{name}={env!r} must be a whole number of MiB") from None
-    if mb <= 0:
-        raise ConfigError(f"{name}={mb} must be positive")
-    return mb * 2**20
 
 
 def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:

@@ -31,11 +31,12 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .checkpoint import DTYPES, Checkpoint
+from kestrel_core.checkpoint import DTYPES, Checkpoint
+from kestrel_core.errors import CheckpointError, ConfigError
+
 from .diskread import CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, direct_io_supported, round_up
-from .errors import CheckpointError, ConfigError
-from .host_tier import PinnedRing, Slot, SlotEntry
 from .pagecache import cached_fraction, range_cached
+from .tier import PinnedRing, Slot, SlotEntry
 
 
 class PartRead:

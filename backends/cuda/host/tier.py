@@ -22,11 +22,12 @@ from typing import Any, Iterable, Sequence
 import attrs
 import torch
 
-from .budget import env_mib
-from .diskread import ALIGN, aligned_empty, round_up  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
-from .errors import BudgetError, ConfigError
+from kestrel_core.config import HOST_ENV, env_mib
+from kestrel_core.errors import BudgetError, ConfigError
 
-HOST_ENV = "KESTREL_HOST_MB"
+from .diskread import ALIGN, aligned_empty, round_up  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
+
+
 
 
 @attrs.frozen
