@@ -38,7 +38,7 @@ from common import RESULTS, write_record  # noqa: E402
 
 from kestrel_core.checkpoint import Checkpoint  # noqa: E402
 from kestrel_cuda.host.tier import PinnedRing, fill_threads, slot_bytes  # noqa: E402
-from kestrel_core.model import unit_specs  # noqa: E402
+from kestrel_core.tensor_table import unit_specs  # noqa: E402
 from kestrel_core.modelconfig import read_model_config  # noqa: E402
 from kestrel_cuda.host.pagecache import cached_pages, resident_fraction  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402

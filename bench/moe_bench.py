@@ -149,7 +149,7 @@ def section(path: Path, router: str, scale: float, args) -> dict:
 
 
 def q8_section(path: Path, scale: float, args) -> dict:
-    from kestrel_core.quant import quantize_checkpoint
+    from kestrel_core.quantize import quantize_checkpoint
 
     qpath = path.parent / f"{path.name}-q8g{args.q8_group}"
     if not (qpath / "config.json").is_file():

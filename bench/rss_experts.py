@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_record  # noqa: E402
 
 from kestrel_core import load, plugins  # noqa: E402
-from kestrel_core.checkpoint import ResidentRuns, fault_granule  # noqa: E402
+from bench.rss import ResidentRuns, fault_granule  # noqa: E402
 from kestrel_core.hookspecs import hookimpl  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 

@@ -22,7 +22,7 @@ from kestrel_core.config import KestrelConfig, parse_keep  # noqa: E402
 from kestrel_core.engine import Model, open_run  # noqa: E402
 from kestrel_core.generate import generate  # noqa: E402
 from kestrel_core.hookspecs import hookimpl  # noqa: E402
-from kestrel_core.model import linear_specs  # noqa: E402
+from kestrel_core.tensor_table import linear_specs  # noqa: E402
 from kestrel_core.presets import preset_config, write_checkpoint  # noqa: E402
 
 

@@ -168,7 +168,7 @@ def q8_gemv_rows(group: int, d2d_GBps: float) -> list[dict]:
 
 
 def q8_section(path: Path, group: int, gen: GenerationConfig, bf16_rows: list[dict], ceil: dict) -> dict:
-    from kestrel_core.quant import quantize_checkpoint
+    from kestrel_core.quantize import quantize_checkpoint
 
     qpath = path.parent / f"{path.name}-q8g{group}"
     if not (qpath / "config.json").is_file():
@@ -325,7 +325,7 @@ def graphs_main(args) -> int:
         shape["targets"] = dg.targets(shape)
         save(preset)
         if args.q8_group:
-            from kestrel_core.quant import quantize_checkpoint
+            from kestrel_core.quantize import quantize_checkpoint
 
             qpath = path.parent / f"{path.name}-q8g{args.q8_group}"
             if not (qpath / "config.json").is_file():

@@ -15,7 +15,8 @@ from .errors import ConfigError
 from .host import HostStore
 from .model import rms_norm
 from .modelconfig import ModelConfig
-from .residency import Counters, Fetch, Plan, Resident
+from .plan import Counters, Fetch, Plan, Resident
+from .tensor_table import global_specs, small_specs
 from .units import EntrySpec, Geometry, Unit, UnitKey, UnitSpec, UnitTable
 
 
@@ -141,8 +142,6 @@ class Backend:
 
     def load_globals(self) -> None:
         """Embeddings, the final norm, lm_head and per-layer norms: resident for the whole run."""
-        from .model import global_specs, small_specs
-
         for role, (name, _) in global_specs(self.cfg).items():
             self.globals[role] = self._resident(name)
         if self.cfg.tie_word_embeddings:

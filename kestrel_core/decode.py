@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from .model import Attend, KVCache, RopeTable, decoder_layer, route
-from .residency import Boundary
+from .plan import Boundary
 
 if TYPE_CHECKING:
     from .engine import Run

@@ -19,7 +19,8 @@ from .expert_cache import budget_bytes
 from .generate import GenerationResult, generate
 from .modeldir import Model, load
 from .modelconfig import check_runnable
-from .residency import Counters, Window
+from .plan import Counters
+from .residency import Window
 
 __all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy", "open_run"]
 

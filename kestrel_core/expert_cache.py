@@ -8,7 +8,7 @@ layer has just routed to, lowest rank first, until the routed ones fit in the bu
 from __future__ import annotations
 
 from .errors import ConfigError
-from .residency import Advice
+from .plan import Advice
 
 
 class ExpertCache:

@@ -20,7 +20,7 @@ from .errors import BudgetError, ConfigError, NonFiniteError
 from .host import meminfo
 from .decode import MODES, DecodeState, StepRunner, experts_of
 from .model import Attend, KVCache, RopeTable, decoder_layer
-from .residency import delta
+from .plan import delta
 from .sampling import Sampler
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from .config import KestrelConfig, with_settings
 from .errors import ConfigError
 from .host import HostStore
 from .hub import resolve
-from .model import unit_specs, validate_checkpoint
 from .modelconfig import ModelConfig, read_json, read_model_config
 from .quant import read_quant
+from .tensor_table import unit_specs, validate_checkpoint
 from .tokenizer import Tokenizer, load_tokenizer
 from .units import UnitSpec
 
@@ -55,7 +55,7 @@ class Model:
         self.checkpoint = Checkpoint(self.dir)
         try:
             self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint
-            validate_checkpoint(self.checkpoint, self.config, self.quant.names if self.quant else frozenset())
+            validate_checkpoint(self.checkpoint, self.config, self.quant.stored_names() if self.quant else {})
             self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
             self.eos_ids: frozenset[int] = eos_ids(self.dir, self.config)
         except BaseException:

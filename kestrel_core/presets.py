@@ -14,7 +14,7 @@ from . import progress
 from .devices import compute_device
 from .dtypes import BY_NAME, WEIGHT_NAMES, itemsize
 from .errors import ConfigError
-from .model import all_specs
+from .tensor_table import all_specs
 from .modelconfig import ModelConfig, parse_model_config
 from .outdir import model_output
 

@@ -30,21 +30,13 @@ deterministic: the same input gives byte-identical files.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-from typing import Iterator
-
 import attrs
 import torch
 
-from . import hub, progress
-from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
-from .devices import compute_device
+from .checkpoint import Checkpoint
 from .errors import CheckpointError, KestrelError
-from .model import all_specs, unit_specs
 from .modelconfig import ModelConfig
-from .outdir import check_output, is_model_file, model_output
+from .tensor_table import unit_specs
 
 GROUP_SIZES = (32, 64, 128)
 N_ALIGN = 64
@@ -57,7 +49,6 @@ META_LAYOUT = "kestrel.layout"
 META_UNTIED = "kestrel.untied"
 LAYOUT = "qweight I8 [K, Npad] then scales F32 [K/group, Npad]; W[n, k] = qweight[k, n] * scales[k // group, n]"
 QMAX = 127
-OUT_FILE = "model.safetensors"
 # Streamed roles that stay in the checkpoint's float dtype. The router of a sparse layer is small
 # ([num_experts, hidden]: 0.5 MB of Qwen3-30B-A3B's 1.2 GB layer in bf16) and decides which experts
 # run: int8 rounding of its weights would move its logits, flip near ties in the top-k and change the routing.
@@ -145,6 +136,10 @@ class QuantInfo:
     def get(self, weight_name: str) -> Q8Tensor | None:
         return self.tensors.get(weight_name)
 
+    def stored_names(self) -> dict[str, tuple[str, str]]:
+        """Each quantized ``.weight`` name -> the tensors it is stored as."""
+        return {name: t.stored for name, t in self.tensors.items()}
+
 
 def quantized_specs(cfg: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int]]:
     """``.weight`` name -> [N, K] of every linear a q8 checkpoint stores quantized, in unit order: each
@@ -157,7 +152,7 @@ def quantized_specs(cfg: ModelConfig, lm_head: bool) -> dict[str, tuple[int, int
     return out
 
 
-def _looks_quantized(ckpt: Checkpoint) -> bool:
+def looks_quantized(ckpt: Checkpoint) -> bool:
     return any(n.endswith((".qweight", ".scales")) for n in ckpt.names())
 
 
@@ -167,7 +162,7 @@ def read_quant(ckpt: Checkpoint, cfg: ModelConfig) -> QuantInfo | None:
     meta = ckpt.metadata
     method = meta.get(META_QUANT)
     if method is None:
-        if _looks_quantized(ckpt):
+        if looks_quantized(ckpt):
             raise CheckpointError(
                 f"{ckpt.dir}: has .qweight/.scales tensors but no {META_QUANT!r} metadata; re-create it with kestrel quantize"
             )
@@ -242,151 +237,6 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, n: int, group: int, 
     return dequantize_into(torch.empty((n, qweight.shape[0]), dtype=dtype), qweight, scales, group)
 
 
-# --- the converter ----------------------------------------------------------------
-def parse_group_size(value) -> int:
-    try:
-        group = int(value)
-    except (TypeError, ValueError):
-        group = None
-    if group not in GROUP_SIZES:
-        raise GroupSizeError(f"group size {value!r} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
-    return group
-
-
-@attrs.frozen
-class _Item:
-    name: str
-    dtype: str  # safetensors dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * DTYPES[self.dtype][2]
-
-
-def quantize_checkpoint(
-    model_dir: str | Path,
-    out_dir: str | Path,
-    group: int = 32,
-    keep_lm_head: bool = False,
-    device: str = "cpu",
-    force: bool = False,
-) -> dict:
-    """Write a q8 copy of a float Hugging Face directory; returns a summary. Under ``progress.shown`` a bar
-    counts the linear weights quantized."""
-    from .engine import Model  # engine imports this module
-
-    group = parse_group_size(group)
-    device = compute_device(device)
-    src, out = hub.resolve(model_dir), Path(out_dir)  # a directory, or a name in the Hugging Face cache
-    if src.is_dir() and out.exists() and out.resolve() == src.resolve():
-        raise QuantError("--out must be a different directory from --model")
-    check_output(out, force)  # before any work
-    if src.is_dir() and any(src.glob("*.safetensors")):
-        probe = Checkpoint(src)
-        try:
-            if probe.metadata.get(META_QUANT) or _looks_quantized(probe):
-                raise AlreadyQuantizedError(
-                    f"{src} is already quantized ({META_QUANT}={probe.metadata.get(META_QUANT, '?')}); quantize the original float checkpoint"
-                )
-        finally:
-            probe.close()
-    with Model(src) as model:
-        cfg, ckpt = model.config, model.checkpoint
-        q_lm_head = not keep_lm_head
-        qspecs = quantized_specs(cfg, q_lm_head)
-        bad = {name: k for name, (_, k) in qspecs.items() if k % group}
-        if bad:
-            name, k = next(iter(bad.items()))
-            fits = [g for g in GROUP_SIZES if all(kk % g == 0 for _, kk in qspecs.values())]
-            hint = f"use --group-size {' or '.join(map(str, fits))}" if fits else "no supported group size divides every K"
-            raise GroupSizeError(f"group size {group} does not divide K={k} of {name!r} (in_features); {hint}")
-        untie = q_lm_head and cfg.tie_word_embeddings
-        # The q8 source of each quantized name: lm_head of a tied model is the embedding.
-        source = {name: name for name in qspecs}
-        if untie:
-            source["lm_head.weight"] = "model.embed_tokens.weight"
-        items: list[_Item] = []
-        for name, (n, k) in qspecs.items():
-            qname, sname = q8_names(name)
-            items += [_Item(qname, "I8", (k, pad_n(n))), _Item(sname, "F32", (k // group, pad_n(n)))]
-        floats = sorted(
-            (_Item(name, ckpt.info(name).dtype, tuple(ckpt.info(name).shape)) for name in all_specs(cfg) if name not in qspecs),
-            key=lambda it: (-DTYPES[it.dtype][2], it.name),  # widest first: every tensor stays aligned to its itemsize
-        )
-        items += floats
-        metadata = {
-            "format": "pt",
-            META_QUANT: METHOD,
-            META_GROUP: str(group),
-            META_LM_HEAD: "q8" if q_lm_head else "full",
-            META_N_ALIGN: str(N_ALIGN),
-            META_LAYOUT: LAYOUT,
-            META_UNTIED: "true" if untie else "false",
-        }
-
-        def tensors(bar) -> Iterator[torch.Tensor]:
-            for name in qspecs:
-                # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
-                qweight, scales = quantize(ckpt.view(source[name]).to(device), group)
-                yield qweight.cpu()
-                yield scales.cpu()
-                ckpt.drop_pages([source[name]])  # keep the reader's RSS to about one tensor on big models
-                bar.update(1)
-            for it in floats:
-                yield ckpt.view(it.name)
-
-        with model_output(out, force) as tmp:
-            with progress.bar(len(qspecs), "quantize", "weight") as bar:
-                write_safetensors(tmp / OUT_FILE, items, tensors(bar), metadata)
-            raw = json.loads((src / "config.json").read_text())
-            if untie:
-                raw["tie_word_embeddings"] = False
-            (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-            for p in sorted(src.iterdir()):  # the tokenizer and generation files; the weights are new
-                if p.is_file() and is_model_file(p.name) and p.suffix != ".safetensors" and p.name not in (
-                        "config.json", "model.safetensors.index.json"):
-                    shutil.copyfile(p, tmp / p.name)
-            written = (tmp / OUT_FILE).stat().st_size
-        src_bytes = sum(f.size for f in ckpt.files.values())
-    return {
-        "out": str(out),
-        "group_size": group,
-        "lm_head": metadata[META_LM_HEAD],
-        "untied": untie,
-        "quantized": len(qspecs),
-        "experts": sum(".mlp.experts." in name for name in qspecs),  # of them, expert weights (0 for a dense model)
-        "float_routers": sum(cfg.moe_layer(layer) for layer in range(cfg.num_hidden_layers)),  # kept in their dtype
-        "source_bytes": src_bytes,
-        "bytes": written,
-    }
-
-
-def write_safetensors(path: Path, items: list[_Item], tensors: Iterator[torch.Tensor], metadata: dict[str, str]) -> None:
-    """Stream tensors into one safetensors file in ``items`` order (the header is known up front).
-
-    The header is compact sorted JSON padded with spaces to a 64-byte boundary, so the data
-    region is aligned. Write it inside ``outdir.model_output``'s directory, which appears only when complete.
-    """
-    header: dict = {"__metadata__": dict(metadata)}
-    at = 0
-    for it in items:
-        header[it.name] = {"dtype": it.dtype, "shape": list(it.shape), "data_offsets": [at, at + it.nbytes]}
-        at += it.nbytes
-    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 64)  # data starts 64-byte aligned in the file (and so every q8 entry)
-    with open(path, "wb") as fh:
-        fh.write(len(blob).to_bytes(8, "little"))
-        fh.write(blob)
-        for it, t in zip(items, tensors, strict=True):
-            if TORCH_TO_ST[t.dtype] != it.dtype or tuple(t.shape) != it.shape:
-                raise AssertionError(f"{it.name}: produced {t.dtype} {list(t.shape)}, header says {it.dtype} {list(it.shape)}")
-            fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-
-
 __all__ = [
     "AlreadyQuantizedError",
     "GROUP_SIZES",
@@ -401,6 +251,5 @@ __all__ = [
     "q8_names",
     "q8_nbytes",
     "quantize",
-    "quantize_checkpoint",
     "read_quant",
 ]

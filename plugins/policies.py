@@ -10,7 +10,7 @@ import attrs
 
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.optimum import farthest_first
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
 
 
 @attrs.define

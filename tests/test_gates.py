@@ -16,7 +16,7 @@ import torch
 from kestrel_core import plugins
 from kestrel_core.cli import main
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.model import all_specs
+from kestrel_core.tensor_table import all_specs
 from kestrel_core.modelconfig import parse_model_config, read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_gates import BUILD, DONT_BUILD, REMEASURE, Evaluation, Gate, GateContext, GateOptions, Quantity, run_gate
@@ -181,7 +181,7 @@ def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_
     for backend in ("cuda", "cpu_ref"):
         q = _q(doc, f"entries_{backend}")
         assert q["value"] == want[backend], backend
-        assert "kestrel_core.model.unit_specs" in q["source"] and "195 resident" in q["source"]
+        assert "kestrel_core.tensor_table.unit_specs" in q["source"] and "195 resident" in q["source"]
     assert "48 layer units x 3 + 6144 expert units x 2" in _q(doc, "entries_cuda")["source"]
     assert "kestrel_cuda.layout.fusion" in _q(doc, "entries_cuda")["source"]
     assert "48 layer units x 5 + 6144 expert units x 3" in _q(doc, "entries_cpu_ref")["source"]

@@ -14,7 +14,7 @@ import pytest
 from backends.cpu_ref.backend import CpuRefBackend
 from cli_helpers import fails, gen
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
 
 from conftest import PROMPT, run_once
 

@@ -17,7 +17,8 @@ from kestrel_core.errors import KestrelNote
 from kestrel_core.generate import generate
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
+from kestrel_core.quantize import quantize_checkpoint
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,7 +40,7 @@ def model(tmp_path_factory):
 def q8_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs-q8")
     path = write_checkpoint(preset_config("tiny"), root / "tiny", seed=1)
-    quant.quantize_checkpoint(path, root / "q8", group=32)
+    quantize_checkpoint(path, root / "q8", group=32)
     with Model(root / "q8") as m:
         yield m
 

@@ -9,7 +9,7 @@ from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_cuda.host.tier import (HOST_ENV, HostBudget, PinnedRing, SlotEntry, resolve_host_budget, ring_slots,
                                     slot_bytes)
-from kestrel_core.model import unit_specs
+from kestrel_core.tensor_table import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_cuda.layout import slot_entries
 

@@ -16,7 +16,7 @@ import torch
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.quant import quantize_checkpoint
+from kestrel_core.quantize import quantize_checkpoint
 from kestrel_cuda.host.diskread import ALIGN, round_up
 from kestrel_cuda.host.pagecache import drop_checkpoint
 from kestrel_cuda.host.pinned_arena import arena_bytes, release_cached_pinned

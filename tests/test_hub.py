@@ -193,7 +193,7 @@ def test_quantize_reads_a_cached_name(hf_cache, tmp_path, capsys):
     assert json.loads(out.out)["quantized"] > 0
     with load(tmp_path / "q8") as model:
         assert model.quant is not None
-    from kestrel_core.quant import quantize_checkpoint  # the Python API takes the name too
+    from kestrel_core.quantize import quantize_checkpoint  # the Python API takes the name too
 
     assert quantize_checkpoint(REPO, tmp_path / "q8-api", 32)["quantized"] > 0
 

@@ -105,7 +105,7 @@ def test_a_budget_too_small_for_the_experts_names_the_expert_policy(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_moe_q8(tiny_moe, tmp_path_factory):
-    from kestrel_core.quant import quantize_checkpoint
+    from kestrel_core.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("moe-cuda-q8") / "tiny-moe-q8"
     quantize_checkpoint(tiny_moe, out, 32)

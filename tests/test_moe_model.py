@@ -18,8 +18,9 @@ from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.errors import PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.residency import Advice
-from kestrel_core.model import all_specs, expert_specs, route, sparse_mlp, unit_specs
+from kestrel_core.plan import Advice
+from kestrel_core.model import route, sparse_mlp
+from kestrel_core.tensor_table import all_specs, expert_specs, unit_specs
 from kestrel_core.presets import preset_config, write_checkpoint
 
 

@@ -22,8 +22,9 @@ from kestrel_core import cli, load, quant
 from kestrel_core import model as kmodel
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError
-from kestrel_core.model import expert_specs, linear_specs
+from kestrel_core.tensor_table import expert_specs, linear_specs
 from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.quantize import quantize_checkpoint
 
 PROMPT = [5, 17, 42, 99, 3]
 CFG = preset_config("tiny-moe", "float32")
@@ -44,7 +45,7 @@ def moe_f32(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def moe_q8(moe_f32, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("moe") / "q8"
-    summary = quant.quantize_checkpoint(moe_f32, out, group=32)  # the function `kestrel quantize` calls
+    summary = quantize_checkpoint(moe_f32, out, group=32)  # the function `kestrel quantize` calls
     assert summary["quantized"] == 7 + 3 * (4 + 8 * 3) + 1 and summary["experts"] == 3 * 8 * 3
     assert summary["float_routers"] == 3 and summary["untied"]
     return out

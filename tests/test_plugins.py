@@ -16,7 +16,7 @@ from kestrel_core.engine import Model, open_run
 from kestrel_core.errors import PluginError
 from kestrel_core.generate import generate
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
 from kestrel_cpu_ref.backend import CpuRefBackend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,8 @@ import itertools
 import attrs
 import pytest
 
-from kestrel_core.residency import Counters, Entry, Geometry
+from kestrel_core.plan import Counters, Entry
+from kestrel_core.units import Geometry
 from kestrel_plugins.allocators import Free, Pool
 
 BASE = Geometry(shape=(64, 160), dtype="torch.float32", nbytes=64 * 160 * 4, device="cpu", layout=())

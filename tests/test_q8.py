@@ -24,9 +24,10 @@ from kestrel_core import cli, quant
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.engine import Model
 from kestrel_core.errors import CheckpointError
-from kestrel_core.model import linear_specs
+from kestrel_core.tensor_table import linear_specs
 from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.residency import Geometry
+from kestrel_core.units import Geometry
+from kestrel_core.quantize import quantize_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ["asymmetric", "future_evicting", "pinned_set"]
@@ -37,7 +38,7 @@ BOUND = 0.5 + 1e-5
 @pytest.fixture(scope="session")
 def tiny_q8(tiny_ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("q8") / "tiny-q8"
-    quant.quantize_checkpoint(tiny_ckpt, out, group=32)
+    quantize_checkpoint(tiny_ckpt, out, group=32)
     return out
 
 
@@ -155,7 +156,7 @@ def test_keep_lm_head_keeps_a_tied_model_tied(tiny_ckpt, tmp_path, capsys):
 
 
 def test_keep_lm_head_on_an_untied_model_keeps_its_dtype(tiny_llama_ckpt, tmp_path):
-    quant.quantize_checkpoint(tiny_llama_ckpt, tmp_path / "q", group=32, keep_lm_head=True)
+    quantize_checkpoint(tiny_llama_ckpt, tmp_path / "q", group=32, keep_lm_head=True)
     ckpt, src = Checkpoint(tmp_path / "q"), Checkpoint(tiny_llama_ckpt)
     assert ckpt.info("lm_head.weight").dtype == "BF16"
     assert torch.equal(ckpt.view("lm_head.weight"), src.view("lm_head.weight"))
@@ -175,14 +176,14 @@ def test_quantizing_twice_gives_byte_identical_files(tiny_ckpt, tmp_path, capsys
     for f in files:
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
     # ... and a different request really gives a different file (the comparison can fail).
-    quant.quantize_checkpoint(tiny_ckpt, tmp_path / "c", group=32, keep_lm_head=True)
+    quantize_checkpoint(tiny_ckpt, tmp_path / "c", group=32, keep_lm_head=True)
     assert (tmp_path / "c" / "model.safetensors").read_bytes() != (outs[0] / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("group", [64, 128])
 def test_larger_groups_load_and_run(wide_ckpt, tmp_path, run_model, group):
     out = tmp_path / f"g{group}"
-    quant.quantize_checkpoint(wide_ckpt, out, group=group)
+    quantize_checkpoint(wide_ckpt, out, group=group)
     with Model(out) as m:
         assert m.quant.group_size == group and all(t.group == group for t in m.quant.tensors.values())
     ref, _ = run_model(wide_ckpt, "cpu_ref", residency__keep="off", keep_logits=True)

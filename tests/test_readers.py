@@ -19,6 +19,7 @@ from kestrel_core import quant
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from kestrel_core.modelconfig import parse_model_config
+from kestrel_core.quantize import quantize_checkpoint
 
 INDEX = "model.safetensors.index.json"
 GATE = "model.layers.2.mlp.gate_proj.weight"
@@ -194,7 +195,7 @@ def test_old_rotary_inv_freq_buffers_are_tolerated(tiny_copy, capsys):
 
 def test_q8_names_count_as_used_and_extras_do_not(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "q8"
-    quant.quantize_checkpoint(tiny_ckpt, out, group=32)
+    quantize_checkpoint(tiny_ckpt, out, group=32)
     runs(gen(out), capsys)
     edit_config(out, num_hidden_layers=5)
     fails(gen(out), capsys, "18 tensor(s)", "model.layers.5.mlp.down_proj.qweight")

@@ -23,7 +23,7 @@ from kestrel_core.config import KestrelConfig
 from kestrel_core.engine import Model, open_run
 from kestrel_core.generate import generate
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.model import linear_specs
+from kestrel_core.tensor_table import linear_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
 

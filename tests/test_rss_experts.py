@@ -34,9 +34,10 @@ import attrs
 import pytest
 
 from kestrel_core import load, plugins
-from kestrel_core.checkpoint import PAGE, ResidentRuns, fault_granule
+from bench.rss import ResidentRuns, fault_granule
+from kestrel_core.checkpoint import PAGE
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.model import all_specs
+from kestrel_core.tensor_table import all_specs
 from kestrel_core.presets import preset_config, write_checkpoint
 
 

@@ -12,7 +12,7 @@ from kestrel_core.config import KestrelConfig
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.optimum import min_bytes_by_pass
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
 from kestrel_core.units import EntrySpec, Geometry, Unit, UnitSpec, UnitTable
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kestrel-plugin-example"

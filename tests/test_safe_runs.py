@@ -13,7 +13,7 @@ from kestrel_core import generate as generate_module
 from kestrel_core.cli import main
 from kestrel_core.errors import KestrelNote, PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.residency import Advice
+from kestrel_core.plan import Advice
 from cli_helpers import WEIGHTS, fails, gen
 
 

@@ -19,7 +19,7 @@ from kestrel_core.checkpoint import Checkpoint
 from kestrel_cuda.host.diskread import direct_io_supported
 from kestrel_cuda.host.pagecache import cached_fraction, drop_checkpoint, resident_fraction
 from kestrel_cuda.host.tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
-from kestrel_core.model import unit_specs
+from kestrel_core.tensor_table import unit_specs
 from kestrel_core.modelconfig import read_model_config
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_cuda.host.staging import Filler, PartRead, Stager

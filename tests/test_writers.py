@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel_core import presets, quant
+from kestrel_core import presets, quantize
 from kestrel_core.cli import main
 from cli_helpers import fails
 
@@ -115,7 +115,7 @@ def test_an_interrupted_make_model_leaves_the_old_model(tmp_path, capsys, monkey
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device")],
                          ids=["interrupt", "full-disk"])
 def test_an_interrupted_quantize_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch, exc):
-    real = quant.write_safetensors
+    real = quantize.write_safetensors
 
     def write(path, items, tensors, metadata):
         def failing():
@@ -125,7 +125,7 @@ def test_an_interrupted_quantize_leaves_nothing(tiny_ckpt, tmp_path, capsys, mon
                 yield t
         real(path, items, failing(), metadata)
 
-    monkeypatch.setattr(quant, "write_safetensors", write)
+    monkeypatch.setattr(quantize, "write_safetensors", write)
     out = tmp_path / "q"
     argv = ["quantize", "--model", str(tiny_ckpt), "--out", str(out)]
     if isinstance(exc, KeyboardInterrupt):

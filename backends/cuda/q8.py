@@ -30,7 +30,7 @@ import torch
 from kestrel_core import quant
 from kestrel_core.checkpoint import Checkpoint
 from kestrel_core.errors import KestrelError, KestrelNote
-from kestrel_core.residency import Geometry
+from kestrel_core.units import Geometry
 
 DTYPE = "q8"  # Geometry.dtype of a q8 entry
 # Largest dequantized slice the torch path materializes at once (elements): bounds its buffer.

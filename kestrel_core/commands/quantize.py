@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .. import progress
-from ..quant import GROUP_SIZES, quantize_checkpoint
+from ..quant import GROUP_SIZES
+from ..quantize import quantize_checkpoint
 from .common import emit_json, mib
 
 HELP = ("write a q8 checkpoint: int8 weights with one f32 scale per group of input columns, in device layout "

@@ -17,7 +17,12 @@ the same way.
 
 from __future__ import annotations
 
-from kestrel_core.hookspecs import hookimpl
+# plugins/ is also the package kestrel_plugins, so this folder could load a second time as kestrel_plugins.gates,
+# with classes of its own that are not kestrel_gates' (a gate subclassing one would not be a kestrel_gates.Gate).
+if __name__ != "kestrel_gates":
+    raise ImportError(f"the gates package is kestrel_gates: import it under that name, not as {__name__}")
+
+from kestrel_core.hookspecs import hookimpl  # noqa: E402
 
 from .context import GateContext, GateOptions, Workload
 from .figures import (ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REMEASURE, VERDICTS, WEIGHT_BYTES, GiB,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from kestrel_core.model import global_specs, small_specs, unit_specs
+from kestrel_core.tensor_table import global_specs, small_specs, unit_specs
 from kestrel_core.modelconfig import ModelConfig
 from kestrel_cuda.layout import fusion  # the cuda backend's own layout: importable without a GPU
 
@@ -18,7 +18,7 @@ from .figures import ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REME
 from .framework import CARD_GB, WEIGHT_DTYPE, Evaluation, Gate, Needs, Quantity
 from .shapes import n_moe_layers, param_count, streamed_params
 
-# kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.model.unit_specs
+# kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.tensor_table.unit_specs
 # (a layer's own unit; each expert of a sparse layer), and per unit cpu_ref's one entry a role, cuda's fused entries.
 KESTREL_LAYOUTS = {
     "cpu_ref": (len, "cpu_ref layout: one entry a role (UnitSpec.tensors)"),
@@ -152,7 +152,7 @@ class WindowGate(Gate):
                           f"dense {SEED_DENSE_ENTRIES}/layer, MoE {SEED_MOE_ENTRIES}/layer, + lm_head"))
         for backend, terms in entries["terms"].items():
             src = (f"{terms} + {entries['resident']} resident (embed, norms, lm_head); units from "
-                   f"kestrel_core.model.unit_specs, {KESTREL_LAYOUTS[backend][1]}")
+                   f"kestrel_core.tensor_table.unit_specs, {KESTREL_LAYOUTS[backend][1]}")
             q.append(Quantity(f"entries_{backend}", f"entries expected, kestrel {backend}", entries[backend], "count",
                               COMPUTED, src))
         if off is not None:
