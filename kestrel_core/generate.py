@@ -38,6 +38,7 @@ class GenerationResult:
     memory: dict[str, int]
     fixed_resident_bytes: int = 0  # never-evicted weights (embeddings, norms, lm_head): the peak less these is streamed
     steps: dict[str, int] = attrs.Factory(dict)  # how the decode steps ran: eager, captured (then replayed), replayed
+    step_modes: list[str] = attrs.Factory(list)  # each decode step's mode, in order (one of MODES)
     logits: list[torch.Tensor] | None = None
     text: str | None = None  # the generated ids decoded, where the model has a tokenizer
 
@@ -61,6 +62,7 @@ class GenerationResult:
             "allocations_per_token": [p["allocations"] for p in per],
             "counters": self.counters,
             "steps": self.steps,
+            "step_modes": self.step_modes,
             "memory": self.memory,
             **({"text": self.text} if self.text is not None else {}),
         }
@@ -266,4 +268,5 @@ def _generate(run: Run, prompt_ids: list[int], gen: GenerationConfig, keep_logit
         fixed_resident_bytes=fixed,
         logits=all_logits,
         steps={m: sum(s.mode == m for s in kept) for m in MODES},
+        step_modes=[s.mode for s in kept],
     )
