@@ -50,6 +50,12 @@ def env_mib(name: str) -> int | None:
     return mb * 2**20
 
 
+def check_environment() -> None:
+    """The budgets the environment sets, checked on every backend (a backend may have no use for one)."""
+    for name in (WCACHE_ENV, HOST_ENV):
+        env_mib(name)
+
+
 @attrs.frozen
 class BackendConfig:
     name: str = "cpu_ref"
@@ -99,6 +105,10 @@ class GenerationConfig:
     stop_at_eos: bool = True
     prompt: str = ""
     prompt_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt and self.prompt_ids:
+            raise ConfigError("both prompt and prompt_ids are set; keep one (text, or token ids)")
 
 
 @attrs.frozen

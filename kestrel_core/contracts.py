@@ -1,20 +1,47 @@
 """The contracts between the core and what plugs into it: every attribute the core reads, declared here.
 
-A run checks its policy and allocator against these Protocols once, when it opens; the core
-never probes for an optional attribute. Backends subclass ``kestrel_core.backend.Backend``,
-which implements ``Backend`` below.
+A run checks its policy, allocator, expert policy and backend against these Protocols once, when it
+opens. A member listed in ``OPTIONAL`` may be left out: the run looks it up once, then, and a plugin
+without it gets the default given there; nothing is probed after that. Backends subclass
+``kestrel_core.backend.Backend``, which implements ``Backend`` below.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from .units import Geometry, Unit, UnitKey, UnitSpec
+from .plan import Advice, Counters, Plan
+from .units import Geometry, UnitKey, UnitSpec, UnitTable
 
-if TYPE_CHECKING:
-    from .residency import Advice, Plan, Window
+
+@runtime_checkable
+class WindowView(Protocol):
+    """What a policy, an expert policy and an observer may read of the run's window (``window`` in every hook)."""
+
+    units: UnitTable  # the run's residency units, in the backend's layout (bytes, keys, layers)
+    counters: Counters
+    n_layers: int
+    keep: int | str
+    phase: str  # "prefill" or "decode"
+    token: int  # the pass over the layers: 0 is the prefill, then one a decoded token
+    sparse: list  # per layer: whether it has experts
+    prefetch_depth: int  # the layers a backend uploads ahead on a side stream (0 without a window)
+
+    @property
+    def resident(self) -> frozenset[int]:
+        """The layers with a resident unit."""
+
+    @property
+    def resident_units(self) -> frozenset[UnitKey]:
+        """Every resident unit's key: ``(layer,)``, and ``(layer, expert)`` for an expert."""
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    def horizon(self, layer: int) -> list[int]:
+        """The layers a prefetching backend uploads next after ``layer``."""
 
 
 @runtime_checkable
@@ -28,11 +55,14 @@ class Policy(Protocol):
     def peak_layers(self) -> int:
         """The most layers resident at once, before any prefetch: the run sizes its budget check by it."""
 
-    def preload(self, window: "Window") -> Iterable[int] | None:
+    def preload(self, window: WindowView) -> Iterable[int] | None:
         """Layers to upload before the first token (a windowed policy: none)."""
 
-    def on_layer_advance(self, window: "Window", layer: int, phase: str) -> "Advice | None":
+    def on_layer_advance(self, window: WindowView, layer: int, phase: str) -> Advice | None:
         """At the boundary before ``layer``: the layers (or unit keys) to evict and to prefetch."""
+
+    def on_experts_routed(self, window: WindowView, layer: int, experts: list[int], phase: str) -> Advice | None:
+        """Optional (default: no advice). At a sparse layer's decision point, after the expert policy."""
 
 
 class BufferFactory(Protocol):
@@ -68,7 +98,7 @@ class ExpertPolicy(Protocol):
 
     name: str
 
-    def on_experts_routed(self, window: Any, layer: int, experts: list[int], phase: str) -> Any:
+    def on_experts_routed(self, window: WindowView, layer: int, experts: list[int], phase: str) -> Advice | None:
         """After ``layer``'s router chose ``experts``, before they are fetched: an ``Advice`` or None."""
 
 
@@ -83,7 +113,7 @@ class Backend(Protocol):
     prefetch_depth: int  # units uploaded ahead on a side stream (0: none)
     budget: int | None  # device bytes for weights, None where unbounded
     captures: bool  # whether ``capture`` can return a replayable decode step
-    units: Any  # the run's UnitTable, laid out by this backend
+    units: UnitTable  # the run's units, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run
 
@@ -98,7 +128,7 @@ class Backend(Protocol):
     def layout(self, spec: UnitSpec) -> Iterable[Any]:
         """The buffers (``units.EntrySpec``) that hold one unit in this backend's compute layout."""
 
-    def execute(self, plan: "Plan") -> None:
+    def execute(self, plan: Plan) -> None:
         """Carry out one boundary's plan: retire the evicted units, then fill the fetched ones."""
 
     def before_use(self, key: UnitKey) -> None:
@@ -124,20 +154,37 @@ class Backend(Protocol):
 
     def wait(self, mark: Any) -> None: ...
 
-    def capture(self, step: Any, plans: list) -> Any:
+    def capture(self, step: Callable[[], None], plans: list[Plan]) -> Any:
         """The decode step ``step()`` (whose plans are ``plans``) captured for ``replay``, or None: run it eagerly."""
 
     def replay(self, graph: Any) -> None: ...
 
-    def memory_stats(self) -> dict[str, int]: ...
+    def memory_stats(self) -> dict[str, int]:
+        """What the backend measured of its memory (and of its host tier), for the result and the CLI to report."""
 
     def close(self) -> None: ...
 
 
+def _no_advice(window: WindowView, layer: int, experts: list[int], phase: str) -> None:
+    return None
+
+
+# Members a plugin may leave out, by Protocol: the default that stands in for each.
+OPTIONAL: dict[type, dict[str, Any]] = {Policy: {"on_experts_routed": _no_advice}}
+
+
+def member(protocol: type, obj: Any, name: str) -> Any:
+    """``obj``'s member ``name``, or the protocol's default where the member is optional and left out."""
+    default = OPTIONAL.get(protocol, {}).get(name)
+    return getattr(obj, name) if default is None else getattr(obj, name, default)
+
+
 def missing_members(protocol: type, obj: Any) -> list[str]:
-    """The members of ``protocol`` that ``obj`` lacks (for an error that names them)."""
+    """The required members of ``protocol`` that ``obj`` lacks (for an error that names them)."""
     names = {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
-    return sorted(n for n in names if not hasattr(obj, n))
+    optional = OPTIONAL.get(protocol, {})
+    return sorted(n for n in names if n not in optional and not hasattr(obj, n))
 
 
-__all__ = ["Allocator", "Backend", "BufferFactory", "ExpertPolicy", "Policy", "Unit", "UnitKey", "missing_members"]
+__all__ = ["OPTIONAL", "Allocator", "Backend", "BufferFactory", "ExpertPolicy", "Policy", "WindowView", "member",
+           "missing_members"]

@@ -1,28 +1,38 @@
-"""One run: its own policy, allocator, backend, window and counters, resolved once and owned by the run.
+"""The way in: ``load`` opens a model, ``Model.open`` a run, ``Run.generate`` generates.
 
-Nothing of a run is registered in the plugin manager, so two runs open at once do not see
-each other; plugins registered there are observers that see every boundary of every run.
+A run owns its policy, allocator, backend, window, runner and counters, resolved once when it
+opens. Nothing of a run is registered in the plugin manager, so two runs open at once do not
+see each other; plugins registered there are observers, resolved when the run opens, that see
+every boundary of that run.
+
+    from kestrel_core import load
+    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B")
+    with model.open(policy="asymmetric", keep=2, backend="cpu_ref") as run:
+        res = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable
 
 import attrs
 
 from . import plugins
 from .backend import BackendContext
-from .config import OFF, KestrelConfig, with_settings
-from .contracts import Allocator, Backend, ExpertPolicy, Policy, missing_members
+from .config import OFF, KestrelConfig, check_environment, with_settings
+from .contracts import Allocator, Backend, ExpertPolicy, Policy, member, missing_members
 from .errors import ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
-from .generate import GenerationResult, generate
-from .modeldir import Model, load
-from .modelconfig import check_runnable
+from .host import HostStore
+from .modeldir import read_model_dir
 from .plan import Counters
 from .residency import Window
+from .results import GenerationResult
+from .runner import Runner, StepSettings
+from .units import UnitTable
 
-__all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy", "open_run"]
+__all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy"]
 
 
 def _checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
@@ -33,7 +43,7 @@ def _checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
     return obj
 
 
-def make_policy(name: str, keep, n_layers: int):
+def make_policy(name: str, keep, n_layers: int) -> Policy:
     """The policy object for one run; ``keep='off'`` means no window whatever the policy (whose name must exist all the same)."""
     reg = plugins.lookup("policies", name)
     if keep == OFF or name == OFF:
@@ -43,13 +53,13 @@ def make_policy(name: str, keep, n_layers: int):
     return _checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
 
 
-def make_allocator(name: str, counters: Counters, slots: int):
+def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
     if slots < 0:
         raise ConfigError(f"pool_slots must be >= 0, got {slots}")
     return _checked("allocator", name, plugins.lookup("allocators", name).factory(counters=counters, slots=slots), Allocator)
 
 
-def make_expert_policy(res, model: Model, units):
+def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | None:
     """The run's expert policy, or None; its budget must hold one token's routed experts (in the backend's layout)."""
     if res.expert_prefetch and not model.config.is_moe:
         raise ConfigError(f"expert_prefetch is for Mixture-of-Experts models; {model.dir} ({model.config.model_type}) "
@@ -74,11 +84,86 @@ def make_expert_policy(res, model: Model, units):
     return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
 
 
+class Model:
+    """What every run on one model shares: the parsed config, the mapped checkpoint, host copies. ``with`` closes it."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ConfigError(f"load() takes a model directory or a Hugging Face model name (a str or a path), "
+                              f"got {type(model_dir).__name__}")
+        files = read_model_dir(model_dir)
+        self.dir, self.config, self.checkpoint = files.dir, files.config, files.checkpoint
+        self.quant, self.tokenizer, self.eos_ids, self.units = files.quant, files.tokenizer, files.eos_ids, files.units
+        self.host = HostStore()  # backend host staging, reused by every run on this model
+        self.closed = False
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def prompt_ids(self, ids: list[int] | None, text: str | None, default: list[int] | None = None) -> list[int]:
+        """The prompt as ids: ``ids`` as given, else ``text`` through the tokenizer, else ``default``."""
+        if ids:
+            return list(ids)
+        if text:
+            if self.tokenizer is None:
+                raise ConfigError(f"--prompt needs a tokenizer: {self.dir} has no usable tokenizer.json; "
+                                  "pass --prompt-ids instead")
+            ids = self.tokenizer.encode(text)
+            if not ids:
+                raise ConfigError("the prompt is empty after tokenization")
+            return ids
+        if default is not None:
+            return list(default)
+        raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+
+    def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (), **settings: Any) -> "Run":
+        """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
+        names, flat (``policy="asymmetric", keep=2, backend="cpu_ref"``) or as tables (``backend={"name": "cuda"}``).
+        ``observers``: objects whose hook methods (``on_layer_advance``, ``on_experts_routed``, ``preload``,
+        ``alloc``, ``release``) observe this run alone, besides the plugins registered in the manager."""
+        if self.closed:
+            raise ConfigError(f"this model ({self.dir}) is closed; load it again")
+        if config is not None and not isinstance(config, KestrelConfig):
+            raise ConfigError(f"open() takes a KestrelConfig or settings by name, got {type(config).__name__}")
+        return Run(self, with_settings(config or KestrelConfig(), settings), observers)
+
+    def close(self) -> None:
+        self.closed = True
+        self.host.clear()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(model_dir: str | os.PathLike) -> Model:
+    """Open a model directory (config.json + *.safetensors), or a model name such as ``"Qwen/Qwen3-8B"`` from the
+    local Hugging Face cache (never downloaded); close it with ``model.close()`` or ``with``."""
+    return Model(model_dir)
+
+
+def _prompt_ids(value: Any) -> list[int] | None:
+    """``prompt_ids`` as a list of ints, or a ConfigError naming what it was."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"prompt_ids must be a list of token ids (ints), got {type(value).__name__}; "
+                          "pass text as prompt=")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ConfigError(f"prompt_ids must hold ints, got a {type(x).__name__} ({str(x)[:40]})")
+    return list(value)
+
+
 class Run:
     """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
-    def __init__(self, model: Model, config: KestrelConfig):
-        check_runnable(model.config)  # a checkpoint the runner cannot execute yet was still read and checked
+    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = ()):
+        check_environment()
         res = config.residency
         self.model, self.config = model, config
         self.counters = Counters()
@@ -87,6 +172,7 @@ class Run:
             raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
                               "resident); set keep to a layer count, or prefetch = 0")
         self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
+        watchers = plugins.observers(observers)  # resolved once: a plugin registered later sees the next run
         backend_reg = plugins.lookup("backends", config.backend.name)
         ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
                              self.policy.peak_layers(), model.host, model.units, model.quant)
@@ -94,14 +180,19 @@ class Run:
             backend = backend_reg.factory(ctx)
         except MemoryError:
             raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
-        self.backend = _checked("backend", config.backend.name, backend, Backend)
+        self.backend: Backend = _checked("backend", config.backend.name, backend, Backend)
         try:
             self.expert_policy = make_expert_policy(res, model, self.backend.units)
         except BaseException:
             self.backend.close()
             raise
-        self.window = Window(self.backend, self.policy, self.allocator, self.counters, model.n_layers, self.expert_policy,
-                             res.expert_prefetch, res.expert_fetch == "layer")
+        routers = [p.on_experts_routed for p in (self.expert_policy,) if p is not None]
+        routers.append(member(Policy, self.policy, "on_experts_routed"))
+        self.window = Window(self.backend.units, self.backend, self.policy, self.allocator, self.counters,
+                             model.n_layers, watchers, routers, self.expert_policy, res.expert_prefetch,
+                             res.expert_fetch == "layer", self.backend.prefetch_depth)
+        self.runner = Runner(self.window, self.backend, model.config,
+                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile))
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
@@ -113,17 +204,28 @@ class Run:
         As it runs, ``on_token(id)`` hears each generated id, and ``on_text(piece)`` (the model's tokenizer
         needed) the text as it grows: the pieces join to the result's ``text``. ``stop_ids`` end the
         generation as config.json's eos_token_id does (with stop_at_eos)."""
-        unknown = sorted(set(generation) - {f.name for f in attrs.fields(type(self.config.generation))})
+        if not self._open or self.model.closed:
+            what = "run" if not self._open else f"model ({self.model.dir})"
+            raise ConfigError(f"this {what} is closed; open a new run with model.open(...)")
+        fields = [f.name for f in attrs.fields(type(self.config.generation))]
+        unknown = sorted(set(generation) - set(fields))
         if unknown:
-            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; "
-                              f"allowed: {', '.join(f.name for f in attrs.fields(type(self.config.generation)))}")
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
+        ids_given = _prompt_ids(prompt_ids)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}; pass token ids as prompt_ids=")
         tok = self.model.tokenizer
         if on_text is not None and tok is None:
             raise ConfigError(f"on_text needs a tokenizer: {self.model.dir} has no usable tokenizer.json; "
                               "take the ids with on_token instead")
         gen = with_settings(self.config, generation, "generate").generation
-        ids = self.model.prompt_ids(prompt_ids if prompt_ids is not None else list(gen.prompt_ids),
-                                    prompt if prompt is not None else gen.prompt)
+        if ids_given is not None and prompt is not None:
+            raise ConfigError("both prompt and prompt_ids are given; pass one (text, or token ids)")
+        if ids_given is not None or prompt is not None:  # an argument beats both of the config's
+            ids = self.model.prompt_ids(ids_given, prompt)
+        else:
+            ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
+        check_prompt(self.model, ids, gen)
         stream = tok.stream() if on_text is not None else None
 
         def each(token: int) -> None:
@@ -133,7 +235,8 @@ class Run:
                 on_text(piece)
 
         hear = each if on_token is not None or stream is not None else None
-        result = generate(self, ids, gen, keep_logits=keep_logits, on_token=hear, stop_ids=stop_ids)
+        eos = (self.model.eos_ids | frozenset(stop_ids))  # config.json's and generation_config.json's, and the caller's
+        result = self.runner.generate(ids, gen, eos, keep_logits=keep_logits, on_token=hear)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
@@ -143,7 +246,7 @@ class Run:
             return
         self._open = False
         try:
-            self.window.release_all()
+            self.runner.release_all()
             self.allocator.drain()
         finally:
             self.backend.close()
@@ -155,6 +258,22 @@ class Run:
         self.close()
 
 
-def open_run(model: Model, config: KestrelConfig) -> Run:
-    """A run of ``model`` with ``config``; use it as a context manager, or close it."""
-    return Run(model, config)
+def check_prompt(model: Model, prompt_ids: list[int], gen) -> None:
+    cfg = model.config
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ConfigError(f"prompt id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if gen.max_new_tokens < 1:
+        raise ConfigError(f"max-new-tokens must be >= 1, got {gen.max_new_tokens}")
+    positions = cfg.max_position_embeddings
+    if len(prompt_ids) >= positions:
+        raise ConfigError(f"the prompt is {len(prompt_ids)} tokens, and the model has {positions} positions: no room "
+                          f"to generate; shorten the prompt below {positions} tokens")
+    total = len(prompt_ids) + gen.max_new_tokens
+    if total > positions:
+        raise ConfigError(
+            f"prompt ({len(prompt_ids)}) + max-new-tokens ({gen.max_new_tokens}) = {total} exceeds "
+            f"max_position_embeddings={positions}; lower --max-new-tokens to {positions - len(prompt_ids)} or less"
+        )

@@ -1,8 +1,10 @@
-"""Hook specifications: discovery (``register_*``) and the observers of every run's boundaries.
+"""Hook specifications: discovery (``register_*``), and the hooks of every run.
 
-A run's own policy, allocator and backend are objects it owns (their contracts are the
-Protocols in ``contracts.py``); these hooks are how plugins make them known, and how a
-plugin registered in the manager watches and advises every run.
+A run's own policy, allocator, expert policy and backend are objects it owns (their contracts
+are the Protocols in ``contracts.py``). The run's policy answers ``on_layer_advance`` and
+``preload``, its expert policy ``on_experts_routed``, its allocator ``alloc`` and ``release``;
+then every plugin registered in the manager when the run opens hears the same call, to advise
+(``on_layer_advance``, ``on_experts_routed``, ``preload``) or to observe (``alloc``, ``release``).
 """
 
 import pluggy
@@ -53,8 +55,20 @@ def preload(window):
 
 
 @hookspec
+def alloc(entry):
+    """A buffer is handed out for ``entry`` (its ``layer``, ``name``, ``geometry`` and ``unit``): answered by the run's
+    allocator (its ``alloc(entry)`` returns the buffer), then heard by every registered plugin, which returns None."""
+
+
+@hookspec
+def release(entry, buffer):
+    """An evicted entry's ``buffer`` is given back: taken by the run's allocator (kept for reuse, or freed for real),
+    then heard by every registered plugin."""
+
+
+@hookspec
 def on_experts_routed(window, layer, experts, phase):
     """In a Mixture-of-Experts layer, once the router has chosen ``experts`` (the expert numbers the layer's
     tokens use, sorted) and before they are fetched: return an Advice naming unit keys ``(layer, e)`` (or
-    layers) to evict and prefetch, or None; called on the run's policy where it has this method, then on
-    every registered plugin. The routed experts of ``layer`` may not be evicted."""
+    layers) to evict and prefetch, or None; called on the run's expert policy, then on its policy (an optional
+    method there), then on every registered plugin. The routed experts of ``layer`` may not be evicted."""

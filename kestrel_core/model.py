@@ -9,23 +9,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from .kvcache import KVCache
 from .modelconfig import ModelConfig
-
-
-@attrs.define
-class KVCache:
-    """Static per-layer K/V buffers: [max_seq, n_kv_heads, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device) -> list["KVCache"]:
-        shape = (max_seq, cfg.num_key_value_heads, cfg.head_dim)
-        return [
-            cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -271,12 +271,6 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
     )
 
 
-def check_runnable(cfg: ModelConfig) -> None:
-    """Raise unless the runner executes this architecture; call it where a model is opened to run."""
-    if cfg.model_type not in ARCHITECTURES:
-        raise ConfigError(f"model_type {cfg.model_type!r} is not supported; kestrel runs {', '.join(ARCHITECTURES)}")
-
-
 def read_json(path: Path, error: type[Exception] = ConfigError) -> Any:
     """A JSON file's value; unreadable or invalid JSON is ``error`` naming the path."""
     try:

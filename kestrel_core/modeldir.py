@@ -1,29 +1,21 @@
-"""A Hugging Face model directory, opened once: config.json, the safetensors (mmap'd), the tokenizer.
-
-    from kestrel_core import load
-    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B")
-    with model.open(policy="asymmetric", keep=2, backend="cpu_ref") as run:
-        res = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
-"""
+"""Reading a Hugging Face model directory once: config.json, the safetensors (mmap'd and checked), the tokenizer,
+the ids that end a generation, and the model's residency units."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import attrs
 
 from .checkpoint import Checkpoint
-from .config import KestrelConfig, with_settings
 from .errors import ConfigError
-from .host import HostStore
 from .hub import resolve
 from .modelconfig import ModelConfig, read_json, read_model_config
-from .quant import read_quant
+from .quant import QuantInfo, read_quant
 from .tensor_table import unit_specs, validate_checkpoint
 from .tokenizer import Tokenizer, load_tokenizer
 from .units import UnitSpec
-
-if TYPE_CHECKING:
-    from .engine import Run
 
 
 def _ids(value) -> set[int]:
@@ -46,63 +38,30 @@ def eos_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
     return frozenset(ids)
 
 
-class Model:
-    """What every run on one model shares: the parsed config, the mapped checkpoint, host copies."""
+@attrs.frozen
+class ModelFiles:
+    """A model directory as read and checked: what every run on it shares."""
 
-    def __init__(self, model_dir: str | Path):
-        self.dir = resolve(model_dir)  # a directory, or a model name in the Hugging Face cache
-        self.config: ModelConfig = read_model_config(self.dir)
-        self.checkpoint = Checkpoint(self.dir)
-        try:
-            self.quant = read_quant(self.checkpoint, self.config)  # None for a float checkpoint
-            validate_checkpoint(self.checkpoint, self.config, self.quant.stored_names() if self.quant else {})
-            self.tokenizer: Tokenizer | None = load_tokenizer(self.dir)
-            self.eos_ids: frozenset[int] = eos_ids(self.dir, self.config)
-        except BaseException:
-            self.checkpoint.close()
-            raise
-        self.units: tuple[UnitSpec, ...] = unit_specs(self.config)
-        self.host = HostStore()  # backend host staging, reused by every run on this model
-
-    @property
-    def n_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def prompt_ids(self, ids: list[int] | None, text: str | None, default: list[int] | None = None) -> list[int]:
-        """The prompt as ids: ``ids`` as given, else ``text`` through the tokenizer, else ``default``."""
-        if ids:
-            return list(ids)
-        if text:
-            if self.tokenizer is None:
-                raise ConfigError(f"--prompt needs a tokenizer: {self.dir} has no usable tokenizer.json; "
-                                  "pass --prompt-ids instead")
-            ids = self.tokenizer.encode(text)
-            if not ids:
-                raise ConfigError("the prompt is empty after tokenization")
-            return ids
-        if default is not None:
-            return list(default)
-        raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-
-    def open(self, config: KestrelConfig | None = None, **settings: Any) -> "Run":
-        """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
-        names, flat (``policy="asymmetric", keep=2, backend="cpu_ref"``) or as tables (``backend={"name": "cuda"}``)."""
-        from .engine import open_run  # the run needs the backends' plugin registry; the model does not
-
-        return open_run(self, with_settings(config or KestrelConfig(), settings))
-
-    def close(self) -> None:
-        self.host.clear()
-        self.checkpoint.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    dir: Path
+    config: ModelConfig
+    checkpoint: Checkpoint
+    quant: QuantInfo | None  # None for a float checkpoint
+    tokenizer: Tokenizer | None
+    eos_ids: frozenset[int]
+    units: tuple[UnitSpec, ...]
 
 
-def load(model_dir: str | Path) -> Model:
-    """Open a model directory (config.json + *.safetensors), or a model name such as ``"Qwen/Qwen3-8B"`` from the
-    local Hugging Face cache (never downloaded); close it with ``model.close()`` or ``with``."""
-    return Model(model_dir)
+def read_model_dir(model_dir: str | Path | Any) -> ModelFiles:
+    """Open a model directory, or a model name in the local Hugging Face cache, and check it whole."""
+    path = resolve(model_dir)  # a directory, or a model name in the Hugging Face cache
+    config = read_model_config(path)
+    checkpoint = Checkpoint(path)
+    try:
+        quant = read_quant(checkpoint, config)
+        validate_checkpoint(checkpoint, config, quant.stored_names() if quant else {})
+        tokenizer = load_tokenizer(path)
+        eos = eos_ids(path, config)
+    except BaseException:
+        checkpoint.close()
+        raise
+    return ModelFiles(path, config, checkpoint, quant, tokenizer, eos, unit_specs(config))

@@ -14,7 +14,7 @@ import attrs
 
 from .units import Geometry, Unit, UnitKey
 
-__all__ = ["Advice", "Boundary", "Counters", "Entry", "Fetch", "Plan", "Resident", "TokenPlan", "delta"]
+__all__ = ["Advice", "Boundary", "Counters", "Entry", "Fetch", "Observers", "Plan", "Resident", "TokenPlan", "delta"]
 
 
 @attrs.frozen
@@ -120,3 +120,15 @@ class Counters:
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in after if not k.startswith(("peak_", "resident_"))}
+
+
+@attrs.frozen
+class Observers:
+    """The observers of one run, resolved once when it opens: for each hook, the functions to call (keyword arguments,
+    as pluggy calls a hook), after the run's own policy or allocator has answered."""
+
+    on_layer_advance: tuple = ()
+    on_experts_routed: tuple = ()
+    preload: tuple = ()
+    alloc: tuple = ()
+    release: tuple = ()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import attrs
 import pluggy
 
 from . import hookspecs
 from .errors import PluginError
+from .plan import Observers
 
 ENTRY_POINT_GROUP = "kestrel"
 # Unset: load every installed plugin package. Set: only these (comma-separated distribution
@@ -63,19 +64,12 @@ def _block_unselected(selection: str | None) -> None:
                           "check the spelling against `pip list`, or unset it to load every plugin")
 
 
-# Hooks that are no more: a run's allocator is its own object, not a plugin answering hooks.
-RETIRED = {"alloc": "allocators belong to a run: register a factory with register_allocators and pick it "
-                    "with --allocator", "release": "see alloc"}
-
-
-def check_plugins() -> None:
+def check_plugins(manager: pluggy.PluginManager = pm) -> None:
     """Raise if a registered plugin implements a hook that no spec declares."""
     try:
-        pm.check_pending()
+        manager.check_pending()
     except pluggy.PluginValidationError as exc:
-        retired = [name for name in RETIRED if hasattr(exc.plugin, name)]
-        why = f"; {RETIRED['alloc']}" if retired else " (a misspelt hook name? the specs are in kestrel_core/hookspecs.py)"
-        raise PluginError(f"{exc}{why}") from None
+        raise PluginError(f"{exc} (a misspelt hook name? the specs are in kestrel_core/hookspecs.py)") from None
 
 
 @attrs.frozen
@@ -124,14 +118,30 @@ def lookup(kind: str, name: str) -> Registration:
     return regs[name]
 
 
-def implementations(hook: str) -> list[Callable[..., Any]]:
+def implementations(hook: str, manager: pluggy.PluginManager = pm) -> list[Callable[..., Any]]:
     """The plain functions of every plugin registered for ``hook`` now, in registration order.
 
-    A run resolves its observers as each generation starts and calls them directly at each boundary: no pluggy
+    A run resolves its observers once, when it opens, and calls them directly at each boundary: no pluggy
     dispatch per boundary. (Wrapper implementations are not supported for these hooks.)
     """
-    impls = getattr(pm.hook, hook).get_hookimpls()
+    impls = getattr(manager.hook, hook).get_hookimpls()
     wrapped = [impl.plugin_name for impl in impls if impl.hookwrapper or impl.wrapper]
     if wrapped:
         raise PluginError(f"plugin {wrapped[0]!r} wraps {hook}; observers of {hook} must be plain implementations")
     return [impl.function for impl in reversed(impls)]  # pluggy lists the last registered first
+
+
+def observers(extra: Iterable[object] = ()) -> Observers:
+    """Every observer of a run: the plugins registered in the manager now, then ``extra``, objects whose hook methods
+    observe this run alone. ``extra`` is checked as a plugin is (a misspelt hook is an error) in a manager of its
+    own, so the global one never holds a run's objects."""
+    load_plugins()
+    own = pluggy.PluginManager("kestrel")
+    own.add_hookspecs(hookspecs)
+    for obj in extra:
+        own.register(obj)
+    check_plugins(own)
+    return Observers(**{hook: tuple(implementations(hook) + implementations(hook, own)) for hook in OBSERVED})
+
+
+OBSERVED = ("on_layer_advance", "on_experts_routed", "preload", "alloc", "release")  # the hooks a run's observers hear

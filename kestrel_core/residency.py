@@ -1,48 +1,46 @@
-"""The residency window: the one record of what is resident, the plan of each layer boundary, and the counters.
+"""The residency window: the one record of what is resident, and the plan of each layer boundary. It only plans.
 
-At the boundary before a layer runs, the window asks the run's policy (and every observer
-plugin) for advice, and turns the answers into a ``Plan``: the units to evict, the units to
-fetch, and the buffer each fetched unit lands in. The backend executes the plan. With a
-deterministic allocator, a window that repeats from token to token repeats its buffers too.
+At the boundary before a layer runs, the window asks the run's policy (and every observer) for
+advice, and turns the answers into a ``Plan``: the units to evict, the units to fetch, and the
+buffer each fetched unit lands in (from the run's allocator). The runner executes every plan
+through the backend. With a deterministic allocator, a window that repeats from token to token
+repeats its buffers too.
 """
 
 from __future__ import annotations
 
 import operator
-from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
-import attrs
 import numpy as np
 
-from . import plugins
+from .contracts import Allocator, BufferFactory, ExpertPolicy, Policy
 from .errors import PluginError
-from .plan import Advice, Boundary, Counters, Entry, Fetch, Plan, Resident, TokenPlan
+from .plan import Advice, Boundary, Counters, Entry, Fetch, Observers, Plan, Resident, TokenPlan
 from .units import Unit, UnitKey, UnitTable
 
-if TYPE_CHECKING:
-    from .backend import Backend
-
 __all__ = ["Window"]
+
+Router = Callable[[Any, int, list, str], Any]  # (window, layer, experts, phase) -> Advice | None
 
 
 class Window:
     """What the layer loop asks at each boundary; what policies and observers see as ``window``."""
 
-    def __init__(self, backend: "Backend", policy: Any, allocator: Any, counters: Counters, n_layers: int,
-                 expert_policy: Any = None, expert_prefetch: bool = False, whole_layers: bool = False):
-        self.backend, self.policy, self.allocator, self.counters = backend, policy, allocator, counters
-        self.expert_policy = expert_policy  # asked first at each sparse layer's decision point
+    def __init__(self, units: UnitTable, factory: BufferFactory, policy: Policy, allocator: Allocator,
+                 counters: Counters, n_layers: int, observers: Observers, routers: Iterable[Router] = (),
+                 expert_policy: ExpertPolicy | None = None, expert_prefetch: bool = False, whole_layers: bool = False,
+                 prefetch_depth: int = 0):
+        self.units, self.policy, self.allocator, self.counters = units, policy, allocator, counters
+        self.expert_policy = expert_policy  # asked first at each sparse layer's decision point (one of ``routers``)
         self.expert_prefetch = expert_prefetch  # guess the next sparse layer's experts and upload them ahead
         self._guesses: dict[int, frozenset] = {}  # layer -> the expert units guessed for it
         self.whole_layers = whole_layers  # a boundary fetches every unit of its layer (experts too), not only its own
-        # Who answers there besides the observers: the expert policy, then the layer policy where it has the method.
-        self._routers = [p for p in (expert_policy, policy) if hasattr(p, "on_experts_routed")]
-        self.routing: list | None = None  # set to a list to record (phase, token, layer, experts) at each decision point
-        self.units: UnitTable = backend.units
+        self._routers = tuple(routers)  # who answers at a decision point before the observers
+        self._observers = observers
         self.n_layers = n_layers
-        self.sparse = [len(self.units.of_layer(layer)) > 1 for layer in range(n_layers)]  # a layer with experts
+        self.sparse = [len(units.of_layer(layer)) > 1 for layer in range(n_layers)]  # a layer with experts
         self.keep = policy.keep
         self.phase = "prefill"
         self.token = 0
@@ -53,13 +51,10 @@ class Window:
         self._resident: dict[UnitKey, Resident] = {}
         self._idle: dict[tuple[int, str], Plan] = {}
         self._layers: frozenset[int] | None = frozenset()
-        self._entries = {u.key: tuple(Entry(u.layer, e.name, e.geometry, backend, u.key) for e in u.entries)
-                         for u in self.units.units.values()}
-        # Observers: plugins registered in the manager see every boundary and may advise too.
-        self._observers = plugins.implementations("on_layer_advance")
-        self._routed_observers = plugins.implementations("on_experts_routed")
-        # Layers the backend uploads ahead on a side stream (0 where it cannot overlap).
-        self.prefetch_depth = backend.prefetch_depth if policy.windowed else 0
+        self._entries = {u.key: tuple(Entry(u.layer, e.name, e.geometry, factory, u.key) for e in u.entries)
+                         for u in units.units.values()}
+        # Layers a backend uploads ahead on a side stream (0 where it cannot overlap, or without a window).
+        self.prefetch_depth = prefetch_depth if policy.windowed else 0
 
     # --- what policies read ---------------------------------------------------------------
     @property
@@ -82,32 +77,24 @@ class Window:
         return [(layer + d) % self.n_layers for d in range(1, self.prefetch_depth + 1)]
 
     # --- the boundary ---------------------------------------------------------------------
-    def step(self, layer: int, phase: str) -> dict[str, Any]:
-        """Plan and execute the boundary before ``layer``; return the layer's weights."""
-        self.advance(layer, phase)
-        return self.acquire(layer)
-
-    def advance(self, layer: int, phase: str) -> Plan:
-        plan = self._noted(self.plan(layer, phase))
-        if plan.evict or plan.fetch:
-            self.backend.execute(plan)
-        return plan
-
     def boundaries(self, phase: str) -> Iterator[Boundary]:
-        """One token's boundaries in layer order, each planned as the loop reaches it (executing is the caller's)."""
+        """One token's boundaries in layer order, each planned as the loop reaches it (executing is the runner's)."""
         for layer in range(self.n_layers):
-            plan = self._noted(self.plan(layer, phase))
+            plan = self.plan(layer, phase)
+            reads = self._resident[(layer,)]
+            self._note(plan, reads.buffers)
             # The weights as planned here: by the end of the token a later boundary may have evicted them.
-            yield Boundary(plan, (layer,), self._resident[(layer,)].weights)
+            yield Boundary(plan, (layer,), reads.weights)
 
-    def plan_token(self, phase: str) -> "TokenPlan":
+    def plan_token(self, phase: str) -> TokenPlan:
         """Every boundary of one token planned now, none executed: ``signatures`` then holds the whole token,
         which is what a captured step must match."""
         return TokenPlan(self.boundaries(phase))
 
-    def _noted(self, plan: Plan) -> Plan:
-        self.signatures.append(plan.signature if plan.evict or plan.fetch else plan.layer)
-        return plan
+    def _note(self, plan: Plan, reads: Iterable) -> None:
+        """Note what must repeat for a captured step to be replayed: the plan (units and buffers), and the buffers the
+        layer then reads, which a plan that changed nothing can still have handed to other units tokens ago."""
+        self.signatures.append((plan.signature if plan.evict or plan.fetch else plan.layer, tuple(map(id, reads))))
 
     def plan(self, layer: int, phase: str) -> Plan:
         """Turn the policy's and observers' advice into this boundary's plan, updating the record."""
@@ -133,36 +120,23 @@ class Window:
                 fetch.append(self._fetch(self.units[key], ahead=True))
         return Plan(layer, phase, evicted, tuple(fetch))
 
-    def acquire(self, layer: int) -> dict[str, Any]:
-        """The layer's own weights (uploaded on demand), ordered after their upload."""
-        key = (layer,)
-        r = self._resident.get(key)
-        if r is None:  # only where advance() was not called first: upload on demand
-            plan = Plan(layer, self.phase, (), (self._fetch(self.units[key], ahead=False),))
-            self.backend.execute(plan)
-            self.signatures.append(plan.signature)
-            r = self._resident[key]
-        self.backend.before_use(key)
-        return r.weights
-
-    def guess_router(self, layer: int) -> Any:
-        """The next layer's router weights, where speculative prefetch is on, that layer is sparse and its unit
-        is resident (a guess needs them); else None."""
+    def guess_router(self, layer: int) -> tuple[UnitKey, Any] | None:
+        """The next layer's unit key and router weights, where speculative prefetch is on, that layer is sparse and
+        its unit is resident (a guess needs them); else None. The runner orders its read after the unit's upload."""
         nxt = layer + 1
         if not self.expert_prefetch or nxt >= self.n_layers or not self.sparse[nxt]:
             return None
         r = self._resident.get((nxt,))
         if r is None:
             return None
-        self.backend.before_use((nxt,))
-        return r.weights["router"]
+        return (nxt,), r.weights["router"]
 
-    def route(self, layer: int, experts: list[int], phase: str, guess: Iterable[int] = ()) -> dict[int, dict[str, Any]]:
-        """The decision point after a sparse layer's router: plan and execute the fetch of the routed
-        ``experts`` (with what the policy and observers advise), and return each one's weights.
+    def route(self, layer: int, experts: list[int], phase: str, guess: Iterable[int] = ()) -> tuple[Plan, dict]:
+        """The decision point after a sparse layer's router: plan the fetch of the routed ``experts`` (with what the
+        expert policy, the policy and the observers advise); the plan and each routed expert's weights.
 
         ``guess``: the experts layer+1's router picks from this layer's hidden state; those not resident
-        are uploaded ahead (a side-stream backend overlaps them with this layer's experts). Recall is
+        are fetched ahead (a side-stream backend overlaps them with this layer's experts). Recall is
         counted at layer+1's decision point.
         """
         routed = {(layer, e) for e in experts}
@@ -170,10 +144,8 @@ class Window:
         if guessed is not None:
             self.counters.expert_guessed += len(routed)
             self.counters.expert_guess_hits += len(routed & guessed)
-        if self.routing is not None:
-            self.routing.append((phase, self.token, layer, list(experts)))
-        answers = [p.on_experts_routed(self, layer, experts, phase) for p in self._routers]
-        answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._routed_observers]
+        answers = [fn(self, layer, experts, phase) for fn in self._routers]
+        answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._observers.on_experts_routed]
         evict, ahead = self._merged(self._checked(answers, "on_experts_routed"))
         clash = sorted(routed & evict)
         if clash:
@@ -191,21 +163,15 @@ class Window:
             ahead_now = [self._fetch(self.units[key], ahead=True) for key in sorted(spec) if key not in resident]
             self.counters.expert_prefetches += len(ahead_now)
             fetch += ahead_now
-        plan = self._noted(Plan(layer, phase, evicted, tuple(fetch)))
-        if plan.evict or plan.fetch:
-            self.backend.execute(plan)
-        out = {}
-        for e in experts:
-            self.backend.before_use((layer, e))
-            out[e] = resident[(layer, e)].weights
-        return out
+        plan = Plan(layer, phase, evicted, tuple(fetch))
+        reads = [resident[(layer, e)] for e in experts]
+        self._note(plan, [b for r in reads for b in r.buffers])
+        return plan, {e: r.weights for e, r in zip(experts, reads)}
 
-    def preload(self) -> None:
-        """Before a generation: pick up the observers registered now, and upload what preload answers ask for."""
-        self._observers = plugins.implementations("on_layer_advance")
-        self._routed_observers = plugins.implementations("on_experts_routed")
+    def preload(self) -> Plan | None:
+        """Before a generation: the plan that uploads what the policy's and the observers' preload answers ask for."""
         layers: set[int] = set()
-        for answer in [self.policy.preload(self), *(fn(window=self) for fn in plugins.implementations("preload"))]:
+        for answer in [self.policy.preload(self), *(fn(window=self) for fn in self._observers.preload)]:
             if answer is None:
                 continue
             if isinstance(answer, (str, bytes)) or not isinstance(answer, Iterable):
@@ -215,8 +181,7 @@ class Window:
         preloaded = (lambda u: len(u.key) == 1) if self.expert_policy is not None else (lambda u: True)
         fetch = tuple(self._fetch(u, ahead=False) for layer in sorted(layers) for u in self.units.of_layer(layer)
                       if u.key not in self._resident and preloaded(u))
-        if fetch:
-            self.backend.execute(Plan(-1, "preload", (), fetch))
+        return Plan(-1, "preload", (), fetch) if fetch else None
 
     def next_token(self) -> None:
         """The loop wraps: note whether the token just finished repeated the one before it."""
@@ -229,10 +194,10 @@ class Window:
         self.last_signatures, self.signatures = self.signatures, []
         self._last_churn, self._churn = self._churn, churn
 
-    def release_all(self) -> None:
+    def release_all(self) -> Plan | None:
+        """The plan that evicts every resident unit (the run is closing)."""
         evicted = tuple(self._evict(key) for key in sorted(self._resident))
-        if evicted:
-            self.backend.execute(Plan(-1, "close", evicted, ()))
+        return Plan(-1, "close", evicted, ()) if evicted else None
 
     # --- the record -------------------------------------------------------------------------
     def _fetch(self, unit: Unit, ahead: bool) -> Fetch:
@@ -242,6 +207,10 @@ class Window:
             buf = self.allocator.alloc(entry)
             if buf is None:
                 raise PluginError(f"allocator {self.allocator.name!r} returned no buffer for {unit.key} {entry.name}")
+            for fn in self._observers.alloc:
+                if fn(entry=entry) is not None:
+                    raise PluginError(f"an observer of alloc returned a value for {unit.key} {entry.name}; observers "
+                                      "return None (a buffer comes from the run's allocator: --allocator)")
             buffers.append(buf)
         buffers = tuple(buffers)
         self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(entries, buffers)})
@@ -258,6 +227,8 @@ class Window:
         self._layers = None
         for entry, buf in zip(self._entries[key], r.buffers):
             self.allocator.release(entry, buf)
+            for fn in self._observers.release:
+                fn(entry=entry, buffer=buf)
         c = self.counters
         c.evictions += len(r.buffers)
         c.layer_evictions += 1
@@ -267,7 +238,7 @@ class Window:
 
     def _advice(self, layer: int, phase: str) -> list[Advice]:
         answers = [self.policy.on_layer_advance(self, layer, phase)]
-        for fn in self._observers:
+        for fn in self._observers.on_layer_advance:
             answers.append(fn(window=self, layer=layer, phase=phase))
         return self._checked(answers, "on_layer_advance")
 

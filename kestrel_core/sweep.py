@@ -8,9 +8,9 @@ import attrs
 
 from . import plugins, progress
 from .config import OFF, KestrelConfig
-from .engine import Model, make_policy, open_run
+from .engine import Model, make_policy
 from .errors import ConfigError, KestrelError
-from .generate import GenerationResult, generate
+from .results import GenerationResult
 from .optimum import min_bytes_by_pass
 
 
@@ -125,10 +125,10 @@ def run_sweep(
 
 def _run(model: Model, cfg: KestrelConfig, prompt_ids: list[int], label: str, max_new_tokens: int | None = None):
     """The run's result, and the optimum's bytes a token at the same streamed peak."""
-    gen = cfg.generation if max_new_tokens is None else attrs.evolve(cfg.generation, max_new_tokens=max_new_tokens)
+    settings = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     try:
-        with open_run(model, cfg) as run:
-            result = generate(run, prompt_ids, gen)
+        with model.open(cfg) as run:
+            result = run.generate(prompt_ids=list(prompt_ids), **settings)
             streamed_peak = result.counters["peak_resident_bytes"] - result.fixed_resident_bytes
             return result, min_bytes_by_pass(run.backend.units.layer_bytes, streamed_peak, 1 + len(result.per_token))
     except KestrelError as exc:  # a failed run ends the sweep: no verdict is drawn over it

@@ -19,6 +19,7 @@ import attrs
 
 from .errors import ConfigError
 from .expert_cache import ExpertCache
+from .hookspecs import hookimpl
 
 FORMAT = "kestrel-expert-trace"
 VERSION = 1
@@ -27,6 +28,18 @@ VERSION = 1
 def trace_record(model_info: dict, events: list[tuple[str, int, int, list[int]]]) -> dict:
     return {"format": FORMAT, "version": VERSION, "model": model_info,
             "events": [{"phase": p, "token": t, "layer": layer, "experts": list(e)} for p, t, layer, e in events]}
+
+
+class TraceRecorder:
+    """An observer of one run (``model.open(cfg, observers=[recorder])``): each decision point's routed experts, as
+    (phase, token, layer, experts), in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, list[int]]] = []
+
+    @hookimpl
+    def on_experts_routed(self, window, layer, experts, phase):
+        self.events.append((phase, window.token, layer, list(experts)))
 
 
 def model_info(run) -> dict:
@@ -40,6 +53,8 @@ def model_info(run) -> dict:
 
 def check_new(path: str | Path) -> Path:
     """Refuse, before any work, a trace path that exists or whose directory does not."""
+    if not str(path):
+        raise ConfigError("--trace needs a file name, got an empty one; name a new file, e.g. --trace routing.json")
     path = Path(path)
     if path.exists() or path.is_symlink():
         raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)")

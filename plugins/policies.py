@@ -25,11 +25,9 @@ class Off:
     def peak_layers(self) -> int:
         return self.n_layers
 
-    @hookimpl
     def preload(self, window):
         return range(self.n_layers)
 
-    @hookimpl
     def on_layer_advance(self, window, layer, phase):
         return None
 
@@ -50,11 +48,9 @@ class Asymmetric:
     def peak_layers(self) -> int:
         return min(self.n_layers, 2 * self.keep)
 
-    @hookimpl
     def preload(self, window):
         return ()  # a preload would be evicted at the first boundary
 
-    @hookimpl
     def on_layer_advance(self, window, layer, phase):
         victims = [l for l in window.resident if l < layer - self.keep + 1]
         return Advice(evict=victims) if victims else None
@@ -66,7 +62,6 @@ class FutureEvicting(Asymmetric):
 
     name = "future_evicting"
 
-    @hookimpl
     def on_layer_advance(self, window, layer, phase):
         return Advice(evict=[l for l in window.resident if l < layer - self.keep + 1 or l > layer])
 
@@ -98,11 +93,9 @@ class PinnedSet:
     def peak_layers(self) -> int:
         return self.budget
 
-    @hookimpl
     def preload(self, window):
         return ()
 
-    @hookimpl
     def on_layer_advance(self, window, layer, phase):
         keep = self.pinned | {layer, *window.horizon(layer)}  # the horizon is being prefetched
         return Advice(evict=[l for l in window.resident if l not in keep])
@@ -125,11 +118,9 @@ class Belady:
     def peak_layers(self) -> int:
         return self.keep
 
-    @hookimpl
     def preload(self, window):
         return ()
 
-    @hookimpl
     def on_layer_advance(self, window, layer, phase):
         units = window.units
         needed = {layer, *window.horizon(layer)}

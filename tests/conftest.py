@@ -26,8 +26,7 @@ torch.set_num_threads(int(THREADS))
 
 from kestrel_core import plugins  # noqa: E402
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model, open_run
-from kestrel_core.generate import generate
+from kestrel_core.engine import load
 from kestrel_core.presets import preset_config, write_checkpoint
 
 BACKENDS = [b.strip() for b in os.environ.get("KESTREL_TEST_BACKENDS", "cpu_ref").split(",") if b.strip()]
@@ -103,9 +102,9 @@ def run_config(backend: str = "cpu_ref", **flags) -> KestrelConfig:
 def run_once(model_dir, backend: str = "cpu_ref", prompt=PROMPT, keep_logits: bool = False, **flags):
     """Generate once; returns (GenerationResult, counters after the run closed)."""
     cfg = run_config(backend, **flags)
-    with Model(model_dir) as model:
-        with open_run(model, cfg) as run:
-            result = generate(run, list(prompt), cfg.generation, keep_logits=keep_logits)
+    with load(model_dir) as model:
+        with model.open(cfg) as run:
+            result = run.generate(prompt_ids=list(prompt), keep_logits=keep_logits)
         final = run.counters.snapshot()
     return result, final
 

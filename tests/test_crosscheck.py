@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kestrel_core.config import GenerationConfig, KestrelConfig
-from kestrel_core.engine import Model, open_run
-from kestrel_core.generate import generate
+from kestrel_core.engine import Model
 from kestrel_core.presets import preset_config, write_checkpoint
 
 pytestmark = [
@@ -33,8 +32,8 @@ def model(request, tmp_path_factory):
 
 def logits_of(model, backend, dtype, n=4, keep=2):
     cfg = KestrelConfig().override(backend__name=backend, backend__dtype=dtype, residency__keep=keep)
-    with open_run(model, cfg) as r:
-        res = generate(r, PROMPT, GenerationConfig(max_new_tokens=n, stop_at_eos=False), keep_logits=True)
+    with model.open(cfg) as r:
+        res = r.generate(prompt_ids=PROMPT, max_new_tokens=n, stop_at_eos=False, keep_logits=True)
     return res.token_ids, torch.stack([x.double() for x in res.logits])
 
 

@@ -7,10 +7,9 @@ import itertools
 import pytest
 import torch
 
-from kestrel_core.config import GenerationConfig, KestrelConfig
-from kestrel_core.engine import Model, open_run
+from kestrel_core.config import KestrelConfig
+from kestrel_core.engine import Model
 from kestrel_core.errors import BudgetError
-from kestrel_core.generate import generate
 from kestrel_core.presets import preset_config, write_checkpoint
 
 pytestmark = [
@@ -18,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GEN = GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+GEN = dict(max_new_tokens=6, stop_at_eos=False)
 PROMPT = [3, 14, 15, 92, 65]
 
 
@@ -31,8 +30,8 @@ def model(tmp_path_factory):
 
 def run(model, **flags):
     cfg = KestrelConfig().override(backend__name="cuda", **flags)
-    with open_run(model, cfg) as r:
-        return generate(r, PROMPT, GEN)
+    with model.open(cfg) as r:
+        return r.generate(prompt_ids=PROMPT, **GEN)
 
 
 def test_ids_identical_with_prefetch_across_keep_and_policy(model):

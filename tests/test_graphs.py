@@ -1,8 +1,12 @@
 """The decode step's graph path, on the CPU: when a step repeats, the capture and the fallback.
 
-``Replaying`` is cpu_ref with a capture that keeps the step and replays it by running it again,
-with the same plans into the same buffers: what a CUDA graph does, minus the device. The
-CUDA graphs themselves are tested in test_graphs_cuda.py.
+``Replaying`` is cpu_ref with a capture that records the step as a CUDA graph does: every tensor
+operation it ran, with the tensors it read and wrote (``Tape``). A replay runs those operations
+again on the same tensors, writing each result into the memory the capture's result held, and
+runs no Python of the step: no planning, no plan execution, nothing read from the host. A value
+the step took from the host while capturing stays what it was then, and a step that reads a
+tensor's value on the host cannot be captured at all. The CUDA graphs themselves are tested in
+test_graphs_cuda.py.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from backends.cpu_ref.backend import CpuRefBackend
 from cli_helpers import fails, gen
@@ -19,6 +26,38 @@ from kestrel_core.plan import Advice
 from conftest import PROMPT, run_once
 
 
+class Tape(TorchDispatchMode):
+    """Every aten operation run under it, with its arguments and its outputs (a CUDA graph's kernels, on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+        self.ran = False  # the capture ran the step: the replay that follows a capture is that run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(), .tolist(), bool(t): a host read
+            raise RuntimeError("the step reads a tensor's value on the host, which a graph cannot hold")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def replay(self) -> None:
+        if self.ran:  # a CUDA capture runs nothing and its first replay runs the step; here the capture ran it
+            self.ran = False
+            return
+        for func, args, kwargs, out in self.ops:
+            fresh = func(*args, **kwargs)
+            for old, new in zip(tree_flatten(out)[0], tree_flatten(fresh)[0]):
+                if isinstance(old, torch.Tensor) and not _same_memory(old, new):
+                    old.copy_(new)  # as a graph's replay overwrites the memory its capture's result held
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 class Replaying(CpuRefBackend):
     name = "replaying"
     captures = True
@@ -26,11 +65,18 @@ class Replaying(CpuRefBackend):
 
     def capture(self, step, plans):
         self.log.append("capture")
-        return step
+        tape = Tape()
+        try:
+            with tape:
+                step()
+        except RuntimeError:
+            return None  # as cuda's capture: the step runs eagerly instead
+        tape.ran = True
+        return tape
 
     def replay(self, graph):
         self.log.append("replay")
-        graph()
+        graph.replay()
 
 
 class ReplayingPlugin:
@@ -178,3 +224,36 @@ def test_generate_says_how_the_steps_ran(tiny_ckpt, replaying, capsys):
     out = capsys.readouterr().out
     assert "graphs=auto" in out
     assert "decode steps: 6 from a captured graph (1 captured), 1 eager" in out
+
+
+class SwapLayers4And5:
+    """At token 5: evict layers 4 and 5 at layer 0's boundary, and prefetch 5 before 4 at layer 3's, so the pool
+    hands layer 5 the buffers layer 4 had and layer 4 those of layer 5. The plans then repeat again."""
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        if phase == "decode" and window.token == 5 and layer == 0:
+            return Advice(evict=[4, 5])
+        if phase == "decode" and window.token == 5 and layer == 3:
+            return Advice(prefetch=[5, 4])
+        return None
+
+
+def test_a_stale_graph_fails_the_id_test(tiny_ckpt, replaying, register_plugin, monkeypatch):
+    """After the swap every plan is idle again, as before it, yet layers 4 and 5 read each other's old buffers: the
+    graph captured before the swap is stale. Keyed on the plans alone (the window's notes without the buffers each
+    layer reads), it is replayed, reads layer 5's weights as layer 4's, and the stand-in's ids say so."""
+    from kestrel_core.residency import Window
+
+    register_plugin(SwapLayers4And5(), "swap")
+    auto, off = both(tiny_ckpt, residency__keep=6, generation__max_new_tokens=12)
+    assert auto.token_ids == off.token_ids
+    assert auto.step_modes[3:7] == ["replayed", "eager", "eager", "captured"]  # the swap, then a new graph
+
+    def plans_only(self, plan, reads):
+        self.signatures.append(plan.signature if plan.evict or plan.fetch else plan.layer)
+
+    monkeypatch.setattr(Window, "_note", plans_only)
+    stale, _ = run_once(tiny_ckpt, "replaying", residency__keep=6, generation__max_new_tokens=12)
+    assert stale.step_modes[4:6] == ["eager", "replayed"]  # the old graph, replayed right after the swap
+    assert stale.token_ids[:6] == off.token_ids[:6] and stale.token_ids != off.token_ids

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from kestrel_core import quant
-from kestrel_core.config import GenerationConfig, KestrelConfig
-from kestrel_core.engine import Model, open_run
+from kestrel_core.config import KestrelConfig
+from kestrel_core.engine import Model
 from kestrel_core.errors import KestrelNote
-from kestrel_core.generate import generate
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.plan import Advice
@@ -25,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GEN = GenerationConfig(max_new_tokens=10, stop_at_eos=False)
+GEN = dict(max_new_tokens=10, stop_at_eos=False)
 PROMPT = [3, 14, 15, 92, 65]
 
 
@@ -47,8 +46,8 @@ def q8_model(tmp_path_factory):
 
 def run(model, gen=GEN, keep_logits=False, **flags):
     cfg = KestrelConfig().override(backend__name="cuda", **flags)
-    with open_run(model, cfg) as r:
-        return generate(r, PROMPT, gen, keep_logits=keep_logits)
+    with model.open(cfg) as r:
+        return r.generate(prompt_ids=PROMPT, keep_logits=keep_logits, **gen)
 
 
 def settings(L):
@@ -99,7 +98,7 @@ def test_the_pool_allocates_nothing_after_the_first_decoded_token_in_graph_mode(
 
 
 def test_sampling_draws_the_same_ids_in_graph_mode(model):
-    gen = GenerationConfig(max_new_tokens=10, stop_at_eos=False, temperature=0.8, seed=11)
+    gen = dict(max_new_tokens=10, stop_at_eos=False, temperature=0.8, seed=11)
     graph = run(model, gen, residency__keep=2, backend__prefetch=1)
     eager = run(model, gen, residency__keep=2, backend__prefetch=1, backend__graphs="off")
     assert graph.token_ids == eager.token_ids and graph.steps["replayed"] >= 6
@@ -118,7 +117,7 @@ class EvictEveryFourth:
 def test_eager_steps_between_replays_order_their_uploads(model, register_plugin):
     """Events recorded inside a capture are never waited on eagerly; the eager steps between replays
     (with a side stream refilling buffers the graph read) still compute the same ids."""
-    gen = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    gen = dict(max_new_tokens=16, stop_at_eos=False)
     ref = run(model, gen, residency__keep="off", backend__graphs="off").token_ids
     register_plugin(EvictEveryFourth(), "every-fourth")
     for keep, prefetch in [(model.n_layers, 1), (3, 1), (4, 2)]:  # layer 1 still resident at layer 3
@@ -127,16 +126,42 @@ def test_eager_steps_between_replays_order_their_uploads(model, register_plugin)
         assert r.steps["eager"] >= 3 and r.steps["replayed"] >= 3, (keep, prefetch, r.steps)
 
 
+class SwapLastTwo:
+    """At token 5: evict the last two layers at layer 0's boundary and fetch the last before the one before it, so
+    the pool hands them each other's buffers; after that every plan is idle again, as it was before."""
+
+    def __init__(self, n_layers):
+        self.a, self.b = n_layers - 2, n_layers - 1
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        if phase == "decode" and window.token == 5 and layer == 0:
+            return Advice(evict=[self.a, self.b])
+        if phase == "decode" and window.token == 5 and layer == self.a - 1:
+            return Advice(prefetch=[self.b, self.a])
+        return None
+
+
+def test_a_graph_whose_buffers_changed_hands_is_not_replayed(model, register_plugin):
+    """The graph captured before the swap reads the old buffers: a step that reads other buffers is captured anew."""
+    gen = dict(max_new_tokens=12, stop_at_eos=False)
+    ref = run(model, gen, residency__keep="off", backend__graphs="off").token_ids
+    register_plugin(SwapLastTwo(model.n_layers), "swap")
+    r = run(model, gen, residency__keep=model.n_layers)
+    assert r.token_ids == ref
+    assert r.step_modes[3:7] == ["replayed", "eager", "eager", "captured"], r.step_modes
+
+
 def test_an_unpinned_host_copy_is_never_captured(model):
     cfg = KestrelConfig().override(backend__name="cuda", residency__keep=1)
     ref = run(model, residency__keep=1, backend__graphs="off").token_ids
-    with open_run(model, cfg) as r:
+    with model.open(cfg) as r:
         pinned = r.backend._host
         r.backend._host = {source: t.clone() for source, t in pinned.items()}  # pageable copies
         assert not r.backend._host[(0,), "qkv"].is_pinned()
         try:
             with pytest.warns(KestrelNote, match="not pinned, so the decode step cannot be captured"):
-                result = generate(r, PROMPT, GEN)
+                result = r.generate(prompt_ids=PROMPT, **GEN)
         finally:
             r.backend._host = pinned
     assert result.token_ids == ref

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kestrel_core.traces import TraceRecorder
 from kestrel_core import load
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
@@ -162,10 +163,10 @@ def test_speculative_prefetch_changes_no_id(tiny_moe):
 
 
 def test_recall_counts_the_routed_experts_the_guess_named(shared_router):
-    with load(shared_router) as model, model.open(keep="off", expert_prefetch=True) as run:
-        run.window.routing = []
+    recorder = TraceRecorder()
+    with load(shared_router) as model, model.open(keep="off", expert_prefetch=True, observers=[recorder]) as run:
         r = run.generate(prompt_ids=PROMPT, max_new_tokens=8, stop_at_eos=False)
-        trace = run.window.routing
+        trace = recorder.events
     routed = {(token, layer): set(experts) for phase, token, layer, experts in trace if phase == "decode"}
     tokens = sorted({t for t, _ in routed})
     assert len(tokens) == len(r.per_token) == 7

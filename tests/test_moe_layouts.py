@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli_helpers import WEIGHTS, fails
+from kestrel_core.traces import TraceRecorder
 from kestrel_core import load
 from kestrel_core.checkpoint import FUSED_DOWN, FUSED_GATE_UP, Checkpoint
 from kestrel_core.cli import main
@@ -181,11 +182,11 @@ def routed_shares(model_dir, seed=0):
     quarter of the experts, and to the quarter the skew ranks first."""
     g = torch.Generator().manual_seed(1)
     counts = {layer: [0] * E for layer in SPARSE}
-    with load(model_dir) as model, model.open() as r:
+    recorder = TraceRecorder()  # (phase, token, layer, experts) at each decision point
+    with load(model_dir) as model, model.open(observers=[recorder]) as r:
         for _ in range(4):
-            r.window.routing = []  # (phase, token, layer, experts) at each decision point
             r.generate(prompt_ids=torch.randint(0, 256, (8,), generator=g).tolist(), max_new_tokens=24, stop_at_eos=False)
-            for _, _, layer, experts in r.window.routing:
+        for _, _, layer, experts in recorder.events:
                 for e in experts:
                     counts[layer][e] += 1
     q = E // 4

@@ -150,7 +150,9 @@ def test_an_expert_upload_reads_fewer_bytes_than_the_float_one(moe_f32, moe_q8):
                 assert f_bytes == EXPERT_F32 and q_bytes == sum(t.nbytes for t in tensors) == EXPERT_Q8
         assert EXPERT_Q8 / EXPERT_F32 < 0.47  # 11520 / 24576; N=32 padded to 64 costs gate and up half their q8 bytes
         with q8.open() as run:  # the buffers cpu_ref fills are the dequantized q8 weights
-            w = run.window.route(2, [5], "decode")[5]
+            plan, weights = run.window.route(2, [5], "decode")  # planned; the runner executes it
+            run.runner.execute(plan)
+            w = weights[5]
             ckpt = q8.checkpoint
             for role, (name, (n, _)) in expert_specs(CFG, 2, 5).items():
                 t = q8.quant.tensors[name]

@@ -12,9 +12,8 @@ import pytest
 
 from kestrel_core import hookspecs, plugins
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model, open_run
+from kestrel_core.engine import Model
 from kestrel_core.errors import PluginError
-from kestrel_core.generate import generate
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.plan import Advice
 from kestrel_cpu_ref.backend import CpuRefBackend
@@ -35,7 +34,7 @@ def hook_specs() -> dict:
 # --- meta-tests ------------------------------------------------------------------------
 
 def test_the_specs_are_the_documented_set():
-    assert set(hook_specs()) == {"on_layer_advance", "preload", "on_experts_routed", "register_backends",
+    assert set(hook_specs()) == {"on_layer_advance", "preload", "on_experts_routed", "alloc", "release", "register_backends",
                                  "register_policies", "register_allocators", "register_expert_policies",
                                  "register_gates", "register_commands"}
     assert all(inspect.getdoc(f) for f in hook_specs().values()), "every hook has a docstring"
@@ -137,8 +136,8 @@ PROMPT = [9, 8, 7, 6]
 
 def run(model_dir, **flags):
     cfg = KestrelConfig().override(**{**GEN, **flags})
-    with Model(model_dir) as model, open_run(model, cfg) as r:
-        return generate(r, PROMPT, cfg.generation)
+    with Model(model_dir) as model, model.open(cfg) as r:
+        return r.generate(prompt_ids=PROMPT)
 
 
 class KeepNothing:
@@ -252,7 +251,7 @@ def test_preload_from_a_plugin_is_honoured_and_windowed_policies_preload_nothing
     class FirstBoundary:
         @hookimpl
         def on_layer_advance(self, window, layer, phase):
-            first.setdefault("uploads", window.backend.counters.layer_uploads)
+            first.setdefault("uploads", window.counters.layer_uploads)
             first.setdefault("resident", window.resident)
 
     register_plugin(FirstBoundary(), "first-boundary")
@@ -337,26 +336,65 @@ def test_a_third_party_allocator_answers_alloc_and_release(tiny_ckpt, register_p
     assert r.token_ids == run(tiny_ckpt, residency__keep=2).token_ids
 
 
-@pytest.mark.parametrize("hook", ["alloc", "release"])
-def test_a_global_alloc_or_release_hook_is_refused_loudly(tiny_ckpt, register_plugin, hook):
-    """Allocators belong to a run now: a plugin answering the old hooks would be silently ignored."""
+class CountAllocations:
+    """An observer of alloc and release: the run's allocator answers, and this plugin hears every request."""
 
-    class OldStyle:
+    def __init__(self):
+        self.allocs, self.releases = [], []
+
+    @hookimpl
+    def alloc(self, entry):
+        self.allocs.append((entry.unit, entry.name))
+
+    @hookimpl
+    def release(self, entry, buffer):
+        self.releases.append((entry.unit, entry.name, buffer))
+
+
+@pytest.mark.parametrize("allocator", ["pool", "free"])
+def test_an_observer_hears_every_alloc_and_release(tiny_ckpt, register_plugin, allocator):
+    counter = register_plugin(CountAllocations(), "count-allocations")
+    with Model(tiny_ckpt) as model, model.open(KestrelConfig().override(**GEN), keep=2, allocator=allocator) as r:
+        result = r.generate(prompt_ids=PROMPT)
+        before_close = len(counter.releases)
+    c = result.counters
+    assert len(counter.allocs) == c["uploads"] > 0  # one request an entry uploaded, whoever answered it
+    assert before_close == c["evictions"] and len(counter.releases) == c["uploads"]  # closing releases the rest
+    assert {u for u, _ in counter.allocs} == {(layer,) for layer in range(6)}
+    if allocator == "pool":
+        assert c["pool_hits"] > 0 and c["allocations"] < len(counter.allocs)  # it hears hits as well as real ones
+    assert result.token_ids == run(tiny_ckpt, residency__keep=2).token_ids
+
+
+def test_an_alloc_observer_cannot_hand_out_a_buffer(tiny_ckpt, register_plugin):
+    class Answering:
         @hookimpl
         def alloc(self, entry):
-            return None
+            return object()
 
-        @hookimpl
-        def release(self, entry, buffer):
-            pass
-
-    class OnlyOne:
-        pass
-
-    setattr(OnlyOne, hook, getattr(OldStyle, hook))
-    register_plugin(OnlyOne(), "old-style")
-    with pytest.raises(PluginError, match=f"unknown hook '{hook}'.*register_allocators"):
+    register_plugin(Answering(), "answering")
+    with pytest.raises(PluginError, match="observers return None.*--allocator"):
         run(tiny_ckpt, residency__keep=2)
+
+
+def test_observers_of_one_run_are_its_own(tiny_ckpt):
+    """``model.open(observers=...)``: heard by that run alone, checked as a plugin is."""
+    mine = CountAllocations()
+    with Model(tiny_ckpt) as model:
+        with model.open(KestrelConfig().override(**GEN), keep=2, observers=[mine]) as r:
+            r.generate(prompt_ids=PROMPT)
+        heard = len(mine.allocs)
+        with model.open(KestrelConfig().override(**GEN), keep=2) as r:
+            r.generate(prompt_ids=PROMPT)
+        assert heard > 0 and len(mine.allocs) == heard  # the second run does not reach it
+
+        class Misspelt:
+            @hookimpl
+            def on_layer_advanse(self, window, layer, phase):
+                pass
+
+        with pytest.raises(PluginError, match="on_layer_advanse"):
+            model.open(KestrelConfig(), observers=[Misspelt()])
 
 
 def test_a_third_party_gate_is_registered_and_listed(register_plugin, capsys):

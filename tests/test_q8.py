@@ -278,17 +278,20 @@ def test_greedy_ids_identical_across_keep_policy_allocator_q8(tiny_q8, run_model
 
 def test_cpu_ref_buffers_are_the_dequantized_weights(tiny_q8):
     from kestrel_core.config import KestrelConfig
-    from kestrel_core.engine import open_run
 
     with Model(tiny_q8) as model:
-        with open_run(model, KestrelConfig()) as run:
+        with model.open(KestrelConfig()) as run:
             backend = run.backend
             entries = backend.units[(2,)].entries
             assert [e.name for e in entries] == ["q", "k", "v", "o", "gate", "up", "down"]
             src, geo = entries[6].source, entries[6].geometry
             assert isinstance(src, quant.Q8Tensor) and geo.layout == ("q8", 64, 5)  # down: N=64, K=160/32
             assert geo != Geometry(geo.shape, geo.dtype, geo.nbytes, geo.device)  # never shares a float buffer
-            w = run.window.acquire(2)
+            for b in run.window.boundaries("prefill"):  # planned; the runner would execute each plan
+                run.runner.execute(b.plan)
+                if b.key == (2,):
+                    w = b.weights
+                    break
             ckpt = model.checkpoint
             for role, buf in w.items():
                 t = model.quant.tensors[linear_specs(model.config, 2)[role][0]]

@@ -20,8 +20,7 @@ import pytest
 from kestrel_core import plugins
 from kestrel_core.checkpoint import PAGE, Checkpoint
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model, open_run
-from kestrel_core.generate import generate
+from kestrel_core.engine import Model
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.tensor_table import linear_specs
 from kestrel_core.modelconfig import read_model_config
@@ -65,19 +64,17 @@ def rss_at_boundaries(model_dir, keep, tokens=3):
     seen = []
 
     class RssObserver:
+        def __init__(self, ckpt):
+            self.ckpt = ckpt
+
         @hookimpl
         def on_layer_advance(self, window, layer, phase):
-            seen.append((window.token, layer, len(window.resident), window.backend.ckpt.mapping_rss()))
+            seen.append((window.token, layer, len(window.resident), self.ckpt.mapping_rss()))
 
-    plugins.load_plugins()
-    plugins.pm.register(RssObserver(), name="rss-observer")
-    try:
-        cfg = KestrelConfig().override(residency__keep=keep, generation__max_new_tokens=tokens,
-                                       generation__stop_at_eos=False)
-        with Model(model_dir) as model, open_run(model, cfg) as run:
-            generate(run, [1, 2, 3, 4], cfg.generation)
-    finally:
-        plugins.pm.unregister(name="rss-observer")
+    cfg = KestrelConfig().override(residency__keep=keep, generation__max_new_tokens=tokens,
+                                   generation__stop_at_eos=False)
+    with Model(model_dir) as model, model.open(cfg, observers=[RssObserver(model.checkpoint)]) as run:
+        run.generate(prompt_ids=[1, 2, 3, 4])
     return seen
 
 

@@ -104,20 +104,16 @@ def test_the_units_are_the_models_layers(tiny_ckpt):
                                                    ("belady", 3, False)])
 def test_a_repeating_window_repeats_its_buffers(tiny_ckpt, policy, keep, repeats):
     """belady's window is periodic over L-1 tokens, not one: its plans differ from token to token."""
-    with load(tiny_ckpt) as model, model.open(policy=policy, keep=keep, allocator="pool") as run:
-        seen = []
+    seen = []
 
-        class Watch:
-            @hookimpl
-            def on_layer_advance(self, window, layer, phase):
-                if layer == 0 and phase == "decode":
-                    seen.append(window.repeated)  # about the token just finished
+    class Watch:
+        @hookimpl
+        def on_layer_advance(self, window, layer, phase):
+            if layer == 0 and phase == "decode":
+                seen.append(window.repeated)  # about the token just finished
 
-        plugins.pm.register(Watch(), "watch")
-        try:
-            result = run.generate(prompt_ids=PROMPT, **settings(max_new_tokens=8))
-        finally:
-            plugins.pm.unregister(name="watch")
+    with load(tiny_ckpt) as model, model.open(policy=policy, keep=keep, allocator="pool", observers=[Watch()]) as run:
+        result = run.generate(prompt_ids=PROMPT, **settings(max_new_tokens=8))
     assert all(p["layer_uploads"] > 0 for p in result.per_token)  # it streams, and yet
     assert seen[-3:] == [repeats] * 3  # from token to token: the same units into the same buffers
 

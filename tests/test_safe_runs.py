@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from kestrel_core import generate as generate_module
+from kestrel_core import kvcache
+from kestrel_core.runner import Runner
 from kestrel_core.cli import main
 from kestrel_core.errors import KestrelNote, PluginError
 from kestrel_core.hookspecs import hookimpl
@@ -74,15 +75,15 @@ def test_sweep_draws_no_verdict_over_failed_runs(tiny_copy, capsys):
 
 def test_the_layer_search_runs_on_the_error_path_only(tiny_ckpt, monkeypatch, run_model):
     probes = []
-    real = generate_module.forward
+    real = Runner.forward
 
-    def counting(*args, **kwargs):
-        probes.append(kwargs.get("probe") or (args[6] if len(args) > 6 else None))
-        return real(*args, **kwargs)
+    def counting(self, *args, **kwargs):
+        probes.append(kwargs.get("probe") or (args[5] if len(args) > 5 else None))
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(generate_module, "forward", counting)
+    monkeypatch.setattr(Runner, "forward", counting)
     result, _ = run_model(tiny_ckpt, residency__keep=2)
-    assert probes == [None]  # the prefill's forward, not probed; the decode steps run decode.decode_step
+    assert probes == [None]  # the prefill's forward, not probed; the decode steps run Runner.decode_step
     assert sum(result.steps.values()) == len(result.token_ids) - 1
 
 
@@ -99,7 +100,7 @@ def test_a_kv_cache_the_allocator_refuses(tiny_ckpt, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99 bytes")
 
-    monkeypatch.setattr(generate_module.KVCache, "allocate", refuse)
+    monkeypatch.setattr(kvcache.KVCache, "allocate", refuse)
     fails(gen(tiny_ckpt), capsys, "KV cache", "--max-new-tokens")
 
 
@@ -170,13 +171,13 @@ def test_numpy_layer_numbers_are_accepted(tiny_ckpt, register_plugin, run_model)
 
 
 def test_window_layer_check_names_the_policy(tiny_ckpt, register_plugin):
-    from kestrel_core.engine import Model, open_run
+    from kestrel_core.engine import Model
     from conftest import run_config
 
     register_plugin(Answers(advice=Advice(evict=[7])), "answers")
-    with Model(tiny_ckpt) as model, open_run(model, run_config(residency__keep=2)) as run:
+    with Model(tiny_ckpt) as model, model.open(run_config(residency__keep=2)) as run:
         with pytest.raises(PluginError, match="policy 'asymmetric' asked to evict layer 7"):
-            run.window.advance(0, "prefill")
+            run.window.plan(0, "prefill")
 
 
 class Noting(Answers):

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from kestrel_core.cli import main
-from kestrel_core.decode import StepRunner
+from kestrel_core.step_graphs import StepGraphs
 from kestrel_core.engine import Model
 from kestrel_core.errors import ConfigError
 from kestrel_core.presets import byte_level_tokenizer, preset_config
@@ -115,13 +115,13 @@ def test_callbacks_hear_exactly_the_result(tiny_ckpt, byte_level, temperature):
 def counted_steps(monkeypatch):
     """How many decode steps ran, kept or dropped."""
     calls = []
-    real = StepRunner.__call__
+    real = StepGraphs.__call__
 
-    def counting(self):
+    def counting(self, step):
         calls.append(1)
-        return real(self)
+        return real(self, step)
 
-    monkeypatch.setattr(StepRunner, "__call__", counting)
+    monkeypatch.setattr(StepGraphs, "__call__", counting)
     return calls
 
 

@@ -12,8 +12,8 @@ from .. import progress
 from ..chat_template import ChatTemplate, load_chat_template
 from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
-from ..generate import GenerationResult
-from ..modeldir import Model, load
+from ..engine import Model, load
+from ..results import GenerationResult
 from .common import add_run_flags, config_from_args, model_dir
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import attrs
+
 from ..config import KestrelConfig, load_config, parse_keep
 from ..errors import ConfigError
 
@@ -66,6 +68,11 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         raise ConfigError("the prompt is empty: pass some text to --prompt, or --prompt-ids 1,2,3")
     if args.prompt_ids is not None and not prompt_ids:
         raise ConfigError("the prompt is empty: --prompt-ids has no ids")
+    if args.prompt is not None and prompt_ids is not None:
+        raise ConfigError("both --prompt and --prompt-ids are given; pass one")
+    if args.prompt is not None or prompt_ids is not None:  # a flag beats both of the file's
+        cfg = attrs.evolve(cfg, generation=attrs.evolve(cfg.generation, prompt=args.prompt or "",
+                                                        prompt_ids=prompt_ids or ()))
     return cfg.override(
         model=args.model,
         backend__name=single(args.backend),
@@ -84,8 +91,6 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__expert_budget_mb=args.expert_budget_mb,
         residency__expert_prefetch=args.expert_prefetch,
         residency__expert_fetch=args.expert_fetch,
-        generation__prompt=args.prompt,
-        generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,
         generation__temperature=args.temperature,
         generation__top_k=args.top_k,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import traces
+from ..engine import load
 from ..errors import ConfigError
-from ..modeldir import load
 from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
 
 HELP = ("generate tokens with a policy, keep, allocator and backend; print the text as it is generated "
@@ -19,28 +19,32 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = config_from_args(args)
-    with load(model_dir(cfg)) as model, model.open(cfg) as r:
-        if args.trace:
-            if not model.config.is_moe:
-                raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
-            traces.check_new(args.trace)
-            r.window.routing = []
-        if args.json:
-            result = r.generate()
-        else:
-            echo = Echo()
-            try:
-                result = r.generate(on_text=echo.text) if model.tokenizer else r.generate(on_token=echo.token)
-            finally:
-                echo.end()
-        policy = r.policy.name
-        if args.trace:
-            traces.write_new(args.trace, traces.trace_record(traces.model_info(r), r.window.routing))
+    recorder = None
+    if args.trace is not None:
+        traces.check_new(args.trace)  # before any work: an empty name, or one that exists, is refused
+        recorder = traces.TraceRecorder()
+    with load(model_dir(cfg)) as model:
+        if recorder is not None and not model.config.is_moe:
+            raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
+        with model.open(cfg, observers=[recorder] if recorder else ()) as r:
+            if args.json:
+                result = r.generate()
+            else:
+                echo = Echo()
+                try:
+                    result = r.generate(on_text=echo.text) if model.tokenizer else r.generate(on_token=echo.token)
+                finally:
+                    echo.end()
+            policy, expert_policy = r.policy.name, r.expert_policy.name if r.expert_policy else None
+            if recorder is not None:
+                traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
+        moe = model.config.is_moe
     text, prompt = result.text, result.prompt_ids
     res = cfg.residency
     if args.json:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
-                   "allocator": res.allocator, "prefetch": cfg.backend.prefetch, "graphs": cfg.backend.graphs, **result.to_json()})
+                   "allocator": res.allocator, "prefetch": cfg.backend.prefetch, "graphs": cfg.backend.graphs,
+                   "expert_policy": expert_policy, **result.to_json()})
         return 0
     c = result.counters
     steps = len(result.decode_ms)
@@ -48,7 +52,9 @@ def run(args) -> int:
         print(f"token ids: {' '.join(map(str, result.token_ids))}")
     print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} "
           f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
-    print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {result.ms_per_token:.2f} ms/token (median of {steps})")
+    decode = (f"{result.ms_per_token:.2f} ms/token (median of {steps})" if steps
+              else "no decode steps (the first token comes from the prefill)")
+    print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {decode}")
     if steps:
         how = result.steps
         print(f"decode steps: {how['replayed'] + how['captured']} from a captured graph ({how['captured']} captured), {how['eager']} eager")
@@ -59,6 +65,11 @@ def run(args) -> int:
         print(f"per decoded token (last): {per['layer_uploads']} layers, {mib(per['bytes_uploaded'])} uploaded")
     print(f"peak resident: {mib(c['peak_resident_bytes'])} ({c['peak_resident_entries']} entries); "
           f"allocations: {c['allocations']}, pool hits: {c['pool_hits']}, real frees: {c['frees']}")
+    if moe:
+        routed = c["expert_hits"] + c["expert_misses"]
+        rate = f"{100 * c['expert_hits'] / routed:.1f}% hits" if routed else "no routed experts"
+        print(f"experts ({expert_policy or 'with their layer'}): {c['expert_hits']} found resident, "
+              f"{c['expert_misses']} fetched ({rate}); {c['expert_prefetches']} prefetched on a guess")
     for k, v in result.memory.items():
         print(f"{k.replace('_', ' ')}: {mib(v)}")
     return 0

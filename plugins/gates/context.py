@@ -9,11 +9,10 @@ import attrs
 
 from kestrel_cuda.budget import resolve_budget
 from kestrel_core.errors import ConfigError
-from kestrel_core.modelconfig import ModelConfig, check_runnable, read_model_config
+from kestrel_core.modelconfig import ModelConfig, read_model_config
 
 from .figures import (ASSUMED, ASSUMED_TOTAL_MIB, DEFAULT_H2D_GBPS, DEFAULT_MAX_SEQ, GIVEN, ITEMSIZE, KV_LAYOUTS,
-                      MEASURED, WEIGHT_BYTES, MiB)
-from .framework import Quantity
+                      MEASURED, WEIGHT_BYTES, MiB, Quantity)
 
 
 @attrs.frozen
@@ -186,10 +185,6 @@ class GateContext:
 
     # --- runs ---
     def require_runnable(self) -> None:
-        try:
-            check_runnable(self.config)
-        except ConfigError as exc:
-            raise ConfigError(f"--measure runs the model, but {exc}; drop --measure for the config-only answer") from None
         if not any(self.model_dir.glob("*.safetensors")):
             raise ConfigError(f"--measure runs the model, so it needs the weights: {self.model_dir} has no *.safetensors; "
                               "drop --measure for the config-only answer")
@@ -198,10 +193,9 @@ class GateContext:
         """Run ``generate`` on the chosen backend with the sampler on; a budget refusal is recorded, not raised."""
         import torch
 
+        from kestrel_core import load
         from kestrel_core.config import KestrelConfig
-        from kestrel_core.engine import Model, open_run
         from kestrel_core.errors import BudgetError
-        from kestrel_core.generate import generate
 
         from .memsampler import MemSampler
 
@@ -219,10 +213,10 @@ class GateContext:
         result, error, budget, dtype = None, None, None, self.compute_dtype(backend)
         with MemSampler(device, o.period_s) as sampler:
             try:
-                with Model(self.model_dir) as model, open_run(model, cfg) as run:
+                with load(self.model_dir) as model, model.open(cfg) as run:
                     budget = getattr(run.backend, "budget", None)
                     dtype = str(run.backend.dtype).replace("torch.", "")
-                    result = generate(run, list(o.prompt_ids), cfg.generation)
+                    result = run.generate(prompt_ids=list(o.prompt_ids))
             except BudgetError as exc:
                 error = str(exc)
             finally:

@@ -1,6 +1,11 @@
-"""The gates' vocabulary: units, verdicts, the kinds of figure, the defaults, and how a figure is written."""
+"""The gates' vocabulary: units, verdicts, the kinds of figure, a figure (``Quantity``), the defaults, and how a
+figure is written."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import attrs
 
 GiB = 2**30
 MiB = 2**20
@@ -65,3 +70,18 @@ def fmt_value(q) -> str:
     if q.unit in ("count", "tokens") and isinstance(v, (int, float)):
         return f"{v:,}" if isinstance(v, int) else f"{v:,.2f}"
     return str(v)
+
+
+@attrs.frozen
+class Quantity:
+    key: str
+    label: str
+    value: Any
+    unit: str  # "B", "count", "ratio", "ms", "GB/s", "tokens", "" (a label)
+    kind: str  # computed | measured | given | assumed
+    source: str = ""
+
+    def share(self, total: float | None) -> float | None:
+        if self.unit != "B" or not total or not isinstance(self.value, (int, float)):
+            return None
+        return self.value / total

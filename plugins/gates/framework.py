@@ -16,7 +16,7 @@ import attrs
 
 from kestrel_core.errors import PluginError
 
-from .figures import (BUILD, DEFAULT_THRESHOLD, DONT_BUILD, GiB, KINDS, REMEASURE, VERDICTS, fmt_mib,
+from .figures import (BUILD, DEFAULT_THRESHOLD, DONT_BUILD, GiB, KINDS, REMEASURE, VERDICTS, Quantity, fmt_mib,
                       fmt_ratio)
 from .shapes import describe
 
@@ -32,21 +32,6 @@ class Needs:
     name: str
     how: str
     what: str = ""
-
-
-@attrs.frozen
-class Quantity:
-    key: str
-    label: str
-    value: Any
-    unit: str  # "B", "count", "ratio", "ms", "GB/s", "tokens", "" (a label)
-    kind: str  # computed | measured | given | assumed
-    source: str = ""
-
-    def share(self, total: float | None) -> float | None:
-        if self.unit != "B" or not total or not isinstance(self.value, (int, float)):
-            return None
-        return self.value / total
 
 
 @attrs.frozen

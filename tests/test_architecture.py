@@ -1,0 +1,131 @@
+"""The structure the design asks for, read from the code's own imports (every import, deferred and TYPE_CHECKING ones too).
+
+- the core knows no backend: nothing in kestrel_core imports a backend, a plugin package or the kernels;
+- no import circles in kestrel_core;
+- the runner imports no engine (the run is built above it, from narrow inputs), and the window reads no plugin manager;
+- no module loads under two names.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "kestrel_core"
+OUTSIDE = ("kestrel_cuda", "kestrel_cpu_ref", "kestrel_plugins", "kestrel_gates", "kestrel_csrc", "backends", "plugins",
+           "bench")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute, wherever the import sits in the file."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module
+            if node.module:  # ``from . import plugins`` imports the module plugins, not the package's face
+                found.add(stem)
+            found.update(f"{stem}.{a.name}" for a in node.names)
+    return found
+
+
+def core_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in CORE.rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_the_core_imports_no_backend_and_no_plugin_package():
+    offenders = {}
+    for path in CORE.rglob("*.py"):
+        bad = sorted(m for m in imports_of(path) if m.split(".")[0] in OUTSIDE)
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert not offenders, f"the core imports what plugs into it: {offenders}"
+
+
+def test_the_core_holds_no_host_tier_module():
+    names = {p.stem for p in CORE.rglob("*.py")}
+    assert not names & {"host_tier", "staging", "diskread", "pagecache", "pinned_arena", "budget"}
+
+
+def test_the_core_has_no_import_circle():
+    graph = core_graph()
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, f"import circles in kestrel_core: {circles}"
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_runner_imports_no_engine_and_the_window_no_plugin_manager():
+    graph = core_graph()
+    assert "kestrel_core.engine" not in reach(graph, "kestrel_core.runner")
+    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.residency")
+    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.runner")
+
+
+def test_the_token_loop_has_one_home():
+    """generate.py and decode.py are gone: the runner owns the step, and there is one layer loop in it."""
+    assert not (CORE / "generate.py").exists() and not (CORE / "decode.py").exists()
+    tree = ast.parse((CORE / "runner.py").read_text())
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and "layer" in ast.unparse(n.target)]
+    assert len(loops) == 1, [ast.unparse(n.target) for n in loops]
+
+
+def test_the_gates_load_under_one_name():
+    import kestrel_gates
+
+    assert kestrel_gates.__name__ == "kestrel_gates"
+    with pytest.raises(ImportError, match="kestrel_gates"):
+        importlib.import_module("kestrel_plugins.gates")
+
+
+def test_nothing_calls_a_private_token_loop():
+    """One door: the sweep, the gates, the bench and the tests generate through Run.generate."""
+    offenders = []
+    for path in [*ROOT.glob("kestrel_core/**/*.py"), *ROOT.glob("plugins/**/*.py"), *ROOT.glob("bench/**/*.py"),
+                 *ROOT.glob("tests/*.py")]:
+        text = path.read_text()
+        if "kestrel_core.generate" in text or "kestrel_core.decode" in text or "open_run(" in text:
+            if path.name != "test_architecture.py":
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, offenders
