@@ -13,7 +13,7 @@ from .checkpoint import Checkpoint
 from .config import BackendConfig, ResidencyConfig
 from .errors import ConfigError
 from .host import HostStore
-from .model import rms_norm
+from .model import rms_norm, sparse_mlp
 from .modelconfig import ModelConfig
 from .plan import Counters, Fetch, Plan, Resident
 from .tensor_table import global_specs, small_specs
@@ -49,6 +49,8 @@ class Backend:
     prefetch_depth = 0
     budget: int | None = None  # device bytes for weights; None: unbounded
     captures = False  # whether ``capture`` can return a replayable decode step
+    expert_table = False  # whether a decode step can read its routed experts through ``routed_experts``
+    expert_table_refusal = "it has none"  # why not, where it cannot (for the error that names it)
 
     def __init__(self, ctx: BackendContext):
         self.check_prefetch(ctx.backend.prefetch)
@@ -119,6 +121,24 @@ class Backend:
 
     def memory_stats(self) -> dict[str, int]:
         return {}
+
+    # --- the expert table (where ``expert_table``) ---------------------------------------
+    def point_experts(self, host: list[UnitKey], slots: list[tuple[UnitKey, tuple]]) -> None:
+        """In stream order: point the table at the host copies of the ``host`` experts, and at the device buffers of the
+        ``slots`` experts (each after its upload)."""
+        raise NotImplementedError(f"{self.name} has no expert table")
+
+    def fetched_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, used: list[int],
+                        weights_of: dict) -> torch.Tensor:
+        """A sparse layer's routed experts the host routed and fetched: ``weights_of[e]`` holds expert e's buffers,
+        ``used`` the experts (one token's in routing order). A backend whose table path runs its own kernel runs
+        the same one here, so that where the experts were read from never changes a result."""
+        return sparse_mlp(x, weights, chosen, weights_of.__getitem__, self.linear, used)
+
+    def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """One token's routed experts of ``layer`` (``chosen`` [1, k], ``weights`` [1, k]), each read where the table
+        points, summed by weight in expert order: the same bytes give the same result wherever they were read."""
+        raise NotImplementedError(f"{self.name} has no expert table")
 
     @staticmethod
     def linear(x: torch.Tensor, w: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
 EXPERT_FETCH = ("routed", "layer")
+EXPERT_DECODE = ("auto", "table", "host")
 
 
 def parse_keep(value: Any) -> int | str:
@@ -84,11 +85,20 @@ class ResidencyConfig:
     expert_budget_mb: float = 0.0  # the bytes the expert policy keeps experts in (MiB; fractions allowed)
     expert_prefetch: bool = False  # decode: guess layer l+1's experts with its router on layer l's hidden state, upload them ahead
     expert_fetch: str = attrs.field(default="routed")  # "routed": a sparse layer's experts come when routed to; "layer": with the layer
+    # A decode step's routed experts: "table", read through the backend's expert table (no host in the step; the expert
+    # policy hears the routing a step later); "host", routed on the host at each sparse layer (one sync a layer) and
+    # fetched before use; "auto": the table where the backend has one.
+    expert_decode: str = attrs.field(default="auto")
 
     @expert_fetch.validator
     def _check_expert_fetch(self, _, value: str) -> None:
         if value not in EXPERT_FETCH:
             raise ConfigError(f"expert_fetch must be one of {', '.join(EXPERT_FETCH)}, got {value!r}")
+
+    @expert_decode.validator
+    def _check_expert_decode(self, _, value: str) -> None:
+        if value not in EXPERT_DECODE:
+            raise ConfigError(f"expert_decode must be one of {', '.join(EXPERT_DECODE)}, got {value!r}")
 
     @property
     def windowed(self) -> bool:

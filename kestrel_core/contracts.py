@@ -26,6 +26,7 @@ class WindowView(Protocol):
     keep: int | str
     phase: str  # "prefill" or "decode"
     token: int  # the pass over the layers: 0 is the prefill, then one a decoded token
+    routed_token: int  # at a decision point: the pass whose routing it is (a table-read decode step is heard later)
     sparse: list  # per layer: whether it has experts
     prefetch_depth: int  # the layers a backend uploads ahead on a side stream (0 without a window)
 
@@ -113,6 +114,8 @@ class Backend(Protocol):
     prefetch_depth: int  # units uploaded ahead on a side stream (0: none)
     budget: int | None  # device bytes for weights, None where unbounded
     captures: bool  # whether ``capture`` can return a replayable decode step
+    expert_table: bool  # whether a decode step can read its routed experts through ``routed_experts``
+    expert_table_refusal: str  # where it cannot: why (the error for expert_decode = 'table' names it)
     units: UnitTable  # the run's units, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run
@@ -161,6 +164,17 @@ class Backend(Protocol):
 
     def memory_stats(self) -> dict[str, int]:
         """What the backend measured of its memory (and of its host tier), for the result and the CLI to report."""
+
+    def point_experts(self, host: list[UnitKey], slots: list) -> None:
+        """Where ``expert_table``: in stream order, point the table at the host copies of ``host`` and at the device
+        buffers of ``slots`` ((key, buffers), each after its upload)."""
+
+    def fetched_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, used: list[int],
+                        weights_of: dict) -> torch.Tensor:
+        """A sparse layer's routed experts, routed on the host and fetched: ``weights_of[e]`` holds expert e's buffers."""
+
+    def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Where ``expert_table``: one token's routed experts of ``layer``, each read where the table points."""
 
     def close(self) -> None: ...
 

@@ -84,6 +84,22 @@ def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | 
     return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
 
 
+def expert_table(res, model: "Model", backend: Backend) -> bool:
+    """Whether a decode step reads its routed experts through the backend's expert table (``expert_decode``)."""
+    if not model.config.is_moe or res.expert_decode == "host":
+        return False
+    if res.expert_decode == "auto":
+        return backend.expert_table and not res.expert_prefetch  # a guess needs the host at each sparse layer
+    if not backend.expert_table:
+        why = backend.expert_table_refusal
+        raise ConfigError(f"expert_decode = 'table' needs the backend's expert table, and {backend.name}'s cannot serve "
+                          f"this run: {why}; use expert_decode = 'host' (or 'auto')")
+    if res.expert_prefetch:
+        raise ConfigError("expert_prefetch guesses the next layer's experts on the host at each sparse layer, and "
+                          "expert_decode = 'table' keeps the host out of the step: use expert_decode = 'host' to guess")
+    return True
+
+
 class Model:
     """What every run on one model shares: the parsed config, the mapped checkpoint, host copies. ``with`` closes it."""
 
@@ -191,8 +207,14 @@ class Run:
         self.window = Window(self.backend.units, self.backend, self.policy, self.allocator, self.counters,
                              model.n_layers, watchers, routers, self.expert_policy, res.expert_prefetch,
                              res.expert_fetch == "layer", self.backend.prefetch_depth)
+        try:
+            table = expert_table(res, model, self.backend)
+        except BaseException:
+            self.backend.close()
+            raise
         self.runner = Runner(self.window, self.backend, model.config,
-                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile))
+                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
+                                          expert_table=table))
         self._open = True
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,

@@ -77,7 +77,7 @@ def decoder_layer(
     at: Attend,
     cfg: ModelConfig,
     linear=F.linear,
-    experts=None,  # a sparse layer's decision point after its router: experts(chosen, x) -> (used, {e: weights})
+    experts=None,  # a sparse layer's experts after its router: experts(x, weights, chosen) -> their weighted sum
 ) -> torch.Tensor:
     T = h.shape[0]
     eps = cfg.rms_norm_eps
@@ -110,8 +110,7 @@ def decoder_layer(
     x = rms_norm(h, small["post_norm"], eps)
     if "router" in w:
         weights, chosen = route(x, w["router"], cfg, linear)
-        used, routed = experts(chosen, x)  # the host learns which experts: the one sync a sparse layer needs
-        return h + sparse_mlp(x, weights, chosen, routed.__getitem__, linear, used)
+        return h + experts(x, weights, chosen)  # where the experts are read from is the runner's: host or table
     if "gate_up" in w:
         gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
     else:

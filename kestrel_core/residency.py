@@ -44,6 +44,7 @@ class Window:
         self.keep = policy.keep
         self.phase = "prefill"
         self.token = 0
+        self.routed_token = 0  # the pass whose routing is being answered: ``token``, or an earlier one heard late
         self.signatures: list[tuple] = []  # this token's plans, as Plan.signature (no buffer kept alive)
         self.last_signatures: list[tuple] = []  # the previous token's
         self._churn = self._last_churn = -1  # real allocations and frees at the start of this / the last token
@@ -144,6 +145,34 @@ class Window:
         if guessed is not None:
             self.counters.expert_guessed += len(routed)
             self.counters.expert_guess_hits += len(routed & guessed)
+        self.routed_token = self.token
+        evicted, fetch = self._routed(layer, experts, phase, now=True)
+        resident = self._resident
+        if guess:
+            spec = self._guesses[layer + 1] = frozenset((layer + 1, e) for e in guess)
+            ahead_now = [self._fetch(self.units[key], ahead=True) for key in sorted(spec) if key not in resident]
+            self.counters.expert_prefetches += len(ahead_now)
+            fetch += ahead_now
+        plan = Plan(layer, phase, evicted, tuple(fetch))
+        reads = [resident[(layer, e)] for e in experts]
+        self._note(plan, [b for r in reads for b in r.buffers])
+        return plan, {e: r.weights for e, r in zip(experts, reads)}
+
+    def hear(self, layer: int, experts: list[int], phase: str, token: int, missed: set[int]) -> Plan:
+        """A decode step's routing at a sparse layer, heard once the step is read back (it read its experts through the
+        expert table): the same advice as ``route``, a step behind. ``missed``: the routed experts the step read from
+        their host copies, its misses. The plan fetches ahead (for later steps) the routed experts that are not resident,
+        of a layer still resident (an expert goes with its layer); the runner's schedule brings them to the table.
+        ``token`` is the heard step's."""
+        self.routed_token = token
+        evicted, fetch = self._routed(layer, experts, phase, now=False, missed=missed)
+        return Plan(layer, "heard", evicted, tuple(fetch))  # a backend uploads a heard plan where no step waits for it
+
+    def _routed(self, layer: int, experts: list[int], phase: str, now: bool,
+                missed: set[int] | None = None) -> tuple[tuple, list]:
+        """Ask the expert policy, the policy and the observers about a routing; count and plan it: (evicted, fetches).
+        The routed experts that are not resident come in, for this step (``now``) or ahead, for later ones."""
+        routed = {(layer, e) for e in experts}
         answers = [fn(self, layer, experts, phase) for fn in self._routers]
         answers += [fn(window=self, layer=layer, experts=experts, phase=phase) for fn in self._observers.on_experts_routed]
         evict, ahead = self._merged(self._checked(answers, "on_experts_routed"))
@@ -154,19 +183,14 @@ class Window:
         resident = self._resident
         evicted = tuple(self._evict(key) for key in sorted(evict) if key in resident)
         missing = sorted(key for key in routed if key not in resident)
-        self.counters.expert_hits += len(routed) - len(missing)
-        self.counters.expert_misses += len(missing)
-        fetch = [self._fetch(self.units[key], ahead=False) for key in missing]
+        misses = len(missing) if missed is None else len(missed)  # heard late: what the step itself found
+        self.counters.expert_hits += len(routed) - misses
+        self.counters.expert_misses += misses
+        if not now and (layer,) not in resident:
+            missing = []  # the layer left since the step: its experts would go with it
+        fetch = [self._fetch(self.units[key], ahead=not now) for key in missing]
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
-        if guess:
-            spec = self._guesses[layer + 1] = frozenset((layer + 1, e) for e in guess)
-            ahead_now = [self._fetch(self.units[key], ahead=True) for key in sorted(spec) if key not in resident]
-            self.counters.expert_prefetches += len(ahead_now)
-            fetch += ahead_now
-        plan = Plan(layer, phase, evicted, tuple(fetch))
-        reads = [resident[(layer, e)] for e in experts]
-        self._note(plan, [b for r in reads for b in r.buffers])
-        return plan, {e: r.weights for e, r in zip(experts, reads)}
+        return evicted, fetch
 
     def preload(self) -> Plan | None:
         """Before a generation: the plan that uploads what the policy's and the observers' preload answers ask for."""

@@ -20,6 +20,7 @@ import torch
 from .config import GenerationConfig
 from .contracts import Backend
 from .errors import BudgetError, NonFiniteError
+from .expert_schedule import ExpertSchedule, is_expert
 from .kvcache import KVCache, allocate_cache
 from .model import Attend, RopeTable, decoder_layer, route
 from .modelconfig import ModelConfig
@@ -36,6 +37,7 @@ Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each 
 class StepSettings:
     graphs: bool  # replay a repeating decode step as a captured graph, where the backend can
     compile: bool  # the decode step's layer math through torch.compile
+    expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
 
 
 @functools.cache
@@ -51,8 +53,12 @@ def layer_math(compile: bool):
 class DecodeState:
     """What a decode step reads and writes on the compute device; a captured graph keeps these addresses."""
 
-    def __init__(self, device: torch.device, rope: RopeTable, max_seq: int, greedy: bool):
-        self.io = torch.zeros(2, dtype=torch.long, device=device)  # [the token, whether this step's logits were not finite]
+    def __init__(self, device: torch.device, rope: RopeTable, max_seq: int, greedy: bool, routed: tuple[int, int] = (0, 0)):
+        # [the token, whether this step's logits were not finite, then each sparse layer's routed experts]: one row the
+        # host reads back a step late (``routed``: sparse layers x experts a token, where the step reads the table)
+        self.out = torch.zeros(2 + routed[0] * routed[1], dtype=torch.long, device=device)
+        self.io = self.out[:2]
+        self.routed = self.out[2:].view(routed)
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # where the token goes
         self.key_positions = torch.arange(max_seq, device=device)
         self.rope = rope
@@ -65,20 +71,23 @@ class DecodeState:
 
 
 class Readback:
-    """Each step's [token, non-finite flag] copied into (pinned) host memory without a wait, read a step or more later."""
+    """Each step's row (the token, the non-finite flag, the routed experts) copied into (pinned) host memory without a
+    wait, read a step or more later."""
 
     def __init__(self, backend: Backend, state: DecodeState, depth: int = 4):
         self.backend, self.state = backend, state
-        self.ring = torch.zeros((depth, 2), dtype=torch.long, pin_memory=backend.device.type == "cuda")
+        self.ring = torch.zeros((depth, state.out.numel()), dtype=torch.long, pin_memory=backend.device.type == "cuda")
 
     def push(self, k: int):
-        self.ring[k % len(self.ring)].copy_(self.state.io, non_blocking=True)
+        self.ring[k % len(self.ring)].copy_(self.state.out, non_blocking=True)
         return self.backend.mark()
 
-    def read(self, k: int, mark) -> tuple[int, bool]:
+    def read(self, k: int, mark) -> tuple[int, bool, list[list[int]]]:
+        """Step k's token, whether its logits were not finite, and each sparse layer's routed experts."""
         self.backend.wait(mark)
-        token, bad = self.ring[k % len(self.ring)].tolist()
-        return token, bool(bad)
+        row = self.ring[k % len(self.ring)].tolist()
+        width = self.state.routed.shape[1]
+        return row[0], bool(row[1]), [row[i:i + width] for i in range(2, len(row), width)] if width else []
 
 
 @attrs.define
@@ -88,6 +97,7 @@ class _Step:
     mode: str  # how it ran: eager, captured or replayed
     mark: object  # the backend's marker, recorded once its token was on its way to the host
     logits: torch.Tensor | None  # kept for keep_logits, on the device
+    heard: dict[str, int] = attrs.Factory(dict)  # what hearing its routing, a step later, moved in the counters
 
 
 class Runner:
@@ -97,11 +107,48 @@ class Runner:
     def __init__(self, window: Window, backend: Backend, cfg: ModelConfig, settings: StepSettings):
         self.window, self.backend, self.cfg, self.settings = window, backend, cfg, settings
         self.counters = window.counters
+        self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
+        self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
 
     # --- plans --------------------------------------------------------------------------------
     def execute(self, plan: Plan | None) -> None:
-        if plan is not None and (plan.evict or plan.fetch):
-            self.backend.execute(plan)
+        """Execute a plan in stream order (the expert table, where there is one, follows it at once)."""
+        if plan is None or not (plan.evict or plan.fetch):
+            return
+        self.backend.execute(plan)
+        if self.schedule is not None:
+            host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
+            slots = [(f.unit.key, f.buffers) for f in plan.fetch if is_expert(f.unit.key)]
+            if host or slots:
+                self.schedule.evict_now(host, plan.layer)
+                self.schedule.admit_now((key for key, _ in slots), plan.layer)
+                self.backend.point_experts(host, slots)
+
+    def hear(self, step: int, routed: list[list[int]]) -> None:
+        """Decode step ``step``'s routing, read back: the window plans on it a step behind (the expert policy hears it,
+        and the experts the step read from their host copies are its misses); the plan's uploads start at once on the
+        side stream, and the table follows them on the schedule."""
+        window, schedule = self.window, self.schedule
+        for layer, chosen in zip(self.sparse, routed):
+            experts = sorted(set(chosen))
+            missed = {e for e in experts if schedule.read_host((layer, e), step)}
+            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed)
+            if plan.evict or plan.fetch:
+                self.backend.execute(plan)
+                host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
+                schedule.evict_heard(host)
+                for f in plan.fetch:
+                    if is_expert(f.unit.key):
+                        schedule.admit_heard(f.unit.key, f.buffers)
+                if host:
+                    self.backend.point_experts(host, [])
+
+    def begin_step(self) -> None:
+        """Before a decode step is launched: the admissions it reads from their slots."""
+        if self.schedule is not None:
+            slots = self.schedule.begin_step()
+            if slots:
+                self.backend.point_experts([], slots)
 
     def preload(self) -> None:
         self.execute(self.window.preload())
@@ -111,25 +158,40 @@ class Runner:
 
     # --- the one layer loop ---------------------------------------------------------------------
     def layers(self, h: torch.Tensor, at: Attend, cache: list[KVCache], boundaries: Iterable[Boundary], phase: str,
-               layer_fn=decoder_layer, probe: Probe | None = None) -> torch.Tensor:
+               layer_fn=decoder_layer, probe: Probe | None = None, state: "DecodeState | None" = None) -> torch.Tensor:
         """Run every layer on ``h``: at each boundary, execute its plan, order the compute after the layer's upload,
-        run the layer (a sparse one routes at its decision point)."""
+        run the layer (a sparse one reads its routed experts: through the table in a decode step that has one, else
+        after the host has routed and fetched them)."""
         backend, cfg = self.backend, self.cfg
         for layer, b in enumerate(boundaries):
             self.execute(b.plan)
             backend.before_use(b.key)
-            experts = self._decision_point(layer, phase) if self.window.sparse[layer] else None
+            experts = None
+            if self.window.sparse[layer]:
+                experts = (self._table_experts(layer, state) if state is not None and self.schedule is not None
+                           else self._host_experts(layer, phase))
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
             if probe:
                 probe(f"layer {layer}", h)
             del b  # a buffer its plan freed dies here, not at the end of the token
         return h
 
-    def _decision_point(self, layer: int, phase: str):
-        """A sparse layer's decision point after its router, as ``decoder_layer`` calls it: ``(chosen, x) -> (used, weights)``.
+    def _table_experts(self, layer: int, state: "DecodeState"):
+        """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
+        The routed ids go to the step's row, which the host reads back a step late."""
+        backend, row = self.backend, state.routed[self.sparse.index(layer)]
 
-        The host learns the routed experts here (the one sync a sparse layer needs). With speculative
-        prefetch, a decode step also applies the next layer's router to this layer's hidden state ``x``
+        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+            row.copy_(chosen[0])
+            return backend.routed_experts(layer, x, weights, chosen)
+
+        return experts
+
+    def _host_experts(self, layer: int, phase: str):
+        """A sparse layer's experts routed on the host: at its decision point the host learns the routed experts (the
+        one sync a sparse layer needs), the window plans their fetch, and the layer reads them from their buffers.
+
+        With speculative prefetch, a decode step also applies the next layer's router to this layer's hidden state ``x``
         and learns its guess in the same sync; their fetch runs on the side stream.
         """
         window, backend, cfg = self.window, self.backend, self.cfg
@@ -154,7 +216,11 @@ class Runner:
                 backend.before_use((layer, e))
             return used, weights
 
-        return decide
+        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+            used, routed = decide(chosen, x)
+            return backend.fetched_experts(x, weights, chosen, used, routed)
+
+        return experts
 
     def forward(self, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
                 probe: Probe | None = None) -> torch.Tensor:
@@ -173,7 +239,7 @@ class Runner:
         backend = self.backend
         at = Attend.static(state.rope, state.position, state.key_positions)
         h = backend.embed(state.io[:1])
-        h = self.layers(h, at, cache, boundaries, "decode", layer_math(self.settings.compile))
+        h = self.layers(h, at, cache, boundaries, "decode", layer_math(self.settings.compile), state=state)
         logits = backend.logits(h)[0]
         if state.greedy:
             state.io[:1].copy_(torch.argmax(logits, dim=-1, keepdim=True))
@@ -243,9 +309,10 @@ class Runner:
             tokens = [token]
             if on_token:
                 on_token(token)
-            state = DecodeState(backend.device, rope, max_seq, greedy)
+            width = (len(self.sparse), cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
+            state = DecodeState(backend.device, rope, max_seq, greedy, width)
             state.start(token, len(prompt_ids))
-            graphs = StepGraphs(window, backend, self.settings.graphs)
+            graphs = StepGraphs(window, backend, self.settings.graphs, experts_in_step=self.schedule is not None)
             readback = Readback(backend, state)
             lag = 1 if greedy else 0  # a sampled token is on the host already
             steps: list[_Step] = []
@@ -255,10 +322,14 @@ class Runner:
                 self.decode_step(state, cache, boundaries)
 
             def take(k: int) -> bool:
-                """Read step k's token; whether it ends the generation."""
-                token, bad = readback.read(k, steps[k].mark)
+                """Read step k's token (and hear its routing); whether it ends the generation."""
+                token, bad, routed = readback.read(k, steps[k].mark)
                 if bad:
                     raise self.nonfinite([tokens[k]], len(prompt_ids) + k, cache, rope, "decode")
+                if routed:
+                    before = counters.snapshot()
+                    self.hear(k, routed)
+                    steps[k].heard = delta(counters.snapshot(), before)
                 tokens.append(token)
                 if on_token:
                     on_token(token)
@@ -267,6 +338,7 @@ class Runner:
             try:
                 while not stop and 1 + len(steps) < gen.max_new_tokens:
                     window.next_token()
+                    self.begin_step()
                     before = counters.snapshot()
                     mode = graphs(step)
                     after = counters.snapshot()
@@ -282,6 +354,10 @@ class Runner:
             finally:
                 graphs.close()
             kept = steps[: len(tokens) - 1]  # a step launched past the end of sequence is dropped
+            final = counters.snapshot()  # with every kept step heard; less what the dropped steps planned
+            for s in steps[len(kept):]:
+                final = {k: v - s.after[k] + s.before[k] if not k.startswith(("peak_", "resident_")) else v
+                         for k, v in final.items()}
             marks = [prefill_end] + [s.mark for s in kept]
             decode_ms = [backend.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
             all_logits = [logits.cpu()] + [s.logits.cpu() for s in kept] if keep_logits else None
@@ -290,11 +366,15 @@ class Runner:
             token_ids=tokens,
             prefill_ms=prefill_ms,
             decode_ms=decode_ms,
-            counters=kept[-1].after if kept else counters.snapshot(),
-            per_token=[delta(s.after, s.before) for s in kept],
+            counters=final,
+            per_token=[_plus(delta(s.after, s.before), s.heard) for s in kept],
             memory=backend.memory_stats(),
             fixed_resident_bytes=fixed,
             logits=all_logits,
             steps={m: sum(s.mode == m for s in kept) for m in MODES},
             step_modes=[s.mode for s in kept],
         )
+
+
+def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: v + b.get(k, 0) for k, v in a.items()}

@@ -22,12 +22,14 @@ from .residency import Window
 class StepGraphs:
     """Runs each decode step: replayed where its plan is the captured one, captured where it repeats the last, else eager."""
 
-    def __init__(self, window: Window, backend: Backend, enabled: bool):
+    def __init__(self, window: Window, backend: Backend, enabled: bool, experts_in_step: bool = False):
         self.window, self.backend = window, backend
         # Planning a whole token ahead takes every buffer it fetches at once: only a deterministic
         # allocator, which hands back the buffers the same token released, keeps that in the window.
-        # A sparse layer routes on the host: its experts are known only once its router has run.
-        self.enabled = enabled and backend.captures and window.allocator.deterministic and not any(window.sparse)
+        # A sparse layer that routes on the host knows its experts only once its router has run; one that reads them
+        # through the expert table (``experts_in_step``) needs no host in the step.
+        routed_on_host = any(window.sparse) and not experts_in_step
+        self.enabled = enabled and backend.captures and window.allocator.deterministic and not routed_on_host
         self.graph: Any = None
         self._graph_key: tuple | None = None
         self._last_key: tuple | None = None

@@ -19,6 +19,7 @@ import attrs
 
 from .errors import ConfigError
 from .expert_cache import ExpertCache
+from .expert_schedule import ExpertSchedule
 from .hookspecs import hookimpl
 
 FORMAT = "kestrel-expert-trace"
@@ -39,16 +40,19 @@ class TraceRecorder:
 
     @hookimpl
     def on_experts_routed(self, window, layer, experts, phase):
-        self.events.append((phase, window.token, layer, list(experts)))
+        self.events.append((phase, window.routed_token, layer, list(experts)))
 
 
 def model_info(run) -> dict:
-    """What a replay needs of the model: the expert count, top-k, and each expert unit's bytes in the run's layout."""
+    """What a replay needs of the model and the run: the expert count, top-k, each expert unit's bytes in the run's
+    layout, and whether its decode steps read the expert table (heard ``lag`` steps late: 1 greedy, 0 sampled)."""
     cfg = run.model.config
+    table = run.runner.schedule is not None
     return {"dir": str(run.model.dir), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
             "sparse_layers": [layer for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer)],
             "expert_bytes": {f"{k[0]}.{k[1]}": u.nbytes for k, u in run.backend.units.units.items() if len(k) == 2},
-            "backend": run.backend.name}
+            "backend": run.backend.name, "expert_decode": "table" if table else "host",
+            "lag": 1 if run.config.generation.temperature == 0 else 0}
 
 
 def check_new(path: str | Path) -> Path:
@@ -140,28 +144,54 @@ class ExpertBelady(ExpertCache):
 
 
 def replay(trace: dict, policy: Any) -> dict:
-    """Run ``policy`` over the trace's decision points; the hit rate and the bytes fetched, per decoded token too."""
+    """Run ``policy`` over the trace's decision points, with the live run's timing; the hit rate and the bytes fetched,
+    per decoded token too.
+
+    Where the run's decode steps read the expert table, a step's routing is heard ``lag`` steps late, a miss is a routed
+    expert the step read from its host copy, and evictions and admissions reach the table on the run's schedule
+    (``expert_schedule``); elsewhere (the prefill, and host-routed decode steps) a miss is a routed expert that was not
+    resident, fetched before use."""
     window = ReplayWindow(trace["sizes"])
+    model = trace["model"]
+    table = model.get("expert_decode") == "table"
+    lag = int(model.get("lag", 1))
+    schedule = ExpertSchedule()
     hits = misses = 0
     fetched = 0
     decode_bytes: dict[int, int] = {}
     for phase, token, layer, experts in trace["events"]:
+        heard = table and phase == "decode"
+        if heard:
+            while schedule.next_step <= token - 1 + lag:  # the steps launched before this one (token - 1) is read back
+                schedule.begin_step()
         advice = policy.on_experts_routed(window, layer, experts, phase)
         routed = {(layer, e) for e in experts}
+        evicted = []
         for key in (advice.evict if advice else ()):
             if key in routed:
                 raise ConfigError(f"expert policy {policy.name!r} asked to evict {key}, which layer {layer} has just routed to")
-            window.resident_units.discard(tuple(key))
-        for key in routed:
-            if key in window.resident_units:
-                hits += 1
-            else:
-                misses += 1
+            if tuple(key) in window.resident_units:
+                window.resident_units.discard(tuple(key))
+                evicted.append(tuple(key))
+        if heard:
+            missed = sum(schedule.read_host(key, token - 1) for key in routed)
+            schedule.evict_heard(evicted)
+        else:
+            missed = sum(key not in window.resident_units for key in routed)
+            schedule.evict_now(evicted, layer)
+        hits += len(routed) - missed
+        misses += missed
+        for key in sorted(routed):
+            if key not in window.resident_units:
                 n = window.units[key].nbytes
                 fetched += n
                 if phase == "decode":
                     decode_bytes[token] = decode_bytes.get(token, 0) + n
                 window.resident_units.add(key)
+                if heard:
+                    schedule.admit_heard(key)
+                else:
+                    schedule.admit_now([key], layer)
     decode_tokens = sorted({t for p, t, _, _ in trace["events"] if p == "decode"})
     per_token = [decode_bytes.get(t, 0) for t in decode_tokens]
     return {"policy": policy.name, "hits": hits, "misses": misses,

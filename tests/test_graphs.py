@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from backends.cpu_ref.backend import CpuRefBackend
+from kestrel_cpu_ref.backend import CpuRefBackend
 from cli_helpers import fails, gen
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.plan import Advice

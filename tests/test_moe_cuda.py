@@ -28,7 +28,9 @@ def tiny_moe(tmp_path_factory):
 
 
 def generate(model_dir, tokens=12, keep_logits=False, **settings):
+    """Routed on the host at each sparse layer (the table path has tests of its own: test_moe_table_cuda.py)."""
     settings.setdefault("backend", "cuda")
+    settings.setdefault("expert_decode", "host")
     with load(model_dir) as model, model.open(**settings) as run:
         return run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False, keep_logits=keep_logits)
 

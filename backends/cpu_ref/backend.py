@@ -19,6 +19,7 @@ from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.model import expert_mlp
 from kestrel_core.config import HOST_ENV
 from kestrel_core.units import EntrySpec, Geometry
 
@@ -27,6 +28,7 @@ DTYPES = ("float32", "float64")
 
 class CpuRefBackend(Backend):
     name = "cpu_ref"
+    expert_table = True  # a dict: an expert's resident buffers, or (absent) its host copy, the checkpoint mapping
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
@@ -42,6 +44,7 @@ class CpuRefBackend(Backend):
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
+        self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
         self.load_globals()
 
     def layout(self, spec):
@@ -97,6 +100,32 @@ class CpuRefBackend(Backend):
 
     def memory_stats(self):
         return {"mapping_rss_bytes": self.ckpt.mapping_rss()}
+
+    def point_experts(self, host, slots):
+        for key in host:
+            self._table.pop(key, None)
+        for key, buffers in slots:
+            self._table[key] = {e.name: b for e, b in zip(self.units[key].entries, buffers)}
+
+    def routed_experts(self, layer, x, weights, chosen):
+        """In expert order, as ``model.sparse_mlp`` sums one token's experts: bitwise its result on the same weights."""
+        out = torch.zeros_like(x)
+        for slot, e in sorted(enumerate(chosen[0].tolist()), key=lambda se: se[1]):
+            w = self._table.get((layer, e))
+            if w is None:
+                w = self._host_copy((layer, e))
+            out += expert_mlp(x, w, self.linear) * weights[:, slot, None]
+        return out
+
+    def _host_copy(self, key) -> dict:
+        """An expert read from the mapping for one use, as a fetch would fill it; its pages go again after."""
+        unit = self.units[key]
+        w = {}
+        for e in unit.entries:
+            w[e.name] = torch.empty(e.geometry.shape, dtype=self.dtype)
+            self.fill(w[e.name], e.source)
+        self.ckpt.drop_around(_names(unit), self._live)
+        return w
 
 
 def _names(unit) -> list[str]:

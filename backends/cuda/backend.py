@@ -32,7 +32,8 @@ from kestrel_cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cac
 from kestrel_cuda.host.staging import Filler, Stager
 from kestrel_core.units import EntrySpec, Geometry
 
-from . import q8
+from . import grouped_experts, q8
+from .expert_table import DeviceExpertTable
 from .layout import fusion, slot_entries
 from .rawcuda import RawBlock, raw_empty
 
@@ -81,6 +82,9 @@ class CudaBackend(Backend):
         self._check_budget(ctx)
         self._stager: Stager | None = None
         self._host = self._set_up_host(ctx)
+        self._grouped = self._set_up_grouped()
+        self._experts = self._set_up_expert_table()
+        self.expert_table = self._experts is not None
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
         try:
@@ -159,6 +163,50 @@ class CudaBackend(Backend):
             f"budget {self.budget // mib} MiB); set --budget-mb / KESTREL_WCACHE_MB below "
             f"{torch.cuda.mem_get_info(self.device)[0] // mib + self.counters.resident_bytes // mib} MiB or lower keep"
         )
+
+    # --- the expert table --------------------------------------------------------------
+    def _set_up_expert_table(self) -> DeviceExpertTable | None:
+        """The table, where a decode step can read its experts through it: every expert's host copy pinned for the run
+        (the all-pinned tier) and the grouped kernels available; else None (why: ``expert_table_refusal``)."""
+        if not self.cfg.is_moe:
+            self.expert_table_refusal = "the model has no experts"
+            return None
+        if self._stager is not None:
+            self.expert_table_refusal = ("the host ring holds no expert for good, so a step has no host copy to read: "
+                                         "give the host budget every layer, or use expert_decode = 'host'")
+            return None
+        if self._grouped is None:
+            why = grouped_experts.available() or "an expert's entries are not gate_up and down"
+            self.expert_table_refusal = f"its grouped expert kernels cannot run here ({why})"
+            return None
+        return DeviceExpertTable(self.units, self._host, self.cfg, self.device, self._grouped)
+
+    def _set_up_grouped(self) -> grouped_experts.GroupedExperts | None:
+        """The grouped expert kernels of a Mixture-of-Experts model, where Triton is here: a decode step's experts run
+        through them on either path (the table, or host-routed), so the path never changes a result."""
+        if not self.cfg.is_moe or grouped_experts.available() is not None:
+            return None
+        experts = [u for key, u in self.units.units.items() if len(key) == 2]
+        if {tuple(e.name for e in u.entries) for u in experts} != {("gate_up", "down")}:
+            return None
+        q8_params = None
+        if self.quant:
+            gu, dn = (e.geometry for e in experts[0].entries)
+            q8_params = (gu.shape[0] // gu.layout[2], gu.shape[1], dn.shape[1])  # group, gate_up n_pad, down n_pad
+        cfg = self.cfg
+        return grouped_experts.GroupedExperts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                              self.dtype, self.device, q8_params)
+
+    def fetched_experts(self, x, weights, chosen, used, weights_of):
+        if self._grouped is None or x.shape[0] != 1:
+            return super().fetched_experts(x, weights, chosen, used, weights_of)
+        return self._grouped.fetched(x, weights, [(weights_of[e]["gate_up"], weights_of[e]["down"]) for e in used])
+
+    def point_experts(self, host, slots):
+        self._experts.point(host, slots, torch.cuda.current_stream(self.device), self.before_use)
+
+    def routed_experts(self, layer, x, weights, chosen):
+        return self._experts.routed(layer, x, weights, chosen)
 
     # --- host staging --------------------------------------------------------------
     def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:
@@ -254,6 +302,8 @@ class CudaBackend(Backend):
             raise self._oom("allocating a weight buffer") from None
         if self.copy_stream is not None:
             buf.record_stream(self.copy_stream)
+        if self._experts is not None:
+            buf.record_stream(self._experts.stream)
         return buf
 
     def free_buffer(self, buffer):
@@ -269,6 +319,10 @@ class CudaBackend(Backend):
         units are staged into it back to back ahead of their uploads."""
         for resident in plan.evict:
             self.retire(resident)
+        if plan.phase == "heard":  # a step behind, for later steps: on the table's stream, which no replay waits for
+            for fetch in plan.fetch:
+                self._experts.admit(fetch, self._last_read, self._copy_unit)
+            return
         if self._stager is not None and plan.fetch:
             self._stager.expect([fetch.unit.key for fetch in plan.fetch])
         demand = False
@@ -326,7 +380,9 @@ class CudaBackend(Backend):
             self._stager.give_back(slot, done)
 
     def retire(self, resident):
-        if self.copy_stream is not None:
+        if self._experts is not None:
+            self._experts.retired(resident.unit.key, torch.cuda.current_stream(self.device))
+        if self.copy_stream is not None or self._experts is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))  # the last reader of these buffers is queued before this point
             pending = self._ready.pop(resident.unit.key, None)  # evicted before any use: its upload may still run

@@ -1,0 +1,145 @@
+"""A Mixture-of-Experts decode step that reads its experts through the expert table, with the policy a step behind (cpu_ref).
+
+The step reads each routed expert where the table points, its buffer or its host copy, and never waits for the host;
+the host hears the step's routing once it reads the step back, and the window's plan on it reaches the table on the
+runner's schedule. Results never depend on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel_cpu_ref.backend import CpuRefBackend
+from kestrel_core import load
+from kestrel_core.errors import ConfigError
+from kestrel_core.expert_schedule import ExpertSchedule
+from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.quantize import quantize_checkpoint
+from kestrel_core.traces import TraceRecorder, replay
+from kestrel_plugins.experts import ExpertLFU, ExpertLRU
+
+PROMPT = [5, 17, 42, 99, 3]
+EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("table") / "tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_q8(tiny_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("table") / "tiny-moe-q8"
+    quantize_checkpoint(tiny_moe, out, 32)
+    return out
+
+
+def generate(model_dir, tokens=14, observers=(), **settings):
+    with load(model_dir) as model, model.open(observers=observers, **settings) as run:
+        table = run.runner.schedule is not None
+        result = run.generate(prompt_ids=PROMPT, max_new_tokens=tokens, stop_at_eos=False)
+    return result, table
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("checkpoint", ["float", "q8"])
+def test_ids_are_the_host_paths_at_every_budget_and_policy(tiny_moe, tiny_moe_q8, dtype, checkpoint):
+    path = tiny_moe if checkpoint == "float" else tiny_moe_q8
+    ref, table = generate(path, keep="off", expert_decode="host", dtype=dtype)
+    assert not table
+    expert = EXPERT * (2 if dtype == "float64" else 1)
+    for keep in ("off", 2):
+        for policy in ("expert_lru", "expert_lfu"):
+            for experts in (2, 5, 24):
+                got, table = generate(path, keep=keep, expert_policy=policy, expert_budget_mb=experts * expert / 2**20,
+                                      dtype=dtype)
+                assert table and got.token_ids == ref.token_ids, (keep, policy, experts)
+        got, table = generate(path, keep=keep, dtype=dtype)  # no expert policy: an expert goes with its layer
+        assert table and got.token_ids == ref.token_ids, keep
+
+
+def test_a_step_never_routes_on_the_host(tiny_moe, monkeypatch):
+    """In a table step the decision point is never reached: the routing comes back with the token."""
+    from kestrel_core.runner import Runner
+
+    calls = []
+    real = Runner._host_experts
+
+    def counting(self, layer, phase):
+        calls.append(phase)
+        return real(self, layer, phase)
+
+    monkeypatch.setattr(Runner, "_host_experts", counting)
+    result, table = generate(tiny_moe, expert_policy="expert_lru", expert_budget_mb=4 * EXPERT / 2**20)
+    assert table and set(calls) == {"prefill"} and len(calls) == 3  # the prefill's three sparse layers, once
+    assert sum(p["expert_hits"] + p["expert_misses"] for p in result.per_token) == 13 * 3 * 2  # every step heard
+
+
+def test_a_miss_is_what_the_step_read_from_the_host_copy(tiny_moe):
+    """Everything resident (keep off, no expert policy: every expert preloaded): no step reads a host copy. With a
+    budget that holds every expert, the misses stop once each routed expert's admission has reached the table."""
+    all_in, _ = generate(tiny_moe)
+    assert all_in.counters["expert_misses"] == 0
+    roomy, _ = generate(tiny_moe, 24, expert_policy="expert_lru", expert_budget_mb=24 * EXPERT / 2**20)
+    misses = [p["expert_misses"] for p in roomy.per_token]
+    assert sum(misses) > 0 and misses[-4:] == [0, 0, 0, 0], misses
+    assert roomy.counters["layer_evictions"] == 0  # nothing needed to go
+
+
+def test_the_table_must_follow_an_eviction(tiny_moe, monkeypatch):
+    """The test has teeth: a table left pointing at an evicted expert's buffer reads whatever the buffer holds next."""
+    ref, _ = generate(tiny_moe, keep="off", expert_decode="host")
+    tight = dict(expert_policy="expert_lru", expert_budget_mb=6 * EXPERT / 2**20)  # slots that change hands
+    good, _ = generate(tiny_moe, **tight)
+    assert good.token_ids == ref.token_ids
+    real = CpuRefBackend.point_experts
+    monkeypatch.setattr(CpuRefBackend, "point_experts", lambda self, host, slots: real(self, [], slots))
+    stale, _ = generate(tiny_moe, **tight)
+    assert stale.token_ids != ref.token_ids
+
+
+def test_an_admission_reads_its_slot_from_the_step_after_next():
+    s = ExpertSchedule()
+    s.admit_now([(1, 0)], boundary=1)  # a prefill fetched it: every decode step reads its slot
+    assert s.begin_step() == [] and s.begin_step() == [] and not s.read_host((1, 0), 0)  # steps 0 and 1 launched
+    s.admit_heard((1, 3), payload="bufs")  # step 0's routing, heard after step 1 was launched
+    s.evict_heard([(1, 0)])
+    assert s.begin_step() == []  # step 2 still reads expert 3's host copy, and expert 0's too
+    assert s.begin_step() == [((1, 3), "bufs")]  # step 3 reads expert 3's slot
+    assert [s.read_host((1, 3), k) for k in range(4)] == [True, True, True, False]
+    assert [s.read_host((1, 0), k) for k in range(4)] == [False, False, True, True]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("experts", [2, 4, 8])
+def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts):
+    """Greedy steps are heard a step late, sampled ones at once: the replay models the same schedule."""
+    budget_mb = experts * EXPERT / 2**20
+    recorder = TraceRecorder()
+    with load(tiny_moe) as model:
+        with model.open(observers=[recorder], expert_policy="expert_lfu", expert_budget_mb=budget_mb,
+                        temperature=temperature, seed=3) as run:
+            live = run.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False)
+            from kestrel_core.traces import model_info, read_trace, trace_record
+            info = model_info(run)
+    assert info["expert_decode"] == "table" and info["lag"] == (1 if temperature == 0 else 0)
+    trace = {"model": info, "sizes": {tuple(map(int, k.split("."))): v for k, v in info["expert_bytes"].items()},
+             "events": recorder.events}
+    got = replay(trace, ExpertLFU(budget=int(budget_mb * 2**20)))
+    c = live.counters
+    assert (got["hits"], got["misses"]) == (c["expert_hits"], c["expert_misses"])
+    expert_bytes = sum(p["bytes_uploaded"] for p in live.per_token)
+    assert got["bytes_per_decoded_token"] * got["decode_tokens"] == expert_bytes  # keep off: only experts move
+    assert read_trace  # the on-disk form is tested in test_moe_traces.py
+
+
+def test_expert_decode_is_checked(tiny_moe):
+    with load(tiny_moe) as model:
+        with pytest.raises(ConfigError, match="expert_decode must be one of auto, table, host, got 'gpu'"):
+            model.open(expert_decode="gpu")
+        with pytest.raises(ConfigError, match="expert_prefetch guesses .* use expert_decode = 'host'"):
+            model.open(expert_decode="table", expert_prefetch=True)
+        with model.open(expert_prefetch=True) as run:  # auto: a guess needs the host, so the host routes
+            assert run.runner.schedule is None
+    with load(tiny_moe) as model, model.open(expert_decode="table", keep=2) as run:
+        assert run.runner.schedule is not None
