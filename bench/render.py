@@ -15,7 +15,8 @@ from bench.records import Records
 from bench.stamp import REPO, RESULTS
 from bench.tables import BLOCKS
 
-BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(\n<!-- /bench -->)", re.S)
+# a block's body never runs into another block's marker, so an empty or unclosed block cannot swallow the page
+BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>(?:(?!<!-- /?bench)[\s\S])*?)(<!-- /bench -->)")
 
 
 def pages(root: Path = REPO) -> list[Path]:
@@ -28,7 +29,7 @@ def render_text(text: str, recs: Records, where: str = "") -> str:
         name = m["name"]
         if name not in BLOCKS:
             raise KeyError(f"{where}: no table called {name!r} (known: {', '.join(BLOCKS)})")
-        return m.group(1) + BLOCKS[name](recs).strip() + m.group(4)
+        return m.group(1) + BLOCKS[name](recs).strip() + "\n" + m.group(4)
 
     return BLOCK.sub(one, text)
 

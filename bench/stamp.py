@@ -45,8 +45,10 @@ def tree_files() -> list[str] | None:
     return sorted({p for p in out.split("\0") if p and not p.startswith(OUTPUTS)})
 
 
-def tree_sha256(files: list[str], root: Path = REPO) -> str:
-    """sha256 over each file's path and content, in the order given (a missing file counts as missing)."""
+def tree_sha256(files: list[str], root: Path | None = None) -> str:
+    """sha256 over each file's path and content under ``root`` (the repository), in the order given (a missing file
+    counts as missing)."""
+    root = REPO if root is None else root
     h = hashlib.sha256()
     for rel in files:
         p = root / rel

@@ -25,10 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
 
 
-def source(record: str | None) -> tuple[str, dict, dict]:
-    """(name, record, stream result) to draw."""
+def source(record: str | None, recs: Records | None = None) -> tuple[str, dict, dict]:
+    """(name, record, stream result) to draw: ``record``, else the one the README's headline names."""
     if record is None:
-        return tables.stream_source(Records.load(), "qwen3-8b", sweep=True)
+        return tables.stream_source(recs or Records.load(), "qwen3-8b", sweep=True)
     path = Path(record)
     rec = json.loads(path.read_text())
     if is_new(rec):
@@ -71,7 +71,7 @@ def plot(name: str, rec: dict, result: dict, out: Path) -> None:
                         textcoords="offset points", xytext=(4, -12), fontsize=7)
     off = tables.find(rows, "off", graphs)
     ax.axhline(off["summary"]["p50"], linestyle="--", linewidth=1, color="k",
-               label=f"off: every layer resident ({off['peak_device_bytes'] / 1e9:.1f} GB)")
+               label=f"off: every layer resident ({tables.gigabytes(off.get('peak_device_bytes'))})")
     peers = result.get("peers") or {}
     version = (peers.get("versions") or {}).get("transformers") or ""
     for key, text, style in (("transformers-static", "StaticCache + compile", ":"),

@@ -123,7 +123,7 @@ def run_one(model, sampler_args, tokens: int, settings: dict) -> dict:
                             max(1, sum(p["expert_hits"] + p["expert_misses"] for p in r["per_token"]))),
         "median_bytes_uploaded_per_token": statistics.median(per_tok) if per_tok else 0,
         "mean_bytes_uploaded_per_token": statistics.fmean(per_tok) if per_tok else 0,
-        "decode_ms": r["decode_ms"], "summary": r["summary"], "wall_s": wall, "token_ids": r["token_ids"],
+        **{k: r[k] for k in ("decode_ms", "step_modes", "steady_steps", "summary", "token_ids")}, "wall_s": wall,
         "routing": routing_stats(sampler.routing),
     }
 

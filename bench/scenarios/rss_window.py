@@ -77,7 +77,7 @@ def run(args, record) -> dict:
             rows.append({"keep": keep, "policy": "off" if keep == "off" else "asymmetric", "peak_layers": peak_layers,
                          "peak_mapping_rss_bytes": watch.peak, "bound_bytes": bound, "samples": watch.samples,
                          "keep_plus_1_bound_bytes": None if keep == "off" else (keep + 1) * layer + resident,
-                         "decode_ms": r["decode_ms"], "summary": r["summary"], "token_ids": r["token_ids"]})
+                         **{k: r[k] for k in ("decode_ms", "step_modes", "steady_steps", "summary", "token_ids")}})
             log(f"keep={keep!s:4} peak mapping RSS {watch.peak / 2**20:8.2f} MiB; {peak_layers} layers + resident "
                 f"= {bound / 2**20:8.2f} MiB (all tensors {total / 2**20:.2f} MiB)")
     return {"preset": args.preset, "layer_bytes": layer, "resident_bytes": resident, "tensor_bytes": total,

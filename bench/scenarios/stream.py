@@ -121,7 +121,7 @@ def gemv_floor(config) -> dict:
 
     times = graph_times(all_linears, calls=1, warmup=3, reps=30)
     nbytes = sum(w.numel() * 2 for w in weights)
-    del weights
+    weights.clear()
     settle()
     s = summary(times)
     log(f"GEMV floor: {s['p50']:.3f} ms for {nbytes / 1e9:.2f} GB ({nbytes / s['p50'] / 1e9:.2f} TB/s)")

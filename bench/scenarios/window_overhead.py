@@ -41,9 +41,8 @@ def run(args, record) -> dict:
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             for key, keep in (("off", "off"), ("keep_all", L)):
                 r = row(model, {"backend": "cpu_ref", "keep": keep}, prompt, args.tokens, label=f"keep={keep}")
-                runs[key].append({"decode_ms": r["decode_ms"], "summary": r["summary"],
-                                  "bytes_uploaded_per_token": r["bytes_uploaded_per_token"],
-                                  "token_ids": r["token_ids"]})
+                runs[key].append({k: r[k] for k in ("decode_ms", "step_modes", "steady_steps", "summary",
+                                                    "bytes_uploaded_per_token", "token_ids")})
     per_boundary_us = [(w["summary"]["p50"] - o["summary"]["p50"]) * 1e3 / L
                        for o, w in zip(runs["off"], runs["keep_all"])]
     out = {"model": str(path), "layers": L, "tokens": args.tokens, "repeats": args.repeats, "runs": runs,
