@@ -87,15 +87,16 @@ def _timed_row(r: dict, prefix: str, pinned: float | None) -> dict:
 
 
 def _baselines(rows: list[dict]) -> None:
-    """Each row's ids against off's of its graphs mode (a --compile row's also against the compiled off's)."""
-    off = {r["graphs"]: r for r in rows if r["settings"] == {"keep": "off"}}
-    off_c = {r["graphs"]: r for r in rows if r["settings"] == {"keep": "off", "compile": True}}
+    """Each row's ids against the first off row's, as ``python -m bench stream`` compares them (a --compile row's
+    against the first compiled off's, and also against the uncompiled off's)."""
+    off = next((r for r in rows if r["settings"] == {"keep": "off"}), None)
+    off_c = next((r for r in rows if r["settings"] == {"keep": "off", "compile": True}), None)
     for r in rows:
-        base = off_c.get(r["graphs"]) if r["settings"].get("compile") else off.get(r["graphs"])
+        base = off_c if r["settings"].get("compile") else off
         if base is not None:
             r.update(compare_ids(r, base))
-        if r["settings"].get("compile") and r["graphs"] in off:
-            r["vs_uncompiled_off"] = compare_ids(r, off[r["graphs"]])
+        if r["settings"].get("compile") and off is not None:
+            r["vs_uncompiled_off"] = compare_ids(r, off)
 
 
 def stream_from_decode_graphs(rec: dict, preset: str) -> dict:

@@ -116,6 +116,14 @@ def test_a_cpu_scenario_runs_end_to_end(scenario, models, tmp_path):
         check_steps(r)
 
 
+def test_demo_records_kestrel_demo(models, tmp_path):
+    rec = run_scenario(["demo", "--max-new-tokens", "2", "--cache-dir", str(models / "demo-cache")], tmp_path)
+    check_stamp(rec, "demo")
+    result = rec["result"]
+    assert result["exit_code"] == 0 and result["invariance"]["identical"] is True
+    assert {r["policy"] for r in result["rows"]} >= {"asymmetric", "pinned_set", "belady"}
+
+
 def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     rec = run_scenario(["moe", *CPU_SCENARIOS["moe"], "--models", str(models)], tmp_path)
     rows = rec["result"]["uniform"]["rows"]

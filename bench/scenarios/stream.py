@@ -129,12 +129,15 @@ def gemv_floor(config) -> dict:
 
 
 class Rows:
-    """Runs the rows of one model, each in every graphs mode, comparing ids with a baseline per mode."""
+    """Runs the rows of one model, each in every graphs mode. Every row's ids are compared with the first off row's
+    (graph or eager alike: residency and capture change no id); a --compile row's with the first compiled off's, and
+    also with the uncompiled off's."""
 
     def __init__(self, model, args, pinned_GBps: float | None, prefix: str = ""):
         self.model, self.args, self.pinned, self.prefix = model, args, pinned_GBps, prefix
         self.rows: list[dict] = []
-        self.baselines: dict[str, dict] = {}
+        self.baselines: dict[str, dict] = {}  # "plain" / "compiled": the first off row of each
+        self.offs: dict[str, dict] = {}  # graphs mode: the plain off row run in it
 
     def base(self) -> dict:
         out = {"backend": self.args.backend}
@@ -146,14 +149,16 @@ class Rows:
         settings = {**self.base(), **s, "graphs": graphs}
         label = self.prefix + label_of(s)
         key = "compiled" if s.get("compile") else "plain"
-        baseline = self.baselines.get(f"{key} {graphs}") or self.baselines.get(f"plain {graphs}")
-        r = row(self.model, settings, prompt_for(self.model.config.vocab_size), self.args.tokens, label=label, baseline=baseline,
-                pinned_GBps=self.pinned)
+        baseline = self.baselines.get(key) or self.baselines.get("plain")
+        r = row(self.model, settings, prompt_for(self.model.config.vocab_size), self.args.tokens, label=label,
+                baseline=baseline, pinned_GBps=self.pinned)
         r["graphs"] = graphs
-        if s.get("keep") == "off" and f"{key} {graphs}" not in self.baselines:
-            self.baselines[f"{key} {graphs}"] = r
-        if s.get("compile") and f"plain {graphs}" in self.baselines:
-            r["vs_uncompiled_off"] = compare_ids(r, self.baselines[f"plain {graphs}"])
+        if s.get("keep") == "off":
+            self.baselines.setdefault(key, r)
+            if key == "plain":
+                self.offs.setdefault(graphs, r)
+        if s.get("compile") and "plain" in self.baselines:
+            r["vs_uncompiled_off"] = compare_ids(r, self.baselines["plain"])
         sm = r["summary"]
         log(f"{label:40} {graphs:4} p50 {sm['p50']:9.2f} ms (p10 {sm['p10']:.2f}, p90 {sm['p90']:.2f}, n={sm['n']} "
             f"{r['steady_mode']}) {r['bytes_uploaded_per_token'] / 1e9:6.2f} GB/tok ids={r.get('ids_match_baseline')}")
@@ -245,12 +250,12 @@ def run(args, record) -> dict:
         if rounds:
             result["interleaved"] = interleaved(model, args, rounds)
             record.save_partial(result)
-        bf16_off = {g: rows.baselines.get(f"plain {g}") for g in graphs_modes}
+        bf16_off = dict(rows.offs)
     if args.q8_group:
         result["q8"] = q8_section(path, args, pinned, bf16_off, result.get("ceilings"))
         record.save_partial(result)
     if peer_names:
-        result["peers"] = peer_rows(path, args, prompt, peer_names, rows.baselines.get(f"plain {graphs_modes[0]}"))
+        result["peers"] = peer_rows(path, args, prompt, peer_names, rows.baselines.get("plain"))
     return result
 
 
