@@ -17,6 +17,14 @@ import re
 from bench.rows import compare_ids
 from bench.stats import steady_steps, summary
 
+# The older scripts, and the scenario of python -m bench that runs what each ran.
+SCENARIO_OF = {"stream_bench.py": "stream", "decode_graphs.py": "stream", "moe_bench.py": "moe",
+               "moe_host_cost.py": "moe-host-cost", "moe_peers.py": "peers", "airllm_peer.py": "peers",
+               "host_tier_bench.py": "host-tier", "host_fill_bench.py": "host-fill",
+               "expert_staging_bench.py": "expert-staging", "map_register_bench.py": "map-register",
+               "ring_copy_bench.py": "ring-copy", "q8_gemv_bench.py": "q8-gemv", "rss_window.py": "rss-window",
+               "rss_experts.py": "rss-experts", "window_overhead.py": "window-overhead",
+               "profile_decode.py": "profile", "demo_record.py": "demo", "plot_cost_curve.py": "plot"}
 _SETTING = re.compile(r"^(?P<policy>\w+) keep=(?P<keep>\d+)(?: pf=(?P<pf>\d))?(?P<free> free)?$")
 
 
@@ -51,6 +59,12 @@ def settings_of(label: str) -> dict:
     if compiled:
         s["compile"] = True
     return s
+
+
+def scenario_of(command: str) -> str | None:
+    """The scenario that replaced the script a legacy record's command ran, or None."""
+    m = re.match(r"(?:python )?bench/(\w+\.py)", command)
+    return SCENARIO_OF.get(m[1]) if m else None
 
 
 def label_of(s: dict) -> str:

@@ -77,8 +77,10 @@ def source_line(name: str, rec: dict) -> str:
                 f"`{st['command']}`")
     cmd = rec.get("command", "not recorded")
     cmd = f"python {cmd}" if cmd.startswith("bench/") else cmd
+    now = legacy.scenario_of(cmd)
     return (f"`bench/results/{name}` (a record of the older bench scripts, read through `bench/legacy.py`; commit "
-            f"{short(rec.get('commit'))}, {gpu_of(rec)}), produced by `{cmd}`")
+            f"{short(rec.get('commit'))}, {gpu_of(rec)}), produced by `{cmd}`"
+            + (f" (that script is now `python -m bench {now}`)" if now else ""))
 
 
 # --- the stream records -------------------------------------------------------------------------------------------
@@ -488,8 +490,10 @@ def every_record(recs: Records) -> str:
                 cmd = f"python {cmd}" if cmd.startswith("bench/") else cmd
                 commit = short(rec.get("commit"))
             dev = gpu_of(rec)
-        out.append([f"`{name}`", f"`{cmd}`" if cmd != "not recorded" else cmd, commit, dev])
-    return table(["record", "command (as recorded)", "commit (as recorded)", "device"], out)
+        now = legacy.scenario_of(cmd)
+        out.append([f"`{name}`", f"`{cmd}`" if cmd != "not recorded" else cmd, f"`python -m bench {now}`" if now else "",
+                    commit, dev])
+    return table(["record", "command (as recorded)", "that script now", "commit (as recorded)", "device"], out)
 
 
 BLOCKS: dict[str, Callable[[Records], str]] = {

@@ -103,3 +103,20 @@ def test_the_q8_compile_row_says_its_ids_leave_q8_off():
     text = (ROOT / "docs" / "performance.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| q8 off, --compile |"))
     assert re.search(r"leave q8 off's after 4 of 34 tokens", row)
+
+
+def test_every_script_the_docs_name_exists_or_names_its_scenario():
+    """A `bench/NAME.py` in the README or docs is a module of the harness, or an older script whose scenario the
+    page names beside it (the records' provenance)."""
+    from bench.legacy import SCENARIO_OF
+    from bench.scenarios import SCENARIOS
+
+    assert set(SCENARIO_OF.values()) <= set(SCENARIOS)
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for script in set(re.findall(r"bench/(\w+\.py)", text)):
+            if (ROOT / "bench" / script).exists():
+                continue
+            assert script in SCENARIO_OF, f"{page.name} names bench/{script}, which is gone and replaced by nothing"
+            assert f"python -m bench {SCENARIO_OF[script]}" in text, \
+                f"{page.name} names bench/{script} without its scenario, python -m bench {SCENARIO_OF[script]}"
