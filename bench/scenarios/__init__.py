@@ -35,7 +35,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                    "(from rss_experts.py)"),
     "window-overhead": ("window_overhead", "the window's own cost per layer boundary, keep=L against off, on the CPU "
                                            "(from window_overhead.py)"),
-    "profile": ("profile", "where a decode step's time goes: torch.profiler and cProfile (from profile_decode.py)"),
+    "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
     "demo": ("demo", "`kestrel demo --json` as a record (from demo_record.py)"),
     "plot": ("plot", "the README's cost curve from a chosen stream record; measures nothing (from plot_cost_curve.py)"),
 }
