@@ -86,15 +86,14 @@ def source_line(name: str, rec: dict) -> str:
 # --- the stream records -------------------------------------------------------------------------------------------
 
 def stream_source(recs: Records, preset: str, sweep: bool = False) -> tuple[str, dict, dict]:
-    """(record name, record, result) of the newest complete stream record of ``preset`` on cuda (with the keep sweep
-    where ``sweep``), else the older harness's record of that shape."""
+    """(record name, record, result) of the newest complete stream record of ``preset`` on cuda of the row set asked
+    for (``--rows sweep``: the keeps the picture draws; ``--rows headline``: the settings the headline names), else the
+    older harness's record of that shape, which has both."""
+    row_set = "sweep" if sweep else "headline"
     found = recs.newest("stream", lambda r: r["result"].get("preset") == preset and r["result"].get("backend") == "cuda"
-                        and (not sweep or r["result"].get("row_set") == "sweep"))
+                        and r["result"].get("row_set") == row_set)
     if found:
         return found[0], found[1], found[1]["result"]
-    if sweep and preset == "qwen3-8b" and LEGACY_GRAPHS[preset] not in recs:
-        name = LEGACY_SWEEP
-        return name, recs[name], legacy.stream_from_stream_bench(recs[name])
     name = LEGACY_GRAPHS[preset]
     return name, recs[name], legacy.stream_from_decode_graphs(recs[name], preset)
 

@@ -61,29 +61,35 @@ def test_without_a_new_record_the_headline_says_it_reads_the_older_scripts():
     assert name == "decode_graphs_qwen3-8b_20261203T132426Z.json" and name in tables.headline_picture(recs)
 
 
-def test_a_new_stream_record_takes_over_the_headline_and_the_picture(tmp_path):
-    """A python -m bench stream record (here a CPU run's, relabelled as the 8B shape on cuda: only the choice of
-    record and the rendering are under test) is what the headline and the picture are drawn from."""
+def test_new_stream_records_take_over_the_headline_and_the_picture(tmp_path):
+    """python -m bench stream records (here CPU runs, relabelled as the 8B shape on cuda: only the choice of record
+    and the rendering are under test): the headline is drawn from the newest --rows headline record, the picture
+    and its sentence from the newest --rows sweep record."""
     from bench.__main__ import main as bench
 
-    out = tmp_path / "results"
-    assert bench(["stream", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--rows", "sweep",
-                  "--models", str(tmp_path / "models"), "--peers", "", "--out", str(out)]) == 0
-    (path,) = out.glob("stream_*.json")
-    rec = json.loads(path.read_text())
-    fake = copy.deepcopy(rec)
-    fake["result"].update(preset="qwen3-8b", backend="cuda", ceilings={"pinned_h2d": {"GBps": 50.0}})
     recs = Records.load()
-    recs.by_name[path.name] = fake
+    made = {}
+    for row_set in ("headline", "sweep"):
+        out = tmp_path / row_set
+        assert bench(["stream", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--rows", row_set,
+                      "--models", str(tmp_path / "models"), "--peers", "", "--out", str(out)]) == 0
+        (path,) = out.glob("stream_*.json")
+        rec = json.loads(path.read_text())
+        fake = copy.deepcopy(rec)
+        fake["result"].update(preset="qwen3-8b", backend="cuda", ceilings={"pinned_h2d": {"GBps": 50.0}})
+        name = f"stream_29991231T00000{len(made)}Z.json"  # two runs may share their second; these are the newest
+        recs.by_name[name] = fake
+        made[row_set] = (name, fake)
     head, picture = tables.headline(recs), tables.headline_picture(recs)
-    for text in (head, picture):
-        assert path.name in text and "older bench scripts" not in text
+    for text, (name, rec) in ((head, made["headline"]), (picture, made["sweep"])):
+        assert name in text and "older bench scripts" not in text
         assert rec["stamp"]["commit"][:7] in text and rec["stamp"]["command"] in text
-    off = fake["result"]["rows"][0]
+    assert made["sweep"][0] not in head and made["headline"][0] not in picture
+    off = made["sweep"][1]["result"]["rows"][0]
     assert f"{off['summary']['p50']:.2f}" in picture
-    name, _, result = plot.source(None, recs)
-    assert name == path.name
-    plot.plot(name, fake, result, tmp_path / "curve.png")
+    name, rec, result = plot.source(None, recs)
+    assert name == made["sweep"][0]
+    plot.plot(name, rec, result, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
