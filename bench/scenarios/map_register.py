@@ -1,51 +1,56 @@
-"""The gate for a hot path with no host copy: upload a unit straight from the file's mapping, registered with CUDA.
+"""The gate for a hot path with no host copy: upload a unit straight from the file's mapping, registered with CUDA,
+on a GPU.
 
-    python bench/map_register_bench.py [--dir /tmp] [--gib 4] [--unit-mib 384] [--threads 14] [--out DIR]
+    python -m bench map-register [--dir /tmp] [--gib 4] [--unit-mib 384] [--threads 14] [--shares 0.3,0.45,0.6]
 
-The ring's hot path copies each unit from the page cache into a pinned slot (``pread`` on the
-ring's threads), then uploads the slot. Its rate is bounded by that host copy. The other way is to
-page-lock the unit's pages of the file mapping in place (``cudaHostRegister`` with
-``cudaHostRegisterReadOnly``), upload them, and unlock them: no host copy, but a register and an
-unregister per unit. This measures, side by side in one run, on a file of ``--gib`` GiB whose pages
-are all in the page cache, in units of ``--unit-mib`` MiB (one 8B-shape layer is about 375 MB):
+The ring's hot path copies each unit from the page cache into a pinned slot (``pread`` on the ring's threads), then
+uploads the slot; its rate is bounded by that host copy. The other way is to page-lock the unit's pages of the file
+mapping in place (``cudaHostRegister`` with ``cudaHostRegisterReadOnly``), upload them, and unlock them: no host
+copy, but a register and an unregister per unit. This measures, side by side in one run, on a file of ``--gib`` GiB
+whose pages are all in the page cache, in units of ``--unit-mib`` MiB (one 8B-shape layer is about 375 MB), every
+unit's time kept:
 
-- **pinned H2D**: the copy rate from torch's pinned memory (the ceiling either way);
-- **fill**: ``pread`` of each unit into a registered slot on ``--threads`` threads (the ring's copy);
-- **ring**: that fill pipelined with the upload over two slots (fill unit i+1 while unit i uploads);
-- **register / unregister**: the host milliseconds of each call on one unit of the mapping (the
-  pages are dropped from the mapping after each unit, as the ring does, so each register faults
-  them in again), and the copy rate from a registered mapping;
-- **mapped**: register, upload and unregister pipelined (a worker registers unit i+1 while unit i
-  uploads, and unregisters it once its copy's event is done); and the register rate with the unit
-  split over 4 threads, to see whether registering scales with threads;
-- **hybrid**: for each of ``--shares``, that share of each unit registered in place on the worker
-  while the pool preads the rest into a slot, both uploaded (registering pins pages without
-  copying bytes, so the two may add up).
+- pinned H2D: the copy rate from torch's pinned memory (the ceiling either way);
+- fill: ``pread`` of each unit into a registered slot on ``--threads`` threads (the ring's copy);
+- ring: that fill pipelined with the upload over two slots;
+- register / unregister: the host milliseconds of each call on one unit of the mapping (its pages dropped from the
+  mapping after each unit, as the ring does), and the copy rate from a registered mapping;
+- mapped: register, upload and unregister pipelined; and registering one unit split over 4 threads;
+- hybrid: for each of ``--shares``, that share of each unit registered in place while the pool preads the rest.
 
 Also whether cuFile (GPUDirect Storage) and its kernel driver are present here.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import mmap
 import os
 import statistics
-import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
+from bench.errors import cuda_missing
+from bench.log import log
+from bench.stats import summary
+from bench.timing import event_times
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, time_cuda, write_record  # noqa: E402
 
-from kestrel_cuda.host.tier import HostMemory  # noqa: E402
+def add_arguments(p) -> None:
+    p.add_argument("--dir", default="/tmp", help="where the scratch file is written (and removed)")
+    p.add_argument("--gib", type=int, default=4)
+    p.add_argument("--unit-mib", type=int, default=384)
+    p.add_argument("--threads", type=int, default=14)
+    p.add_argument("--shares", type=lambda v: [float(x) for x in v.split(",")], default=[0.3, 0.45, 0.6],
+                   help="the shares of a unit the hybrid registers in place, comma-separated")
+
+
+def needs_gpu(args) -> str | None:
+    return cuda_missing()
+
 
 READ_ONLY = 0x08  # cudaHostRegisterReadOnly: a read-only (file) mapping may be registered with it
 MADV_DONTNEED = 4
@@ -62,7 +67,7 @@ def gds_present() -> dict:
     return {"libcufile": lib, "nvidia_fs_module": mod}
 
 
-def pread_into(fd: int, buf: np.ndarray, offset: int, pool: ThreadPoolExecutor, threads: int) -> None:
+def pread_into(fd: int, buf, offset: int, pool: ThreadPoolExecutor, threads: int) -> None:
     step = -(-buf.nbytes // threads)
     step = -(-step // 4096) * 4096
 
@@ -84,6 +89,8 @@ def two_slots(n_units: int, stream, stage, upload, retire=lambda i: None, finish
     next unit's is queued; ``finish()`` runs after the last retire, inside the timing."""
     events: list = [None, None]
     last = None
+    import torch
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(n_units):
@@ -107,19 +114,11 @@ def two_slots(n_units: int, stream, stage, upload, retire=lambda i: None, finish
     return time.perf_counter() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default="/tmp")
-    ap.add_argument("--gib", type=int, default=4)
-    ap.add_argument("--unit-mib", type=int, default=384)
-    ap.add_argument("--threads", type=int, default=14)
-    ap.add_argument("--shares", type=lambda v: [float(x) for x in v.split(",")], default=[0.3, 0.45, 0.6],
-                    help="the shares of a unit the hybrid registers in place, comma-separated")
-    ap.add_argument("--out", action="append", default=[])
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("map_register_bench needs a GPU", file=sys.stderr)
-        return 2
+def run(args, record) -> dict:
+    import numpy as np
+    import torch
+    from kestrel_cuda.host.tier import HostMemory
+
     warnings.filterwarnings("ignore", message=".*not writable.*")
     unit = args.unit_mib * 2**20
     n_units = args.gib * 2**30 // unit
@@ -143,7 +142,9 @@ def main() -> int:
         stream = torch.cuda.Stream()
 
         pinned = torch.empty(unit, dtype=torch.uint8, pin_memory=True)
-        rec["pinned_h2d_GBps"] = unit / time_cuda(lambda: dev[0].copy_(pinned, non_blocking=True)) / 1e6
+        times = event_times(lambda: dev[0].copy_(pinned, non_blocking=True))
+        rec["pinned_h2d"] = {"ms": times, "summary": summary(times)}
+        rec["pinned_h2d_GBps"] = unit / rec["pinned_h2d"]["summary"]["p50"] / 1e6
 
         # fill: pread into a registered slot, alone and pipelined with the upload over two slots
         slots_mem = HostMemory(2 * unit, pin=True)
@@ -155,6 +156,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 pread_into(fd, slot_np[i % 2], i * unit, pool, args.threads)
                 times.append(time.perf_counter() - t0)
+            rec["fill_s"] = times
             rec["fill_GBps"] = unit / statistics.median(times) / 1e9
             secs = two_slots(n_units, stream, lambda i, s: pread_into(fd, slot_np[s], i * unit, pool, args.threads),
                              lambda i, s: dev[s].copy_(slots[s], non_blocking=True))
@@ -191,6 +193,7 @@ def main() -> int:
             unregister(i)
             unreg_ms.append((time.perf_counter() - t0) * 1e3)
             drop(i)
+        rec["register_ms_each"], rec["unregister_ms_each"], rec["mapped_copy_ms_each"] = reg_ms, unreg_ms, copy_ms
         rec["register_ms"] = statistics.median(reg_ms)
         rec["unregister_ms"] = statistics.median(unreg_ms)
         rec["register_GBps"] = unit / rec["register_ms"] / 1e6
@@ -208,6 +211,7 @@ def main() -> int:
                 times.append(time.perf_counter() - t0)
                 unregister(i, 4)
                 drop(i)
+            rec["register_4_threads_s"] = times
             rec["register_4_threads_GBps"] = unit / statistics.median(times) / 1e9
 
         # mapped, pipelined: a worker registers unit i+1 while unit i uploads, and unregisters each once its copy is done
@@ -271,11 +275,5 @@ def main() -> int:
     rec["verdict_inputs"] = {k: rec[k] for k in ("pinned_h2d_GBps", "fill_GBps", "ring_GBps", "register_GBps",
                                                    "register_4_threads_GBps", "mapped_copy_GBps", "mapped_GBps",
                                                    "hybrid_GBps")}
-    print(rec["verdict_inputs"], rec["gds"], file=sys.stderr)
-    for p in write_record("map_register", rec, [RESULTS, *map(Path, args.out)]):
-        print(p, file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    log(f"{rec['verdict_inputs']} {rec['gds']}")
+    return rec

@@ -1,0 +1,92 @@
+"""python -m bench SCENARIO [options]: run one benchmark scenario and write its stamped record.
+
+``python -m bench --help`` lists the scenarios; ``python -m bench SCENARIO --help`` gives one's options. A
+scenario's record goes to bench/results/<scenario>_<UTCstamp>.json (``--out DIR`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from bench.errors import BenchError
+from bench.scenarios import SCENARIOS, TOOLS, module
+from bench.stamp import RESULTS
+from kestrel_core.errors import KestrelError
+
+
+def overview() -> str:
+    width = max(map(len, [*SCENARIOS, *TOOLS]))
+    lines = [__doc__.strip(), "", "scenarios:"]
+    lines += [f"  {name:{width}}  {text}" for name, (_, text) in SCENARIOS.items()]
+    lines += ["", "tools:"] + [f"  {name:{width}}  {text}" for name, (_, text) in TOOLS.items()]
+    return "\n".join(lines)
+
+
+def parser_for(name: str, mod) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if hasattr(mod, "run"):
+        p.add_argument("--out", type=Path, default=RESULTS, help=f"where the record goes (default {RESULTS})")
+    mod.add_arguments(p)
+    return p
+
+
+def _stop(signum, frame):  # a SIGTERM (a timeout) ends the run as Ctrl-C does, so its record is still written
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview())
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in SCENARIOS and name not in TOOLS:
+        print(f"python -m bench: unknown scenario {name!r}; `python -m bench --help` lists them", file=sys.stderr)
+        return 2
+    mod = module(name)
+    args = parser_for(name, mod).parse_args(argv[1:])
+    why = mod.needs_gpu(args) if hasattr(mod, "needs_gpu") else None
+    if why:
+        print(f"python -m bench {name}: {why}", file=sys.stderr)
+        return 2
+    try:
+        if not hasattr(mod, "run"):
+            return mod.main(args)
+        return measure(name, mod, args, ["python -m bench", *argv])
+    except (BenchError, KestrelError) as exc:  # a setting or checkpoint kestrel refuses: one line, no traceback
+        print(f"python -m bench {name}: {exc}", file=sys.stderr)
+        return 2
+
+
+def measure(name: str, mod, args, argv: list[str]) -> int:
+    """Run a scenario and write its record: complete, or, where it stopped early, with what it had and why."""
+    from bench.record import Record
+
+    options = {k: v for k, v in vars(args).items() if k != "out"}
+    rec = Record(name, args.out, options, argv)
+    result: dict = {}
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        result = mod.run(args, rec) or {}
+    except (BenchError, KestrelError) as exc:
+        rec.finish(getattr(rec, "last_partial", None) or result, complete=False, error=f"{type(exc).__name__}: {exc}")
+        raise
+    except BaseException as exc:  # the record says where and why it stopped, then the error goes on
+        partial = getattr(rec, "last_partial", None) or result
+        path = rec.finish(partial, complete=False, error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        print(f"record (incomplete): {path}", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    path = rec.finish(result)
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

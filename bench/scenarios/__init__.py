@@ -1,0 +1,53 @@
+"""The scenarios ``python -m bench`` runs, by name. Each is a module of this package with a docstring (its
+``--help``), ``add_arguments(parser)``, ``needs_gpu(args)`` (why it cannot run here, or None) and either
+``run(args, record) -> result`` (a measurement: the harness writes its record) or ``main(args) -> exit code`` (a
+tool that writes no record).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> (module, one line for the overview)
+SCENARIOS: dict[str, tuple[str, str]] = {
+    "stream": ("stream", "dense decode: off, --compile, streaming keeps and policies, q8, beside the GEMV floor, "
+                         "the pinned copy rate and the peers (from stream_bench.py, decode_graphs.py)"),
+    "moe": ("moe", "Mixture-of-Experts: off, the expert cache per budget, policy and prefetch, uniform and skewed "
+                   "routers, whole-layer streaming, q8, peers (from moe_bench.py)"),
+    "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
+                                       "host functions of a decode step (from moe_host_cost.py)"),
+    "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "
+                       "kestrel off on the same weights (from airllm_peer.py, moe_peers.py)"),
+    "host-tier": ("host_tier", "the cuda host tier at keep=1: all pinned against rings, pages hot and dropped, "
+                               "against the copy and O_DIRECT ceilings (from host_tier_bench.py)"),
+    "host-fill": ("host_fill", "the host ring's hot path alone: staging from the page cache by mapping, pread or "
+                               "kept mapping (from host_fill_bench.py)"),
+    "expert-staging": ("expert_staging", "one routed expert staged into the ring, by each of its steps "
+                                         "(from expert_staging_bench.py)"),
+    "map-register": ("map_register", "uploading from the registered file mapping against the ring's copy "
+                                     "(from map_register_bench.py)"),
+    "ring-copy": ("ring_copy", "a host-to-device copy from torch-pinned, registered and pageable memory "
+                               "(from ring_copy_bench.py)"),
+    "q8-gemv": ("q8_gemv", "the q8 GEMV kernel per split count against the torch path and the device copy "
+                           "(from q8_gemv_bench.py)"),
+    "rss-window": ("rss_window", "cpu_ref's mapping RSS per keep against the policy's peak (from rss_window.py)"),
+    "rss-experts": ("rss_experts", "cpu_ref's mapping RSS under expert budgets against the resident bytes "
+                                   "(from rss_experts.py)"),
+    "window-overhead": ("window_overhead", "the window's own cost per layer boundary, keep=L against off, on the CPU "
+                                           "(from window_overhead.py)"),
+    "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
+    "demo": ("demo", "`kestrel demo --json` as a record (from demo_record.py)"),
+    "plot": ("plot", "the README's cost curve from a chosen stream record; measures nothing (from plot_cost_curve.py)"),
+}
+
+# name -> (module, one line): commands that measure nothing
+TOOLS: dict[str, tuple[str, str]] = {
+    "stamp": ("bench.stamp_command", "write bench/results/.stamp.json for a machine that gets the tree without .git"),
+    "render": ("bench.render", "render the docs' tables from the records (--check: say where they differ)"),
+}
+
+
+def module(name: str):
+    if name in SCENARIOS:
+        return importlib.import_module(f"bench.scenarios.{SCENARIOS[name][0]}")
+    return importlib.import_module(TOOLS[name][0])

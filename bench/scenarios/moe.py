@@ -1,0 +1,247 @@
+"""Mixture-of-Experts: kestrel's expert cache against everything resident, whole-layer streaming and the peers, on
+the Qwen3-30B-A3B shape.
+
+    python -m bench moe --models /tmp/m --layers 8 [--tokens 41] [--warmup 12] [--skew 1.2] [--q8-group 64]
+    python -m bench moe --backend cpu_ref --preset tiny-moe --layers 4 --tokens 8 --warmup 2 --peers ""   # on the CPU
+
+``--layers`` cuts the depth (a device's disk holds about one full model); every layer keeps the full model's shapes,
+so per-layer and per-token-per-layer figures are the full model's. The expert budgets are the full-depth 2, 4 and
+8 GiB scaled by layers/full depth, so the cache holds the same share of each layer's experts as at full depth.
+
+One run measures, side by side: the pinned copy rate (cuda); `off` (every unit resident); the expert cache at each
+budget with expert_lru and expert_lfu, speculative prefetch off and on, on the uniform router (random weights: the
+worst case for any cache) and on a Zipf-skewed one (``--skew``); whole-layer streaming (asymmetric keep=1, every
+expert with its layer); q8 experts (``--q8-group``); and the peers (transformers resident, accelerate with the
+experts on the CPU, AirLLM) on the same weights, last (a peer may leave threads behind).
+
+A row's figure is over the decode steps after the first ``--warmup`` (the cache fills); every step's time stays in
+the row. Also per row: bytes uploaded a token, hit rate, prefetch recall, the streamed bytes resident at each decode
+boundary (an observer), allocations after warm-up, and whether its ids equal `off`'s.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from bench import models, peers
+from bench.errors import cuda_missing
+from bench.log import log
+from bench.observe import observing
+from bench.prompt import prompt_for
+from bench.rows import compare_ids, row
+from bench.timing import copy_rates
+from kestrel_core.hookspecs import hookimpl
+
+FULL_BUDGETS_GIB = (2, 4, 8)
+BIG = 120_000  # MiB of weight-cache budget: every row fits; the expert budget is what bounds the experts
+
+
+def add_arguments(p) -> None:
+    models.add_arguments(p)
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="a MoE preset (tiny-moe with --backend cpu_ref)")
+    p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=41, help="new tokens of each kestrel row")
+    p.add_argument("--warmup", type=int, default=12, help="decode steps left out of the steady-state figures")
+    p.add_argument("--slow-tokens", type=int, default=18, help="new tokens of the slow rows (whole layers, peers)")
+    p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
+    p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
+
+
+def needs_gpu(args) -> str | None:
+    if args.backend != "cuda":
+        return None
+    why = cuda_missing()
+    return f"{why}; on the CPU: --backend cpu_ref --preset tiny-moe --layers 4" if why else None
+
+
+class DecodeResidency:
+    """Streamed bytes resident at each decode boundary (after the layer before's experts and guesses came in)."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    @hookimpl
+    def on_layer_advance(self, window, layer, phase):
+        if phase == "decode":
+            self.seen.append(window.resident_bytes)
+
+
+def unit_bytes(run, res) -> dict:
+    """A layer's own units' bytes and the largest expert's, from the run's unit table."""
+    units = run.backend.units.units
+    return {"own_unit_bytes": sum(u.nbytes for key, u in units.items() if len(key) == 1),
+            "expert_bytes": max((u.nbytes for key, u in units.items() if len(key) == 2), default=0)}
+
+
+def kestrel_row(model, args, label: str, tokens: int, warmup: int, **settings) -> dict:
+    settings = {"backend": args.backend, "budget_mb": BIG, **settings}
+    if args.backend != "cuda":
+        settings.pop("budget_mb")
+        settings["prefetch"] = 0
+    watch = DecodeResidency()
+    with observing(watch):
+        r = row(model, settings, prompt_for(model.config.vocab_size), tokens, label=label, warmup=warmup,
+                inspect=unit_bytes)
+    steady = [r["per_token"][i] for i in r["steady_steps"]]
+    hits, misses = sum(p["expert_hits"] for p in steady), sum(p["expert_misses"] for p in steady)
+    guessed = sum(p["expert_guessed"] for p in steady)
+    n_layers = model.config.num_hidden_layers
+    r.update(
+        expert_policy=settings.get("expert_policy") or None, expert_prefetch=bool(settings.get("expert_prefetch")),
+        expert_fetch=settings.get("expert_fetch", "routed"),
+        expert_budget_bytes=int(settings.get("expert_budget_mb", 0) * 2**20),
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        prefetch_recall=sum(p["expert_guess_hits"] for p in steady) / guessed if guessed else None,
+        expert_misses_per_token=sum(p["expert_misses"] for p in steady) / max(1, len(steady)),
+        expert_prefetches_per_token=sum(p["expert_prefetches"] for p in steady) / max(1, len(steady)),
+        peak_streamed_bytes_decode=max(watch.seen[warmup * n_layers:], default=0),
+        allocations_after_warmup=sum(p["allocations"] for p in steady),
+        mapping_rss_bytes=r["memory"].get("mapping_rss_bytes"))
+    hr = f"{100 * r['hit_rate']:5.1f}%" if r["hit_rate"] is not None else "  -   "
+    log(f"{label:44} p50 {r['summary']['p50']:8.2f} ms (n={r['summary']['n']}) "
+        f"{r['bytes_uploaded_per_token'] / 1e6:9.1f} MB/tok hit {hr} allocs*={r['allocations_after_warmup']}")
+    gc.collect()
+    return r
+
+
+def cache_rows(model, args, router: str, scale: float) -> list[dict]:
+    rows = []
+    for gib in FULL_BUDGETS_GIB:
+        for policy in ("expert_lru", "expert_lfu"):
+            for prefetch in (False, True):
+                r = kestrel_row(model, args, f"{router} {policy} {gib} GiB-eq pf={int(prefetch)}", args.tokens,
+                                args.warmup, keep="off", expert_policy=policy, expert_budget_mb=gib * 1024 * scale,
+                                expert_prefetch=prefetch)
+                r.update(router=router, budget_full_depth_gib=gib)
+                rows.append(r)
+    return rows
+
+
+def section(path, args, router: str, scale: float) -> dict:
+    from kestrel_core import load
+
+    with load(path) as model:
+        kestrel_row(model, args, f"{router} warm-up (not recorded)", 4, 1, keep="off")
+        off = kestrel_row(model, args, f"{router} off", args.tokens, args.warmup, keep="off")
+        off["router"] = router
+        rows = [off] + cache_rows(model, args, router, scale)
+        if router == "uniform":
+            pf = int(args.backend == "cuda")
+            whole = kestrel_row(model, args, f"uniform whole-layer asymmetric keep=1 pf={pf}", args.slow_tokens, 1,
+                                keep=1, expert_fetch="layer", pool_slots=4096, prefetch=pf)
+            whole["router"] = router
+            rows.append(whole)
+    for r in rows:  # a slow row generates fewer tokens: its ids against off's first ones
+        r.update(compare_ids(r, off))
+    return {"path": str(path), "rows": rows}
+
+
+def q8_section(path, args, scale: float) -> dict:
+    from kestrel_core import load
+
+    qpath = models.ensure_q8(path, args.q8_group)
+    with load(qpath) as model:
+        kestrel_row(model, args, "q8 warm-up (not recorded)", 4, 1, keep="off")
+        off = kestrel_row(model, args, "q8 off", args.tokens, args.warmup, keep="off")
+        rows = [off]
+        for prefetch in (False, True):
+            rows.append(kestrel_row(model, args, f"q8 uniform expert_lru 4 GiB-eq pf={int(prefetch)}", args.tokens,
+                                    args.warmup, keep="off", expert_policy="expert_lru",
+                                    expert_budget_mb=4 * 1024 * scale, expert_prefetch=prefetch))
+    for r in rows:
+        r.update(compare_ids(r, off))
+    return {"group": args.q8_group, "path": str(qpath), "weight_bytes": models.weight_bytes(qpath), "rows": rows}
+
+
+def targets(result: dict, cfg) -> dict:
+    """The issue's targets, each from this run's rows."""
+    pinned = (result.get("ceilings") or {}).get("pinned_h2d", {}).get("GBps")
+    uni = {r["label"]: r for r in result["uniform"]["rows"]}
+    sparse = sum(1 for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer))
+    moved, overlap, peaks = {}, {}, {}
+    for sec in ("uniform", "skewed"):
+        sec_rows = result.get(sec, {}).get("rows", [])
+        for r in sec_rows:
+            if not r["expert_policy"]:
+                continue
+            active = sparse * cfg.num_experts_per_tok * r["expert_bytes"]
+            if not r["expert_prefetch"] and r["hit_rate"] is not None and r["hit_rate"] < 1:
+                # Bytes uploaded a token (the counter) against (1 - hit rate) x the active expert bytes; a prefetching
+                # row also moves its guesses, by design.
+                moved[r["label"]] = r["bytes_uploaded_per_token"] / ((1 - r["hit_rate"]) * active)
+            bound = r["own_unit_bytes"] + r["expert_budget_bytes"] + (
+                cfg.num_experts_per_tok * r["expert_bytes"] if r["expert_prefetch"] else 0)
+            peaks[r["label"]] = r["peak_streamed_bytes_decode"] / bound
+            if r["budget_full_depth_gib"] == 4 and pinned:
+                sec_off = next(x for x in sec_rows if x["label"] == f"{sec} off")
+                allowed = 1.2 * r["bytes_uploaded_per_token"] / (pinned * 1e9) * 1e3 + sec_off["summary"]["p50"]
+                overlap[r["label"]] = r["summary"]["p50"] / allowed
+    out: dict = {"routed_only_ratio_max": max(moved.values(), default=None), "overlap_ratio_at_4GiB": overlap,
+                 "peak_over_bound_max": max(peaks.values(), default=None)}
+    best4 = min((r for r in result["uniform"]["rows"] if r.get("budget_full_depth_gib") == 4),
+                key=lambda r: r["summary"]["p50"])
+    out["best_uniform_4GiB"] = {"label": best4["label"], "p50_ms": best4["summary"]["p50"]}
+    whole = next((r for label, r in uni.items() if label.startswith("uniform whole-layer")), None)
+    if whole:
+        out["whole_layer_over_best_4GiB"] = whole["summary"]["p50"] / best4["summary"]["p50"]
+    for name, peer in (result.get("peers") or {}).items():
+        if isinstance(peer, dict) and (peer.get("summary") or {}).get("p50"):
+            out[f"{name}_over_best_4GiB"] = peer["summary"]["p50"] / best4["summary"]["p50"]
+    every = [r for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])]
+    out["every_row_ids_match_off"] = all(r.get("ids_match_baseline") for r in every)
+    out["allocations_after_warmup_max"] = max((r["allocations_after_warmup"] for r in every if r["expert_policy"]),
+                                              default=None)
+    return out
+
+
+def run(args, record) -> dict:
+    from kestrel_core.presets import PRESETS, preset_config
+
+    full = PRESETS[args.preset]["num_hidden_layers"]
+    layers = min(args.layers, full)
+    scale = layers / full
+    cfg = preset_config(args.preset, layers=layers)
+    if not cfg.is_moe:
+        from bench.errors import BenchError
+
+        raise BenchError(f"preset {args.preset} is not a Mixture-of-Experts model")
+    names = peers.parse_names(args.peers if args.peers is not None else
+                              ("transformers,accelerate-experts,airllm" if args.backend == "cuda" else ""))
+    result: dict = {"preset": args.preset, "backend": args.backend, "layers": layers, "full_depth_layers": full,
+                    "budget_scale": scale, "prompt_ids": prompt_for(cfg.vocab_size), "tokens": args.tokens,
+                    "warmup_steps": args.warmup, "slow_tokens": args.slow_tokens, "skew": args.skew,
+                    "note": (f"--layers {layers} of {full}: each layer has the full model's shapes; expert budgets are "
+                             f"the full-depth 2/4/8 GiB x {layers}/{full}. Random routers route almost uniformly, so "
+                             "the uniform rows are a worst case for any cache.")}
+    if args.backend == "cuda":
+        result["ceilings"] = copy_rates()
+        log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
+    path = models.ensure_preset(args.models, args.preset, layers=layers)
+    result["weight_bytes"] = models.weight_bytes(path)
+    result["uniform"] = section(path, args, "uniform", scale)
+    record.save_partial(result)
+    if args.skew:
+        skewed = models.ensure_preset(args.models, args.preset, layers=layers, router_skew=args.skew)
+        result["skewed"] = section(skewed, args, "skewed", scale)
+        record.save_partial(result)
+    if args.q8_group:
+        result["q8"] = q8_section(path, args, scale)
+        record.save_partial(result)
+    if names:  # last: a peer may leave threads behind that would slow kestrel's rows
+        device = "cuda" if args.backend == "cuda" else "cpu"
+        off = result["uniform"]["rows"][0]
+        result["peers"] = {"versions": peers.versions()}
+        for name in names:
+            r = peers.peer(name, path, result["prompt_ids"], args.tokens if name == "transformers" else args.slow_tokens,
+                           device=device, scratch_root=args.models, fuse_experts=True)
+            if "token_ids" in r:
+                r.update(compare_ids(r, off))
+            log(f"peer {name}: {(r.get('summary') or {}).get('p50')} ms/tok {r.get('error', '')}")
+            result["peers"][name] = r
+            record.save_partial(result)
+    result["targets"] = targets(result, cfg)
+    log(f"targets: {result['targets']}")
+    return result

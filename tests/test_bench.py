@@ -1,0 +1,292 @@
+"""The bench harness (``python -m bench``): its CPU scenarios run end to end on tiny presets and leave stamped records
+that keep every step's time; a GPU scenario on a machine without one says so in one line; a record is never
+overwritten; the stamp file stands in for git on a tree without ``.git`` and notices a changed tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import stamp as stamping
+from bench.__main__ import main as bench
+from bench.record import write_new
+from bench.rows import from_result
+from bench.stats import summary
+
+ROOT = Path(__file__).resolve().parent.parent
+HEX40 = re.compile(r"[0-9a-f]{40}")
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-models")
+
+
+def run_scenario(argv: list[str], out: Path) -> dict:
+    """Run ``python -m bench ARGV --out OUT`` in this process; its one record."""
+    assert bench([*argv, "--out", str(out)]) == 0
+    records = list(out.glob("*.json"))
+    assert len(records) == 1, records
+    assert re.fullmatch(rf"{argv[0]}_\d{{8}}T\d{{6}}Z\.json", records[0].name)
+    assert not list(out.glob("*.partial")), "a finished run leaves no partial record"
+    return json.loads(records[0].read_text())
+
+
+def check_stamp(rec: dict, scenario: str) -> None:
+    assert rec["format"] == 2 and rec["scenario"] == scenario and rec["complete"] is True and rec["error"] is None
+    st = rec["stamp"]
+    assert HEX40.fullmatch(st["commit"]) and isinstance(st["dirty"], bool) and st["stamp_source"] == "git"
+    assert st["command"].startswith(f"python -m bench {scenario} ")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", st["date_utc"])
+    m = st["machine"]
+    assert m["python"] and m["torch"] == torch.__version__ and m["cpus"] >= 1
+    if Path("/proc/meminfo").exists():
+        assert m["mem_total_bytes"] > 0 and m["cpu_model"]
+
+
+def check_steps(r: dict) -> None:
+    """A row keeps every decode step's time and mode, and summarises its steady steps with p10/p50/p90."""
+    assert len(r["decode_ms"]) == len(r["step_modes"]) >= 2
+    s = r["summary"]
+    assert set(s) >= {"n", "p10", "p50", "p90"} and s["n"] == len(r["steady_steps"]) >= 1
+    assert s["p10"] <= s["p50"] <= s["p90"]
+    steady = [r["decode_ms"][i] for i in r["steady_steps"]]
+    assert s["p50"] == pytest.approx(sorted(steady)[len(steady) // 2] if len(steady) % 2 else
+                                     sum(sorted(steady)[len(steady) // 2 - 1:len(steady) // 2 + 1]) / 2)
+
+
+def test_stream_on_cpu_ref_records_every_step_and_compares_ids(models, tmp_path):
+    rec = run_scenario(["stream", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "6",
+                        "--models", str(models), "--peers", ""], tmp_path)
+    check_stamp(rec, "stream")
+    rows = rec["result"]["rows"]
+    assert [r["label"] for r in rows] == ["off", "asymmetric keep=1", "pinned_set keep=4"]
+    for r in rows:
+        check_steps(r)
+        assert len(r["decode_ms"]) == 5 and r["steady_mode"] == "eager" and r["summary"]["n"] == 4
+    assert rows[1]["bytes_uploaded_per_token"] > 0 and rows[0]["bytes_uploaded_per_token"] == 0
+    assert all(r["ids_match_baseline"] for r in rows[1:]), "residency changes no id"
+    assert rec["options"]["tokens"] == 6 and "out" not in rec["options"]
+
+
+CPU_SCENARIOS = {
+    "moe": ["--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "4", "--tokens", "6", "--warmup", "2",
+            "--slow-tokens", "4", "--skew", "0", "--q8-group", "0", "--peers", ""],
+    "moe-host-cost": ["--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "4", "--tokens", "6", "--warmup",
+                      "2", "--rounds", "1", "--profile-tokens", "3"],
+    "rss-window": ["--preset", "tiny", "--tokens", "3"],
+    "rss-experts": ["--preset", "tiny-moe", "--layers", "4", "--tokens", "4", "--fractions", "0.25,0.5"],
+    "window-overhead": ["--preset", "tiny", "--repeats", "2", "--tokens", "6"],
+    "profile": ["--backend", "cpu_ref", "--preset", "tiny", "--tokens", "4"],
+    "host-fill": ["--preset", "tiny", "--rounds", "1", "--threads", "1"],
+    "expert-staging": ["--preset", "tiny-moe", "--layers", "2", "--experts", "8", "--threads", "1"],
+}
+
+
+def rows_of(value):
+    """Every dict in a result that has decode times (a row)."""
+    if isinstance(value, dict):
+        if "decode_ms" in value and "step_modes" in value:
+            yield value
+        for v in value.values():
+            yield from rows_of(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from rows_of(v)
+
+
+@pytest.mark.parametrize("scenario", sorted(CPU_SCENARIOS))
+def test_a_cpu_scenario_runs_end_to_end(scenario, models, tmp_path):
+    rec = run_scenario([scenario, *CPU_SCENARIOS[scenario], "--models", str(models)], tmp_path)
+    check_stamp(rec, scenario)
+    rows = list(rows_of(rec["result"]))
+    if scenario not in ("host-fill", "expert-staging"):  # those stage bytes; they run no generate
+        assert rows, f"{scenario} recorded no decode row"
+    for r in rows:
+        check_steps(r)
+
+
+def test_demo_records_kestrel_demo(models, tmp_path):
+    rec = run_scenario(["demo", "--max-new-tokens", "2", "--cache-dir", str(models / "demo-cache")], tmp_path)
+    check_stamp(rec, "demo")
+    result = rec["result"]
+    assert result["exit_code"] == 0 and result["invariance"]["identical"] is True
+    assert {r["policy"] for r in result["rows"]} >= {"asymmetric", "pinned_set", "belady"}
+
+
+def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
+    rec = run_scenario(["moe", *CPU_SCENARIOS["moe"], "--models", str(models)], tmp_path)
+    rows = rec["result"]["uniform"]["rows"]
+    cache = [r for r in rows if r["expert_policy"]]
+    assert len(cache) == 12 and all(0 <= r["hit_rate"] <= 1 for r in cache)
+    assert all(r["ids_match_baseline"] for r in rows), "an expert budget changes no id"
+    assert rec["result"]["targets"]["every_row_ids_match_off"] is True
+
+
+def test_peers_say_when_they_are_not_installed(models, tmp_path):
+    rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
+                        "--models", str(models)], tmp_path)
+    row = rec["result"]["peers"]["transformers"]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        assert "not installed" in row["error"] and "pip install transformers" in row["error"]
+    else:
+        assert row["summary"]["n"] >= 1 and row["ids_compared"] == 5
+    check_steps(rec["result"]["kestrel_off"])
+
+
+GPU_ONLY = [["host-tier"], ["map-register"], ["ring-copy"], ["q8-gemv"], ["stream"], ["moe"], ["moe-host-cost"],
+            ["peers"], ["profile"], ["host-fill", "--dma"]]
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", GPU_ONLY, ids=lambda a: " ".join(a))
+def test_a_gpu_scenario_says_so_in_one_line(argv, capsys, tmp_path):
+    assert bench([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"python -m bench {argv[0]}: needs a CUDA GPU" in err
+    assert not list(tmp_path.iterdir()), "no record of a run that could not start"
+
+
+@NO_GPU
+def test_the_command_line_says_it_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "bench", "ring-copy"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "needs a CUDA GPU" in done.stderr
+
+
+def test_help_lists_every_scenario(capsys):
+    from bench.scenarios import SCENARIOS
+
+    assert bench(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^  {re.escape(name)} ", out, re.M) for name in SCENARIOS)
+    assert set(SCENARIOS) >= {"stream", "moe", "moe-host-cost", "peers", "host-tier", "host-fill", "expert-staging",
+                              "map-register", "ring-copy", "q8-gemv", "rss-window", "rss-experts", "window-overhead",
+                              "profile", "demo", "plot"}
+
+
+def test_no_bench_module_edits_sys_path():
+    offenders = [p.name for p in (ROOT / "bench").rglob("*.py") if "sys.path" in p.read_text()]
+    assert not offenders
+
+
+# --- records ------------------------------------------------------------------------------------------------------
+
+def test_a_record_is_never_overwritten(tmp_path):
+    path = tmp_path / "stream_20261205T000000Z.json"
+    write_new(path, {"n": 1})
+    with pytest.raises(FileExistsError):
+        write_new(path, {"n": 2})
+    assert json.loads(path.read_text()) == {"n": 1}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temp file left behind"
+
+
+def test_a_run_that_fails_leaves_an_incomplete_record_with_its_error(models, tmp_path):
+    with pytest.raises(ValueError):  # an unknown keep: the run starts, then fails
+        bench(["rss-window", "--preset", "tiny", "--keeps", "1,many", "--models", str(models), "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("rss-window_*.json")
+    rec = json.loads(path.read_text())
+    assert rec["complete"] is False and rec["error"].startswith("ValueError")
+
+
+# --- the stamp ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository of three files, committed, as the tree the stamp describes."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    root = tmp_path / "tree"
+    (root / "bench" / "results").mkdir(parents=True)
+    (root / "a.py").write_text("a = 1\n")
+    (root / "b.txt").write_text("b\n")
+    (root / ".gitignore").write_text("ignored.txt\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    env.pop("GIT_DIR", None)
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run(["git", *cmd], cwd=root, check=True, env=env)
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    monkeypatch.setattr(stamping, "REPO", root)
+    return root
+
+
+def test_git_stamps_commit_and_dirty_but_not_the_results(repo):
+    s = stamping.from_git()
+    assert HEX40.fullmatch(s["commit"]) and s["dirty"] is False
+    (repo / "bench" / "results" / "stream_20261205T000000Z.json").write_text("{}")
+    (repo / "ignored.txt").write_text("x")
+    assert stamping.from_git()["dirty"] is False, "a record written, or an ignored file, is no change to the code"
+    (repo / "a.py").write_text("a = 2\n")
+    assert stamping.from_git()["dirty"] is True
+
+
+def test_git_dir_answers_for_a_tree_copied_without_git(repo, tmp_path, monkeypatch):
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setattr(stamping, "REPO", copy)
+    assert stamping.from_git() is None, "the copy has no .git (and no repository above it)"
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    s = stamping.from_git()
+    assert s["dirty"] is False and s["git_dir"] == str(repo / ".git")
+
+
+def test_the_stamp_file_stands_in_for_git_and_sees_a_changed_tree(repo, tmp_path, monkeypatch):
+    saved = stamping.write_stamp_file(repo / "bench" / "results" / ".stamp.json")
+    assert saved["files"] == [".gitignore", "a.py", "b.txt"]
+    copy = tmp_path / "copy"  # the tree as the GPU machine gets it: no .git
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setattr(stamping, "REPO", copy)
+    monkeypatch.setattr(stamping, "git", lambda *args: None)
+    stamp_file = copy / "bench" / "results" / ".stamp.json"
+    s = stamping.from_stamp_file(stamp_file)
+    assert s["commit"] == saved["commit"] and s["dirty"] is False and s["tree_matches_stamp"] is True
+    (copy / "b.txt").write_text("changed\n")
+    s = stamping.from_stamp_file(stamp_file)
+    assert s["dirty"] is True and s["tree_matches_stamp"] is False and s["stamp_source"] == "stamp-file"
+    (copy / "b.txt").write_text("b\n")
+    (copy / "a.py").unlink()
+    assert stamping.from_stamp_file(stamp_file)["dirty"] is True, "a file gone is a change"
+
+
+def test_without_git_or_a_stamp_file_the_record_says_it_does_not_know(tmp_path, monkeypatch):
+    monkeypatch.setattr(stamping, "git", lambda *args: None)
+    monkeypatch.setattr(stamping, "STAMP_FILE", tmp_path / "none.json")
+    monkeypatch.setattr(stamping, "from_stamp_file", lambda path=tmp_path / "none.json": None)
+    assert stamping.source() == {"commit": None, "dirty": None, "stamp_source": "none"}
+
+
+# --- one summary function, and a graph row's steps apart ----------------------------------------------------------
+
+def test_summary_gives_p10_p50_p90_and_n():
+    s = summary(range(1, 11))
+    assert (s["n"], s["p50"], s["min"], s["max"]) == (10, 5.5, 1, 10)
+    assert s["p10"] == pytest.approx(1.9) and s["p90"] == pytest.approx(9.1)
+    assert summary([3.0])["p10"] == summary([3.0])["p90"] == 3.0
+    assert summary([])["n"] == 0 and summary([])["p50"] is None
+
+
+def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
+    per = [{"bytes_uploaded": b, "layer_uploads": 1, "allocations": 0, "frees": 0} for b in (9, 9, 5, 5, 5)]
+    res = types.SimpleNamespace(prompt_ids=[1], token_ids=[1] * 6, prefill_ms=50.0, decode_ms=[30.0, 40.0, 8.0, 7.0, 9.0],
+                                step_modes=["eager", "captured", "replayed", "replayed", "replayed"], per_token=per,
+                                counters={"peak_resident_bytes": 1}, memory={"device_peak_bytes": 2},
+                                fixed_resident_bytes=0, steps={"eager": 1, "captured": 1, "replayed": 3})
+    r = from_result(res, "off", {"keep": "off"}, pinned_GBps=1.0)
+    assert r["steady_mode"] == "replayed" and r["summary"]["n"] == 3 and r["summary"]["p50"] == 8.0
+    assert r["captured_ms"] == [40.0] and r["eager_ms"] == [30.0]
+    assert r["bytes_uploaded_per_token"] == 5 and r["per_mode"]["replayed"]["max"] == 9.0
+    eager = from_result(types.SimpleNamespace(**{**vars(res), "step_modes": ["eager"] * 5}), "off", {})
+    assert eager["steady_mode"] == "eager" and eager["summary"]["n"] == 4 and eager["captured_ms"] == []
