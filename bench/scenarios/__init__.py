@@ -14,6 +14,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                          "the pinned copy rate and the peers (from stream_bench.py, decode_graphs.py)"),
     "moe": ("moe", "Mixture-of-Experts: off, the expert cache per budget, policy and prefetch, uniform and skewed "
                    "routers, whole-layer streaming, q8, peers (from moe_bench.py)"),
+    "moe-gate": ("moe_gate", "the gate for a MoE step's miss path: a kernel reading experts from mapped pinned memory, a "
+                             "copy kernel into device slots, and the DMA copy, in one run"),
     "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
                                        "host functions of a decode step (from moe_host_cost.py)"),
     "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "

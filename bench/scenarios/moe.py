@@ -8,11 +8,15 @@ the Qwen3-30B-A3B shape.
 so per-layer and per-token-per-layer figures are the full model's. The expert budgets are the full-depth 2, 4 and
 8 GiB scaled by layers/full depth, so the cache holds the same share of each layer's experts as at full depth.
 
-One run measures, side by side: the pinned copy rate (cuda); `off` (every unit resident); the expert cache at each
-budget with expert_lru and expert_lfu, speculative prefetch off and on, on the uniform router (random weights: the
-worst case for any cache) and on a Zipf-skewed one (``--skew``); whole-layer streaming (asymmetric keep=1, every
-expert with its layer); q8 experts (``--q8-group``); and the peers (transformers resident, accelerate with the
-experts on the CPU, AirLLM) on the same weights, last (a peer may leave threads behind).
+One run measures, side by side: the pinned copy rate and the HBM floor (cuda: one token's active weights, attention,
+router, the routed experts and lm_head, read once by F.linear in a CUDA graph); `off` (every unit resident); the expert
+cache at each budget with expert_lru and expert_lfu on each decode path of ``--decode`` (``table``: the step reads its
+experts through the expert table and never waits for the host; ``host``: the host routes each sparse layer and fetches
+before use, also with speculative prefetch), on the uniform router (random weights: the worst case for any cache) and on
+a Zipf-skewed one (``--skew``); whole-layer streaming (asymmetric keep=1, every expert with its layer); q8 experts
+(``--q8-group``); and the peers (transformers resident, accelerate with the experts on the CPU, AirLLM) on the same
+weights, last (a peer may leave threads behind). Each cache row has its stream bound: its bytes uploaded a token over
+the pinned copy rate.
 
 A row's figure is over the decode steps after the first ``--warmup`` (the cache fills); every step's time stays in
 the row. Also per row: bytes uploaded a token, hit rate, prefetch recall, the streamed bytes resident at each decode
@@ -46,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--slow-tokens", type=int, default=18, help="new tokens of the slow rows (whole layers, peers)")
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
+    p.add_argument("--decode", default="table,host", help="decode paths of the cache rows: table, host, or both")
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
 
@@ -107,17 +112,56 @@ def kestrel_row(model, args, label: str, tokens: int, warmup: int, **settings) -
     return r
 
 
+def decode_paths(args) -> list[str]:
+    paths = [d.strip() for d in args.decode.split(",") if d.strip()]
+    bad = [d for d in paths if d not in ("table", "host")]
+    if bad or not paths:
+        from bench.errors import BenchError
+
+        raise BenchError(f"--decode takes table, host or both, got {args.decode!r}")
+    return paths
+
+
 def cache_rows(model, args, router: str, scale: float) -> list[dict]:
     rows = []
     for gib in FULL_BUDGETS_GIB:
         for policy in ("expert_lru", "expert_lfu"):
-            for prefetch in (False, True):
-                r = kestrel_row(model, args, f"{router} {policy} {gib} GiB-eq pf={int(prefetch)}", args.tokens,
-                                args.warmup, keep="off", expert_policy=policy, expert_budget_mb=gib * 1024 * scale,
-                                expert_prefetch=prefetch)
-                r.update(router=router, budget_full_depth_gib=gib)
-                rows.append(r)
+            for decode in decode_paths(args):
+                for prefetch in (False, True) if decode == "host" else (False,):  # a guess needs the host
+                    r = kestrel_row(model, args, f"{router} {decode} {policy} {gib} GiB-eq pf={int(prefetch)}",
+                                    args.tokens, args.warmup, keep="off", expert_policy=policy,
+                                    expert_budget_mb=gib * 1024 * scale, expert_prefetch=prefetch, expert_decode=decode)
+                    r.update(router=router, budget_full_depth_gib=gib, expert_decode=decode)
+                    rows.append(r)
     return rows
+
+
+def hbm_floor(cfg, reps: int = 20) -> dict:
+    """One token's active weights (attention, router, the routed experts of each layer, lm_head), each read once by
+    F.linear at batch 1, replayed as one CUDA graph: the device's floor for a decode step of this shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.stats import summary
+    from bench.timing import graph_times
+
+    h, k = cfg.hidden_size, cfg.num_experts_per_tok
+    mats = []
+    for layer in range(cfg.num_hidden_layers):
+        mats += [(cfg.q_dim + 2 * cfg.kv_dim, h), (h, cfg.q_dim)]
+        if cfg.moe_layer(layer):
+            mats += [(cfg.num_experts, h)] + [(2 * cfg.moe_intermediate_size, h), (h, cfg.moe_intermediate_size)] * k
+        else:
+            mats += [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    mats.append((cfg.vocab_size, h))
+    weights = [torch.randn(shape, dtype=torch.bfloat16, device="cuda") for shape in mats]
+    xs = {n: torch.randn(1, n, dtype=torch.bfloat16, device="cuda") for n in {shape[1] for shape in mats}}
+    times = graph_times(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], calls=2, reps=reps)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    del weights
+    torch.cuda.empty_cache()
+    p50 = summary(times)["p50"]
+    return {"bytes": nbytes, "ms": times, "summary": summary(times), "TBps": nbytes / p50 / 1e9}
 
 
 def section(path, args, router: str, scale: float) -> dict:
@@ -190,6 +234,24 @@ def targets(result: dict, cfg) -> dict:
     for name, peer in (result.get("peers") or {}).items():
         if isinstance(peer, dict) and (peer.get("summary") or {}).get("p50"):
             out[f"{name}_over_best_4GiB"] = peer["summary"]["p50"] / best4["summary"]["p50"]
+    floor = (result.get("hbm_floor") or {}).get("summary", {}).get("p50")
+    if floor:
+        out["off_over_hbm_floor"] = uni.get("uniform off", {}).get("summary", {}).get("p50", 0) / floor
+    table_vs_host, bounds = {}, {}
+    for sec in ("uniform", "skewed"):
+        sec_rows = result.get(sec, {}).get("rows", [])
+        by = {r["label"]: r for r in sec_rows}
+        sec_off = by.get(f"{sec} off")
+        for r in sec_rows:
+            if r.get("expert_decode") != "table":
+                continue
+            host = by.get(r["label"].replace(" table ", " host "))
+            if host:  # the eager host-planned path at the same budget and policy, over the table path
+                table_vs_host[r["label"]] = host["summary"]["p50"] / r["summary"]["p50"]
+            if sec_off and r.get("stream_bound_ms") is not None:  # the target: <= 1.2 x (off + miss bytes / pinned)
+                bounds[r["label"]] = r["summary"]["p50"] / (sec_off["summary"]["p50"] + r["stream_bound_ms"])
+    out["host_over_table"] = table_vs_host
+    out["table_over_off_plus_stream_bound"] = bounds
     every = [r for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])]
     out["every_row_ids_match_off"] = all(r.get("ids_match_baseline") for r in every)
     out["allocations_after_warmup_max"] = max((r["allocations_after_warmup"] for r in every if r["expert_policy"]),
@@ -219,6 +281,8 @@ def run(args, record) -> dict:
     if args.backend == "cuda":
         result["ceilings"] = copy_rates()
         log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
+        result["hbm_floor"] = hbm_floor(cfg)
+        log(f"HBM floor {result['hbm_floor']['summary']['p50']:.3f} ms ({result['hbm_floor']['TBps']:.2f} TB/s)")
     path = models.ensure_preset(args.models, args.preset, layers=layers)
     result["weight_bytes"] = models.weight_bytes(path)
     result["uniform"] = section(path, args, "uniform", scale)
@@ -242,6 +306,11 @@ def run(args, record) -> dict:
             log(f"peer {name}: {(r.get('summary') or {}).get('p50')} ms/tok {r.get('error', '')}")
             result["peers"][name] = r
             record.save_partial(result)
+    pinned = (result.get("ceilings") or {}).get("pinned_h2d", {}).get("GBps")
+    for sec in ("uniform", "skewed", "q8"):
+        for r in result.get(sec, {}).get("rows", []):
+            if pinned:  # what streaming this row's bytes alone would take at the pinned rate
+                r["stream_bound_ms"] = r["bytes_uploaded_per_token"] / (pinned * 1e9) * 1e3
     result["targets"] = targets(result, cfg)
     log(f"targets: {result['targets']}")
     return result
