@@ -128,7 +128,9 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     rec = run_scenario(["moe", *CPU_SCENARIOS["moe"], "--models", str(models)], tmp_path)
     rows = rec["result"]["uniform"]["rows"]
     cache = [r for r in rows if r["expert_policy"]]
-    assert len(cache) == 12 and all(0 <= r["hit_rate"] <= 1 for r in cache)
+    # 3 budgets x 2 policies: on the table path, and on the host path with and without a guess
+    assert len(cache) == 18 and all(0 <= r["hit_rate"] <= 1 for r in cache)
+    assert {r["expert_decode"] for r in cache} == {"table", "host"}
     assert all(r["ids_match_baseline"] for r in rows), "an expert budget changes no id"
     assert rec["result"]["targets"]["every_row_ids_match_off"] is True
 
