@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_core.config import GenerationConfig, KestrelConfig
+from kestrel_core.config import KestrelConfig
 from kestrel_core.engine import Model
 from kestrel_core.presets import preset_config, write_checkpoint
 

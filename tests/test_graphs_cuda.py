@@ -10,7 +10,6 @@ import itertools
 import pytest
 import torch
 
-from kestrel_core import quant
 from kestrel_core.config import KestrelConfig
 from kestrel_core.engine import Model
 from kestrel_core.errors import KestrelNote

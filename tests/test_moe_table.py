@@ -16,7 +16,7 @@ from kestrel_core.expert_schedule import ExpertSchedule
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.quantize import quantize_checkpoint
 from kestrel_core.traces import TraceRecorder, replay
-from kestrel_plugins.experts import ExpertLFU, ExpertLRU
+from kestrel_plugins.experts import ExpertLFU
 
 PROMPT = [5, 17, 42, 99, 3]
 EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers
@@ -120,7 +120,7 @@ def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts)
         with model.open(observers=[recorder], expert_policy="expert_lfu", expert_budget_mb=budget_mb,
                         temperature=temperature, seed=3) as run:
             live = run.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False)
-            from kestrel_core.traces import model_info, read_trace, trace_record
+            from kestrel_core.traces import model_info, read_trace
             info = model_info(run)
     assert info["expert_decode"] == "table" and info["lag"] == (1 if temperature == 0 else 0)
     trace = {"model": info, "sizes": {tuple(map(int, k.split("."))): v for k, v in info["expert_bytes"].items()},

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli_helpers import WEIGHTS, fails, gen, header_of
-from kestrel_core import quant
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from kestrel_core.modelconfig import parse_model_config

@@ -17,7 +17,6 @@ import sys
 
 import pytest
 
-from kestrel_core import plugins
 from kestrel_core.checkpoint import PAGE, Checkpoint
 from kestrel_core.config import KestrelConfig
 from kestrel_core.engine import Model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_core import load, plugins
+from kestrel_core import load
 from kestrel_core.config import KestrelConfig
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl

@@ -116,6 +116,7 @@ def run(args, record) -> dict:
                                 <= upload_then_read else "upload misses into scratch slots first, then read them")
         out[kind]["upload_then_read_ms"] = upload_then_read
         record.save_partial(out)
-        del host, dev, slots, sources
+        for held in (host, dev, slots, sources):
+            held.clear()
         torch.cuda.empty_cache()
     return out
