@@ -46,10 +46,13 @@ How ``Model`` should open a ``.gguf`` (``load("x.gguf")``; ``is_gguf(path)`` tel
     eos_ids = ckpt.eos_ids()                     # in place of modeldir.eos_ids(dir, config)
     template = ckpt.chat_template()              # in place of load_chat_template(model.dir) for `kestrel chat`
 
-Things a backend must know: a quantized tensor's ``info(name).nbytes`` is its stored size, not its view's
-(``raw`` is False), so a reader that copies a tensor's file bytes itself (the cuda host tier's ``pread`` and
-``O_DIRECT`` parts) must take ``view(name)`` where ``info(name).raw`` is False; ``drop_pages`` works on the
-stored bytes either way. A dequantized view is new memory (float32, 4 bytes a weight), not the mapping.
+Things a backend must know: a quantized or permuted tensor's stored bytes are not its view's (``info(name).raw``
+is False; ``nbytes`` is the stored size), so a reader that copies a tensor's file bytes itself must take
+``view(name)`` for those: in the cuda host tier, ``Filler.sources`` (its ``PartRead`` where the view's dtype is
+the slot's, float32 included) and ``Filler._read`` (``O_DIRECT``, typed by ``info.dtype``/``info.shape``).
+``drop_pages``/``drop_around`` work on the stored bytes either way. A dequantized view is new memory (float32,
+4 bytes a weight), not the mapping, made afresh at each call (nothing is cached: 15 ms a layer of this Q4_1
+135M model on one core). A Q8_0 weight can go to kestrel's q8 path instead, undequantized: ``q8(name)``.
 
 llama.cpp's ``convert_hf_to_gguf.py`` stores a ``llama`` model's Q and K rows in its rotary layout
 (``LlamaModel.permute``: ``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)``, K with
@@ -238,7 +241,7 @@ def _read(path: Path):
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's own header fields
             continue
-        value = field.contents()
+        value = _field_value(field, gguf.GGUFValueType)
         if len(field.types) == 1 and field.types[0] == gguf.GGUFValueType.FLOAT32:
             value = float(str(np.float32(value)))  # 1e-05, as the config.json it came from said, not 9.99999974e-06
         meta[key] = value
@@ -247,6 +250,19 @@ def _read(path: Path):
     size = len(reader.data)
     del reader  # its memmap goes with it: tensors are read through our own mapping
     return meta, tensors, size
+
+
+def _field_value(field, kinds):
+    """A metadata field as a python value (arrays as lists): ReaderField.contents(), which gguf < 0.11 lacks."""
+    if not field.types:
+        return None
+    if field.types[0] == kinds.ARRAY:
+        if field.types[-1] == kinds.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    if field.types[0] == kinds.STRING:
+        return bytes(field.parts[-1]).decode("utf-8")
+    return field.parts[-1].tolist()[0]
 
 
 def gguf_version() -> str:
@@ -283,7 +299,7 @@ class GGUFCheckpoint:
             self._config = parse_model_config(self._config_dict, f"{self.path} (GGUF metadata)")
         except ConfigError as exc:
             raise CheckpointError(f"{exc}{_gguf_keys(str(exc), self.arch)}") from None
-        self._infos, self._stacks = self._name_tensors()
+        self._infos = self._name_tensors()
         self._validate()
         self.files = {self.path.name: GGUFFile(self.path, size)}
         self._file = self.files[self.path.name]
@@ -439,11 +455,10 @@ class GGUFCheckpoint:
                              "low_freq_factor 1, high_freq_factor 4 and 8192 original positions; kestrel cannot compute it")
         return scaling
 
-    def _name_tensors(self) -> tuple[dict[str, GGUFTensorInfo], dict[str, list[str]]]:
-        """kestrel name -> info for every stored tensor and every expert of a stack; stack name -> its experts' names."""
+    def _name_tensors(self) -> dict[str, GGUFTensorInfo]:
+        """kestrel name -> info, for every stored tensor and every expert of a stack."""
         cfg = self._config
         infos: dict[str, GGUFTensorInfo] = {}
-        stacks: dict[str, list[str]] = {}
         heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
         for t in self._stored.values():
             if t.name == ROPE_FREQS:
@@ -461,14 +476,11 @@ class GGUFCheckpoint:
                     raise self._fail(f"tensor {t.name!r} has shape {list(t.shape)}; an expert stack is 3-D "
                                      f"[experts, out, in]; {CORRUPT}")
                 E, rows, cols = t.shape
-                span = (t.end - t.start) // E
-                names = []
+                span = (t.end - t.start) // E  # expert e: the e-th of E equal runs of whole rows
                 for e in range(E):
                     alias = EXPERT.format(layer=layer, expert=e, role=EXPERT_STACKS[rest])
                     infos[alias] = GGUFTensorInfo(alias, dtype, (rows, cols), t.start + e * span, t.start + (e + 1) * span,
                                                   t.name, t.qtype.name)
-                    names.append(alias)
-                stacks[name] = names
             permuted = self.arch == "llama" and rest in _PERMUTED
             if permuted:
                 n_head = heads[_PERMUTED[rest]]
@@ -476,7 +488,7 @@ class GGUFCheckpoint:
                     raise self._fail(f"tensor {t.name!r} has {t.shape[0]} rows, not a whole number of {n_head} heads of "
                                      f"even size; {self.arch}.attention.head_count(_kv) and the weights do not match")
             infos[name] = GGUFTensorInfo(name, dtype, t.shape, t.start, t.end, t.name, t.qtype.name, permuted)
-        return infos, stacks
+        return infos
 
     def kestrel_name(self, gguf_name: str) -> str | None:
         """The kestrel name of a GGUF tensor name (an expert stack's is ``STACK``), or None for one kestrel does not read."""
@@ -706,6 +718,3 @@ def _gguf_keys(message: str, arch: str) -> str:
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:160]
 
-
-def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    return GGUFCheckpoint(path)
