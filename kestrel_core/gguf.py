@@ -253,7 +253,7 @@ def _read(path: Path):
 
 
 def _field_value(field, kinds):
-    """A metadata field as a python value (arrays as lists): ReaderField.contents(), which gguf < 0.11 lacks."""
+    """A metadata field as a python value (arrays as lists): ReaderField.contents(), which gguf < 0.16 lacks."""
     if not field.types:
         return None
     if field.types[0] == kinds.ARRAY:
