@@ -1,0 +1,138 @@
+"""A GGUF's tokenizer and chat template, from its metadata, as kestrel's ``Tokenizer`` and ``ChatTemplate``.
+
+kestrel builds llama.cpp's ``gpt2`` tokenizer model (byte-level BPE: ``tokenizer.ggml.tokens``,
+``tokenizer.ggml.merges``, ``tokenizer.ggml.token_type``) as a ``tokenizers.Tokenizer`` in memory. The text is
+split before BPE as llama.cpp splits it for ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``: the regexes of
+llama.cpp's ``llama-vocab.cpp``, written as the Hugging Face pre-tokenizers of the same models). Control
+tokens (type 3) are added as special tokens and user-defined ones (type 4) as plain added tokens, so that
+``<|im_start|>`` in a prompt is one id, as in both llama.cpp and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from tokenizers import AddedToken, Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from .chat_template import ChatTemplate
+from .errors import CheckpointError, ConfigError
+from .tokenizer import Tokenizer
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
+_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _gpt2():
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2():  # llama.cpp: "\p{N}", then GPT-2's regex (SmolLM's cosmo2 tokenizer: Digits + ByteLevel)
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# tokenizer.ggml.pre -> (pre-tokenizer, NFC normalizer, ignore_merges), as llama.cpp reads each
+PRE_TOKENIZERS = {
+    "default": (_gpt2, False, False),
+    "gpt-2": (_gpt2, False, False),
+    "gpt2": (_gpt2, False, False),
+    "smollm": (_digits_then_gpt2, False, False),
+    "starcoder": (_digits_then_gpt2, False, False),
+    "qwen2": (lambda: _split_then_bytes(_QWEN2), True, False),
+    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3), False, True),
+    "llama3": (lambda: _split_then_bytes(_LLAMA3), False, True),
+}
+
+
+class GGUFTokenizer(Tokenizer):
+    """kestrel's ``Tokenizer`` over a ``tokenizers.Tokenizer`` built in memory (not read from tokenizer.json)."""
+
+    def __init__(self, hf: HFTokenizer):  # noqa: super().__init__ reads a file; this one has none
+        self._tok = hf
+
+    @property
+    def hf(self) -> HFTokenizer:
+        return self._tok
+
+
+def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
+    """The ``tokenizers.Tokenizer`` a GGUF's metadata describes; anything kestrel cannot build is a CheckpointError
+    naming the key."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{where}: tokenizer.ggml.model is {kind!r}; kestrel builds only 'gpt2' (byte-level BPE) "
+                              "tokenizers from a GGUF: pass --prompt-ids, or run the model's Hugging Face directory")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre is {pre!r}, which kestrel does not know; known: "
+                              f"{', '.join(PRE_TOKENIZERS)} (pass --prompt-ids, or run the model's Hugging Face directory)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not tokens:
+        raise CheckpointError(f"{where}: tokenizer.ggml.tokens is missing or empty; the GGUF has no vocabulary: re-convert it")
+    if not isinstance(merges, list):
+        raise CheckpointError(f"{where}: tokenizer.ggml.merges is missing; a gpt2 tokenizer needs its merges: re-convert it")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens "
+                              f"has {len(tokens)}; the file is corrupt: re-convert it")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicate (some converters pad with repeats) keeps its first id, as llama.cpp's map
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges holds {m!r}, not two tokens separated by a space; "
+                                  "the file is corrupt: re-convert it")
+        pairs.append((a, b))
+    make_pre, nfc, ignore_merges = PRE_TOKENIZERS[pre]
+    try:
+        extra = {"ignore_merges": True} if ignore_merges else {}  # tokenizers >= 0.19; llama.cpp's llama3 looks words up first
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, **extra)
+    except Exception as exc:  # a merge of a token not in the vocabulary
+        raise CheckpointError(f"{where}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc}); re-convert it") from None
+    tok = HFTokenizer(bpe)
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = make_pre()
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+    plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
+    return tok
+
+
+SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+               "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
+               "sep_token": "tokenizer.ggml.seperator_token_id", "cls_token": "tokenizer.ggml.cls_token_id",
+               "mask_token": "tokenizer.ggml.mask_token_id"}
+
+
+def special_tokens(meta: Mapping[str, Any]) -> dict[str, str]:
+    """bos_token, eos_token, ... as strings (what a chat template is rendered with), for the ids the metadata names."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    out = {}
+    for name, key in SPECIAL_IDS.items():
+        i = meta.get(key)
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            out[name] = tokens[i]
+    return out
+
+
+def chat_template(meta: Mapping[str, Any], where: str) -> ChatTemplate:
+    """``tokenizer.chat_template`` as kestrel's ChatTemplate; a GGUF without one is a ConfigError saying what to do."""
+    source = meta.get("tokenizer.chat_template")
+    if not isinstance(source, str):
+        raise ConfigError(f"{where} has no chat template (no tokenizer.chat_template in its metadata), so kestrel cannot "
+                          "lay out a conversation for it: a base model may have none; use `kestrel generate --prompt TEXT` "
+                          "for plain continuation")
+    return ChatTemplate(source, f"{where} (tokenizer.chat_template)", special_tokens(meta))
