@@ -17,12 +17,14 @@ import os
 from typing import Any, Callable, Iterable
 
 import attrs
+import torch
 
 from . import plugins
 from .backend import BackendContext
 from .config import OFF, KestrelConfig, check_environment, with_settings
 from .contracts import Allocator, Backend, ExpertPolicy, Policy, member, missing_members
-from .errors import ConfigError, KestrelError, PluginError
+from .batch import generate_one
+from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
 from .host import HostStore
 from .modeldir import read_model_dir
@@ -258,7 +260,13 @@ class Run:
 
         hear = each if on_token is not None or stream is not None else None
         eos = (self.model.eos_ids | frozenset(stop_ids))  # config.json's and generation_config.json's, and the caller's
-        result = self.runner.generate(ids, gen, eos, keep_logits=keep_logits, on_token=hear)
+        try:
+            result = generate_one(self.runner, ids, gen, eos, keep_logits=keep_logits, on_token=hear)
+        except torch.cuda.OutOfMemoryError:
+            budget = self.backend.budget
+            hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
+            raise BudgetError(f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, "
+                              "keep, or --max-new-tokens") from None
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)

@@ -35,28 +35,80 @@ class RopeTable:
 
 
 @attrs.frozen
-class Attend:
-    """Where a forward's tokens sit: their positions, their RoPE rows, and which cached keys each query sees.
+class Span:
+    """One sequence's rows of a pass beyond the decode rows: ``T`` rows from ``row``, at positions ``start``.. of KV
+    slot ``slot`` (a prompt, or a chunk of one)."""
 
-    A decode step reads the whole static cache (``kv_len`` = its length) under a mask made from a
-    position tensor, so one captured graph serves every position; prefill reads keys 0..start+T-1.
+    slot: int
+    row: int
+    start: int
+    T: int
+
+
+@attrs.frozen
+class Attend:
+    """Where a pass's rows sit: their KV slots and positions, their RoPE rows, and which cached keys each query sees.
+
+    The first ``decode_rows`` rows are decode rows, row b the one token of KV slot b; they read their slots' whole
+    static cache under a mask made from position tensors, so one captured graph serves every position. The rows after
+    them are ``spans``, each one sequence's tokens, reading keys 0..start+T-1 of its slot, causally.
     """
 
-    positions: torch.Tensor  # long [T] on the compute device
-    cos: torch.Tensor  # [T, head_dim]
+    slots: torch.Tensor  # long [rows]: each row's KV slot, on the compute device
+    positions: torch.Tensor  # long [rows]
+    cos: torch.Tensor  # [rows, head_dim]
     sin: torch.Tensor
-    kv_len: int  # keys 0..kv_len-1 of the cache are read
-    mask: torch.Tensor | None  # bool [T, kv_len] (True: seen), or None: every one of the kv_len keys is seen
+    decode_rows: int = 0
+    decode_mask: torch.Tensor | None = None  # bool [decode_rows, max_seq]: the keys each decode row sees
+    spans: tuple[Span, ...] = ()
 
     @classmethod
-    def prefill(cls, rope: RopeTable, start: int, T: int, device) -> "Attend":
+    def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0) -> "Attend":
+        """One sequence's ``T`` tokens at ``start`` of ``slot``."""
         positions = torch.arange(start, start + T, device=device)
-        return cls(positions, *rope.at(positions), start + T, _causal_mask(T, start, device) if T > 1 else None)
+        slots = torch.full((T,), slot, dtype=torch.long, device=device)
+        return cls(slots, positions, *rope.at(positions), spans=(Span(slot, 0, start, T),))
 
     @classmethod
-    def static(cls, rope: RopeTable, position: torch.Tensor, key_positions: torch.Tensor) -> "Attend":
-        """One token at ``position`` (a long [1] tensor) against the full cache: nothing here reads the host."""
-        return cls(position, *rope.at(position), key_positions.numel(), (key_positions <= position)[None, :])
+    def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
+               spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
+               span_slots: torch.Tensor | None = None) -> "Attend":
+        """Decode rows (row b: slot ``slots[b]`` = b, at ``positions[b]``, long tensors on the device: nothing here reads
+        the host), then optionally ``spans`` at ``span_positions`` of ``span_slots``."""
+        mask = key_positions[None, :] <= positions[:, None]
+        if spans:
+            positions, slots = torch.cat((positions, span_positions)), torch.cat((slots, span_slots))
+        return cls(slots, positions, *rope.at(positions), decode_rows=mask.shape[0], decode_mask=mask, spans=spans)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
+        """Write the rows' K and V into their slots, and return each row's attention: [rows, q_dim]."""
+        cache.k.index_put_((self.slots, self.positions), k)
+        cache.v.index_put_((self.slots, self.positions), v)
+        scale = cfg.head_dim**-0.5
+        outs = []
+        B = self.decode_rows
+        if B:
+            out = F.scaled_dot_product_attention(
+                q[:B, :, None, :],  # [B, heads, 1, hd]
+                cache.k[:B].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads, nothing is repeated
+                cache.v[:B].transpose(1, 2),
+                attn_mask=self.decode_mask[:, None, None, :],
+                scale=scale,
+                enable_gqa=True,
+            )
+            outs.append(out.reshape(B, cfg.q_dim))
+        for s in self.spans:
+            kv_len = s.start + s.T
+            out = F.scaled_dot_product_attention(
+                q[s.row : s.row + s.T].transpose(0, 1)[None],  # [1, heads, T, hd]
+                cache.k[s.slot, :kv_len].transpose(0, 1)[None],
+                cache.v[s.slot, :kv_len].transpose(0, 1)[None],
+                attn_mask=_causal_mask(s.T, s.start, q.device) if s.T > 1 else None,
+                scale=scale,
+                enable_gqa=True,
+            )[0]
+            outs.append(out.transpose(0, 1).reshape(s.T, cfg.q_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +122,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def decoder_layer(
-    h: torch.Tensor,  # [T, hidden]
+    h: torch.Tensor,  # [rows, hidden]: decode rows, then spans (``Attend``)
     w: dict[str, torch.Tensor],  # linear weights: q,k,v,o,gate,up,down or fused qkv / gate_up
     small: dict[str, torch.Tensor],  # norms and biases
     cache: KVCache,
@@ -95,18 +147,7 @@ def decoder_layer(
         q = rms_norm(q, small["q_norm"], eps)
         k = rms_norm(k, small["k_norm"], eps)
     q, k = apply_rope(q, at.cos, at.sin), apply_rope(k, at.cos, at.sin)
-    cache.k.index_copy_(0, at.positions, k)
-    cache.v.index_copy_(0, at.positions, v)
-    attn = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, heads, T, hd]
-        cache.k[: at.kv_len].transpose(0, 1)[None],  # [1, kv_heads, S, hd]: SDPA groups the heads, nothing is repeated
-        cache.v[: at.kv_len].transpose(0, 1)[None],
-        attn_mask=at.mask,
-        scale=cfg.head_dim**-0.5,
-        enable_gqa=True,
-    )[0]
-    attn = attn.transpose(0, 1).reshape(T, cfg.q_dim)
-    h = h + linear(attn, w["o"])
+    h = h + linear(at.attend(q, k, v, cache, cfg), w["o"])
     x = rms_norm(h, small["post_norm"], eps)
     if "router" in w:
         weights, chosen = route(x, w["router"], cfg, linear)

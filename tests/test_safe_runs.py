@@ -83,7 +83,7 @@ def test_the_layer_search_runs_on_the_error_path_only(tiny_ckpt, monkeypatch, ru
 
     monkeypatch.setattr(Runner, "forward", counting)
     result, _ = run_model(tiny_ckpt, residency__keep=2)
-    assert probes == [None]  # the prefill's forward, not probed; the decode steps run Runner.decode_step
+    assert probes == []  # a good run never probes: its prompt and tokens go through the batch's passes
     assert sum(result.steps.values()) == len(result.token_ids) - 1
 
 

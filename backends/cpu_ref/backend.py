@@ -13,6 +13,7 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from kestrel_core import quant
 from kestrel_core.backend import Backend, BackendContext
@@ -100,6 +101,14 @@ class CpuRefBackend(Backend):
 
     def memory_stats(self):
         return {"mapping_rss_bytes": self.ckpt.mapping_rss()}
+
+    @staticmethod
+    def linear(x, w):
+        """Row by row: a row's result never depends on the rows beside it (a GEMM's blocking changes with its M, and its
+        rounding with it), so a sequence's ids in a batch are its ids alone, bitwise."""
+        if x.shape[0] == 1:
+            return F.linear(x, w)
+        return torch.cat([F.linear(x[i : i + 1], w) for i in range(x.shape[0])])
 
     def point_experts(self, host, slots):
         for key in host:

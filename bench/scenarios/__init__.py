@@ -38,6 +38,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "window-overhead": ("window_overhead", "the window's own cost per layer boundary, keep=L against off, on the CPU "
                                            "(from window_overhead.py)"),
     "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
+    "real-model": ("real_model", "the real trained model (SmolLM2-135M from its GGUF) on cpu_ref: ms/token and peak "
+                                 "RSS by keep, each row a fresh process"),
     "demo": ("demo", "`kestrel demo --json` as a record (from demo_record.py)"),
     "plot": ("plot", "the README's cost curve from a chosen stream record; measures nothing (from plot_cost_curve.py)"),
 }

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.real_model import GGUF_MEMBER, WHEEL, WHEEL_SHA256, smollm2_hf_path  # noqa: E402
+from bench.real_model import GGUF_MEMBER, WHEEL, WHEEL_SHA256, smollm2_hf_path  # noqa: E402
 
 OUT = Path(__file__).with_name("smollm2_golden.json")
 TOKENS = 64
