@@ -1,10 +1,12 @@
 """What a record says about where it was measured: the commit and whether the tree was dirty, the machine (GPU,
 driver, torch and CUDA, CPU model, RAM), Python, the command and the UTC date. Nothing is typed in by hand.
 
-The commit comes from git (which honours ``GIT_DIR``, so a carried copy of ``.git`` works). A GPU machine that
-receives the working tree without ``.git`` reads ``bench/results/.stamp.json`` instead, written beforehand by
-``python -m bench stamp``: the commit, the dirty flag and a sha256 over every tracked and untracked-not-ignored
-file (path and content). The hash is recomputed there, and a tree that differs from the stamped one is dirty.
+The commit comes from ``bench/results/.stamp.json`` where the tree is the one it hashed, else from git (which
+honours ``GIT_DIR``). The stamp file is written beforehand by ``python -m bench stamp``: the commit, the dirty flag
+and a sha256 over every tracked and untracked-not-ignored file (path and content). A GPU machine that receives a
+copy of the working tree reads it: the copy may come without ``.git``, or with one of another commit (seen: the
+copy's ``.git`` said 911a6e7, dirty, for a tree stamped at 103a225). The hash is recomputed there, and a tree that
+differs from the stamped one is dirty.
 
 ``bench/results/`` is left out of the dirty check and the hash: records are what a run writes, not what it runs,
 and a second run after a first would otherwise always be dirty.
@@ -102,8 +104,13 @@ def from_stamp_file(path: Path = STAMP_FILE) -> dict | None:
 
 
 def source() -> dict:
-    """The commit and dirty flag: from git, else from the stamp file, else unknown (said so)."""
-    return from_git() or from_stamp_file() or {"commit": None, "dirty": None, "stamp_source": "none"}
+    """The commit and dirty flag: from the stamp file where this tree is the one it hashed (a tree copied to another
+    machine may come with a ``.git`` of another commit, or none), else from git, else from the stamp file (then dirty),
+    else unknown (said so)."""
+    stamped = from_stamp_file(STAMP_FILE)
+    if stamped is not None and stamped["tree_matches_stamp"]:
+        return stamped
+    return from_git() or stamped or {"commit": None, "dirty": None, "stamp_source": "none"}
 
 
 def _first(path: str, key: str) -> str | None:

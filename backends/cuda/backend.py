@@ -422,6 +422,9 @@ class CudaBackend(Backend):
             return None
         torch.cuda.synchronize(self.device)  # every eager upload and read is done: no eager event is needed inside
         self._forget_events()
+        if self._experts is not None:
+            # admissions' uploads are done too; a wait on their events inside the capture would fail it
+            self._experts.ready.clear()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=self._capture_stream):

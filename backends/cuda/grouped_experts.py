@@ -1,10 +1,11 @@
-"""One token's routed experts in two launches, each expert read wherever the expert table points: its device buffer, or
-its page-locked host copy (a mapped pinned address: the kernel reads it over the link, and no step waits for the host).
+"""One token's routed experts, each read wherever the expert table points: its device buffer (a slot) or its page-locked
+host copy (a mapped pinned address: the kernel reads it over the link, and no step waits for the host).
 
 The table holds, for every expert of every sparse layer, two addresses: its ``gate_up`` entry ([2I, H] float, or q8
-[H, 2I padded] with its scales after) and its ``down`` entry ([H, I], or q8 [I, H padded]). ``gate_up_kernel`` runs
-the k routed experts' gate and up rows and their SwiGLU, ``down_kernel`` each expert's down rows, weighted and summed
-in routing order. The same kernel on the same bytes gives bitwise the same result whichever memory it read.
+[H, 2I padded] with its scales after) and its ``down`` entry ([H, I], or q8 [I, H padded]). Two kernels each split
+their reduction over a grid of (expert, block of outputs, slice of the inputs) and write float32 partial sums; a
+short epilogue adds the slices and the experts in a fixed order, rounding where ``F.linear`` rounds. Nothing is
+atomic, so the same kernel on the same bytes gives bitwise the same result whichever memory it read.
 
 Triton compiles them on first use; where Triton is missing, ``available()`` says so and the backend routes on the host.
 """
@@ -14,8 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
-
-GATE_UP, DOWN = 0, 1  # the two addresses of an expert in the table
+import torch.nn.functional as F
 
 
 @functools.cache
@@ -35,93 +35,49 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def gate_up_float(x, ids, table, h, H: tl.constexpr, I: tl.constexpr, DTYPE: tl.constexpr,  # noqa: E741
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        slot = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        e = tl.load(ids + slot)
-        w = tl.load(table + e * 2 + 0).to(tl.pointer_type(DTYPE))  # [2I, H]: gate rows, then up rows
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x + cols, mask=cols < H, other=0.0).to(tl.float32)
-            m = (rows[:, None] < I) & (cols[None, :] < H)
-            wg = tl.load(w + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(w + (rows[:, None] + I) * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xk[None, :], axis=1)
-            acc_u += tl.sum(wu * xk[None, :], axis=1)
-        g = acc_g.to(DTYPE).to(tl.float32)  # as F.linear rounds its output to the compute dtype
-        u = acc_u.to(DTYPE).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-        tl.store(h + slot * I + rows, (act * u).to(DTYPE), mask=rows < I)
+    def float_rows(x, ids, table, part, which: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ROWS_AT: tl.constexpr,
+                   KS: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   X_PER_SLOT: tl.constexpr):
+        """part[s, slot, n] = sum over k in slice s of W[ROWS_AT + n, k] * x[k]: W [*, K] row-major at the table's
+        address ``which`` of the slot's expert."""
+        slot, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = tl.load(table + tl.load(ids + slot) * 2 + which).to(tl.pointer_type(DTYPE))
+        xs = x + slot * K if X_PER_SLOT else x
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kk in range(0, KS, BLOCK_K):  # constant bounds: the slice's offset is added inside
+            cols = s * KS + kk + tl.arange(0, BLOCK_K)
+            xk = tl.load(xs + cols).to(tl.float32)
+            wt = tl.load(w + (ROWS_AT + rows[:, None]) * K + cols[None, :], mask=rows[:, None] < N, other=0.0)
+            acc += tl.sum(wt.to(tl.float32) * xk[None, :], axis=1)
+        nslots = tl.num_programs(0)
+        tl.store(part + (s * nslots + slot) * N + rows, acc, mask=rows < N)
 
     @triton.jit
-    def down_float(h, ids, weights, table, out, H: tl.constexpr, I: tl.constexpr, K_ROUTED: tl.constexpr,  # noqa: E741
-                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for slot in range(0, K_ROUTED):
-            e = tl.load(ids + slot)
-            w = tl.load(table + e * 2 + 1).to(tl.pointer_type(DTYPE))  # [H, I]
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                hk = tl.load(h + slot * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-                m = (rows[:, None] < H) & (cols[None, :] < I)
-                wd = tl.load(w + rows[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                acc += tl.sum(wd * hk[None, :], axis=1)
-            total += acc.to(DTYPE).to(tl.float32) * tl.load(weights + slot).to(tl.float32)
-        tl.store(out + rows, total.to(DTYPE), mask=rows < H)
-
-    @triton.jit
-    def gate_up_q8(x, ids, table, h, H: tl.constexpr, I: tl.constexpr, NPAD: tl.constexpr,  # noqa: E741
-                   GROUP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-        slot = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: gate at c, up at c + I
-        e = tl.load(ids + slot)
-        base = tl.load(table + e * 2 + 0)
-        q = base.to(tl.pointer_type(tl.int8))  # qweight [H, NPAD]
-        s = (base + H * NPAD).to(tl.pointer_type(tl.float32))  # scales [H / GROUP, NPAD]
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        mc = cols < I
-        for k0 in range(0, H, GROUP):
+    def q8_cols(x, ids, table, part, which: tl.constexpr, N: tl.constexpr, K: tl.constexpr, NPAD: tl.constexpr,
+                COLS_AT: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                X_PER_SLOT: tl.constexpr):
+        """part[s, slot, n] = sum over k in slice s of q[k, COLS_AT + n] * scale[k // GROUP, COLS_AT + n] * x[k]: a q8
+        entry (qweight int8 [K, NPAD], then its float32 scales [K / GROUP, NPAD]) at the table's address ``which``."""
+        slot, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        base = tl.load(table + tl.load(ids + slot) * 2 + which)
+        q = base.to(tl.pointer_type(tl.int8))
+        sc = (base + K * NPAD).to(tl.pointer_type(tl.float32))
+        xs = x + slot * K if X_PER_SLOT else x
+        mc = cols < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kk in range(0, KS, GROUP):
+            k0 = s * KS + kk
             ks = k0 + tl.arange(0, GROUP)
-            xk = tl.load(x + ks).to(tl.float32)
-            qg = tl.load(q + ks[:, None] * NPAD + cols[None, :], mask=mc[None, :], other=0).to(tl.float32)
-            qu = tl.load(q + ks[:, None] * NPAD + (cols[None, :] + I), mask=mc[None, :], other=0).to(tl.float32)
-            sg = tl.load(s + (k0 // GROUP) * NPAD + cols, mask=mc, other=0.0)
-            su = tl.load(s + (k0 // GROUP) * NPAD + cols + I, mask=mc, other=0.0)
-            acc_g += tl.sum(qg * xk[:, None], axis=0) * sg
-            acc_u += tl.sum(qu * xk[:, None], axis=0) * su
-        g = acc_g.to(DTYPE).to(tl.float32)
-        u = acc_u.to(DTYPE).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-        tl.store(h + slot * I + cols, (act * u).to(DTYPE), mask=mc)
+            xk = tl.load(xs + ks).to(tl.float32)
+            qt = tl.load(q + ks[:, None] * NPAD + (COLS_AT + cols[None, :]), mask=mc[None, :], other=0)
+            scale = tl.load(sc + (k0 // GROUP) * NPAD + COLS_AT + cols, mask=mc, other=0.0)
+            acc += tl.sum(qt.to(tl.float32) * xk[:, None], axis=0) * scale
+        nslots = tl.num_programs(0)
+        tl.store(part + (s * nslots + slot) * N + cols, acc, mask=mc)
 
-    @triton.jit
-    def down_q8(h, ids, weights, table, out, H: tl.constexpr, I: tl.constexpr, NPAD: tl.constexpr,  # noqa: E741
-                GROUP: tl.constexpr, K_ROUTED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (H of them)
-        mc = cols < H
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for slot in range(0, K_ROUTED):
-            e = tl.load(ids + slot)
-            base = tl.load(table + e * 2 + 1)
-            q = base.to(tl.pointer_type(tl.int8))  # qweight [I, NPAD]
-            s = (base + I * NPAD).to(tl.pointer_type(tl.float32))  # scales [I / GROUP, NPAD]
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, GROUP):
-                ks = k0 + tl.arange(0, GROUP)
-                hk = tl.load(h + slot * I + ks).to(tl.float32)
-                qd = tl.load(q + ks[:, None] * NPAD + cols[None, :], mask=mc[None, :], other=0).to(tl.float32)
-                sd = tl.load(s + (k0 // GROUP) * NPAD + cols, mask=mc, other=0.0)
-                acc += tl.sum(qd * hk[:, None], axis=0) * sd
-            total += acc.to(DTYPE).to(tl.float32) * tl.load(weights + slot).to(tl.float32)
-        tl.store(out + cols, total.to(DTYPE), mask=mc)
-
-    return gate_up_float, down_float, gate_up_q8, down_q8
+    return float_rows, q8_cols
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -130,15 +86,68 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
+def _split(k: int, want: int, step: int) -> int:
+    """The most slices, at most ``want``, that cut ``k`` inputs into equal runs of a multiple of ``step``."""
+    return max(s for s in range(1, want + 1) if k % s == 0 and (k // s) % step == 0)
+
+
+def _block_k(k: int) -> int:
+    """The widest K block (a power of two, up to 64) that divides ``k``."""
+    return next(b for b in (64, 32, 16, 8, 4, 2, 1) if k % b == 0)
+
+
 class GroupedExperts:
-    """The launcher for one model's experts: ``H`` hidden, ``I`` an expert's intermediate size, ``k`` routed a token."""
+    """The launcher for one model's experts: ``hidden`` H, ``inter`` an expert's intermediate size I, ``k`` routed a
+    token; ``q8`` = (group, gate_up n_pad, down n_pad) for a q8 checkpoint."""
 
     def __init__(self, hidden: int, inter: int, k: int, dtype: torch.dtype, device: torch.device,
-                 q8: tuple[int, int, int] | None = None):
-        self.H, self.I, self.k, self.dtype = hidden, inter, k, dtype
-        self.q8 = q8  # (group, gate_up n_pad, down n_pad) for a q8 checkpoint
-        self.h = torch.empty((k, inter), dtype=dtype, device=device)  # the SwiGLU outputs: a fixed buffer, graph-safe
+                 q8: tuple[int, int, int] | None = None, block_n: int | None = None, split: tuple[int, int] | None = None):
+        self.H, self.I, self.k, self.dtype, self.q8 = hidden, inter, k, dtype, q8
+        self.bk_gu, self.bk_d = _block_k(hidden), _block_k(inter)
+        want = split or ((8, 4) if q8 else (2, 3))
+        # a slice is whole groups of a q8 entry, whole K blocks of a float one
+        self.split_gu = _split(hidden, want[0], q8[0] if q8 else self.bk_gu)
+        self.split_d = _split(inter, want[1], q8[0] if q8 else self.bk_d)
+        self.block_n = block_n or (128 if q8 else 32)
+        # float32 partial sums: fixed buffers, so a captured step keeps their addresses
+        self.gate = torch.empty((self.split_gu, k, inter), dtype=torch.float32, device=device)
+        self.up = torch.empty_like(self.gate)
+        self.down = torch.empty((self.split_d, k, hidden), dtype=torch.float32, device=device)
+        self.h = torch.empty((k, inter), dtype=dtype, device=device)  # each expert's SwiGLU output
         self.slots = torch.arange(k, device=device).view(1, k)  # ids for a table of the k routed experts, in order
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """x [1, H], weights [1, k], ids [1, k] (int64), table [E, 2] int64 addresses -> [1, H]."""
+        float_rows, q8_cols = _kernels()
+        H, I, k, bn = self.H, self.I, self.k, self.block_n  # noqa: E741
+        x, ids = x.contiguous(), ids.contiguous()
+        grid_gu = (k, -(-I // bn), self.split_gu)
+        grid_d = (k, -(-H // bn), self.split_d)
+        if self.q8 is None:
+            dt = _tl_dtype(self.dtype)
+            kw = dict(DTYPE=dt, BLOCK_N=bn, BLOCK_K=self.bk_gu)
+            float_rows[grid_gu](x, ids, table, self.gate, which=0, N=I, K=H, ROWS_AT=0, KS=H // self.split_gu,
+                                X_PER_SLOT=False, **kw)
+            float_rows[grid_gu](x, ids, table, self.up, which=0, N=I, K=H, ROWS_AT=I, KS=H // self.split_gu,
+                                X_PER_SLOT=False, **kw)
+        else:
+            group, npad_gu, npad_d = self.q8
+            kw = dict(GROUP=group, BLOCK_N=bn, X_PER_SLOT=False)
+            q8_cols[grid_gu](x, ids, table, self.gate, which=0, N=I, K=H, NPAD=npad_gu, COLS_AT=0,
+                             KS=H // self.split_gu, **kw)
+            q8_cols[grid_gu](x, ids, table, self.up, which=0, N=I, K=H, NPAD=npad_gu, COLS_AT=I,
+                             KS=H // self.split_gu, **kw)
+        g = self.gate.sum(0).to(self.dtype)  # each slice's sum in a fixed order, rounded as F.linear rounds
+        u = self.up.sum(0).to(self.dtype)
+        self.h.copy_(F.silu(g) * u)
+        if self.q8 is None:
+            float_rows[grid_d](self.h, ids, table, self.down, which=1, N=H, K=I, ROWS_AT=0, KS=I // self.split_d,
+                               X_PER_SLOT=True, DTYPE=_tl_dtype(self.dtype), BLOCK_N=bn, BLOCK_K=self.bk_d)
+        else:
+            q8_cols[grid_d](self.h, ids, table, self.down, which=1, N=H, K=I, NPAD=self.q8[2], COLS_AT=0,
+                            KS=I // self.split_d, GROUP=self.q8[0], BLOCK_N=bn, X_PER_SLOT=True)
+        y = self.down.sum(0).to(self.dtype)  # [k, H]: each expert's output, rounded
+        return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
 
     def fetched(self, x: torch.Tensor, weights: torch.Tensor, buffers: list) -> torch.Tensor:
         """The k routed experts (in routing order) from the buffers the host fetched them into: the same kernels on a
@@ -146,21 +155,3 @@ class GroupedExperts:
         addrs = [b.data_ptr() for pair in buffers for b in pair]
         table = torch.tensor(addrs, dtype=torch.int64).pin_memory().to(x.device, non_blocking=True).view(self.k, 2)
         return self(x, weights, self.slots, table)
-
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """x [1, H], weights [1, k], ids [1, k] (int64), table [E, 2] int64 addresses -> [1, H]."""
-        gate_up_float, down_float, gate_up_q8, down_q8 = _kernels()
-        H, I, k, dt = self.H, self.I, self.k, _tl_dtype(self.dtype)  # noqa: E741
-        out = torch.empty((1, H), dtype=self.dtype, device=x.device)
-        x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-        if self.q8 is None:
-            gate_up_float[(k, -(-I // 32))](x, ids, table, self.h, H=H, I=I, DTYPE=dt, BLOCK_N=32, BLOCK_K=128)
-            down_float[(-(-H // 16),)](self.h, ids, weights, table, out, H=H, I=I, K_ROUTED=k, DTYPE=dt,
-                                       BLOCK_N=16, BLOCK_K=128)
-        else:
-            group, npad_gu, npad_d = self.q8
-            gate_up_q8[(k, -(-I // 64))](x, ids, table, self.h, H=H, I=I, NPAD=npad_gu, GROUP=group, DTYPE=dt,
-                                         BLOCK_N=64)
-            down_q8[(-(-H // 64),)](self.h, ids, weights, table, out, H=H, I=I, NPAD=npad_d, GROUP=group,
-                                    K_ROUTED=k, DTYPE=dt, BLOCK_N=64)
-        return out

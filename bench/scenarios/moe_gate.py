@@ -115,6 +115,16 @@ def run(args, record) -> dict:
         out[kind]["verdict"] = ("read host copies in the kernel" if out[kind]["kernel_from_host"]["summary"]["p50"]
                                 <= upload_then_read else "upload misses into scratch slots first, then read them")
         out[kind]["upload_then_read_ms"] = upload_then_read
+        variants = {}  # the kernels' block and split choices, from device and host memory alike
+        for block_n, split in ((16, (2, 3)), (32, (2, 3)), (32, (4, 6)), (64, (4, 4)), (128, (8, 4)), (256, (8, 4))):
+            v = GroupedExperts(H, I, k, torch.bfloat16, torch.device("cuda"), (32, *n_pad) if kind == "q8" else None,
+                               block_n=block_n, split=split)
+            dev_t = graph_times(lambda: v(x, w, ids, dev_table), calls=4, reps=reps)
+            host_t = graph_times(lambda: v(x, w, ids, host_table), calls=4, reps=reps)
+            variants[f"block_n={block_n} split={split}"] = {
+                "device_ms": dev_t, "device": summary(dev_t), "device_GBps": nbytes / summary(dev_t)["p50"] / 1e6,
+                "host_ms": host_t, "host": summary(host_t), "host_GBps": nbytes / summary(host_t)["p50"] / 1e6}
+        out[kind]["variants"] = variants
         record.save_partial(out)
         for held in (host, dev, slots, sources):
             held.clear()
