@@ -180,7 +180,8 @@ class Batch:
         last_logits = None
         if span is None:
             graphs = self.graphs.setdefault(rows, StepGraphs(window, backend, runner.settings.graphs,
-                                                             experts_in_step=runner.schedule is not None and rows == 1))
+                                                             experts_in_step=runner.schedule is not None and rows == 1,
+                                                             on_replay=runner.replayed))
             mode = graphs(lambda boundaries: runner.decode_step(state, self.cache, boundaries, rows))
         else:
             mode = "eager"

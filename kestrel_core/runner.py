@@ -86,6 +86,15 @@ class Runner:
                 self.schedule.admit_now((key for key, _ in slots), plan.layer)
                 self.backend.point_experts(host, slots)
 
+    def replayed(self, plans: list[Plan]) -> None:
+        """A replayed step's plans: its graph carried them out, table writes included; the expert schedule records them
+        as ``execute`` would have."""
+        if self.schedule is None:
+            return
+        for plan in plans:
+            self.schedule.evict_now([r.unit.key for r in plan.evict if is_expert(r.unit.key)], plan.layer)
+            self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
+
     def hear(self, step: int, routed: list[list[int]]) -> None:
         """Decode step ``step``'s routing, read back: the window plans on it a step behind (the expert policy hears it,
         and the experts the step read from their host copies are its misses); the plan's uploads start at once on the

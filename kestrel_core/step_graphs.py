@@ -22,8 +22,10 @@ from .residency import Window
 class StepGraphs:
     """Runs each decode step: replayed where its plan is the captured one, captured where it repeats the last, else eager."""
 
-    def __init__(self, window: Window, backend: Backend, enabled: bool, experts_in_step: bool = False):
+    def __init__(self, window: Window, backend: Backend, enabled: bool, experts_in_step: bool = False,
+                 on_replay: Callable[[list], None] | None = None):
         self.window, self.backend = window, backend
+        self.on_replay = on_replay  # hears a replayed step's plans, which its graph carries out (for the runner's records)
         # Planning a whole token ahead takes every buffer it fetches at once: only a deterministic
         # allocator, which hands back the buffers the same token released, keeps that in the window.
         # A sparse layer that routes on the host knows its experts only once its router has run; one that reads them
@@ -45,6 +47,8 @@ class StepGraphs:
         last, self._last_key = self._last_key, key
         if self.graph is not None and key == self._graph_key:
             self.backend.replay(self.graph[0])
+            if self.on_replay is not None:
+                self.on_replay([b.plan for b in token])
             return "replayed"
         if key != last:
             step(token)
@@ -58,7 +62,7 @@ class StepGraphs:
             step(kept)
             return "eager"
         self.graph, self._graph_key = (graph, kept), key
-        self.backend.replay(graph)
+        self.backend.replay(graph)  # its plans were executed as it was captured: the runner heard them then
         return "captured"
 
     def close(self) -> None:

@@ -450,6 +450,8 @@ class CudaBackend(Backend):
         graph.replay()
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(current)  # a later eager refill waits for the graph's last read
+        if self._experts is not None:
+            self._experts.stream.wait_stream(current)  # and so does a later admission (no retire recorded the graph's)
 
     def _forget_events(self):
         self._ready.clear()
