@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import warnings
 
-from . import plugins, progress
-from .errors import KestrelError, KestrelNote, PluginError
+from . import plugins, progress, signals
+from .errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "sweep", "replay", "plugins", "demo", "quantize")
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     try:
-        with warnings.catch_warnings(record=True) as notes:
+        with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt():
             warnings.simplefilter("default")
             with progress.shown(not getattr(args, "json", False)):  # bars on stderr, for a person at a terminal
                 rc = args.run(args) or 0
@@ -68,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kestrel: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kestrel: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Interrupted): what was left, where a writer knows
+        print(f"kestrel: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

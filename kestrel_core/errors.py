@@ -28,3 +28,21 @@ class BudgetError(KestrelError):
 
 class NonFiniteError(KestrelError):
     """A computed value went NaN or inf; generation stops rather than emit meaningless ids."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM, with what the interrupted work left behind when that matters.
+
+    A KeyboardInterrupt, so that every ``finally`` and ``except KeyboardInterrupt`` cleans up as for
+    Ctrl-C. ``what`` is the CLI's line with ``{}`` for the word ("interrupted" or "terminated"), e.g.
+    ``"{}: the old model in m is intact"``; the CLI exits with 128 + ``signum``, as a shell reports it.
+    """
+
+    def __init__(self, signum: int = 2, what: str = "{}"):
+        self.signum = signum
+        super().__init__(what.format("terminated" if signum == 15 else "interrupted"))
+
+    @classmethod
+    def of(cls, exc: BaseException, what: str) -> "Interrupted":
+        """``exc`` (a plain KeyboardInterrupt is SIGINT) told with ``what``."""
+        return cls(getattr(exc, "signum", 2), what)

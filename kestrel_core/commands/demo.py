@@ -47,7 +47,7 @@ def ensure_demo_model(path: Path) -> Path:
                               "pass another --cache-dir, or remove that directory")
         return path
     progress.say(f"demo: writing the demo checkpoint to {path}")
-    return write_checkpoint(cfg, path, seed=0, flag="--cache-dir")
+    return write_checkpoint(cfg, path, seed=0, flag="--cache-dir", force_flag=None)  # demo has no --force
 
 
 def run(args) -> int:
