@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from . import newfile
 from .errors import ConfigError
 from .expert_cache import ExpertCache
 
@@ -39,32 +38,13 @@ def model_info(run) -> dict:
 
 
 def check_new(path: str | Path) -> Path:
-    """Refuse, before any work, a trace path that exists or whose directory does not."""
-    path = Path(path)
-    if path.exists() or path.is_symlink():
-        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)")
-    if not path.parent.is_dir():
-        raise ConfigError(f"--trace {path}: the directory {path.parent} does not exist")
-    return path
+    """Refuse, before any work, a trace path that exists or whose directory does not (or is not writable)."""
+    return newfile.check_new(path, "--trace")
 
 
 def write_new(path: str | Path, record: dict) -> Path:
     """Write ``record`` as JSON to a path that does not exist yet: whole or not at all, never over a file."""
-    path = check_new(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)  # fails if the name appeared meanwhile: nothing is overwritten
-    except FileExistsError:
-        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot write --trace {path}: {exc.strerror or exc}") from None
-    finally:
-        os.unlink(tmp)
-    return path
+    return newfile.write_text_new(path, json.dumps(record, allow_nan=False), "--trace")
 
 
 def read_trace(path: str | Path) -> dict:
