@@ -49,11 +49,11 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     p.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
     p.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate, at least 1 (default 16)")
     p.add_argument("--temperature", type=float, help="0 (the default) is greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, help="sampling: draw from the k likeliest tokens (0, the default: no cut)")
+    p.add_argument("--top-p", type=float, help="sampling: draw from the likeliest tokens whose probabilities reach p, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, help="seed of the sampling generator, 0..2**64-1 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
 
 

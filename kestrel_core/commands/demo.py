@@ -28,8 +28,8 @@ def default_cache() -> Path:
 def add_arguments(p):
     p.add_argument("--cache-dir", help="where the demo checkpoint lives (default: $KESTREL_CACHE or ~/.cache/kestrel)")
     p.add_argument("--config", help="kestrel.toml for generation settings")
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="tokens each run generates (default 12)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
 
 

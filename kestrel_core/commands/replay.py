@@ -14,7 +14,7 @@ def add_arguments(p):
     p.add_argument("--trace", required=True, help="a trace written by kestrel generate --trace FILE")
     p.add_argument("--policy", required=True, help="expert policy: expert_lru, expert_lfu, or a plugin's")
     p.add_argument("--expert-budget-mb", type=float, required=True, help="MiB the policy keeps experts in")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args) -> int:
