@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .. import plugins, traces
 from ..errors import ConfigError
 from ..expert_cache import budget_bytes
@@ -19,6 +21,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     trace = traces.read_trace(args.trace)
+    if not math.isfinite(args.expert_budget_mb):
+        raise ConfigError(f"--expert-budget-mb must be a finite number of MiB, got {args.expert_budget_mb:g}")
     if not args.expert_budget_mb > 0:
         raise ConfigError(f"--expert-budget-mb must be above 0, got {args.expert_budget_mb:g}")
     budget = budget_bytes(args.expert_budget_mb, int(trace["model"]["num_experts_per_tok"]), max(trace["sizes"].values()))

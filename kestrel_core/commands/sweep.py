@@ -31,6 +31,8 @@ def sweep_lists(args, cfg):
         prefetches = [int(x) for x in _list(args.prefetch, [str(cfg.backend.prefetch)])]
     except ValueError:
         raise ConfigError(f"--prefetch must be whole numbers, got {args.prefetch!r}") from None
+    if any(p < 0 for p in prefetches):
+        raise ConfigError(f"--prefetch must be layer counts >= 0, got {args.prefetch!r}")
     backends = available_backends(_list(args.backend, None) or ([cfg.backend.name] if cfg.backend.name != "cpu_ref" else None))
     return keeps, policies, allocators, prefetches, backends
 
