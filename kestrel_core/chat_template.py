@@ -13,6 +13,7 @@ lstrip_blocks=True)`` with loop controls and ``{% generation %}`` blocks, the ``
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import ConfigError
 from .modelconfig import read_json
+from .readfile import read_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_LIMIT = 4 * 2**20  # real templates are a few KiB
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -66,7 +69,7 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate:
     """The directory's chat template; a directory without one is a ConfigError that says what to do instead."""
     d = Path(model_dir)
     config_path = d / TOKENIZER_CONFIG
-    config = read_json(config_path) if config_path.is_file() else {}
+    config = read_json(config_path) if os.path.lexists(config_path) else {}  # there but unreadable: an error
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path}: must hold a JSON object, got {type(config).__name__}")
     special = {key: tok for key in SPECIAL_TOKENS if (tok := _token_text(config.get(key), config_path, key)) is not None}
@@ -74,9 +77,10 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate:
     if isinstance(extra, list):
         special["additional_special_tokens"] = [_token_text(t, config_path, "additional_special_tokens") for t in extra]
     file = d / TEMPLATE_FILE
-    if file.is_file():
+    if os.path.lexists(file):
         try:
-            return ChatTemplate(file.read_text(encoding="utf-8"), str(file), special)
+            text = read_bounded(file, TEMPLATE_LIMIT, str(file), "a chat template is a few KiB: take the model's own")
+            return ChatTemplate(text.decode("utf-8"), str(file), special)
         except UnicodeDecodeError:
             raise ConfigError(f"{file}: not UTF-8 text; re-download the model's chat template") from None
     raw = config.get("chat_template")

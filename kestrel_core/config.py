@@ -11,6 +11,7 @@ from typing import Any, Callable
 import attrs
 
 from .errors import ConfigError
+from .readfile import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,6 +23,7 @@ OFF = "off"
 WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
+TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 
 
@@ -245,13 +247,15 @@ def load_config(path: str | Path | None) -> KestrelConfig:
     if not path:
         return KestrelConfig()
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    data = read_bounded(p, TOML_LIMIT, f"config file {str(p)!r}", "pass a kestrel.toml file")
     try:
-        raw = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"config file {str(p)!r} cannot be read ({why}); pass a kestrel.toml file") from None
+        raw = tomllib.loads(data.decode())
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} cannot be read (not UTF-8 text); pass a kestrel.toml file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid TOML (nested too deeply)") from None
     return config_from_dict(raw, str(p))

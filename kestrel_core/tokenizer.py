@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ConfigError, KestrelNote
+from .readfile import read_bounded
 
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21: TextStream does the same windowed decode itself
     DecodeStream = None
 
-INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that do not (yet) make a whole character
+INCOMPLETE = "\ufffd"
+TOKENIZER_LIMIT = 512 * 2**20  # the largest published tokenizer.json files are tens of MiB  # what a decoder gives for bytes that do not (yet) make a whole character
 
 
 class Tokenizer:
     def __init__(self, path: Path):
+        data = read_bounded(path, TOKENIZER_LIMIT, str(path), "this is not a tokenizer.json; re-download the model's")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: cannot be read as a tokenizer (not UTF-8 text)") from None
         except Exception as exc:  # the library raises a bare Exception on a bad file
-            raise ConfigError(f"{path}: cannot be read as a tokenizer ({exc})") from None
+            raise ConfigError(f"{path}: cannot be read as a tokenizer ({' '.join(str(exc).split())})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -103,6 +109,7 @@ class TextStream:
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
-    """The directory's tokenizer, or None where it has no tokenizer.json (ids only, then)."""
+    """The directory's tokenizer, or None where it has no tokenizer.json (ids only, then); one that is there but
+    cannot be read (a directory, a device, a dangling link) is an error, not a model without a tokenizer."""
     path = Path(model_dir) / "tokenizer.json"
-    return Tokenizer(path) if path.is_file() else None
+    return Tokenizer(path) if os.path.lexists(path) else None

@@ -14,7 +14,7 @@ from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
 from ..generate import GenerationResult
 from ..modeldir import Model, load
-from .common import add_run_flags, config_from_args, model_dir
+from .common import add_run_flags, config_from_args, finite, model_dir
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 
@@ -61,7 +61,7 @@ def run(args) -> int:
                     continue
                 if args.json:
                     reply = chat.reply(message)
-                    print(json.dumps(reply.record()), flush=True)
+                    print(json.dumps(finite(reply.record()), allow_nan=False), flush=True)
                 else:
                     reply = chat.reply(message, write)
                     write("\n")

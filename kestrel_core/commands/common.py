@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..config import KestrelConfig, load_config, parse_keep
@@ -115,8 +116,20 @@ def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) 
     return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
 
 
+def finite(obj):
+    """``obj`` with every NaN and infinity as None: JSON has no such numbers, and strict parsers reject the
+    ``NaN`` Python's json writes (ms/token of a one-token run, a ratio over nothing)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def emit_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=1)
+    json.dump(finite(obj), sys.stdout, indent=1, allow_nan=False)
     sys.stdout.write("\n")
 
 

@@ -10,6 +10,7 @@ from .. import progress
 from ..config import KestrelConfig, load_config
 from ..engine import Model
 from ..errors import ConfigError
+from ..modelconfig import read_json
 from ..presets import preset_config, write_checkpoint
 from ..sweep import available_backends, plotting, run_sweep
 from .sweep import report
@@ -39,8 +40,8 @@ def ensure_demo_model(path: Path) -> Path:
     config_json = path / "config.json"
     if config_json.is_file():
         try:
-            same = json.loads(config_json.read_text()) == json.loads(json.dumps(cfg.to_hf_dict()))
-        except (OSError, ValueError):
+            same = read_json(config_json) == json.loads(json.dumps(cfg.to_hf_dict()))
+        except ConfigError:  # unreadable, too large, or not JSON: not the demo's
             same = False
         if not same:
             raise ConfigError(f"{path} holds a model that is not kestrel's demo checkpoint; "

@@ -33,6 +33,9 @@ def run(args) -> int:
         return 0
     print(f"trace {args.trace}: {len(trace['events'])} decision points, {rows[0]['decode_tokens']} decoded tokens, "
           f"budget {args.expert_budget_mb:g} MiB")
+    if not trace["events"]:
+        print("no events: the trace holds no decision point, so there is nothing to replay")
+        return 0
     for r in rows:
         print(f"{r['policy']:14} hit rate {100 * r['hit_rate']:5.1f}%  {r['bytes_per_decoded_token'] / 2**20:8.3f} MiB "
               f"a decoded token  ({r['misses']} fetches, {r['bytes_fetched'] / 2**20:.3f} MiB in all)")
