@@ -112,6 +112,19 @@ def _guarded_output():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The program (``argv`` None: sys.argv), or one command in this process (tests, the docs check)."""
+    if argv is not None:
+        return _main(argv)
+    try:
+        return _main(None)
+    finally:
+        # The command has ended and said so: a Ctrl-C or SIGTERM while Python exits has nothing left to stop, and
+        # would only print a traceback from an atexit hook (torch's). The exit code stays the command's.
+        for s in signals.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> int:
     if sys.stdout is None:  # started with stdout closed (`kestrel ... >&-`): Python gives None, not a stream
         print("kestrel: error: standard output is closed; send it somewhere: a file, a pipe, or >/dev/null",
               file=sys.stderr)

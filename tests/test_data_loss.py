@@ -161,7 +161,8 @@ def test_ctrl_c_at_any_moment_leaves_one_whole_model_and_says_which(tmp_path, sl
     assert "Traceback" not in err, err
     now = snapshot(out)
     assert now in (old, new), "a mix of the two models"
-    if proc.returncode in (0, -signal.SIGINT):  # -SIGINT: the signal came after the command, as Python exited
+    # 0 also where the signal came as Python exited (main ignores it then); -SIGINT in the microseconds before that
+    if proc.returncode in (0, -signal.SIGINT):
         assert now == new and said.startswith("wrote small-300m") and err == "", (proc.returncode, said, err)
     else:
         assert proc.returncode == 130, (proc.returncode, err)
