@@ -12,8 +12,8 @@ from ..engine import Model
 from ..errors import ConfigError
 from ..modelconfig import read_json
 from ..presets import preset_config, write_checkpoint
-from ..sweep import available_backends, plotting, run_sweep
-from .sweep import report
+from ..sweep import available_backends, run_sweep
+from .sweep import check_plot, report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
 KEEPS = [1, 2, 3, 4, 7, 8, "off"]
@@ -31,7 +31,7 @@ def add_arguments(p):
     p.add_argument("--config", help="kestrel.toml for generation settings")
     p.add_argument("--max-new-tokens", type=int, default=12, help="tokens each run generates (default 12)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
+    p.add_argument("--plot", help="write the cost curve to this new .png file (checked before the sweep; never replaces a file)")
 
 
 def ensure_demo_model(path: Path) -> Path:
@@ -52,8 +52,7 @@ def ensure_demo_model(path: Path) -> Path:
 
 
 def run(args) -> int:
-    if args.plot:
-        plotting()
+    check_plot(args.plot)
     with progress.shown(not args.json):
         path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
         base: KestrelConfig = load_config(args.config).override(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .. import progress
+import sys
+
+from .. import newfile, progress
 from ..config import parse_keep
 from ..engine import Model
 from ..errors import ConfigError
@@ -16,7 +18,7 @@ DEFAULT_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 def add_arguments(p):
     add_run_flags(p, sweep=True)
-    p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
+    p.add_argument("--plot", help="write the cost curve to this new .png file (checked before the sweep; never replaces a file)")
 
 
 def _list(value, default):
@@ -37,23 +39,35 @@ def sweep_lists(args, cfg):
     return keeps, policies, allocators, prefetches, backends
 
 
+def check_plot(path: str | None) -> None:
+    """Before the sweep: matplotlib is there, and the plot's path is a new .png file in a writable directory."""
+    if not path:
+        return
+    plotting()
+    try:
+        newfile.check_new(path, "--plot", ".png")
+    except ConfigError as exc:
+        raise ConfigError(f"cannot write the plot: {exc}") from None
+
+
 def report(rows, as_json: bool, plot_path: str | None, extra: dict | None = None) -> int:
+    """The table and verdict (or JSON), then the plot: a plot that fails after all never costs the results."""
     verdict = invariance(rows)
     comparison = equal_peak_comparison(rows)
-    if plot_path:
-        plot(rows, plot_path)
     if as_json:
         emit_json({**(extra or {}), "rows": [r.to_json() for r in rows], "invariance": verdict, "pinned_vs_asymmetric": comparison})
     else:
         print(format_table(rows))
         print(format_verdict(verdict, comparison))
+    if plot_path:
+        sys.stdout.flush()  # the results are out before a failed plot's error
+        plot(rows, plot_path, (extra or {}).get("model", ""))
     return 0 if verdict["identical"] else 1
 
 
 def run(args) -> int:
     cfg = config_from_args(args, sweep=True)
-    if args.plot:
-        plotting()
+    check_plot(args.plot)
     keeps, policies, allocators, prefetches, backends = sweep_lists(args, cfg)
     with progress.shown(not args.json), Model(model_dir(cfg)) as model:
         prompt = prompt_ids_for(cfg, model, default=DEFAULT_PROMPT)
