@@ -109,16 +109,24 @@ def test_the_expert_budget_rule_holds_for_any_caller():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--total-mb", "inf"], "--total-mb must be a positive, finite number of MiB (at most 2**40), got inf"),
-    (["--peak-mb", "nan"], "--peak-mb must be a positive, finite number of MiB (at most 2**40), got nan"),
+    (["--total-mb", "inf"], "--total-mb must be a finite number of MiB in 1..2**40, got inf"),
+    (["--total-mb", "1e-300"], "--total-mb must be a finite number of MiB in 1..2**40, got 1e-300"),
+    (["--peak-mb", "nan"], "--peak-mb must be a finite number of MiB in 1..2**40, got nan"),
     (["--h2d-gbps", "inf"], "--h2d-gbps must be a positive, finite number, got inf"),
     (["--period-ms", "inf"], "--period-ms must be a positive, finite number, got inf"),
 ])
 def test_gate_numbers(tiny_ckpt, capsys, flags, message):
-    """--total-mb inf and --peak-mb nan raised OverflowError and ValueError; --h2d-gbps inf and --period-ms inf passed."""
+    """--total-mb inf, 1e-300 and --peak-mb nan raised OverflowError, ZeroDivisionError and ValueError; --h2d-gbps inf
+    and --period-ms inf passed."""
     fails(["gate", "kv-paging", "--model", str(tiny_ckpt), *flags], capsys, message)
 
 
 def test_sweep_prefetch_list_must_be_counts(tiny_ckpt, capsys):
     fails(["sweep", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--keep", "1", "--prefetch", "0,-1"], capsys,
           "--prefetch must be layer counts >= 0, got '0,-1'")
+
+
+def test_demo_checks_its_settings_before_writing_its_cache(tmp_path, capsys):
+    fails(["demo", "--cache-dir", str(tmp_path), "--max-new-tokens", "0"], capsys,
+          "max_new_tokens (--max-new-tokens) must be a whole number >= 1, got 0")
+    assert list(tmp_path.iterdir()) == []

@@ -53,11 +53,11 @@ def ensure_demo_model(path: Path) -> Path:
 
 def run(args) -> int:
     check_plot(args.plot)
+    base: KestrelConfig = load_config(args.config).override(  # checked before the cache is written
+        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
+    )
     with progress.shown(not args.json):
         path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
-        base: KestrelConfig = load_config(args.config).override(
-            generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
-        )
         backends = available_backends(None)
         progress.say(f"demo: model {path}, backends: {', '.join(backends)}")
         with Model(path) as model:

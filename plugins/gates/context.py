@@ -51,8 +51,8 @@ class GateOptions:
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_BYTES:
             raise ConfigError(f"unknown --weight-dtype {self.weight_dtype!r}; available: {', '.join(WEIGHT_BYTES)}")
         for name, v in (("--total-mb", self.total_mb), ("--peak-mb", self.peak_mb), ("--budget-mb", self.budget_mb)):
-            if v is not None and not (math.isfinite(v) and 0 < v <= 2**40):  # inf would overflow the byte counts
-                raise ConfigError(f"{name} must be a positive, finite number of MiB (at most 2**40), got {v}")
+            if v is not None and not (math.isfinite(v) and 1 <= v <= 2**40):  # inf overflows the byte counts, 1e-300 is 0
+                raise ConfigError(f"{name} must be a finite number of MiB in 1..2**40, got {v}")
         if self.total_mb is not None and self.peak_mb is not None and self.peak_mb > self.total_mb:
             raise ConfigError(f"--peak-mb {self.peak_mb} is above --total-mb {self.total_mb}")
         if self.threshold is not None and not 0 < self.threshold < 1:
