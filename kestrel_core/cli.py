@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(None)
     finally:
-        # The command has ended and said so: a Ctrl-C or SIGTERM while Python exits has nothing left to stop, and
+        # The command has ended and said so: a Ctrl-C, SIGTERM or SIGHUP while Python exits has nothing left to stop, and
         # would only print a traceback from an atexit hook (torch's). The exit code stays the command's.
         for s in signals.SIGNALS:
             signal.signal(s, signal.SIG_IGN)
@@ -166,8 +166,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"kestrel: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Interrupted): what was left, where a writer knows
-        print(f"kestrel: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP (Interrupted): what was left, where a writer knows
+        try:
+            print(f"kestrel: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
+        except OSError:  # a hung-up terminal: the exit code still says it
+            pass
         return 128 + getattr(exc, "signum", signal.SIGINT)
 
 

@@ -31,16 +31,18 @@ class NonFiniteError(KestrelError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM, with what the interrupted work left behind when that matters.
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP, with what the interrupted work left behind when that matters.
 
     A KeyboardInterrupt, so that every ``finally`` and ``except KeyboardInterrupt`` cleans up as for
-    Ctrl-C. ``what`` is the CLI's line with ``{}`` for the word ("interrupted" or "terminated"), e.g.
-    ``"{}: the old model in m is intact"``; the CLI exits with 128 + ``signum``, as a shell reports it.
+    Ctrl-C. ``what`` is the CLI's line with ``{}`` for the word ("interrupted", "terminated", "hung up"),
+    e.g. ``"{}: the old model in m is intact"``; the CLI exits with 128 + ``signum``, as a shell reports it.
     """
+
+    WORDS = {1: "hung up", 15: "terminated"}  # SIGHUP, SIGTERM; anything else is Ctrl-C's
 
     def __init__(self, signum: int = 2, what: str = "{}"):
         self.signum = signum
-        super().__init__(what.format("terminated" if signum == 15 else "interrupted"))
+        super().__init__(what.format(self.WORDS.get(signum, "interrupted")))
 
     @classmethod
     def of(cls, exc: BaseException, what: str) -> "Interrupted":

@@ -100,16 +100,19 @@ def model_output(out: str | Path, force: bool = False, flag: str = "--out",
                  force_flag: str | None = "--force") -> Iterator[Path]:
     """Yield an empty temporary directory beside ``out``; when the block succeeds it becomes ``out``.
 
-    An interrupt (SIGINT, or SIGTERM under ``signals.terminate_as_interrupt``) is re-raised as ``Interrupted``
-    saying which model ``out`` holds: the install and the removal of the old copy run with both signals held,
-    so that one never stops half-way."""
+    An interrupt (SIGINT, or SIGTERM and SIGHUP under ``signals.terminate_as_interrupt``) is re-raised as
+    ``Interrupted`` saying which model ``out`` holds: the install and the removal of the old copy run with the
+    signals held, so that one never stops half-way. Parent directories made for ``out`` go again if it is not
+    installed."""
     target = check_output(out, force, flag, force_flag)
     had_old = target.is_dir() and any(target.iterdir())
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # innermost first
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         leftovers.sweep(target.parent)
         tmp = leftovers.temp_dir(target.parent, target.name)
     except OSError as exc:
+        _unmake(made)
         raise OutputError(f"cannot write {out}: {exc.strerror} ({exc.filename or target.parent}); "
                           f"nothing was changed: {_advice(exc)}") from None
     installed = False
@@ -123,11 +126,11 @@ def model_output(out: str | Path, force: bool = False, flag: str = "--out",
     except KeyboardInterrupt as exc:
         if installed:
             raise Interrupted.of(exc, f"{{}} after the new model was installed in {out}") from None
-        _discard(tmp)
+        _discard(tmp, made)
         kept = f"the old model in {out} is intact" if had_old else f"nothing was written to {out}"
         raise Interrupted.of(exc, f"{{}}: {kept}") from None
     except OSError as exc:
-        _discard(tmp)
+        _discard(tmp, [] if installed else made)
         if installed:  # only the old copy's removal failed
             raise OutputError(f"wrote {out}, but could not remove the old model at {tmp}: {exc.strerror}; "
                               "remove that directory") from None
@@ -135,7 +138,7 @@ def model_output(out: str | Path, force: bool = False, flag: str = "--out",
         raise OutputError(f"cannot write {out}: {exc.strerror} ({where}); nothing in {out} "
                           f"was changed: {_advice(exc)}") from None
     except BaseException:
-        _discard(tmp)
+        _discard(tmp, made)
         raise
 
 
@@ -145,13 +148,23 @@ def _inside(filename, tmp: Path, out) -> str:
     return str(Path(out) / os.path.relpath(name, tmp)) if name.startswith(str(tmp) + os.sep) else name
 
 
-def _discard(tmp: Path) -> None:
-    """The unfinished new model, gone, even if a second Ctrl-C comes meanwhile (the first is already on its way)."""
+def _discard(tmp: Path, made: list[Path]) -> None:
+    """The unfinished new model, and the parents made for it, gone, even if a second Ctrl-C comes meanwhile (the
+    first is already on its way)."""
     with signals.deferred(reraise=False):
         try:
             leftovers.remove(tmp)
         except OSError:
             pass  # it carries its owner's tag: the next writer here removes it
+        _unmake(made)
+
+
+def _unmake(made: list[Path]) -> None:
+    for p in made:  # innermost first; one that holds anything now is someone's: kept
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _umask() -> int:

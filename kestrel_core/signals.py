@@ -1,5 +1,5 @@
-"""SIGINT and SIGTERM: SIGTERM raised as an interrupt (so that cleanup runs), and short critical sections
-that hold both until they end (a swap of two directories must not stop half-way)."""
+"""SIGINT, SIGTERM and SIGHUP: the last two raised as an interrupt (so that cleanup runs), and short critical
+sections that hold all three until they end (a swap of two directories must not stop half-way)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 from .errors import Interrupted
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOPS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))  # kill; a closed terminal
+SIGNALS = (signal.SIGINT, *STOPS)
 
 
 def _terminate(signum, frame):
@@ -19,16 +20,17 @@ def _terminate(signum, frame):
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """Inside, SIGTERM raises ``Interrupted(SIGTERM)`` as Ctrl-C raises KeyboardInterrupt (the default would kill the
-    process with its temporary files in place); the CLI wraps a command in it."""
+    """Inside, SIGTERM and SIGHUP raise ``Interrupted(signum)`` as Ctrl-C raises KeyboardInterrupt (the default would
+    kill the process with its temporary files in place); the CLI wraps a command in it."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
-    old = signal.signal(signal.SIGTERM, _terminate)
+    old = {s: signal.signal(s, _terminate) for s in STOPS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 @contextlib.contextmanager

@@ -81,7 +81,10 @@ def test_an_interrupt_while_the_old_model_is_removed_is_held_until_it_is_gone(tm
     assert hidden(tmp_path) == []
 
 
-@pytest.mark.parametrize("signum, rc, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")]
+
+
+@pytest.mark.parametrize("signum, rc, word", SIGNALS)
 def test_a_signal_during_the_swap_is_held_until_it_ends(tmp_path, capsys, monkeypatch, signum, rc, word):
     out = tmp_path / "m"
     _, new = old_and_new(tmp_path, out)
@@ -97,7 +100,7 @@ def test_a_signal_during_the_swap_is_held_until_it_ends(tmp_path, capsys, monkey
     assert snapshot(out) == new and hidden(tmp_path) == []
 
 
-@pytest.mark.parametrize("signum, rc, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize("signum, rc, word", SIGNALS)
 @pytest.mark.parametrize("had_old", [True, False], ids=["replacing", "new"])
 def test_a_signal_while_writing_says_what_out_holds(tmp_path, capsys, monkeypatch, signum, rc, word, had_old):
     out = tmp_path / "m"
@@ -349,3 +352,11 @@ def test_the_demo_never_suggests_a_force_it_does_not_have(tmp_path, capsys):
                 "--cache-dir")
     assert "--force" not in err
     assert (tmp_path / "demo-qwen3" / "notes.txt").read_text() == "mine"
+
+
+def test_parents_made_for_an_output_that_was_not_installed_go_again(tmp_path, capsys, monkeypatch):
+    _signal_on_first(monkeypatch, presets, "save_file", signal.SIGINT)
+    out = tmp_path / "a" / "b" / "m"
+    assert main([*MAKE, "--out", str(out)]) == 130
+    assert capsys.readouterr().err == f"kestrel: interrupted: nothing was written to {out}\n"
+    assert list(tmp_path.iterdir()) == []  # no empty a/b left behind

@@ -189,3 +189,28 @@ def test_a_template_variable_nested_too_deeply(tiny_ckpt, tmp_path, monkeypatch,
     d = with_template(tiny_ckpt, tmp_path, QWEN)
     chat_fails(monkeypatch, capsys, d, "hi\n", "the JSON value is nested too deeply",
                flags=["--template-var", "x=" + "[" * 100000 + "]" * 100000])
+
+
+def test_a_template_variable_given_twice(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """The first was silently replaced by the second."""
+    d = with_template(tiny_ckpt, tmp_path, QWEN)
+    chat_fails(monkeypatch, capsys, d, "hi\n", "--template-var x is given twice",
+               flags=["--template-var", "x=1", "--template-var", "x=2"])
+
+
+def test_a_piped_line_longer_than_any_prompt_is_not_read_whole(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    from kestrel_core.commands import chat as chat_command
+
+    monkeypatch.setattr(chat_command, "MAX_LINE", 1000)
+    d = with_template(tiny_ckpt, tmp_path, QWEN)
+    chat_fails(monkeypatch, capsys, d, "x" * 5000 + "\n", "a message on stdin is over 1,000 characters")
+
+
+def test_a_message_that_cannot_fit_is_refused_before_the_template_renders_it(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    d = with_template(tiny_ckpt, tmp_path, QWEN)
+    rendered = []
+    real = ChatTemplate.render
+    monkeypatch.setattr(ChatTemplate, "render", lambda self, messages, *a, **k: (
+        rendered.append(sum(len(m["content"]) for m in messages)), real(self, messages, *a, **k))[1])
+    chat_fails(monkeypatch, capsys, d, "x" * 100_000 + "\n", "this message alone is over 2,048 tokens")
+    assert max(rendered) < 100  # only the empty frame was rendered, to count the template's own tokens

@@ -130,3 +130,54 @@ def test_demo_checks_its_settings_before_writing_its_cache(tmp_path, capsys):
     fails(["demo", "--cache-dir", str(tmp_path), "--max-new-tokens", "0"], capsys,
           "max_new_tokens (--max-new-tokens) must be a whole number >= 1, got 0")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_valid_cache_budget_on_the_cpu_reference_is_noted_not_silently_dropped(tiny_ckpt, monkeypatch, how):
+    from kestrel_core.errors import KestrelNote
+
+    monkeypatch.delenv(WCACHE_ENV, raising=False)
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    settings = {"budget_mb": 100} if how == "flag" else {}
+    if how == "env":
+        monkeypatch.setenv(WCACHE_ENV, "100")
+    with pytest.warns(KestrelNote, match="the weight-cache budget bounds the cuda backend's device cache"):
+        with load(tiny_ckpt) as model, model.open(backend="cpu_ref", **settings):
+            pass
+
+
+@pytest.mark.parametrize("toml, flags, message", [
+    ("", ["--prompt", "hi", "--prompt-ids", "1,2"], "pass --prompt or --prompt-ids, not both"),
+    ('[generation]\nprompt = "hi"\nprompt_ids = [1, 2]\n', [], "[generation] sets both prompt and prompt_ids"),
+])
+def test_two_prompts_are_refused_not_one_silently_dropped(tiny_ckpt, tmp_path, capsys, toml, flags, message):
+    """`--prompt hi --prompt-ids 1,2` ran the ids and ignored --prompt."""
+    path = tmp_path / "kestrel.toml"
+    path.write_text(toml)
+    fails(["generate", "--model", str(tiny_ckpt), "--config", str(path), "--max-new-tokens", "1", *flags], capsys,
+          message)
+
+
+def test_a_prompt_flag_replaces_the_files_prompt_ids(tiny_ckpt, tmp_path, capsys):
+    """kestrel.toml's prompt_ids (the README's example has them) beat a --prompt given on the command line."""
+    import json
+
+    from kestrel_core.cli import main
+
+    path = tmp_path / "kestrel.toml"
+    path.write_text("[generation]\nprompt_ids = [1, 2, 3]\n")
+    assert main(["generate", "--model", str(tiny_ckpt), "--config", str(path), "--prompt", "hello", "--max-new-tokens",
+                 "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == list(b"hello")  # the byte-level tokenizer's ids
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--keep", "1,1", "--keep lists 1 twice"), ("--keep", "2,02", "--keep lists a value twice (2,02)"),
+    ("--policy", "asymmetric,asymmetric", "--policy lists asymmetric twice"),
+    ("--allocator", "pool,pool", "--allocator lists pool twice"), ("--prefetch", "0,00", "--prefetch lists a value twice"),
+])
+def test_a_sweep_list_with_a_value_twice(tiny_ckpt, capsys, flag, value, message):
+    argv = ["sweep", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1", flag, value]
+    if flag != "--keep":
+        argv += ["--keep", "1"]
+    fails(argv, capsys, message, "list each value once")

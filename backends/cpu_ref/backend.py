@@ -19,7 +19,7 @@ from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
-from kestrel_core.config import HOST_ENV, check_environment
+from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.units import EntrySpec, Geometry
 
 DTYPES = ("float32", "float64")
@@ -39,6 +39,9 @@ class CpuRefBackend(Backend):
             warnings.warn("the host budget bounds the cuda backend's pinned staging; cpu_ref pins nothing (it streams "
                           "from the checkpoint mapping, its RSS bounded by keep), so the budget has no effect here",
                           KestrelNote, stacklevel=2)
+        if ctx.residency.budget_mb or os.environ.get(WCACHE_ENV):  # as silent as the host budget was, before
+            warnings.warn("the weight-cache budget bounds the cuda backend's device cache; cpu_ref's resident layers "
+                          "are bounded by keep, so the budget has no effect here", KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()

@@ -8,7 +8,7 @@ import warnings
 
 import attrs
 
-from .. import progress
+from .. import progress, template_limits
 from ..chat_template import RESERVED, ChatTemplate, load_chat_template
 from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
@@ -20,6 +20,7 @@ from .common import add_run_flags, config_from_args, finite, model_dir
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 
 EXIT, RESET = ("/exit", "/quit"), "/reset"
+MAX_LINE = template_limits.CHARS  # a message longer than any prompt may be is not read whole
 REPLY_TOKENS = 512  # a reply's cap where neither --max-new-tokens nor kestrel.toml sets one (generate's 16 is short)
 
 
@@ -132,6 +133,8 @@ class Chat:
         check_utf8(message)  # here, so that the error counts characters in the message, not in the rendered prompt
         gen = self.run.config.generation
         positions = self.run.model.config.max_position_embeddings
+        if self.tokenizer.encode_at_most(message, positions) is None:  # before rendering: it cannot fit at all
+            raise self._too_long(message, positions)
         messages = self.messages + [{"role": "user", "content": message}]
         text = self.template.render(messages, add_generation_prompt=True, **self.variables)
         if not text.strip():
@@ -186,6 +189,8 @@ def template_vars(pairs: list[str]) -> dict:
         name, eq, value = pair.partition("=")
         if not eq or not name.strip().isidentifier():
             raise ConfigError(f"--template-var must be NAME=VALUE, got {pair!r}; e.g. --template-var enable_thinking=false")
+        if name.strip() in out:  # the first would be silently replaced
+            raise ConfigError(f"--template-var {name.strip()} is given twice; give it once")
         if name.strip() in RESERVED:
             raise ConfigError(f"--template-var {name.strip()} is what kestrel chat passes the template itself "
                               f"({', '.join(RESERVED)} are reserved); pick another name")
@@ -199,8 +204,17 @@ def template_vars(pairs: list[str]) -> dict:
 
 
 def read_line(prompt: str) -> str | None:
+    """A line of stdin without its newline, or None at its end; a piped line is read only up to ``MAX_LINE``."""
     try:
-        return input(prompt)
+        if sys.stdin.isatty():
+            return input(prompt)  # a person types it, with line editing
+        line = sys.stdin.readline(MAX_LINE + 1)
+        if not line:
+            return None
+        if len(line) > MAX_LINE:
+            raise ConfigError(f"a message on stdin is over {MAX_LINE:,} characters, more than any model's context; "
+                              "send a shorter message")
+        return line[:-1] if line.endswith("\n") else line
     except EOFError:
         return None
     except UnicodeDecodeError as exc:  # a strict UTF-8 stdin; under surrogateescape the tokenizer refuses instead

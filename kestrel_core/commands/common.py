@@ -67,6 +67,15 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         raise ConfigError("the prompt is empty: pass some text to --prompt, or --prompt-ids 1,2,3")
     if args.prompt_ids is not None and not prompt_ids:
         raise ConfigError("the prompt is empty: --prompt-ids has no ids")
+    if args.prompt is not None and args.prompt_ids is not None:  # the ids would win, and --prompt be ignored
+        raise ConfigError("pass --prompt or --prompt-ids, not both")
+    gen = cfg.generation
+    if args.prompt is None and args.prompt_ids is None and gen.prompt and gen.prompt_ids:
+        raise ConfigError(f"{args.config}: [generation] sets both prompt and prompt_ids, and the ids would win; "
+                          "keep one")
+    # A prompt flag replaces the file's prompt of either kind: the file's ids would otherwise beat a --prompt.
+    text_flag, ids_flag = args.prompt is not None, args.prompt_ids is not None
+    cfg = cfg.override(generation__prompt_ids=() if text_flag else None, generation__prompt="" if ids_flag else None)
     return cfg.override(
         model=args.model,
         backend__name=single(args.backend),

@@ -21,21 +21,29 @@ def add_arguments(p):
     p.add_argument("--plot", help="write the cost curve to this new .png file (checked before the sweep; never replaces a file)")
 
 
-def _list(value, default):
-    return [v.strip() for v in value.split(",") if v.strip()] if value else default
+def _list(value, default, flag=""):
+    items = [v.strip() for v in value.split(",") if v.strip()] if value else default
+    twice = sorted({v for v in items or () if items.count(v) > 1})
+    if twice:  # the same setting run twice is not a second data point
+        raise ConfigError(f"{flag} lists {twice[0]} twice; list each value once")
+    return items
 
 
 def sweep_lists(args, cfg):
-    keeps = [parse_keep(k) for k in _list(args.keep, ["1", "2", "4", "off"])]
-    policies = _list(args.policy, [cfg.residency.policy])
-    allocators = _list(args.allocator, [cfg.residency.allocator])
+    keeps = [parse_keep(k) for k in _list(args.keep, ["1", "2", "4", "off"], "--keep")]
+    if len(set(keeps)) < len(keeps):  # '2' and '02'
+        raise ConfigError(f"--keep lists a value twice ({args.keep}); list each value once")
+    policies = _list(args.policy, [cfg.residency.policy], "--policy")
+    allocators = _list(args.allocator, [cfg.residency.allocator], "--allocator")
     try:
-        prefetches = [int(x) for x in _list(args.prefetch, [str(cfg.backend.prefetch)])]
+        prefetches = [int(x) for x in _list(args.prefetch, [str(cfg.backend.prefetch)], "--prefetch")]
     except ValueError:
         raise ConfigError(f"--prefetch must be whole numbers, got {args.prefetch!r}") from None
     if any(p < 0 for p in prefetches):
         raise ConfigError(f"--prefetch must be layer counts >= 0, got {args.prefetch!r}")
-    backends = available_backends(_list(args.backend, None) or ([cfg.backend.name] if cfg.backend.name != "cpu_ref" else None))
+    if len(set(prefetches)) < len(prefetches):  # '0' and '00'
+        raise ConfigError(f"--prefetch lists a value twice ({args.prefetch}); list each value once")
+    backends = available_backends(_list(args.backend, None, "--backend") or ([cfg.backend.name] if cfg.backend.name != "cpu_ref" else None))
     return keeps, policies, allocators, prefetches, backends
 
 
