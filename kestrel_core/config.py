@@ -72,7 +72,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_real(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool))
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check(ok: Callable[[Any], bool], rule: str) -> Callable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,6 @@ import pytest
 
 from kestrel_core import template_limits
 from kestrel_core.chat_template import ChatTemplate
-from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from cli_helpers import fails
 
@@ -153,8 +153,6 @@ def test_a_prompt_that_is_not_utf8(tiny_ckpt, capsys):
 def test_a_chat_line_that_is_not_utf8(tiny_ckpt, tmp_path, io_encoding):
     """`printf 'caf\\xe9\\n' | kestrel chat` raised a TypeError (a C.UTF-8 locale) or UnicodeDecodeError (strict)."""
     d = with_template(tiny_ckpt, tmp_path, QWEN)
-    import os
-
     proc = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "chat", "--model", str(d), "--max-new-tokens", "1"],
                           input=b"caf\xe9\n", capture_output=True, timeout=120,
                           env={**os.environ, "PYTHONIOENCODING": io_encoding})
@@ -164,8 +162,6 @@ def test_a_chat_line_that_is_not_utf8(tiny_ckpt, tmp_path, io_encoding):
 
 
 def test_a_closed_stdin_is_one_line(tiny_ckpt, tmp_path):
-    import os
-
     d = with_template(tiny_ckpt, tmp_path, QWEN)
     proc = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "chat", "--model", str(d)], capture_output=False,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120,

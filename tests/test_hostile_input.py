@@ -3,9 +3,12 @@ one-line errors on every backend, never a traceback and never a note that they h
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kestrel_core import load
+from kestrel_core.cli import main
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.errors import ConfigError
 from cli_helpers import fails, gen
@@ -92,8 +95,6 @@ def test_the_api_checks_as_the_flags_do(tiny_ckpt):
                                              ("nan", "--expert-budget-mb must be a finite number of MiB, got nan"),
                                              ("-1", "--expert-budget-mb must be above 0, got -1")])
 def test_replay_refuses_a_budget_that_is_not_a_finite_positive_number(tmp_path, capsys, budget, message):
-    import json
-
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"format": "kestrel-expert-trace", "version": 1, "model": {
         "num_experts": 2, "num_experts_per_tok": 1, "expert_bytes": {"0.0": 10, "0.1": 10}},
@@ -160,10 +161,6 @@ def test_two_prompts_are_refused_not_one_silently_dropped(tiny_ckpt, tmp_path, c
 
 def test_a_prompt_flag_replaces_the_files_prompt_ids(tiny_ckpt, tmp_path, capsys):
     """kestrel.toml's prompt_ids (the README's example has them) beat a --prompt given on the command line."""
-    import json
-
-    from kestrel_core.cli import main
-
     path = tmp_path / "kestrel.toml"
     path.write_text("[generation]\nprompt_ids = [1, 2, 3]\n")
     assert main(["generate", "--model", str(tiny_ckpt), "--config", str(path), "--prompt", "hello", "--max-new-tokens",
