@@ -24,7 +24,7 @@ from .config import GenerationConfig
 from .errors import KestrelError
 from .kvcache import allocate_cache
 from .model import RopeTable, Span
-from .plan import Boundary, delta
+from .plan import delta
 from .results import MODES, GenerationResult
 from .runner import DecodeState, Runner
 from .sampling import Sampler

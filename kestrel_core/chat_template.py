@@ -7,12 +7,14 @@ transformers' ``render_jinja_template``: an ``ImmutableSandboxedEnvironment(trim
 lstrip_blocks=True)`` with loop controls and ``{% generation %}`` blocks, the ``raise_exception`` and
 ``strftime_now`` globals, a ``tojson`` filter that leaves non-ASCII and HTML characters alone, and
 ``messages``, ``tools=None``, ``documents=None``, ``add_generation_prompt`` and the special tokens
-(``bos_token``, ``eos_token``, ...) as strings.
+(``bos_token``, ``eos_token``, ...) as strings. A template is code that comes with a download: its time,
+output and the strings it builds are bounded (``template_limits``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,16 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import SecurityError
 
+from . import template_limits
 from .errors import ConfigError
 from .modelconfig import read_json
+from .readfile import read_bounded
+from .template_limits import BoundedSandbox, TemplateLimit
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_LIMIT = 4 * 2**20  # real templates are a few KiB
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -47,10 +53,18 @@ class ChatTemplate:
         return self.special.get("eos_token")
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any) -> str:
-        """The conversation as the model's prompt text; ``variables`` are the template's own (``enable_thinking``)."""
-        context = {"tools": None, "documents": None, **self.special, **variables}
+        """The conversation as the model's prompt text; ``variables`` are the template's own (``enable_thinking``).
+        Bounded in time and size (``template_limits``)."""
+        context = {"tools": None, "documents": None, **self.special, **variables,
+                   "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            return template_limits.render(self._template, context)
+        except TemplateLimit as exc:
+            raise ConfigError(f"{self.where}: the chat template went past a bound ({_one_line(exc.message)}); "
+                              "replace it with the model's own template") from None
+        except RecursionError:
+            raise ConfigError(f"{self.where}: the chat template recursed without end; "
+                              "replace it with the model's own template") from None
         except TemplateRaised as exc:
             raise ConfigError(f"{self.where}: the chat template refused the conversation ({_one_line(exc.message)}); "
                               "change the conversation (its roles and their order) or the template") from None
@@ -62,11 +76,15 @@ class ChatTemplate:
                               "fix the template, or change the conversation") from None
 
 
+# What render() passes the template itself, and jinja's name for the template: no template variable may take them.
+RESERVED = ("messages", "add_generation_prompt", "self")
+
+
 def load_chat_template(model_dir: str | Path) -> ChatTemplate:
     """The directory's chat template; a directory without one is a ConfigError that says what to do instead."""
     d = Path(model_dir)
     config_path = d / TOKENIZER_CONFIG
-    config = read_json(config_path) if config_path.is_file() else {}
+    config = read_json(config_path) if os.path.lexists(config_path) else {}  # there but unreadable: an error
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path}: must hold a JSON object, got {type(config).__name__}")
     special = {key: tok for key in SPECIAL_TOKENS if (tok := _token_text(config.get(key), config_path, key)) is not None}
@@ -74,9 +92,10 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate:
     if isinstance(extra, list):
         special["additional_special_tokens"] = [_token_text(t, config_path, "additional_special_tokens") for t in extra]
     file = d / TEMPLATE_FILE
-    if file.is_file():
+    if os.path.lexists(file):
         try:
-            return ChatTemplate(file.read_text(encoding="utf-8"), str(file), special)
+            text = read_bounded(file, TEMPLATE_LIMIT, str(file), "a chat template is a few KiB: take the model's own")
+            return ChatTemplate(text.decode("utf-8"), str(file), special)
         except UnicodeDecodeError:
             raise ConfigError(f"{file}: not UTF-8 text; re-download the model's chat template") from None
     raw = config.get("chat_template")
@@ -132,6 +151,11 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _tojson_indent(value, ensure_ascii=False, indent=None, *args, **kwargs) -> None:
+    if isinstance(indent, int) and indent > 64:  # a huge indent is a huge string at once
+        raise TemplateLimit(f"tojson indent {indent} is over 64")
+
+
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
@@ -151,10 +175,9 @@ class GenerationBlock(Extension):
         return caller()
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
+    env.set_filter("tojson", _tojson, _tojson_indent)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

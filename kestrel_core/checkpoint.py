@@ -109,7 +109,10 @@ class SafetensorsFile:
 
     def _parse_header(self) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", self._mm[:8])
-        if n > MAX_HEADER or 8 + n > self.size:
+        if n > MAX_HEADER:  # not a truncation: no safetensors writer makes a header this large
+            raise CheckpointError(f"{self.path}: header length {n:,} exceeds the {MAX_HEADER // 10**6} MB limit of the "
+                                  f"safetensors format; {CORRUPT}")
+        if 8 + n > self.size:
             raise CheckpointError(
                 f"{self.path}: header claims {n} bytes but the file has {self.size}; "
                 "the file is truncated or corrupt: re-download or re-create it"
@@ -121,6 +124,8 @@ class SafetensorsFile:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg
             raise CheckpointError(f"{self.path}: header is not valid JSON ({why}); the file is corrupt") from None
+        except RecursionError:
+            raise CheckpointError(f"{self.path}: header is not valid JSON (nested too deeply); the file is corrupt") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object; the file is corrupt")
         base = 8 + n

@@ -4,13 +4,17 @@ plugins add theirs through the ``register_commands`` hook."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import importlib.metadata
 import os
+import signal
 import sys
 import warnings
 
-from . import plugins, progress
-from .errors import KestrelError, KestrelNote, PluginError
+from . import plugins, progress, signals
+from .errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "sweep", "replay", "plugins", "demo", "quantize")
 
@@ -21,8 +25,31 @@ def _add(sub, name: str, command) -> None:
     p.set_defaults(run=command.run)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with kestrel's one-line errors: the usage block would bury the line that names the problem."""
+
+    def error(self, message: str, prog: str | None = None):
+        print(f"kestrel: error: {message}; see {prog or self.prog} --help", file=sys.stderr)
+        raise SystemExit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:  # point at the subcommand's help, whose flags these were meant to be
+            command = getattr(ns, "command", None)
+            self.error(f"unrecognized arguments: {' '.join(extra)}", f"{self.prog} {command}" if command else None)
+        return ns
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("kestrel")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description="Run models whose weights do not fit in device memory.")
+    parser = Parser(prog="kestrel", description="Run models whose weights do not fit in device memory.")
+    parser.add_argument("--version", action="version", version=f"kestrel {version()}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     builtin = {name.replace("_", "-"): importlib.import_module(f".commands.{name}", __package__) for name in SUBCOMMANDS}
     for name, module in builtin.items():
@@ -38,19 +65,85 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _drop_output() -> None:
+    """Send what stdout still buffers to /dev/null, so that the flush at exit cannot fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+class OutputWriteError(OSError):
+    """A write to standard output failed (a full disk under `> file`): named as the output's, not as a path's."""
+
+
+class _Output:
+    """sys.stdout while a command runs: its write errors become OutputWriteError (a reader gone away stays a
+    BrokenPipeError); everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputWriteError(exc.errno, exc.strerror) from None
+
+    def write(self, text):
+        return self._guard(self._stream.write, text)
+
+    def writelines(self, lines):
+        return self._guard(self._stream.writelines, lines)
+
+    def flush(self):
+        return self._guard(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _guarded_output():
+    real, sys.stdout = sys.stdout, _Output(sys.stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = real
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The program (``argv`` None: sys.argv), or one command in this process (tests, the docs check)."""
+    if argv is not None:
+        return _main(argv)
+    try:
+        return _main(None)
+    finally:
+        # The command has ended and said so: a Ctrl-C, SIGTERM or SIGHUP while Python exits has nothing left to stop, and
+        # would only print a traceback from an atexit hook (torch's). The exit code stays the command's.
+        for s in signals.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> int:
+    if sys.stdout is None:  # started with stdout closed (`kestrel ... >&-`): Python gives None, not a stream
+        print("kestrel: error: standard output is closed; send it somewhere: a file, a pipe, or >/dev/null",
+              file=sys.stderr)
+        return 2
     try:
         parser = build_parser()  # plugins load here: they may add commands
     except KestrelError as exc:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     try:
-        with warnings.catch_warnings(record=True) as notes:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a bad flag (one line, above), or --help and --version: a code to return, not raise
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output():
             warnings.simplefilter("default")
             with progress.shown(not getattr(args, "json", False)):  # bars on stderr, for a person at a terminal
                 rc = args.run(args) or 0
-                sys.stdout.flush()  # here, so that a reader gone away is met by the handler below, not at exit
+                sys.stdout.flush()  # here, so that a reader gone away is met by the handlers below, not at exit
         for note in notes:  # after the output, and only when the command did not fail
             if issubclass(note.category, KestrelNote):
                 print(f"kestrel: note: {note.message}", file=sys.stderr)
@@ -61,16 +154,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of our output left (`kestrel generate ... | head`): not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        _drop_output()
         return 141  # 128 + SIGPIPE, as a shell reports it
+    except OutputWriteError as exc:
+        _drop_output()
+        how = "free space, or send it elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "send it elsewhere"
+        print(f"kestrel: error: cannot write the output: {exc.strerror} (standard output); {how}", file=sys.stderr)
+        return 2
     except OSError as exc:  # a disk or permission problem the command did not name itself
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"kestrel: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kestrel: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP (Interrupted): what was left, where a writer knows
+        try:
+            print(f"kestrel: {exc if isinstance(exc, Interrupted) else 'interrupted'}", file=sys.stderr)
+        except OSError:  # a hung-up terminal: the exit code still says it
+            pass
+        return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
 from .errors import ConfigError
+from .readfile import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +23,7 @@ OFF = "off"
 WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
+TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
 
@@ -37,6 +40,9 @@ def parse_keep(value: Any) -> int | str:
         raise ConfigError(f"keep must be a layer count or 'off', got {value!r}") from None
 
 
+MAX_MIB = 2**40  # MiB: a budget beyond an exabyte is a typo, and would overflow the byte counts built from it
+
+
 def env_mib(name: str) -> int | None:
     """The bytes an environment variable gives in whole MiB (a budget that beats the config), or None where unset."""
     env = os.environ.get(name)
@@ -45,28 +51,65 @@ def env_mib(name: str) -> int | None:
     try:
         mb = int(env)
     except ValueError:
-        raise ConfigError(f"{name}={env!r} must be a whole number of MiB") from None
+        raise ConfigError(f"{name}={env!r} must be a whole number of MiB; fix or unset it") from None
     if mb <= 0:
-        raise ConfigError(f"{name}={mb} must be positive")
+        raise ConfigError(f"{name}={mb} must be positive; unset it for the default")
+    if mb > MAX_MIB:
+        raise ConfigError(f"{name}={mb} MiB is beyond any machine (at most 2**40); fix or unset it")
     return mb * 2**20
 
 
 def check_environment() -> None:
-    """The budgets the environment sets, checked on every backend (a backend may have no use for one)."""
+    """Parse every budget the environment sets, whichever backend runs: a bad one is an error on all of them
+    (call where a run opens; a backend that uses neither would otherwise never look)."""
     for name in (WCACHE_ENV, HOST_ENV):
         env_mib(name)
+
+
+# --- field checks: the same rule for kestrel.toml, flags, Model.open and Run.generate ------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check(ok: Callable[[Any], bool], rule: str) -> Callable:
+    """An attrs validator: ``value`` must satisfy ``ok``; the error names the field (its flag) and the rule.
+    A value of the wrong type is left to ``_build``'s type check (toml) or to Python (the API), as before."""
+    def validate(instance, attribute, value):
+        if isinstance(value, (str, bool)) or value is None:
+            return
+        if not ok(value):
+            flag = attribute.name.replace("_", "-")
+            raise ConfigError(f"{attribute.name} (--{flag}) must be {rule}, got {value!r}")
+    return validate
+
+
+def _real_in(lo: float, hi: float = MAX_MIB, lo_open: bool = False) -> Callable[[Any], bool]:
+    return lambda v: _is_real(v) and math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and lo <= v <= hi
+
+
+_MIB_OR_DEFAULT = "a finite number of MiB, 0..2**40 (0: the default)"
 
 
 @attrs.frozen
 class BackendConfig:
     name: str = "cpu_ref"
     dtype: str = ""  # compute dtype; empty means the backend's default
-    prefetch: int = 0  # layers uploaded ahead on a side stream (backends that can)
+    prefetch: int = attrs.field(default=0, validator=_check(_int_in(0, 2**20), "a layer count >= 0"))  # layers uploaded ahead
     device: str = ""  # e.g. "cuda:1"; empty means the backend's default
     graphs: str = attrs.field(default="auto")  # "auto": replay a repeating decode step where the backend can capture; "off": eager
 
     compile: bool = False  # run the decode step's layer math through torch.compile (fused kernels; the first step compiles)
-    host_budget_mb: float = 0.0  # pinned host MiB for streamed weights (cuda; fractions allowed); 0: all where half the RAM holds them, else a ring
+    # pinned host MiB for streamed weights (cuda; fractions allowed); 0: all where half the RAM holds them, else a ring
+    host_budget_mb: float = attrs.field(default=0.0, validator=_check(_real_in(0), _MIB_OR_DEFAULT))
 
     @graphs.validator
     def _check_graphs(self, _, value: str) -> None:
@@ -79,10 +122,12 @@ class ResidencyConfig:
     policy: str = "asymmetric"
     keep: int | str = attrs.field(default=OFF, converter=parse_keep)
     allocator: str = "pool"
-    pool_slots: int = 128
-    budget_mb: int = 0  # device weight-cache budget; 0 means the backend's default
+    pool_slots: int = attrs.field(default=128, validator=_check(_int_in(0, 2**31), "a whole number >= 0"))
+    # device weight-cache budget; 0 means the backend's default
+    budget_mb: int = attrs.field(default=0, validator=_check(_int_in(0, MAX_MIB), "whole MiB, 0..2**40 (0: the default)"))
     expert_policy: str = ""  # Mixture-of-Experts: e.g. expert_lru; empty: an expert stays until its layer goes
-    expert_budget_mb: float = 0.0  # the bytes the expert policy keeps experts in (MiB; fractions allowed)
+    # the bytes the expert policy keeps experts in (MiB; fractions allowed)
+    expert_budget_mb: float = attrs.field(default=0.0, validator=_check(_real_in(0), "a finite number of MiB, 0..2**40"))
     expert_prefetch: bool = False  # decode: guess layer l+1's experts with its router on layer l's hidden state, upload them ahead
     expert_fetch: str = attrs.field(default="routed")  # "routed": a sparse layer's experts come when routed to; "layer": with the layer
     # A decode step's routed experts: "table", read through the backend's expert table (no host in the step; the expert
@@ -107,11 +152,11 @@ class ResidencyConfig:
 
 @attrs.frozen
 class GenerationConfig:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    max_new_tokens: int = attrs.field(default=16, validator=_check(_int_in(1, 2**40), "a whole number >= 1"))
+    temperature: float = attrs.field(default=0.0, validator=_check(_real_in(0, math.inf), "a finite number >= 0 (0 is greedy)"))
+    top_k: int = attrs.field(default=0, validator=_check(_int_in(0, 2**31), "a whole number >= 0 (0 means no cut)"))
+    top_p: float = attrs.field(default=1.0, validator=_check(_real_in(0, 1, lo_open=True), "in (0, 1]"))
+    seed: int = attrs.field(default=0, validator=_check(_int_in(0, 2**64 - 1), "in 0..2**64-1 (a 64-bit generator seed)"))
     stop_at_eos: bool = True
     prompt: str = ""
     prompt_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
@@ -216,13 +261,15 @@ def load_config(path: str | Path | None) -> KestrelConfig:
     if not path:
         return KestrelConfig()
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    data = read_bounded(p, TOML_LIMIT, f"config file {str(p)!r}", "pass a kestrel.toml file")
     try:
-        raw = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"config file {str(p)!r} cannot be read ({why}); pass a kestrel.toml file") from None
+        raw = tomllib.loads(data.decode())
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} cannot be read (not UTF-8 text); pass a kestrel.toml file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid TOML (nested too deeply)") from None
     return config_from_dict(raw, str(p))

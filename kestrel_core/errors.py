@@ -28,3 +28,23 @@ class BudgetError(KestrelError):
 
 class NonFiniteError(KestrelError):
     """A computed value went NaN or inf; generation stops rather than emit meaningless ids."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP, with what the interrupted work left behind when that matters.
+
+    A KeyboardInterrupt, so that every ``finally`` and ``except KeyboardInterrupt`` cleans up as for
+    Ctrl-C. ``what`` is the CLI's line with ``{}`` for the word ("interrupted", "terminated", "hung up"),
+    e.g. ``"{}: the old model in m is intact"``; the CLI exits with 128 + ``signum``, as a shell reports it.
+    """
+
+    WORDS = {1: "hung up", 15: "terminated"}  # SIGHUP, SIGTERM; anything else is Ctrl-C's
+
+    def __init__(self, signum: int = 2, what: str = "{}"):
+        self.signum = signum
+        super().__init__(what.format(self.WORDS.get(signum, "interrupted")))
+
+    @classmethod
+    def of(cls, exc: BaseException, what: str) -> "Interrupted":
+        """``exc`` (a plain KeyboardInterrupt is SIGINT) told with ``what``."""
+        return cls(getattr(exc, "signum", 2), what)

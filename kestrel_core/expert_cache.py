@@ -7,6 +7,8 @@ layer has just routed to, lowest rank first, until the routed ones fit in the bu
 
 from __future__ import annotations
 
+import math
+
 from .errors import ConfigError
 from .plan import Advice
 
@@ -46,6 +48,9 @@ class ExpertCache:
 
 def budget_bytes(budget_mb: float, per_token: int, largest: int) -> int:
     """An expert budget in bytes; refused below one token's routed experts (``per_token`` of the ``largest``)."""
+    if not (math.isfinite(budget_mb) and budget_mb > 0):  # int() of inf overflows; the callers check, this holds for plugins
+        raise ConfigError(f"expert budget must be a finite number of MiB above 0, got {budget_mb:g}; "
+                          "set --expert-budget-mb")
     budget = int(budget_mb * 2**20)
     if budget < per_token * largest:
         raise ConfigError(f"expert budget {budget_mb:g} MiB is below one token's routed experts "

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import attrs
 
 from .errors import ConfigError
+from .readfile import read_bounded
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}  # dense decoders
 MOE = {"qwen3_moe": "Qwen3MoeForCausalLM"}  # Mixture-of-Experts: experts are residency units of their own
@@ -125,6 +126,25 @@ TOKEN_IDS: Kind = (
 )
 _REQUIRED = object()
 
+# Bounds on the fields that size a table or an allocation: far above any published model (Qwen3-Next: 48 layers of
+# 512 experts; Gemma: a 262,144-token vocabulary), low enough that what is built from config.json before the weights
+# are read stays small (num_hidden_layers 1e9 ground for minutes into a MemoryError). max_position_embeddings sizes
+# nothing by itself (the KV cache is sized by the run, and checked); its bound only keeps the arithmetic sane.
+LIMITS = {"vocab_size": 2**24, "hidden_size": 2**17, "intermediate_size": 2**20, "num_hidden_layers": 2**12,
+          "num_attention_heads": 2**12, "num_key_value_heads": 2**12, "head_dim": 2**12,
+          "max_position_embeddings": 2**40, "num_experts": 2**14, "num_experts_per_tok": 2**14,
+          "moe_intermediate_size": 2**20, "decoder_sparse_step": 2**12}
+MAX_EXPERT_UNITS = 2**17  # num_hidden_layers x num_experts: one table entry (and its tensors' specs) each
+
+
+def _size(raw: dict, key: str, default: Any = _REQUIRED, where: str = "config.json", null_is_default: bool = False):
+    """A positive integer field, at most its LIMITS bound."""
+    value = _field(raw, key, POSITIVE_INT, default, where, null_is_default)
+    if value is not None and value > LIMITS[key]:
+        raise ConfigError(f"{where}: field {key!r} is {value:,}, over the {LIMITS[key]:,} kestrel allows (no model has "
+                          "that many); fix config.json")
+    return value
+
 
 def _field(raw: dict, key: str, kind: Kind, default: Any = _REQUIRED, where: str = "config.json", null_is_default: bool = False):
     """raw[key] checked against kind; absent (or null where HF treats null as unset) gives default."""
@@ -141,7 +161,8 @@ def _field(raw: dict, key: str, kind: Kind, default: Any = _REQUIRED, where: str
 
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3: dict[str, Kind] = {"factor": POSITIVE_NUMBER, "low_freq_factor": POSITIVE_NUMBER,
-                            "high_freq_factor": POSITIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT}
+                            "high_freq_factor": POSITIVE_NUMBER,
+                            "original_max_position_embeddings": POSITIVE_INT}
 
 
 def _rope_type(rs: dict):
@@ -182,10 +203,13 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "d
 
 def _moe_fields(raw: dict, where: str, n_layers: int) -> dict:
     """The expert fields of a qwen3_moe config.json: the shapes are required, the layer pattern defaults as in HF."""
-    experts = _field(raw, "num_experts", POSITIVE_INT, where=where)
-    per_token = _field(raw, "num_experts_per_tok", POSITIVE_INT, where=where)
+    experts = _size(raw, "num_experts", where=where)
+    per_token = _size(raw, "num_experts_per_tok", where=where)
     if per_token > experts:
         raise ConfigError(f"{where}: num_experts_per_tok={per_token} exceeds num_experts={experts}; fix config.json")
+    if n_layers * experts > MAX_EXPERT_UNITS:
+        raise ConfigError(f"{where}: num_hidden_layers x num_experts = {n_layers:,} x {experts:,} expert units, over the "
+                          f"{MAX_EXPERT_UNITS:,} kestrel plans for; fix config.json")
     dense = _field(raw, "mlp_only_layers", LAYER_LIST, [], where, null_is_default=True)
     outside = [layer for layer in dense if layer >= n_layers]
     if outside:
@@ -194,8 +218,8 @@ def _moe_fields(raw: dict, where: str, n_layers: int) -> dict:
     return dict(
         num_experts=experts,
         num_experts_per_tok=per_token,
-        moe_intermediate_size=_field(raw, "moe_intermediate_size", POSITIVE_INT, where=where),
-        decoder_sparse_step=_field(raw, "decoder_sparse_step", POSITIVE_INT, 1, where),
+        moe_intermediate_size=_size(raw, "moe_intermediate_size", where=where),
+        decoder_sparse_step=_size(raw, "decoder_sparse_step", 1, where),
         mlp_only_layers=tuple(dense),
         norm_topk_prob=_field(raw, "norm_topk_prob", BOOL, False, where),
     )
@@ -233,13 +257,13 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(
             f"{where}: model_type {shown(model_type)} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
-    dims = {key: _field(raw, key, POSITIVE_INT, where=where) for key in _DIMS}
+    dims = {key: _size(raw, key, where=where) for key in _DIMS}
     heads = dims["num_attention_heads"]
     # HF treats null like absent for these two.
-    kv_heads = _field(raw, "num_key_value_heads", POSITIVE_INT, heads, where, null_is_default=True)
+    kv_heads = _size(raw, "num_key_value_heads", heads, where, null_is_default=True)
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
-    head_dim = _field(raw, "head_dim", POSITIVE_INT, None, where, null_is_default=True)
+    head_dim = _size(raw, "head_dim", None, where, null_is_default=True)
     if head_dim is None:
         head_dim = dims["hidden_size"] // heads
         if not head_dim:
@@ -258,7 +282,7 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
         **dims,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=_field(raw, "max_position_embeddings", POSITIVE_INT, 2048, where),
+        max_position_embeddings=_size(raw, "max_position_embeddings", 2048, where),
         rms_norm_eps=float(_field(raw, "rms_norm_eps", POSITIVE_NUMBER, 1e-6, where)),
         rope_theta=float(_field(raw, "rope_theta", POSITIVE_NUMBER, 10000.0, where)),
         tie_word_embeddings=_field(raw, "tie_word_embeddings", BOOL, False, where),
@@ -271,16 +295,30 @@ def parse_model_config(raw: dict, where: str = "config.json") -> ModelConfig:
     )
 
 
-def read_json(path: Path, error: type[Exception] = ConfigError) -> Any:
-    """A JSON file's value; unreadable or invalid JSON is ``error`` naming the path."""
+JSON_LIMIT = 64 * 2**20  # config.json, tokenizer_config.json, an index: kilobytes to a few MiB in every real model
+
+
+def read_json(path: Path, error: type[Exception] = ConfigError, limit: int = JSON_LIMIT) -> Any:
+    """A JSON file's value; unreadable, too large or invalid JSON is ``error`` naming the path."""
+    text = read_bounded(path, limit, str(path), "this is not the small JSON file a model directory holds", error)
+    return loads(text, str(path), error)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads(text: str | bytes, where: str, error: type[Exception] = ConfigError, finite: bool = False) -> Any:
+    """JSON whose nesting past Python's stack is an error, as is NaN or Infinity (which Python's json accepts) where
+    ``finite``; config.json keeps them, for its field checks to name the field."""
     try:
-        text = Path(path).read_bytes()
-    except OSError as exc:
-        raise error(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant) if finite else json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{path}: not valid JSON ({exc})") from None  # one line, with the position
+        raise error(f"{where}: not valid JSON ({exc})") from None  # one line, with the position
+    except ValueError as exc:  # from _no_constant
+        raise error(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{where}: not valid JSON (nested too deeply)") from None
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:

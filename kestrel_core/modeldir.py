@@ -3,6 +3,7 @@ the ids that end a generation, and the model's residency units."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from .errors import ConfigError
 from .hub import resolve
 from .modelconfig import ModelConfig, read_json, read_model_config
 from .quant import QuantInfo, read_quant
-from .tensor_table import unit_specs, validate_checkpoint
+from .tensor_table import check_depth, unit_specs, validate_checkpoint
 from .tokenizer import Tokenizer, load_tokenizer
 from .units import UnitSpec
 
@@ -27,7 +28,7 @@ def eos_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
     checkpoint has one; Qwen3's lists its chat turn's end there too), as transformers' generate reads them."""
     ids = _ids(config.eos_token_id)
     path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
+    if os.path.lexists(path):  # a directory, a device or a dangling link there is an error read_json names
         raw = read_json(path)
         eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
         is_id = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
@@ -57,6 +58,7 @@ def read_model_dir(model_dir: str | Path | Any) -> ModelFiles:
     config = read_model_config(path)
     checkpoint = Checkpoint(path)
     try:
+        check_depth(checkpoint, config)  # before anything builds per-layer tables from config.json's depth
         quant = read_quant(checkpoint, config)
         validate_checkpoint(checkpoint, config, quant.stored_names() if quant else {})
         tokenizer = load_tokenizer(path)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import re
 import zlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from . import progress
@@ -189,11 +193,13 @@ def write_checkpoint(
     force: bool = False,
     flag: str = "--out",
     router_skew: float = 0.0,
+    force_flag: str | None = "--force",
 ) -> Path:
     """Write config.json, *.safetensors (sharded above ``shard_mb``) and a byte-level tokenizer.json.
 
     The directory appears whole or not at all (``outdir.model_output``); a non-empty ``out`` is
-    refused unless ``force``. ``router_skew`` S > 0 (a MoE model only) draws routers whose first
+    refused unless ``force`` (``force_flag`` is the flag that says so, None where the command has none).
+    ``router_skew`` S > 0 (a MoE model only) draws routers whose first
     choice follows about Zipf(S) over a seeded per-layer ranking of the experts (``router_ranks``;
     see ``_apply_router_skew``); the safetensors metadata records it as ``kestrel.router_skew``.
     Under ``progress.shown`` a bar counts the bytes drawn.
@@ -212,7 +218,7 @@ def write_checkpoint(
     total = sum(int(torch.Size(s).numel()) for s in specs.values()) * itemsize(dtype)
     files = ["model.safetensors"] if len(plan) == 1 else [
         f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
-    with model_output(out, force, flag) as tmp, progress.bar(total, "make-model", "B") as bar:
+    with model_output(out, force, flag, force_flag) as tmp, progress.bar(total, "make-model", "B") as bar:
         for fname, names in zip(files, plan):
             tensors = {}
             for name in names:
@@ -223,7 +229,7 @@ def write_checkpoint(
                 tensors[name] = t.to(dtype).cpu().contiguous()
                 bar.update(tensors[name].numel() * tensors[name].element_size())
             bar.set_postfix_str(f"writing {fname}")
-            save_file(tensors, str(tmp / fname), metadata=metadata)
+            _save(tensors, tmp / fname, metadata)
         if len(plan) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {name: fname for fname, names in zip(files, plan) for name in names}}
@@ -232,6 +238,18 @@ def write_checkpoint(
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "do_sample": False}))
         (tmp / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg)))
     return out
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O failures (a full disk) raised as the OSError they are, which
+    ``model_output`` reports in one line; the library raises its own SafetensorError with the errno in the text."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(exc))
+        if not m:
+            raise OSError(errno.EIO, " ".join(str(exc).split()), str(path)) from None
+        raise OSError(int(m[2]), os.strerror(int(m[2])), str(path)) from None
 
 
 def _bytes_to_unicode() -> dict[int, str]:

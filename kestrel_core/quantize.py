@@ -14,6 +14,7 @@ from . import hub, progress
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from .devices import compute_device
 from .engine import Model
+from .modelconfig import read_json
 from .outdir import check_output, is_model_file, model_output
 from .quant import (GROUP_SIZES, LAYOUT, META_GROUP, META_LAYOUT, META_LM_HEAD, META_N_ALIGN, META_QUANT, META_UNTIED,
                     METHOD, N_ALIGN, AlreadyQuantizedError, GroupSizeError, QuantError, looks_quantized, pad_n, q8_names,
@@ -120,7 +121,7 @@ def quantize_checkpoint(
         with model_output(out, force) as tmp:
             with progress.bar(len(qspecs), "quantize", "weight") as bar:
                 write_safetensors(tmp / OUT_FILE, items, tensors(bar), metadata)
-            raw = json.loads((src / "config.json").read_text())
+            raw = read_json(src / "config.json")
             if untie:
                 raw["tie_word_embeddings"] = False
             (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -6,7 +6,7 @@ import statistics
 
 import attrs
 
-from . import plugins, progress
+from . import newfile, plugins, progress
 from .config import OFF, KestrelConfig
 from .engine import Model, make_policy
 from .errors import ConfigError, KestrelError
@@ -194,12 +194,12 @@ def format_verdict(verdict: dict, comparison: list[dict]) -> str:
             lines.append(f"invariance on {backend}: FAILED - ids differ from the first run in: {'; '.join(v['differing'])}")
         else:
             lines.append(f"invariance on {backend}: token ids identical across all {v['runs']} runs")
-    for c in comparison:
-        a, p = c["peak_resident_bytes"]
+    for c in comparison:  # each figure named with its policy: the pair's order is easy to misread
+        (a_peak, p_peak), (a_bytes, p_bytes) = c["peak_resident_bytes"], c["bytes_per_token"]
         lines.append(
-            f"pinned_set vs asymmetric on {c['backend']} at keep={c['keep']} ({c['allocator']}): peak {_mib(a)} vs {_mib(p)} MiB, "
-            f"{_mib(c['bytes_per_token'][0])} vs {_mib(c['bytes_per_token'][1])} MiB/token uploaded "
-            f"({c['saved_fraction']:.0%} fewer bytes)"
+            f"pinned_set vs asymmetric on {c['backend']} at keep={c['keep']} ({c['allocator']}): peak pinned_set "
+            f"{_mib(p_peak)} MiB, asymmetric {_mib(a_peak)} MiB; uploaded pinned_set {_mib(p_bytes)} MiB/token "
+            f"({c['saved_fraction']:.0%} fewer bytes), asymmetric {_mib(a_bytes)} MiB/token"
         )
     return "\n".join(lines)
 
@@ -216,7 +216,8 @@ def plotting():
     return plt
 
 
-def plot(rows: list[Row], path: str) -> None:
+def plot(rows: list[Row], path: str, model: str = "") -> None:
+    """The cost curve to a new PNG file (written whole, never over a file: ``newfile``), titled with the model."""
     plt = plotting()
     fig, ax = plt.subplots(figsize=(7, 4))
     groups: dict[tuple, list[Row]] = {}
@@ -232,14 +233,14 @@ def plot(rows: list[Row], path: str) -> None:
             ax.axhline(r.result.ms_per_token, linestyle="--", linewidth=1, label=f"{r.backend} off")
     ax.set_xlabel("keep (layers)")
     ax.set_ylabel("decode ms/token (median)")
+    tokens = len(rows[0].result.token_ids) if rows else 0
+    ax.set_title(f"kestrel sweep: {model or 'the model'}, {tokens} tokens a run", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise ConfigError(f"cannot write the plot {path}: {exc.strerror}; pick a path you can write to") from None
-    except ValueError as exc:  # e.g. an extension matplotlib has no writer for
-        raise ConfigError(f"cannot write the plot {path}: {exc}; use a .png path") from None
+        newfile.write_new(path, lambda f: fig.savefig(f, format="png", dpi=120), "--plot", ".png")
+    except ConfigError as exc:
+        raise ConfigError(f"cannot write the plot: {exc}") from None
     finally:
         plt.close(fig)
 

@@ -3,6 +3,7 @@ check that a checkpoint holds exactly those (as Hugging Face's Qwen3 / Llama / Q
 
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 from .checkpoint import FLOAT_DTYPES, FUSED_DOWN, FUSED_GATE_UP, Checkpoint
@@ -109,12 +110,27 @@ def all_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_depth(ckpt: Checkpoint, cfg: ModelConfig) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint's tensors name, before a per-layer table
+    is built for it: a config that claims more layers than the weights hold is refused at the cost of one pass over
+    the names. (A checkpoint with more layers than config.json says is found by the check that every tensor is used.)"""
+    have = max((int(m[1]) for name in ckpt.names() if (m := _LAYER.match(name))), default=-1) + 1
+    if cfg.num_hidden_layers > have:
+        held = f"stop at layer {have - 1} ({have} layers)" if have else "name no layer (model.layers.N....)"
+        raise CheckpointError(f"{ckpt.dir}: config.json says num_hidden_layers={cfg.num_hidden_layers:,}, but the "
+                              f"checkpoint's tensors {held}; fix config.json, or complete the checkpoint")
+
+
 def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, quantized: Mapping[str, tuple[str, ...]] = {}) -> None:
     """Every tensor config.json implies is present, of a float dtype, and of the right shape; no other is there.
 
     ``quantized``: each weight a quantized checkpoint stores in another form, and the tensors it stores it as
     (checked against their own layout by the quantization's reader).
     """
+    check_depth(ckpt, cfg)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     for layer in filter(cfg.moe_layer, range(cfg.num_hidden_layers)):  # the fused 3-D layout, where a layer has it
         fused = {FUSED_GATE_UP.format(layer=layer): (E, 2 * I, H), FUSED_DOWN.format(layer=layer): (E, H, I)}

@@ -2,30 +2,50 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ConfigError, KestrelNote
+from .readfile import read_bounded
 
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21: TextStream does the same windowed decode itself
     DecodeStream = None
 
-INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that do not (yet) make a whole character
+INCOMPLETE = "\ufffd"
+TOKENIZER_LIMIT = 512 * 2**20  # the largest published tokenizer.json files are tens of MiB  # what a decoder gives for bytes that do not (yet) make a whole character
 
 
 class Tokenizer:
     def __init__(self, path: Path):
+        data = read_bounded(path, TOKENIZER_LIMIT, str(path), "this is not a tokenizer.json; re-download the model's")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: cannot be read as a tokenizer (not UTF-8 text)") from None
         except Exception as exc:  # the library raises a bare Exception on a bad file
-            raise ConfigError(f"{path}: cannot be read as a tokenizer ({exc})") from None
+            raise ConfigError(f"{path}: cannot be read as a tokenizer ({' '.join(str(exc).split())})") from None
 
     def encode(self, text: str) -> list[int]:
+        check_utf8(text)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_at_most(self, text: str, limit: int) -> list[int] | None:
+        """``encode(text)``, or None where it is certainly more than ``limit`` ids, found by encoding prefixes of
+        growing length first: text far longer than a model's context is not tokenized whole."""
+        check_utf8(text)
+        probe = 4 * limit + 64  # prose runs 3 to 5 characters a token
+        while probe < len(text):
+            # A prefix cut mid-word may spend a few more ids on its last word than the whole text does there.
+            if len(self._tok.encode(text[:probe], add_special_tokens=False).ids) > limit + 64:
+                return None
+            probe *= 4
+        ids = self.encode(text)
+        return ids if len(ids) <= limit else None
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -102,7 +122,22 @@ class TextStream:
         return rest
 
 
+def check_utf8(text: str) -> None:
+    """Text that came in as bytes not valid UTF-8 (an argument or a stdin line in another encoding) holds lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode: refused, naming the byte."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"code point U+{bad:04X}"
+        raise ConfigError(f"the text is not valid UTF-8 ({what} at character {exc.start}); pass UTF-8 text, e.g. "
+                          "convert it with iconv -f latin1 -t utf-8") from None
+
+
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:
-    """The directory's tokenizer, or None where it has no tokenizer.json (ids only, then)."""
+    """The directory's tokenizer, or None where it has no tokenizer.json (ids only, then); one that is there but
+    cannot be read (a directory, a device, a dangling link) is an error, not a model without a tokenizer."""
     path = Path(model_dir) / "tokenizer.json"
-    return Tokenizer(path) if path.is_file() else None
+    return Tokenizer(path) if os.path.lexists(path) else None

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from . import newfile
 from .errors import ConfigError
 from .expert_cache import ExpertCache
 from .expert_schedule import ExpertSchedule
 from .hookspecs import hookimpl
+from .modelconfig import loads, shown
+from .readfile import read_bounded
 
 FORMAT = "kestrel-expert-trace"
 VERSION = 1
@@ -56,59 +57,111 @@ def model_info(run) -> dict:
 
 
 def check_new(path: str | Path) -> Path:
-    """Refuse, before any work, a trace path that exists or whose directory does not."""
+    """Refuse, before any work, a trace path that exists or whose directory does not (or is not writable)."""
     if not str(path):
         raise ConfigError("--trace needs a file name, got an empty one; name a new file, e.g. --trace routing.json")
-    path = Path(path)
-    if path.exists() or path.is_symlink():
-        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)")
-    if not path.parent.is_dir():
-        raise ConfigError(f"--trace {path}: the directory {path.parent} does not exist")
-    return path
+    return newfile.check_new(path, "--trace")
 
 
 def write_new(path: str | Path, record: dict) -> Path:
     """Write ``record`` as JSON to a path that does not exist yet: whole or not at all, never over a file."""
-    path = check_new(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)  # fails if the name appeared meanwhile: nothing is overwritten
-    except FileExistsError:
-        raise ConfigError(f"--trace {path} already exists; name a new file (a trace never replaces one)") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot write --trace {path}: {exc.strerror or exc}") from None
-    finally:
-        os.unlink(tmp)
-    return path
+    return newfile.write_text_new(path, json.dumps(record, allow_nan=False), "--trace")
+
+
+TRACE_LIMIT = 256 * 2**20  # about 3 million decision points; json.loads needs several times the file's size
+PHASES = ("prefill", "decode")
+MAX_EXPERTS = 2**14  # as config.json's num_experts
+MAX_EXPERT_BYTES = 2**40
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    if not (_is_int(v) and lo <= v <= hi):
+        raise _Malformed(f"{what} must be a whole number in {lo}..{hi}, got {shown(v)}")
+    return v
+
+
+def _field(d: dict, key: str, where: str) -> Any:
+    if key not in d:
+        raise _Malformed(f"{where}{key} is missing")
+    return d[key]
+
+
+def _model(m: Any) -> tuple[int, int, set[int] | None, dict[tuple[int, int], int]]:
+    """num_experts, num_experts_per_tok, the sparse layers (None: not recorded) and each expert unit's bytes."""
+    if not isinstance(m, dict):
+        raise _Malformed(f"model must be an object, got {shown(m)}")
+    n = _int(_field(m, "num_experts", "model."), "model.num_experts", 1, MAX_EXPERTS)
+    k = _int(_field(m, "num_experts_per_tok", "model."), "model.num_experts_per_tok", 1, n)
+    sparse = m.get("sparse_layers")
+    if sparse is not None:
+        if not (isinstance(sparse, list) and all(_is_int(x) and x >= 0 for x in sparse) and len(set(sparse)) == len(sparse)):
+            raise _Malformed(f"model.sparse_layers must be a list of distinct layer numbers, got {shown(sparse)}")
+        sparse = set(sparse)
+    raw = _field(m, "expert_bytes", "model.")
+    if not (isinstance(raw, dict) and raw):
+        raise _Malformed(f"model.expert_bytes must be an object of \"layer.expert\": bytes, got {shown(raw)}")
+    sizes = {}
+    for key, nbytes in raw.items():
+        layer, dot, expert = key.partition(".")
+        if not (dot and layer.isdigit() and expert.isdigit() and layer.isascii() and expert.isascii()):
+            raise _Malformed(f"model.expert_bytes: key {shown(key)} must be \"layer.expert\", e.g. \"1.0\"")
+        unit = (int(layer), _int(int(expert), f"model.expert_bytes {key}: the expert", 0, n - 1))
+        if sparse is not None and unit[0] not in sparse:
+            raise _Malformed(f"model.expert_bytes: {key} is in layer {unit[0]}, which is not one of model.sparse_layers")
+        sizes[unit] = _int(nbytes, f"model.expert_bytes {key}", 1, MAX_EXPERT_BYTES)
+    return n, k, sparse, sizes
+
+
+def _events(raw: Any, n: int, k: int, sizes: dict) -> list[tuple[str, int, int, list[int]]]:
+    if not isinstance(raw, list):
+        raise _Malformed(f"events must be a list, got {shown(raw)}")
+    out, last = [], 0
+    for i, e in enumerate(raw):
+        at = f"event {i}: "
+        if not isinstance(e, dict):
+            raise _Malformed(f"{at}must be an object, got {shown(e)}")
+        phase = _field(e, "phase", at)
+        if phase not in PHASES:
+            raise _Malformed(f"{at}phase must be one of {', '.join(PHASES)}, got {shown(phase)}")
+        token = _int(_field(e, "token", at), f"{at}token", last, 2**62)  # in order: a replay walks them so
+        layer = _int(_field(e, "layer", at), f"{at}layer", 0, 2**20)
+        experts = _field(e, "experts", at)
+        most = k if phase == "decode" else n  # a decode step routes top-k; the prefill, the union over the prompt
+        if not (isinstance(experts, list) and all(_is_int(x) and 0 <= x < n for x in experts)
+                and len(set(experts)) == len(experts) and 1 <= len(experts) <= most):
+            raise _Malformed(f"{at}experts must be a list of 1..{most} distinct expert numbers in 0..{n - 1}, "
+                             f"got {shown(experts)}")
+        unknown = [x for x in experts if (layer, x) not in sizes]
+        if unknown:
+            raise _Malformed(f"{at}names expert {(layer, unknown[0])}, which model.expert_bytes has not")
+        out.append((phase, token, layer, list(experts)))
+        last = token
+    return out
 
 
 def read_trace(path: str | Path) -> dict:
-    """A trace file, checked: a bad one is a one-line error naming what is wrong."""
+    """A trace file, checked field by field: a bad one is a one-line error naming what is wrong."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"--trace {path}: cannot read ({exc.strerror or exc})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--trace {path}: not valid JSON ({exc})") from None
+    where = f"--trace {path}"
+    raw = loads(read_bounded(path, TRACE_LIMIT, where, "replay a trace of fewer tokens"), where, finite=True)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ConfigError(f"--trace {path}: not a kestrel expert trace (write one with kestrel generate --trace FILE)")
+        raise ConfigError(f"{where}: not a kestrel expert trace (write one with kestrel generate --trace FILE)")
     if raw.get("version") != VERSION:
-        raise ConfigError(f"--trace {path}: trace version {raw.get('version')!r}; this kestrel reads version {VERSION}")
+        raise ConfigError(f"{where}: trace version {shown(raw.get('version'))}; this kestrel reads version {VERSION}")
     try:
-        m = raw["model"]
-        sizes = {tuple(map(int, k.split("."))): int(v) for k, v in m["expert_bytes"].items()}
-        events = [(str(e["phase"]), int(e["token"]), int(e["layer"]), [int(x) for x in e["experts"]]) for e in raw["events"]]
-        int(m["num_experts_per_tok"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"--trace {path}: malformed ({type(exc).__name__}: {exc})") from None
-    unknown = [(layer, e) for _, _, layer, experts in events for e in experts if (layer, e) not in sizes]
-    if unknown:
-        raise ConfigError(f"--trace {path}: event names expert {unknown[0]}, which the trace's model has not")
+        m = _field(raw, "model", "")
+        n, k, _, sizes = _model(m)
+        events = _events(_field(raw, "events", ""), n, k, sizes)
+    except _Malformed as exc:
+        raise ConfigError(f"{where}: malformed: {exc}; record it again with kestrel generate --trace FILE") from None
     return {"model": m, "sizes": sizes, "events": events}
 
 
@@ -195,6 +248,6 @@ def replay(trace: dict, policy: Any) -> dict:
     decode_tokens = sorted({t for p, t, _, _ in trace["events"] if p == "decode"})
     per_token = [decode_bytes.get(t, 0) for t in decode_tokens]
     return {"policy": policy.name, "hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else float("nan"), "bytes_fetched": fetched,
+            "hit_rate": hits / (hits + misses) if hits + misses else None, "bytes_fetched": fetched,  # None: no events
             "decode_tokens": len(decode_tokens),
             "bytes_per_decoded_token": sum(per_token) / len(per_token) if per_token else 0.0}

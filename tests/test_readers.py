@@ -259,6 +259,7 @@ def test_a_weights_file_that_is_a_directory(tiny_copy, capsys):
 def test_an_unreadable_index(tiny_sharded, capsys, monkeypatch):
     for attr in ("read_text", "read_bytes"):
         deny(monkeypatch, pathlib.Path, attr, tiny_sharded / INDEX)
+    deny(monkeypatch, os, "open", tiny_sharded / INDEX)  # the bounded reader (readfile.py) opens it so
     fails(gen(tiny_sharded), capsys, str(tiny_sharded / INDEX), "cannot read (Permission denied)")
 
 
@@ -313,6 +314,7 @@ def test_a_model_directory_that_cannot_be_reached(tiny_copy, capsys, monkeypatch
 def test_an_unreadable_config_json(tiny_copy, capsys, monkeypatch):
     for attr in ("read_text", "read_bytes"):
         deny(monkeypatch, pathlib.Path, attr, tiny_copy / "config.json")
+    deny(monkeypatch, os, "open", tiny_copy / "config.json")  # the bounded reader (readfile.py) opens it so
     fails(gen(tiny_copy), capsys, str(tiny_copy / "config.json"), "cannot read (Permission denied)")
 
 

@@ -20,8 +20,8 @@ from kestrel_core.backend import Backend, BackendContext
 from kestrel_core.devices import compute_device
 from kestrel_core.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.model import expert_mlp
-from kestrel_core.config import HOST_ENV
 from kestrel_core.units import EntrySpec, Geometry
 
 DTYPES = ("float32", "float64")
@@ -37,10 +37,14 @@ class CpuRefBackend(Backend):
         if ctx.backend.device and compute_device(ctx.backend.device).type != "cpu":
             raise ConfigError(f"cpu_ref computes on the CPU, not on {ctx.backend.device}; use --backend cuda for a GPU")
         self.device = torch.device("cpu")
+        check_environment()  # a bad KESTREL_HOST_MB or KESTREL_WCACHE_MB is an error here too, not a note
         if ctx.backend.host_budget_mb or os.environ.get(HOST_ENV):
             warnings.warn("the host budget bounds the cuda backend's pinned staging; cpu_ref pins nothing (it streams "
                           "from the checkpoint mapping, its RSS bounded by keep), so the budget has no effect here",
                           KestrelNote, stacklevel=2)
+        if ctx.residency.budget_mb or os.environ.get(WCACHE_ENV):  # as silent as the host budget was, before
+            warnings.warn("the weight-cache budget bounds the cuda backend's device cache; cpu_ref's resident layers "
+                          "are bounded by keep, so the budget has no effect here", KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()

@@ -32,6 +32,7 @@ def run(args, record) -> dict:
     for r in demo["rows"]:  # every policy against the offline optimum (belady) at its own peak
         if r["allocator"] == "pool" and r["keep"] != "off":
             log(f"{r['backend']} {r['policy']:16} keep={r['keep']}: {r['bytes_uploaded_per_token'] / 2**20:6.2f} MiB/token, "
-                f"optimum {r['min_bytes_per_token'] / 2**20:6.2f} (x{r['bytes_vs_min']:.2f})")
+                f"optimum {r['min_bytes_per_token'] / 2**20:6.2f} "
+                f"({'x' + format(r['bytes_vs_min'], '.2f') if r['bytes_vs_min'] is not None else 'the optimum moves none'})")
     log(f"identical ids: {demo['invariance']['identical']}")
     return {"exit_code": rc, "command": "kestrel " + " ".join(argv), **demo}

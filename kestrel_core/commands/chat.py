@@ -8,17 +8,19 @@ import warnings
 
 import attrs
 
-from .. import progress
-from ..chat_template import ChatTemplate, load_chat_template
+from .. import progress, template_limits
+from ..chat_template import RESERVED, ChatTemplate, load_chat_template
 from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
 from ..engine import Model, load
 from ..results import GenerationResult
-from .common import add_run_flags, config_from_args, model_dir
+from ..tokenizer import check_utf8
+from .common import add_run_flags, config_from_args, finite, model_dir
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 
 EXIT, RESET = ("/exit", "/quit"), "/reset"
+MAX_LINE = template_limits.CHARS  # a message longer than any prompt may be is not read whole
 REPLY_TOKENS = 512  # a reply's cap where neither --max-new-tokens nor kestrel.toml sets one (generate's 16 is short)
 
 
@@ -34,6 +36,9 @@ def run(args) -> int:
     if args.prompt is not None or args.prompt_ids is not None:
         raise ConfigError("kestrel chat reads its messages from stdin, one a line; drop --prompt/--prompt-ids "
                           "(use --system for a system message, or kestrel generate for one prompt)")
+    if sys.stdin is None:  # started with stdin closed (`<&-`): Python gives None, not a stream
+        raise ConfigError("standard input is closed, and kestrel chat reads its messages from it: type them, or pipe "
+                          "them in, one a line")
     variables = template_vars(args.template_var)
     cfg = config_from_args(args)
     if args.max_new_tokens is None and cfg.generation.max_new_tokens == GenerationConfig().max_new_tokens:
@@ -61,7 +66,7 @@ def run(args) -> int:
                     continue
                 if args.json:
                     reply = chat.reply(message)
-                    print(json.dumps(reply.record()), flush=True)
+                    print(json.dumps(finite(reply.record()), allow_nan=False), flush=True)
                 else:
                     reply = chat.reply(message, write)
                     write("\n")
@@ -101,16 +106,45 @@ class Chat:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
+    def _too_long(self, message: str, positions: int) -> ConfigError:
+        """Why a prompt leaves no room for a reply: the message alone (and how long it may be), or the conversation."""
+        start = [{"role": "system", "content": self.system}] if self.system else []
+        frame = self.template.render(start + [{"role": "user", "content": ""}], add_generation_prompt=True,
+                                     **self.variables)
+        own = self.tokenizer.encode_at_most(frame, positions - 2)  # a fresh chat: the template's (and system's) tokens
+        if own is None:
+            what = "the chat template and the system message alone take" if self.system else "the chat template alone takes"
+            return ConfigError(f"{what} more than the model's {positions:,} positions, leaving no room for "
+                               f"a message; {'shorten --system, or ' if self.system else ''}replace the template "
+                               "with the model's own")
+        most = positions - 1 - len(own)  # and one position for the reply
+        counted = 4 * positions  # an exact count up to here, at a bounded cost
+        alone = self.tokenizer.encode_at_most(message, counted)
+        if alone is None or len(alone) > most:
+            size = f"over {counted:,}" if alone is None else f"{len(alone):,}"
+            return ConfigError(f"this message alone is {size} tokens, and the model's {positions:,} positions leave at "
+                               f"most {most:,} for one message (the chat template takes the rest, and the reply "
+                               "needs one); send a shorter message")
+        return ConfigError(f"the conversation is over {positions - 1:,} tokens, and the model has {positions:,} "
+                           f"positions: no room for a reply; start a new chat ({RESET} starts over in one)")
+
     def reply(self, message: str, write=None) -> Reply:
         """The model's reply to ``message``, its text given to ``write`` as it grows; both join the conversation."""
+        check_utf8(message)  # here, so that the error counts characters in the message, not in the rendered prompt
         gen = self.run.config.generation
+        positions = self.run.model.config.max_position_embeddings
+        if self.tokenizer.encode_at_most(message, positions) is None:  # before rendering: it cannot fit at all
+            raise self._too_long(message, positions)
         messages = self.messages + [{"role": "user", "content": message}]
-        prompt = self.tokenizer.encode(self.template.render(messages, add_generation_prompt=True, **self.variables))
-        room = self.run.model.config.max_position_embeddings - len(prompt)
-        if room < 1:
-            raise ConfigError(f"the conversation is {len(prompt)} tokens, and the model has "
-                              f"{self.run.model.config.max_position_embeddings} positions: no room for a reply; "
-                              f"start a new chat ({RESET})")
+        text = self.template.render(messages, add_generation_prompt=True, **self.variables)
+        if not text.strip():
+            raise ConfigError(f"{self.template.where}: the chat template rendered the conversation as nothing, so there "
+                              "is no prompt to reply to; fix the template (it must lay out the messages) or take the "
+                              "model's own")
+        prompt = self.tokenizer.encode_at_most(text, positions - 1)  # None: no room left for one reply token
+        if prompt is None:
+            raise self._too_long(message, positions)
+        room = positions - len(prompt)
         stream = self.tokenizer.stream()
         ids: list[int] = []
 
@@ -155,18 +189,37 @@ def template_vars(pairs: list[str]) -> dict:
         name, eq, value = pair.partition("=")
         if not eq or not name.strip().isidentifier():
             raise ConfigError(f"--template-var must be NAME=VALUE, got {pair!r}; e.g. --template-var enable_thinking=false")
+        if name.strip() in out:  # the first would be silently replaced
+            raise ConfigError(f"--template-var {name.strip()} is given twice; give it once")
+        if name.strip() in RESERVED:
+            raise ConfigError(f"--template-var {name.strip()} is what kestrel chat passes the template itself "
+                              f"({', '.join(RESERVED)} are reserved); pick another name")
         try:
             out[name.strip()] = json.loads(value)
         except json.JSONDecodeError:
             out[name.strip()] = value  # a plain string
+        except RecursionError:
+            raise ConfigError(f"--template-var {name.strip()}: the JSON value is nested too deeply") from None
     return out
 
 
 def read_line(prompt: str) -> str | None:
+    """A line of stdin without its newline, or None at its end; a piped line is read only up to ``MAX_LINE``."""
     try:
-        return input(prompt)
+        if sys.stdin.isatty():
+            return input(prompt)  # a person types it, with line editing
+        line = sys.stdin.readline(MAX_LINE + 1)
+        if not line:
+            return None
+        if len(line) > MAX_LINE:
+            raise ConfigError(f"a message on stdin is over {MAX_LINE:,} characters, more than any model's context; "
+                              "send a shorter message")
+        return line[:-1] if line.endswith("\n") else line
     except EOFError:
         return None
+    except UnicodeDecodeError as exc:  # a strict UTF-8 stdin; under surrogateescape the tokenizer refuses instead
+        raise ConfigError(f"a message on stdin is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x}); send UTF-8 "
+                          "text, e.g. convert it with iconv -f latin1 -t utf-8") from None
 
 
 def write(text: str) -> None:

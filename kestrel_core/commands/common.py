@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-import attrs
 
 from ..config import KestrelConfig, load_config, parse_keep
 from ..errors import ConfigError
@@ -51,11 +51,11 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     p.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
     p.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate, at least 1 (default 16)")
     p.add_argument("--temperature", type=float, help="0 (the default) is greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, help="sampling: draw from the k likeliest tokens (0, the default: no cut)")
+    p.add_argument("--top-p", type=float, help="sampling: draw from the likeliest tokens whose probabilities reach p, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, help="seed of the sampling generator, 0..2**64-1 (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
 
 
@@ -68,11 +68,11 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         raise ConfigError("the prompt is empty: pass some text to --prompt, or --prompt-ids 1,2,3")
     if args.prompt_ids is not None and not prompt_ids:
         raise ConfigError("the prompt is empty: --prompt-ids has no ids")
-    if args.prompt is not None and prompt_ids is not None:
-        raise ConfigError("both --prompt and --prompt-ids are given; pass one")
-    if args.prompt is not None or prompt_ids is not None:  # a flag beats both of the file's
-        cfg = attrs.evolve(cfg, generation=attrs.evolve(cfg.generation, prompt=args.prompt or "",
-                                                        prompt_ids=prompt_ids or ()))
+    if args.prompt is not None and args.prompt_ids is not None:  # the ids would win, and --prompt be ignored
+        raise ConfigError("pass --prompt or --prompt-ids, not both")
+    # A prompt flag replaces the file's prompt of either kind: the file's ids would otherwise beat a --prompt.
+    text_flag, ids_flag = args.prompt is not None, args.prompt_ids is not None
+    cfg = cfg.override(generation__prompt_ids=() if text_flag else None, generation__prompt="" if ids_flag else None)
     return cfg.override(
         model=args.model,
         backend__name=single(args.backend),
@@ -91,6 +91,8 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__expert_budget_mb=args.expert_budget_mb,
         residency__expert_prefetch=args.expert_prefetch,
         residency__expert_fetch=args.expert_fetch,
+        generation__prompt=args.prompt,
+        generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,
         generation__temperature=args.temperature,
         generation__top_k=args.top_k,
@@ -120,8 +122,20 @@ def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) 
     return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
 
 
+def finite(obj):
+    """``obj`` with every NaN and infinity as None: JSON has no such numbers, and strict parsers reject the
+    ``NaN`` Python's json writes (ms/token of a one-token run, a ratio over nothing)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def emit_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=1)
+    json.dump(finite(obj), sys.stdout, indent=1, allow_nan=False)
     sys.stdout.write("\n")
 
 

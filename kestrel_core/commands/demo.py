@@ -10,9 +10,10 @@ from .. import progress
 from ..config import KestrelConfig, load_config
 from ..engine import Model
 from ..errors import ConfigError
+from ..modelconfig import read_json
 from ..presets import preset_config, write_checkpoint
-from ..sweep import available_backends, plotting, run_sweep
-from .sweep import report
+from ..sweep import available_backends, run_sweep
+from .sweep import check_plot, report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
 KEEPS = [1, 2, 3, 4, 7, 8, "off"]
@@ -28,9 +29,9 @@ def default_cache() -> Path:
 def add_arguments(p):
     p.add_argument("--cache-dir", help="where the demo checkpoint lives (default: $KESTREL_CACHE or ~/.cache/kestrel)")
     p.add_argument("--config", help="kestrel.toml for generation settings")
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", help="write the cost curve to this PNG (needs matplotlib)")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="tokens each run generates (default 12)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", help="write the cost curve to this new .png file (checked before the sweep; never replaces a file)")
 
 
 def ensure_demo_model(path: Path) -> Path:
@@ -39,25 +40,24 @@ def ensure_demo_model(path: Path) -> Path:
     config_json = path / "config.json"
     if config_json.is_file():
         try:
-            same = json.loads(config_json.read_text()) == json.loads(json.dumps(cfg.to_hf_dict()))
-        except (OSError, ValueError):
+            same = read_json(config_json) == json.loads(json.dumps(cfg.to_hf_dict()))
+        except ConfigError:  # unreadable, too large, or not JSON: not the demo's
             same = False
         if not same:
             raise ConfigError(f"{path} holds a model that is not kestrel's demo checkpoint; "
                               "pass another --cache-dir, or remove that directory")
         return path
     progress.say(f"demo: writing the demo checkpoint to {path}")
-    return write_checkpoint(cfg, path, seed=0, flag="--cache-dir")
+    return write_checkpoint(cfg, path, seed=0, flag="--cache-dir", force_flag=None)  # demo has no --force
 
 
 def run(args) -> int:
-    if args.plot:
-        plotting()
+    check_plot(args.plot)
+    base: KestrelConfig = load_config(args.config).override(  # checked before the cache is written
+        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
+    )
     with progress.shown(not args.json):
         path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
-        base: KestrelConfig = load_config(args.config).override(
-            generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
-        )
         backends = available_backends(None)
         progress.say(f"demo: model {path}, backends: {', '.join(backends)}")
         with Model(path) as model:

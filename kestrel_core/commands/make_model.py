@@ -13,7 +13,7 @@ def add_arguments(p):
     p.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
     p.add_argument("--out", required=True, help="output directory: new or empty (see --force)")
     p.add_argument("--force", action="store_true", help="replace the model files of a non-empty --out as a whole")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, 0..2**64-1 (default 0)")
     p.add_argument("--dtype", default="bfloat16", help=f"one of: {', '.join(DTYPES)}")
     p.add_argument("--layers", type=int, help="keep only the first N layers (per-layer shapes unchanged), e.g. to fit a disk")
     p.add_argument("--shard-mb", type=int, default=4096, help="split into shards of at most this many MiB (0: one file)")
@@ -21,7 +21,7 @@ def add_arguments(p):
                    help="MoE presets: routers whose expert popularity follows about Zipf(S) (0: plain random routers, "
                         "which route almost uniformly)")
     p.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is much faster for big presets)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
 def run(args) -> int:

@@ -14,7 +14,7 @@ KINDS = tuple(name.removeprefix("register_") for name, spec in vars(hookspecs).i
 
 
 def add_arguments(p):
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args) -> int:

@@ -19,7 +19,7 @@ def add_arguments(p):
     p.add_argument("--group-size", default="32", help=f"input columns per scale: {' | '.join(map(str, GROUP_SIZES))} (default 32)")
     p.add_argument("--keep-lm-head", action="store_true", help="keep lm_head in its original dtype (a tied model stays tied)")
     p.add_argument("--device", default="cpu", help="where to compute (cuda is much faster on big models; the bytes are the same)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run(args) -> int:

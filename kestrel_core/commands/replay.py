@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .. import plugins, traces
 from ..errors import ConfigError
 from ..expert_cache import budget_bytes
@@ -14,11 +16,13 @@ def add_arguments(p):
     p.add_argument("--trace", required=True, help="a trace written by kestrel generate --trace FILE")
     p.add_argument("--policy", required=True, help="expert policy: expert_lru, expert_lfu, or a plugin's")
     p.add_argument("--expert-budget-mb", type=float, required=True, help="MiB the policy keeps experts in")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args) -> int:
     trace = traces.read_trace(args.trace)
+    if not math.isfinite(args.expert_budget_mb):
+        raise ConfigError(f"--expert-budget-mb must be a finite number of MiB, got {args.expert_budget_mb:g}")
     if not args.expert_budget_mb > 0:
         raise ConfigError(f"--expert-budget-mb must be above 0, got {args.expert_budget_mb:g}")
     budget = budget_bytes(args.expert_budget_mb, int(trace["model"]["num_experts_per_tok"]), max(trace["sizes"].values()))
@@ -29,6 +33,9 @@ def run(args) -> int:
         return 0
     print(f"trace {args.trace}: {len(trace['events'])} decision points, {rows[0]['decode_tokens']} decoded tokens, "
           f"budget {args.expert_budget_mb:g} MiB")
+    if not trace["events"]:
+        print("no events: the trace holds no decision point, so there is nothing to replay")
+        return 0
     for r in rows:
         print(f"{r['policy']:14} hit rate {100 * r['hit_rate']:5.1f}%  {r['bytes_per_decoded_token'] / 2**20:8.3f} MiB "
               f"a decoded token  ({r['misses']} fetches, {r['bytes_fetched'] / 2**20:.3f} MiB in all)")

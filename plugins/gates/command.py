@@ -5,9 +5,7 @@ A command registered through ``register_commands``: ``HELP``, ``add_arguments(pa
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from kestrel_core import plugins
+from kestrel_core import newfile, plugins
 from kestrel_core.commands.common import emit_json, parse_ids
 from kestrel_core.errors import ConfigError
 
@@ -43,7 +41,7 @@ def add_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens the measured workload generates (default 16)")
     p.add_argument("--period-ms", type=float, default=500.0, help="memory sampling period (default 500 ms)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--report", metavar="FILE.md", help="also write a markdown report")
+    p.add_argument("--report", metavar="FILE.md", help="also write a markdown report to this new file (an existing one is never replaced)")
 
 
 def _list(as_json: bool) -> int:
@@ -87,14 +85,13 @@ def run(args) -> int:
         raise ConfigError("name a gate (kestrel gate --list shows them), e.g. kestrel gate kv-paging --model DIR")
     if not args.model:
         raise ConfigError(f"no model given: kestrel gate {args.name} --model DIR (a directory with config.json)")
+    if args.report:
+        newfile.check_new(args.report, "--report")  # before the gate runs (--measure takes a while)
     gate = make_gate(args.name)
     ctx = GateContext(args.model, options_from_args(args), gate.name)
     result = run_gate(gate, ctx)
     if args.report:
-        try:
-            Path(args.report).write_text(render(result, markdown=True))
-        except OSError as exc:
-            raise ConfigError(f"cannot write the report {args.report}: {exc.strerror}") from None
+        newfile.write_text_new(args.report, render(result, markdown=True), "--report")
     if args.json:
         emit_json(result.to_json())
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +50,22 @@ class GateOptions:
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_BYTES:
             raise ConfigError(f"unknown --weight-dtype {self.weight_dtype!r}; available: {', '.join(WEIGHT_BYTES)}")
         for name, v in (("--total-mb", self.total_mb), ("--peak-mb", self.peak_mb), ("--budget-mb", self.budget_mb)):
-            if v is not None and v <= 0:
-                raise ConfigError(f"{name} must be positive, got {v}")
+            if v is not None and not (math.isfinite(v) and 1 <= v <= 2**40):  # inf overflows the byte counts, 1e-300 is 0
+                raise ConfigError(f"{name} must be a finite number of MiB in 1..2**40, got {v}")
         if self.total_mb is not None and self.peak_mb is not None and self.peak_mb > self.total_mb:
             raise ConfigError(f"--peak-mb {self.peak_mb} is above --total-mb {self.total_mb}")
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise ConfigError(f"--threshold must be between 0 and 1 (0.10 is the 10% rule), got {self.threshold}")
         if self.measure and self.peak_mb is not None:
             raise ConfigError("--peak-mb gives a peak that --measure would measure; pass one or the other")
-        if not self.period_s > 0:
-            raise ConfigError(f"--period-ms must be positive, got {self.period_s * 1e3:g}")
+        if not (math.isfinite(self.period_s) and self.period_s > 0):  # inf: the sampler would never sample
+            raise ConfigError(f"--period-ms must be a positive, finite number, got {self.period_s * 1e3:g}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.prompt_ids:
             raise ConfigError("the measured workload needs a prompt: --prompt-ids 1,2,3")
-        if not self.h2d_gbps > 0:
-            raise ConfigError(f"--h2d-gbps must be positive, got {self.h2d_gbps}")
+        if not (math.isfinite(self.h2d_gbps) and self.h2d_gbps > 0):  # inf: a window that costs nothing
+            raise ConfigError(f"--h2d-gbps must be a positive, finite number, got {self.h2d_gbps}")
 
 
 @attrs.frozen
