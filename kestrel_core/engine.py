@@ -13,6 +13,7 @@ every boundary of that run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Iterable
 
@@ -23,7 +24,7 @@ from . import plugins
 from .backend import BackendContext
 from .config import OFF, KestrelConfig, check_environment, with_settings
 from .contracts import Allocator, Backend, ExpertPolicy, Policy, member, missing_members
-from .batch import generate_one
+from .batch import BUCKETS, Batch, Request, generate_one
 from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
 from .host import HostStore
@@ -145,6 +146,180 @@ class Model:
         if config is not None and not isinstance(config, KestrelConfig):
             raise ConfigError(f"open() takes a KestrelConfig or settings by name, got {type(config).__name__}")
         return Run(self, with_settings(config or KestrelConfig(), settings), observers)
+
+    def close(self) -> None:
+        self.closed = True
+        self.host.clear()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(model_dir: str | os.PathLike) -> Model:
+    """Open a model directory (config.json + *.safetensors), or a model name such as ``"Qwen/Qwen3-8B"`` from the
+    local Hugging Face cache (never downloaded); close it with ``model.close()`` or ``with``."""
+    return Model(model_dir)
+
+
+def _prompt_ids(value: Any) -> list[int] | None:
+    """``prompt_ids`` as a list of ints, or a ConfigError naming what it was."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"prompt_ids must be a list of token ids (ints), got {type(value).__name__}; "
+                          "pass text as prompt=")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ConfigError(f"prompt_ids must hold ints, got a {type(x).__name__} ({str(x)[:40]})")
+    return list(value)
+
+
+class Run:
+    """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
+
+    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = ()):
+        check_environment()
+        res = config.residency
+        self.model, self.config = model, config
+        self.counters = Counters()
+        self.policy = make_policy(res.policy, res.keep, model.n_layers)
+        if config.backend.prefetch and not res.windowed:
+            raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
+                              "resident); set keep to a layer count, or prefetch = 0")
+        self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
+        watchers = plugins.observers(observers)  # resolved once: a plugin registered later sees the next run
+        backend_reg = plugins.lookup("backends", config.backend.name)
+        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
+                             self.policy.peak_layers(), model.host, model.units, model.quant)
+        try:
+            backend = backend_reg.factory(ctx)
+        except MemoryError:
+            raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
+        self.backend: Backend = _checked("backend", config.backend.name, backend, Backend)
+        try:
+            self.expert_policy = make_expert_policy(res, model, self.backend.units)
+        except BaseException:
+            self.backend.close()
+            raise
+        routers = [p.on_experts_routed for p in (self.expert_policy,) if p is not None]
+        routers.append(member(Policy, self.policy, "on_experts_routed"))
+        self.window = Window(self.backend.units, self.backend, self.policy, self.allocator, self.counters,
+                             model.n_layers, watchers, routers, self.expert_policy, res.expert_prefetch,
+                             res.expert_fetch == "layer", self.backend.prefetch_depth)
+        try:
+            table = expert_table(res, model, self.backend)
+        except BaseException:
+            self.backend.close()
+            raise
+        self.runner = Runner(self.window, self.backend, model.config,
+                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
+                                          expert_table=table))
+        self._open = True
+
+    def request(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
+                on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = (),
+                **generation: Any) -> Request:
+        """One sequence to generate, checked: ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer), and
+        kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos). ``stop_ids``
+        end it as config.json's eos_token_id does (with stop_at_eos)."""
+        if not self._open or self.model.closed:
+            what = "run" if not self._open else f"model ({self.model.dir})"
+            raise ConfigError(f"this {what} is closed; open a new run with model.open(...)")
+        fields = [f.name for f in attrs.fields(type(self.config.generation))]
+        unknown = sorted(set(generation) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
+        ids_given = _prompt_ids(prompt_ids)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}; pass token ids as prompt_ids=")
+        gen = with_settings(self.config, generation, "generate").generation
+        if ids_given is not None and prompt is not None:
+            raise ConfigError("both prompt and prompt_ids are given; pass one (text, or token ids)")
+        if ids_given is not None or prompt is not None:  # an argument beats both of the config's
+            ids = self.model.prompt_ids(ids_given, prompt)
+        else:
+            ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
+        check_prompt(self.model, ids, gen)
+        eos = self.model.eos_ids | frozenset(stop_ids)  # config.json's and generation_config.json's, and the caller's
+        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token)
+
+    def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
+                 on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
+                 stop_ids: Iterable[int] = (), **generation: Any) -> GenerationResult:
+        """Generate from ``prompt_ids`` or ``prompt`` (see ``request``).
+
+        As it runs, ``on_token(id)`` hears each generated id, and ``on_text(piece)`` (the model's tokenizer
+        needed) the text as it grows: the pieces join to the result's ``text``."""
+        tok = self.model.tokenizer
+        if on_text is not None and tok is None:
+            raise ConfigError(f"on_text needs a tokenizer: {self.model.dir} has no usable tokenizer.json; "
+                              "take the ids with on_token instead")
+        stream = tok.stream() if on_text is not None else None
+
+        def each(token: int) -> None:
+            if on_token is not None:
+                on_token(token)
+            if stream is not None and (piece := stream.push(token)):
+                on_text(piece)
+
+        hear = each if on_token is not None or stream is not None else None
+        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, **generation)
+        with self._oom_is_a_budget_error():
+            result = generate_one(self.runner, req.prompt_ids, req.gen, req.eos_ids, keep_logits=keep_logits,
+                                  on_token=hear)
+        if stream is not None and (rest := stream.finish()):
+            on_text(rest)
+        return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
+
+    def generate_batch(self, requests: Iterable[dict], max_batch: int = 8, prefill_chunk: int | None = None,
+                       on_done: Callable[[int, GenerationResult | Exception], None] | None = None) -> list:
+        """Generate every request (each a dict of ``request``'s arguments) as a continuous batch of at most
+        ``max_batch`` sequences: one pass over the layers a step serves every decoding sequence, and a sequence joins
+        as another leaves. ``prefill_chunk``: prompt tokens a step takes beside the decoding ones (None: a whole
+        prompt a step). The results in the order given; ``on_done(i, result or error)`` hears each as it finishes.
+        A sequence whose logits went non-finite gets its error in its place; the others go on."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
+            raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ConfigError(f"prefill_chunk must be a whole number >= 1 (or None: a whole prompt a step), "
+                              f"got {prefill_chunk!r}")
+        reqs = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, dict):
+                raise ConfigError(f"request {i}: a dict of generate's arguments (prompt= or prompt_ids=, ...), "
+                                  f"got {type(r).__name__}")
+            reqs.append(self.request(**r))
+        if not reqs:
+            return []
+        max_seq = max(len(r.prompt_ids) + r.gen.max_new_tokens for r in reqs)
+        tok = self.model.tokenizer
+        out: list = [None] * len(reqs)
+        with self._oom_is_a_budget_error(), Batch(self.runner, min(max_batch, len(reqs)), max_seq, prefill_chunk) as b:
+            seqs = [b.add(r) for r in reqs]
+            while b.busy:
+                b.step()
+                for i, seq in enumerate(seqs):
+                    if seq.done and out[i] is None:
+                        out[i] = seq.error or attrs.evolve(seq.result, text=tok.decode(seq.result.token_ids)
+                                                           if tok else None)
+                        if on_done is not None:
+                            on_done(i, out[i])
+        return out
+
+    @contextlib.contextmanager
+    def _oom_is_a_budget_error(self):
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            budget = self.backend.budget
+            hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
+            raise BudgetError(f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, "
+                              "keep, or --max-new-tokens") from None
 
     def close(self) -> None:
         self.closed = True
