@@ -1,0 +1,111 @@
+"""Batched decoding on cpu_ref: one pass over the layers serves every decoding sequence, and each sequence's ids are
+its ids alone, whoever joins or leaves beside it (cpu_ref computes row by row, so a row never depends on its batch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel_core import load
+from kestrel_core.batch import Batch, Request
+from kestrel_core.config import GenerationConfig
+from kestrel_core.errors import ConfigError
+from kestrel_core.presets import preset_config, write_checkpoint
+
+PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [100, 200], [300, 301, 302, 303]]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("batch") / "tiny-moe")
+
+
+def solo(run, i, prompt, **gen):
+    return run.generate(prompt_ids=prompt, **{"max_new_tokens": 5 + i, "stop_at_eos": False, **gen}).token_ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("keep, policy", [("off", "asymmetric"), (1, "asymmetric"), (2, "pinned_set"), (3, "belady")])
+def test_each_sequence_in_a_batch_is_its_solo_run(tiny_ckpt, dtype, keep, policy):
+    with load(tiny_ckpt) as model, model.open(keep=keep, policy=policy, dtype=dtype) as run:
+        alone = [solo(run, i, p) for i, p in enumerate(PROMPTS)]
+        for max_batch, chunk in ((2, None), (4, 2), (8, 3)):
+            got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=5 + i, stop_at_eos=False)
+                                      for i, p in enumerate(PROMPTS)], max_batch=max_batch, prefill_chunk=chunk)
+            assert [r.token_ids for r in got] == alone, (max_batch, chunk)
+
+
+def test_sequences_join_and_leave_between_steps(tiny_ckpt):
+    """Two start, three join three steps later with a prompt cut in chunks; each ends at its own length or EOS."""
+    with load(tiny_ckpt) as model, model.open(keep=2) as run:
+        alone = [solo(run, i, p) for i, p in enumerate(PROMPTS)]
+        eos_at = alone[1][3]  # sequence 1 stops at its fourth token
+        stopped = run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_ids=[eos_at]).token_ids
+        with Batch(run.runner, slots=3, max_seq=64, prefill_chunk=3) as b:
+            gens = [GenerationConfig(max_new_tokens=5 + i, stop_at_eos=i == 1) for i in range(len(PROMPTS))]
+            seqs = [b.add(Request(PROMPTS[0], gens[0])), b.add(Request(PROMPTS[1], gens[1], frozenset([eos_at])))]
+            for _ in range(3):
+                b.step()
+            seqs += [b.add(Request(p, gens[i])) for i, p in enumerate(PROMPTS[2:], start=2)]  # more than the slots
+            rows = []
+            while b.busy:
+                b.step()
+                rows.append(len(b.passes[-1].rows) if b.passes else 0)
+        assert [s.tokens for s in seqs] == [alone[0], stopped] + alone[2:]
+        assert [s.finish_reason for s in seqs] == ["length", "stop", "length", "length", "length"]
+        assert max(rows) == 3  # never more than the slots decoded together
+
+
+def test_a_batch_streams_each_layer_once_a_step(tiny_ckpt):
+    """At keep=1 every step streams every layer but the last: B sequences share it, so the bytes a generated token
+    costs fall as 1/B."""
+    per_token = {}
+    with load(tiny_ckpt) as model, model.open(keep=1) as run:
+        for b in (1, 2, 4):
+            got = run.generate_batch([dict(prompt_ids=[3 + i], max_new_tokens=9, stop_at_eos=False) for i in range(b)],
+                                     max_batch=b)
+            steady = got[0].per_token[2:]  # every sequence decodes in every one of these steps
+            per_token[b] = sum(p["bytes_uploaded"] for p in steady) / (len(steady) * b)
+    assert per_token[2] == per_token[1] / 2 and per_token[4] == per_token[1] / 4
+
+
+def test_sampled_sequences_draw_as_they_do_alone(tiny_ckpt):
+    with load(tiny_ckpt) as model, model.open(keep=2) as run:
+        alone = [solo(run, i, p, temperature=0.9, seed=11 + i) for i, p in enumerate(PROMPTS[:3])]
+        got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=5 + i, stop_at_eos=False, temperature=0.9,
+                                       seed=11 + i) for i, p in enumerate(PROMPTS[:3])], max_batch=3)
+        assert [r.token_ids for r in got] == alone
+
+
+def test_moe_batches_fetch_the_union_of_their_rows_experts(tiny_moe):
+    with load(tiny_moe) as model, model.open(keep="off", expert_policy="expert_lru",
+                                             expert_budget_mb=4 * 3 * 32 * 64 * 4 / 2**20) as run:
+        alone = [solo(run, i, p) for i, p in enumerate(PROMPTS[:4])]
+        got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=5 + i, stop_at_eos=False)
+                                  for i, p in enumerate(PROMPTS[:4])], max_batch=4)
+        assert [r.token_ids for r in got] == alone
+
+
+def test_a_cancelled_sequence_leaves_and_frees_its_slot(tiny_ckpt):
+    with load(tiny_ckpt) as model, model.open() as run:
+        alone = solo(run, 3, PROMPTS[1])
+        with Batch(run.runner, slots=1, max_seq=64) as b:
+            first = b.add(Request(PROMPTS[0], GenerationConfig(max_new_tokens=50, stop_at_eos=False)))
+            second = b.add(Request(PROMPTS[1], GenerationConfig(max_new_tokens=8, stop_at_eos=False)))
+            for _ in range(4):
+                b.step()
+            first.cancel()
+            b.run_until_done()
+        assert first.finish_reason == "cancelled" and len(first.tokens) < 50
+        assert second.tokens == alone and second.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_batch=0), "max_batch must be a whole number in 1..256"),
+    (dict(prefill_chunk=0), "prefill_chunk must be a whole number >= 1"),
+])
+def test_batch_settings_are_checked(tiny_ckpt, kwargs, needle):
+    with load(tiny_ckpt) as model, model.open() as run:
+        with pytest.raises(ConfigError, match=needle):
+            run.generate_batch([dict(prompt_ids=[1, 2])], **kwargs)
+        with pytest.raises(ConfigError, match="request 0: a dict"):
+            run.generate_batch([[1, 2]])
