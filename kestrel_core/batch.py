@@ -67,8 +67,8 @@ class Sequence:
     """A request as it runs: its slot, the tokens read back so far, and, once done, its result or its error."""
 
     request: Request
-    id: int
-    sampler: Sampler
+    id: int = -1  # numbered, and given its sampler, by the batch that takes it
+    sampler: Sampler | None = None
     slot: int = -1
     prefilled: int = 0  # prompt tokens through the layers so far
     tokens: list[int] = attrs.Factory(list)
@@ -119,12 +119,15 @@ class Batch:
         self._live: dict[int, int] = {}  # what the device's live flags hold, by slot
 
     # --- sequences ---------------------------------------------------------------------------------------
-    def add(self, request: Request) -> Sequence:
-        """Queue a sequence; it joins at a step that has a free slot for it."""
+    def add(self, request: Request, seq: Sequence | None = None) -> Sequence:
+        """Queue a sequence (``seq``, where another thread made it for ``request`` and holds it); it joins at a step
+        that has a free slot for it."""
         total = len(request.prompt_ids) + request.gen.max_new_tokens
         if total > self.max_seq:
             raise KestrelError(f"this sequence needs {total} positions and the batch's slots hold {self.max_seq}")
-        seq = Sequence(request, self.ids, Sampler(request.gen))
+        if seq is None:
+            seq = Sequence(request)
+        seq.id, seq.sampler = self.ids, Sampler(request.gen)
         self.ids += 1
         self.waiting.append(seq)
         return seq

@@ -1,0 +1,135 @@
+"""A continuous batch on a thread of its own, for a server: requests are submitted from any thread, first come first
+served; a sequence joins the batch at the next step with a free slot, and its tokens come back through its request's
+``on_token``, called on the batch's thread. All device work happens on that thread.
+
+    sched = Scheduler(run, max_batch=8, max_seq=4096)
+    sched.start()
+    seq = sched.submit(run.request(prompt="hello", max_new_tokens=32, on_token=print))
+    seq.finished.wait(); seq.cancel()        # cancel: it leaves at the next step, its slot freed
+    sched.stop()                             # stop admitting; finish what runs (or cancel it), then return
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .batch import BUCKETS, Batch, Request, Sequence
+from .errors import BudgetError, ConfigError, KestrelError
+
+
+class QueueFull(KestrelError):
+    """More requests wait than the scheduler queues: try again later (a server answers 429)."""
+
+
+class Scheduler:
+    def __init__(self, run, max_batch: int = 8, max_seq: int | None = None, prefill_chunk: int | None = 512,
+                 max_queue: int = 64):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
+            raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        positions = run.model.config.max_position_embeddings
+        self.max_seq = min(positions, max_seq or positions)
+        if self.max_seq < 2:
+            raise ConfigError(f"max_seq must be at least 2 positions, got {max_seq!r}")
+        self.run, self.max_batch, self.prefill_chunk, self.max_queue = run, max_batch, prefill_chunk, max_queue
+        self._incoming: deque[Sequence] = deque()
+        self._lock = threading.Condition()
+        self._stopping = self._stopped = False
+        self._batch: Batch | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what ended the batch's thread, if anything did
+        self.steps = 0
+
+    # --- any thread -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kestrel-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> Sequence:
+        """Queue a request (checked by ``run.request``); ``QueueFull`` where ``max_queue`` wait already."""
+        total = len(request.prompt_ids) + request.gen.max_new_tokens
+        if total > self.max_seq:
+            raise BudgetError(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "
+                              f"({request.gen.max_new_tokens}) need {total} positions; this server's context is "
+                              f"{self.max_seq}")
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the server is shutting down and takes no new request")
+            if len(self._incoming) >= self.max_queue:
+                raise QueueFull(f"{len(self._incoming)} requests wait already (the queue holds {self.max_queue}); "
+                                "try again shortly")
+            seq = Sequence(request)
+            self._incoming.append(seq)
+            self._lock.notify()
+        return seq
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop admitting; let every queued and running sequence finish (or cancel them), then end the thread."""
+        with self._lock:
+            self._stopping = True
+            if cancel:
+                for seq in self._incoming:
+                    seq.cancel()
+            self._lock.notify()
+        if cancel and self._batch is not None:
+            for seq in list(self._batch.active.values()) + list(self._batch.waiting):
+                seq.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._incoming) + (len(self._batch.waiting) if self._batch else 0)
+
+    @property
+    def running(self) -> int:
+        return len(self._batch.active) if self._batch else 0
+
+    # --- the batch's thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            with Batch(self.run.runner, self.max_batch, self.max_seq, self.prefill_chunk) as batch:
+                self._batch = batch
+                while True:
+                    with self._lock:
+                        while not self._incoming and not batch.busy and not self._stopping:
+                            self._lock.wait()
+                        new = list(self._incoming)
+                        self._incoming.clear()
+                        if self._stopping and not new and not batch.busy:
+                            break
+                    for seq in new:
+                        self._take(batch, seq)
+                    if batch.busy:
+                        batch.step()
+                        self.steps += 1
+        except BaseException as exc:  # the batch cannot go on: every sequence ends with the error
+            self.error = exc
+            self._fail_all(exc)
+        finally:
+            self._stopped = True
+
+    @staticmethod
+    def _take(batch: Batch, seq: Sequence) -> None:
+        if seq.cancelled.is_set():
+            seq.done, seq.finish_reason = True, "cancelled"
+            seq.finished.set()
+            return
+        batch.add(seq.request, seq)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        seqs = list(self._incoming)
+        if self._batch is not None:
+            seqs += list(self._batch.active.values()) + list(self._batch.waiting)
+        for seq in seqs:
+            if not seq.done:
+                seq.error = exc if isinstance(exc, Exception) else KestrelError(str(exc))
+                seq.done, seq.finish_reason = True, "error"
+                seq.finished.set()
+
+
+def wait_all(seqs: list[Sequence], poll: float = 0.05) -> None:
+    """Block until every sequence is done (for scripts and tests)."""
+    while not all(s.finished.is_set() for s in seqs):
+        time.sleep(poll)
