@@ -277,7 +277,7 @@ class Run:
 
     def generate_batch(self, requests: Iterable[dict], max_batch: int = 8, prefill_chunk: int | None = None,
                        on_done: Callable[[int, GenerationResult | Exception], None] | None = None) -> list:
-        """Generate every request (each a dict of ``request``'s arguments) as a continuous batch of at most
+        """Generate every request (each a dict of ``request``'s arguments, or what it returned) as a continuous batch of at most
         ``max_batch`` sequences: one pass over the layers a step serves every decoding sequence, and a sequence joins
         as another leaves. ``prefill_chunk``: prompt tokens a step takes beside the decoding ones (None: a whole
         prompt a step). The results in the order given; ``on_done(i, result or error)`` hears each as it finishes.
@@ -290,6 +290,9 @@ class Run:
                               f"got {prefill_chunk!r}")
         reqs = []
         for i, r in enumerate(requests):
+            if isinstance(r, Request):  # checked by ``request`` already
+                reqs.append(r)
+                continue
             if not isinstance(r, dict):
                 raise ConfigError(f"request {i}: a dict of generate's arguments (prompt= or prompt_ids=, ...), "
                                   f"got {type(r).__name__}")

@@ -109,3 +109,45 @@ def test_batch_settings_are_checked(tiny_ckpt, kwargs, needle):
             run.generate_batch([dict(prompt_ids=[1, 2])], **kwargs)
         with pytest.raises(ConfigError, match="request 0: a dict"):
             run.generate_batch([[1, 2]])
+
+
+def test_a_batch_job_writes_each_line_in_order(tiny_ckpt, tmp_path, capsys):
+    import json
+
+    from kestrel_core.cli import main
+
+    lines = [{"prompt_ids": PROMPTS[0], "max_new_tokens": 4, "stop_at_eos": False},
+             {"prompt": "hello", "max_new_tokens": 3, "stop_at_eos": False}, None,
+             {"prompt_ids": PROMPTS[2], "temperature": 0.8, "seed": 3, "max_new_tokens": 5, "stop_at_eos": False}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join((json.dumps(x) if x else "   ") + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(out), "--max-batch", "2"]
+    assert main(argv) == 0 and "wrote 3 results (0 errors" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 4]  # the file's line numbers; the blank one is skipped
+    with load(tiny_ckpt) as model, model.open() as run:
+        for row, line in zip(rows, [x for x in lines if x]):
+            assert row["token_ids"] == run.generate(**line).token_ids  # each as it runs alone
+    before = out.read_bytes()
+    assert main(argv) == 2 and "already exists" in capsys.readouterr().err
+    assert out.read_bytes() == before  # never replaced
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"prompt": 5}\n', "line 1: prompt must be text"),
+    ('{"prompt_ids": [1]}\n{"prompt_ids": [1], "prompt": "x"}\n', "line 2: give exactly one of prompt"),
+    ('{"prompt_ids": [1]}\n\n[1, 2]\n', "line 3: a JSON object is needed"),
+    ('{"prompt_ids": [1], "top_p": 2}\n', "top_p (--top-p) must be in (0, 1], got 2"),
+    ('{"prompt_ids": [1], "colour": 2}\n', "line 1: unknown key(s) colour"),
+    ('{"prompt_ids": [1\n', "line 1: not valid JSON"),
+    ('\n\n', "no prompts"),
+])
+def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, content, needle):
+    from cli_helpers import fails
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(content)
+    fails(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl")], capsys,
+          needle)
+    assert not (tmp_path / "o.jsonl").exists()

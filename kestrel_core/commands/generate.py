@@ -15,9 +15,18 @@ def add_arguments(p):
     add_run_flags(p)
     p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
                                    "(for kestrel replay)")
+    p.add_argument("--prompts", metavar="IN.jsonl", help="a batch job: one JSON object a line ({\"prompt\": ...} or "
+                   "{\"prompt_ids\": [...]}, with any [generation] setting), run as a continuous batch (needs --out)")
+    p.add_argument("--out", metavar="OUT.jsonl", help="where a batch job writes its results, one line a prompt, in "
+                   "input order (a new file: never replaced)")
+    p.add_argument("--max-batch", type=int, default=8, help="a batch job's sequences decoding together (default 8)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="a batch job's prompt tokens a step takes beside the decoding ones (default: a whole prompt)")
 
 
 def run(args) -> int:
+    if args.prompts is not None or args.out is not None:
+        return run_batch_job(args)
     cfg = config_from_args(args)
     recorder = None
     if args.trace is not None:
@@ -93,3 +102,23 @@ class Echo:
         """End the streamed line, so that what follows (the report, or an error) starts on its own."""
         if self.started:
             print(flush=True)
+
+
+def run_batch_job(args) -> int:
+    if args.prompts is None or args.out is None:
+        raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
+    if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
+        raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
+    from ..batch_job import run_job
+    from ..newfile import check_new
+
+    check_new(args.out, "--out")  # before the model loads
+    cfg = config_from_args(args)
+    with load(model_dir(cfg)) as model, model.open(cfg) as r:
+        summary = run_job(r, args.prompts, args.out, args.max_batch, args.prefill_chunk)
+    if args.json:
+        emit_json(summary)
+    else:
+        print(f"wrote {summary['sequences']} results ({summary['errors']} errors, {summary['tokens']} tokens, "
+              f"{summary['tokens_per_s']:.1f} tokens/s) to {summary['out']}")
+    return 0
