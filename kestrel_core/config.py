@@ -166,12 +166,23 @@ class GenerationConfig:
             raise ConfigError("both prompt and prompt_ids are set; keep one (text, or token ids)")
 
 
+DRAFT_TOKENS_MAX = 64
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    draft: str = ""  # "" (none), "ngram", "ngram:N" (match the last N tokens), any drafter plugin's name, or a model
+    draft_tokens: int = attrs.field(default=8, validator=_check(_int_in(1, DRAFT_TOKENS_MAX),
+                                                                f"a whole number in 1..{DRAFT_TOKENS_MAX}"))
+
+
 @attrs.frozen
 class KestrelConfig:
     model: str = ""
     backend: BackendConfig = BackendConfig()
     residency: ResidencyConfig = ResidencyConfig()
     generation: GenerationConfig = GenerationConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def override(self, **flags: Any) -> "KestrelConfig":
         """Apply flags given as ``section__field=value``, or ``model=...``; None means 'not given'."""
@@ -187,7 +198,8 @@ class KestrelConfig:
         return cfg
 
 
-_SECTIONS = {"backend": BackendConfig, "residency": ResidencyConfig, "generation": GenerationConfig}
+_SECTIONS = {"backend": BackendConfig, "residency": ResidencyConfig, "generation": GenerationConfig,
+             "speculative": SpeculativeConfig}
 
 
 def _build(cls: type, table: dict, where: str):

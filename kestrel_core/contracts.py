@@ -104,6 +104,27 @@ class ExpertPolicy(Protocol):
 
 
 @runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens for speculative decoding. A factory is called ``factory(arg=, run=)`` (``arg``: what follows
+    the name in ``--draft NAME:ARG``, or the model of ``--draft MODEL``; ``run``: the target's run, read-only)."""
+
+    name: str
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """A new sequence starts from ``prompt_ids``."""
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], list | None]:
+        """Up to ``k`` tokens to follow ``context``, and each one's distribution (a [vocab] tensor it was drawn from, for
+        sampling), or None for a drafter that proposes deterministically."""
+
+    def accepted(self, context: list[int]) -> None:
+        """The sequence as kept after a verify pass (drafts past it were rejected)."""
+
+    def close(self) -> None:
+        """The run closes: let go of what it holds."""
+
+
+@runtime_checkable
 class Backend(Protocol):
     """Where the layer loop runs. A factory is a class: ``factory(ctx: BackendContext)`` makes one, and
     ``factory.available()`` / ``factory.check_prefetch(depth)`` answer before any is made; subclass ``backend.Backend``."""
@@ -116,6 +137,7 @@ class Backend(Protocol):
     captures: bool  # whether ``capture`` can return a replayable decode step
     expert_table: bool  # whether a decode step can read its routed experts through ``routed_experts``
     expert_table_refusal: str  # where it cannot: why (the error for expert_decode = 'table' names it)
+    row_exact: bool  # a row's result never depends on the rows beside it: a batch, a prompt, a drafted run change no bit
     units: UnitTable  # the run's units, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run
@@ -200,5 +222,5 @@ def missing_members(protocol: type, obj: Any) -> list[str]:
     return sorted(n for n in names if n not in optional and not hasattr(obj, n))
 
 
-__all__ = ["OPTIONAL", "Allocator", "Backend", "BufferFactory", "ExpertPolicy", "Policy", "WindowView", "member",
+__all__ = ["OPTIONAL", "Allocator", "Backend", "BufferFactory", "Drafter", "ExpertPolicy", "Policy", "WindowView", "member",
            "missing_members"]

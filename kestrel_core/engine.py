@@ -23,7 +23,7 @@ import torch
 from . import plugins
 from .backend import BackendContext
 from .config import OFF, KestrelConfig, check_environment, with_settings
-from .contracts import Allocator, Backend, ExpertPolicy, Policy, member, missing_members
+from .contracts import Allocator, Backend, Drafter, ExpertPolicy, Policy, member, missing_members
 from .batch import BUCKETS, Batch, Request, generate_one
 from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
@@ -33,6 +33,7 @@ from .plan import Counters
 from .residency import Window
 from .results import GenerationResult
 from .runner import Runner, StepSettings
+from .speculative import generate_speculative
 from .units import UnitTable
 
 __all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy"]
@@ -85,6 +86,18 @@ def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | 
     largest = max(u.nbytes for key, u in units.units.items() if len(key) == 2)
     budget = budget_bytes(res.expert_budget_mb, cfg.num_experts_per_tok, largest)
     return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
+
+
+def make_drafter(spec, run: "Run") -> Drafter | None:
+    """The run's drafter for speculative decoding, or None: ``spec.draft`` names a registered drafter (``ngram`` or
+    ``ngram:N``, a plugin's ``NAME:ARG``), or else a draft model (the ``model`` drafter)."""
+    if not spec.draft:
+        return None
+    name, _, arg = spec.draft.partition(":")
+    drafters = plugins.registry("drafters")
+    if name in drafters:
+        return _checked("drafter", name, drafters[name].factory(arg=arg or None, run=run), Drafter)
+    return _checked("drafter", "model", plugins.lookup("drafters", "model").factory(arg=spec.draft, run=run), Drafter)
 
 
 def expert_table(res, model: "Model", backend: Backend) -> bool:
@@ -219,6 +232,11 @@ class Run:
                              StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
                                           expert_table=table))
         self._open = True
+        try:
+            self.drafter = make_drafter(config.speculative, self)
+        except BaseException:
+            self.close()
+            raise
 
     def request(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                 on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = (),
@@ -269,8 +287,12 @@ class Run:
         hear = each if on_token is not None or stream is not None else None
         req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, **generation)
         with self._oom_is_a_budget_error():
-            result = generate_one(self.runner, req.prompt_ids, req.gen, req.eos_ids, keep_logits=keep_logits,
-                                  on_token=hear)
+            if self.drafter is not None:
+                result = generate_speculative(self.runner, req.prompt_ids, req.gen, req.eos_ids, self.drafter,
+                                              self.config.speculative.draft_tokens, keep_logits, hear)
+            else:
+                result = generate_one(self.runner, req.prompt_ids, req.gen, req.eos_ids, keep_logits=keep_logits,
+                                      on_token=hear)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
@@ -284,6 +306,8 @@ class Run:
         A sequence whose logits went non-finite gets its error in its place; the others go on."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        if self.drafter is not None:
+            raise ConfigError("speculative decoding runs one sequence at a time: drop the draft for a batch")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise ConfigError(f"prefill_chunk must be a whole number >= 1 (or None: a whole prompt a step), "
@@ -329,6 +353,8 @@ class Run:
             return
         self._open = False
         try:
+            if getattr(self, "drafter", None) is not None:
+                self.drafter.close()
             self.runner.release_all()
             self.allocator.drain()
         finally:

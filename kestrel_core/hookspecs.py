@@ -35,6 +35,12 @@ def register_expert_policies(register):
 
 
 @hookspec
+def register_drafters(register):
+    """Register speculative-decoding drafters: ``register(name, factory)``; ``factory(arg=, run=)`` returns a
+    ``contracts.Drafter`` (``--draft NAME`` or ``--draft NAME:ARG``)."""
+
+
+@hookspec
 def register_gates(register):
     """Register benefit gates: ``register(name, gate)``; a gate computes an upper bound and a verdict."""
 

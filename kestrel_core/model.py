@@ -61,24 +61,29 @@ class Attend:
     decode_rows: int = 0
     decode_mask: torch.Tensor | None = None  # bool [decode_rows, max_seq]: the keys each decode row sees
     spans: tuple[Span, ...] = ()
+    # Row-exact (a backend's ``row_exact``): a span's rows attend one at a time, each as a decode row does, so a token
+    # gets bitwise the same attention whether its pass carried it alone, in a prompt, or in a drafted run.
+    key_positions: torch.Tensor | None = None
 
     @classmethod
-    def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0) -> "Attend":
-        """One sequence's ``T`` tokens at ``start`` of ``slot``."""
+    def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0,
+                key_positions: torch.Tensor | None = None) -> "Attend":
+        """One sequence's ``T`` tokens at ``start`` of ``slot`` (row by row where ``key_positions`` is given)."""
         positions = torch.arange(start, start + T, device=device)
         slots = torch.full((T,), slot, dtype=torch.long, device=device)
-        return cls(slots, positions, *rope.at(positions), spans=(Span(slot, 0, start, T),))
+        return cls(slots, positions, *rope.at(positions), spans=(Span(slot, 0, start, T),), key_positions=key_positions)
 
     @classmethod
     def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
                spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
-               span_slots: torch.Tensor | None = None) -> "Attend":
+               span_slots: torch.Tensor | None = None, row_exact: bool = False) -> "Attend":
         """Decode rows (row b: slot ``slots[b]`` = b, at ``positions[b]``, long tensors on the device: nothing here reads
         the host), then optionally ``spans`` at ``span_positions`` of ``span_slots``."""
         mask = key_positions[None, :] <= positions[:, None]
         if spans:
             positions, slots = torch.cat((positions, span_positions)), torch.cat((slots, span_slots))
-        return cls(slots, positions, *rope.at(positions), decode_rows=mask.shape[0], decode_mask=mask, spans=spans)
+        return cls(slots, positions, *rope.at(positions), decode_rows=mask.shape[0], decode_mask=mask, spans=spans,
+                   key_positions=key_positions if row_exact else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
         """Write the rows' K and V into their slots, and return each row's attention: [rows, q_dim]."""
@@ -98,6 +103,14 @@ class Attend:
             )
             outs.append(out.reshape(B, cfg.q_dim))
         for s in self.spans:
+            if self.key_positions is not None:  # row-exact: each row as a decode row of its slot
+                k_s, v_s = cache.k[s.slot : s.slot + 1].transpose(1, 2), cache.v[s.slot : s.slot + 1].transpose(1, 2)
+                for r in range(s.T):
+                    seen = (self.key_positions <= s.start + r)[None, None, None, :]
+                    out = F.scaled_dot_product_attention(q[s.row + r][None, :, None, :], k_s, v_s, attn_mask=seen,
+                                                         scale=scale, enable_gqa=True)
+                    outs.append(out.reshape(1, cfg.q_dim))
+                continue
             kv_len = s.start + s.T
             out = F.scaled_dot_product_attention(
                 q[s.row : s.row + s.T].transpose(0, 1)[None],  # [1, heads, T, hd]

@@ -25,7 +25,7 @@ pm.add_hookspecs(hookspecs)
 _loaded = False
 
 SINGULAR = {"backends": "backend", "policies": "policy", "allocators": "allocator", "gates": "gate", "commands": "command",
-            "expert_policies": "expert policy"}
+            "expert_policies": "expert policy", "drafters": "drafter"}
 
 
 def load_plugins() -> pluggy.PluginManager:

@@ -24,11 +24,18 @@ class GenerationResult:
     step_modes: list[str] = attrs.Factory(list)  # each decode step's mode, in order (one of MODES)
     logits: list[torch.Tensor] | None = None
     text: str | None = None  # the generated ids decoded, where the model has a tokenizer
+    tokens_per_step: list[int] | None = None  # speculative decoding: the tokens each pass kept (else one a step)
+    speculative: dict | None = None  # speculative decoding: passes, drafted, accepted, acceptance, tokens a pass, ms
 
     @property
     def ms_per_token(self) -> float:
-        """Median decode ms/token (prefill is reported apart)."""
-        return statistics.median(self.decode_ms) if self.decode_ms else float("nan")
+        """Median decode ms/token (prefill is reported apart); with speculative decoding, its passes' time over the
+        tokens they kept."""
+        if not self.decode_ms:
+            return float("nan")
+        if self.tokens_per_step:
+            return sum(self.decode_ms) / sum(self.tokens_per_step)
+        return statistics.median(self.decode_ms)
 
     def to_json(self) -> dict:
         per = self.per_token
@@ -46,6 +53,7 @@ class GenerationResult:
             "counters": self.counters,
             "steps": self.steps,
             "step_modes": self.step_modes,
+            **({"speculative": self.speculative, "tokens_per_step": self.tokens_per_step} if self.speculative else {}),
             "memory": self.memory,
             **({"text": self.text} if self.text is not None else {}),
         }

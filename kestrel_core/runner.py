@@ -201,7 +201,8 @@ class Runner:
         loop reaches it (a prompt, and the NaN probe). ``probe(where, h)`` sees the hidden state after the embedding and
         after each layer."""
         backend = self.backend
-        at = Attend.prefill(rope, start, len(ids), backend.device, slot)
+        keys = torch.arange(cache[0].k.shape[1], device=backend.device) if backend.row_exact else None
+        at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys)
         h = backend.embed(torch.tensor(ids))
         if probe:
             probe("the embedding", h)
@@ -209,10 +210,11 @@ class Runner:
         return backend.logits(h[-1:])[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                    span: tuple[Span, list[int]] | None = None) -> torch.Tensor | None:
+                    span: tuple[Span, list[int]] | None = None, every_span_row: bool = False) -> torch.Tensor | None:
         """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
-        the device, and its position moves on), then optionally a span of prompt tokens. Returns the span's last
-        logits row (the rows' logits stay in ``state.logits``)."""
+        the device, and its position moves on), then optionally a span of tokens (a prompt, or a token and its drafts).
+        Returns the span's last logits row, or, with ``every_span_row``, each of its rows' (the decode rows' logits stay
+        in ``state.logits``)."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
         if span is None:
@@ -223,19 +225,22 @@ class Runner:
             device = backend.device
             span_positions = torch.arange(s.start, s.start + s.T, device=device)
             span_slots = torch.full((s.T,), s.slot, dtype=torch.long, device=device)
-            at = Attend.static(state.rope, positions, slots, state.key_positions, (s,), span_positions, span_slots)
+            at = Attend.static(state.rope, positions, slots, state.key_positions, (s,), span_positions, span_slots,
+                               row_exact=backend.row_exact)
             h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if span is None else "prefill"
         compiled = layer_math(self.settings.compile) if span is None else decoder_layer
         h = self.layers(h, at, cache, boundaries, phase, compiled, state=state if span is None else None)
-        picked = h[:rows] if span is None else torch.cat((h[:rows], h[-1:]))
+        picked = h[:rows] if span is None else h if every_span_row else torch.cat((h[:rows], h[-1:]))
         logits = backend.logits(picked)
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
-        return logits[rows] if span is not None else None
+        if span is None:
+            return None
+        return logits[rows:] if every_span_row else logits[rows]
 
     # --- NaN and inf ------------------------------------------------------------------------------
     def check_finite(self, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable,

@@ -31,6 +31,10 @@ class Sampler:
         """logits: [vocab] float32 (any device)."""
         if self.gen.temperature == 0:
             return int(torch.argmax(logits))
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled token is drawn from: temperature, then top-k, then top-p ([vocab] float32, CPU)."""
         probs_logits = logits.float().cpu() / self.gen.temperature
         if self.gen.top_k:
             kth = torch.topk(probs_logits, min(self.gen.top_k, probs_logits.numel())).values[-1]
@@ -42,4 +46,12 @@ class Sampler:
             drop = cum - sorted_p > self.gen.top_p  # keep the smallest prefix reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One id drawn from ``probs`` with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self.rng))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from the same generator (speculative sampling's acceptance test)."""
+        return float(torch.rand(1, generator=self.rng))

@@ -53,6 +53,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones too) and its id: two models share a vocabulary where these are equal."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def stream(self) -> "TextStream":
         return TextStream(self)
 

@@ -34,7 +34,8 @@ def hook_specs() -> dict:
 # --- meta-tests ------------------------------------------------------------------------
 
 def test_the_specs_are_the_documented_set():
-    assert set(hook_specs()) == {"on_layer_advance", "preload", "on_experts_routed", "alloc", "release", "register_backends",
+    assert set(hook_specs()) == {"on_layer_advance", "preload", "on_experts_routed", "alloc", "release", "register_drafters",
+                                 "register_backends",
                                  "register_policies", "register_allocators", "register_expert_policies",
                                  "register_gates", "register_commands"}
     assert all(inspect.getdoc(f) for f in hook_specs().values()), "every hook has a docstring"

@@ -30,6 +30,7 @@ DTYPES = ("float32", "float64")
 class CpuRefBackend(Backend):
     name = "cpu_ref"
     expert_table = True  # a dict: an expert's resident buffers, or (absent) its host copy, the checkpoint mapping
+    row_exact = True  # the reference: a token's result is its own, whoever shares its pass (``linear``, attention)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

@@ -15,6 +15,9 @@ def add_arguments(p):
     add_run_flags(p)
     p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
                                    "(for kestrel replay)")
+    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N tokens), a drafter plugin's "
+                   "name, or a small model with the same vocabulary (see docs/speculative.md)")
+    p.add_argument("--draft-tokens", type=int, help="speculative decoding: tokens drafted a pass, 1..64 (default 8)")
     p.add_argument("--prompts", metavar="IN.jsonl", help="a batch job: one JSON object a line ({\"prompt\": ...} or "
                    "{\"prompt_ids\": [...]}, with any [generation] setting), run as a continuous batch (needs --out)")
     p.add_argument("--out", metavar="OUT.jsonl", help="where a batch job writes its results, one line a prompt, in "
@@ -27,7 +30,7 @@ def add_arguments(p):
 def run(args) -> int:
     if args.prompts is not None or args.out is not None:
         return run_batch_job(args)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args).override(speculative__draft=args.draft, speculative__draft_tokens=args.draft_tokens)
     recorder = None
     if args.trace is not None:
         traces.check_new(args.trace)  # before any work: an empty name, or one that exists, is refused
@@ -69,6 +72,13 @@ def run(args) -> int:
         print(f"decode steps: {how['replayed'] + how['captured']} from a captured graph ({how['captured']} captured), {how['eager']} eager")
     print(f"uploaded: {c['layer_uploads']} layers, {c['uploads']} entries, {mib(c['bytes_uploaded'])}; "
           f"evicted: {c['layer_evictions']} layers, {mib(c['bytes_evicted'])}")
+    if result.speculative:
+        s = result.speculative
+        rate = f"{100 * s['acceptance_rate']:.1f}%" if s["acceptance_rate"] is not None else "nothing drafted"
+        per_pass = f"{s['tokens_per_pass']:.2f}" if s["tokens_per_pass"] is not None else "-"
+        print(f"speculative: {cfg.speculative.draft} drafting up to {cfg.speculative.draft_tokens}: {s['passes']} passes, "
+              f"{s['drafted']} drafted, {s['accepted']} accepted (acceptance {rate}), {per_pass} tokens a pass; "
+              f"draft {s['draft_ms']:.1f} ms, verify {s['verify_ms']:.1f} ms")
     if result.per_token:
         per = result.per_token[-1]
         print(f"per decoded token (last): {per['layer_uploads']} layers, {mib(per['bytes_uploaded'])} uploaded")

@@ -1,0 +1,146 @@
+"""Speculative decoding: a drafter proposes, one pass of the target verifies; greedy ids are plain greedy decoding's
+(bitwise on cpu_ref), and sampling follows the target's distribution."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cli_helpers import fails
+from kestrel_core import load
+from kestrel_core.cli import main
+from kestrel_core.config import GenerationConfig
+from kestrel_core.errors import ConfigError
+from kestrel_core.hookspecs import hookimpl
+from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.sampling import Sampler
+from kestrel_core.speculative import accept
+
+REPEATING = [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]
+
+
+@pytest.fixture(scope="module")
+def draft_ckpt(tmp_path_factory):
+    """The tiny preset cut to 2 of its 6 layers: the same tokenizer, a smaller model."""
+    return write_checkpoint(preset_config("tiny", layers=2), tmp_path_factory.mktemp("draft") / "tiny-2")
+
+
+@pytest.mark.parametrize("settings", [dict(keep="off"), dict(keep=1), dict(keep=2, policy="pinned_set"),
+                                      dict(keep=3, policy="belady", allocator="free")])
+@pytest.mark.parametrize("draft", ["ngram", "ngram:1", "model"])
+def test_greedy_ids_are_plain_greedy(tiny_ckpt, draft_ckpt, settings, draft):
+    with load(tiny_ckpt) as model:
+        with model.open(**settings) as run:
+            plain = run.generate(prompt_ids=REPEATING, max_new_tokens=16, stop_at_eos=False)
+        draft = str(draft_ckpt) if draft == "model" else draft
+        with model.open(draft=draft, draft_tokens=4, **settings) as run:
+            spec = run.generate(prompt_ids=REPEATING, max_new_tokens=16, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids
+    s = spec.speculative
+    assert s["passes"] == len(spec.decode_ms) and s["kept"] == len(spec.token_ids) - 1
+    assert s["kept"] == s["passes"] + s["accepted"]  # each pass keeps its accepted drafts and one of its own
+
+
+class Oracle:
+    """A third-party drafter that knows the answer: the target's own greedy continuation."""
+
+    name = "oracle"
+    answer: list[int] = []
+
+    def __init__(self, arg=None, run=None):
+        pass
+
+    def begin(self, prompt_ids):
+        self.prompt = len(prompt_ids)
+
+    def propose(self, context, k):
+        done = len(context) - self.prompt
+        return self.answer[done : done + k], None
+
+    def accepted(self, context):
+        pass
+
+    def close(self):
+        pass
+
+
+class OraclePlugin:
+    @hookimpl
+    def register_drafters(self, register):
+        register("oracle", Oracle)
+
+
+def test_a_plugin_drafter_that_is_always_right_keeps_k_plus_one_a_pass(tiny_ckpt, register_plugin):
+    register_plugin(OraclePlugin(), "oracle")
+    with load(tiny_ckpt) as model:
+        with model.open(keep=1) as run:
+            plain = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, stop_at_eos=False)
+        Oracle.answer = plain.token_ids
+        with model.open(keep=1, draft="oracle", draft_tokens=4) as run:
+            spec = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids
+    s = spec.speculative
+    assert s["acceptance_rate"] == 1.0 and s["passes"] == 3 and s["tokens_per_pass"] == 5.0  # 1 + 3 x 5 = 16
+    # One pass over the layers a verify: at keep=1 each streams what one plain step streams, for five tokens.
+    per_pass = spec.per_token[0]["bytes_uploaded"]
+    assert per_pass == plain.per_token[1]["bytes_uploaded"] > 0
+
+
+def test_speculative_sampling_follows_the_targets_distribution():
+    """accept() over many seeded draws: the token it emits first is distributed as p, whatever the draft (chi-square)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, draws = 6, 6000
+    logits = torch.randn(2, vocab, generator=g) * 1.5
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=1))
+    p = sampler.probs(logits[0])
+    for q in (torch.softmax(torch.randn(vocab, generator=g), -1), None):  # a model's draft, then a one-hot draft
+        counts = torch.zeros(vocab)
+        for _ in range(draws):
+            d = int(torch.multinomial(q, 1, generator=g)) if q is not None else 2
+            n, own = accept(logits, [d], [q] if q is not None else None, sampler, greedy=False)
+            counts[d if n else own] += 1
+        expected = p * draws
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 20.5, (chi2, counts, expected)  # chi-square, 5 degrees of freedom: p = 0.001 at 20.5
+
+
+def test_sampled_runs_are_reproducible_and_complete(tiny_ckpt):
+    with load(tiny_ckpt) as model, model.open(keep=2, draft="ngram", draft_tokens=3) as run:
+        a = run.generate(prompt_ids=REPEATING, max_new_tokens=12, stop_at_eos=False, temperature=0.8, seed=5)
+        b = run.generate(prompt_ids=REPEATING, max_new_tokens=12, stop_at_eos=False, temperature=0.8, seed=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(draft="ngram", draft_tokens=0), "draft_tokens (--draft-tokens) must be a whole number in 1..64, got 0"),
+    (dict(draft="ngram:0"), "--draft ngram:N takes N in 1..16"),
+])
+def test_bad_draft_settings(tiny_ckpt, settings, needle):
+    with load(tiny_ckpt) as model, pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        model.open(**settings)
+
+
+def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ckpt, draft_ckpt):
+    with load(tiny_ckpt) as model:
+        with pytest.raises(ConfigError, match="its vocabulary differs"):
+            model.open(draft=str(demo_ckpt))
+    with load(draft_ckpt) as small:
+        with pytest.raises(ConfigError, match="is not smaller than the target"):
+            small.open(draft=str(tiny_ckpt))
+    with load(tiny_ckpt) as model, model.open(draft="ngram") as run:
+        with pytest.raises(ConfigError, match="one sequence at a time"):
+            run.generate_batch([dict(prompt_ids=[1, 2])])
+
+
+def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):
+    argv = ["generate", "--model", str(tiny_ckpt), "--prompt-ids", ",".join(map(str, REPEATING)), "--max-new-tokens",
+            "10", "--ignore-eos", "--draft", "ngram", "--draft-tokens", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speculative: ngram" in out and "acceptance" in out and "tokens a pass" in out
+    assert main([*argv, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["speculative"]
+    assert s["passes"] >= 1 and 0 <= s["acceptance_rate"] <= 1
+    fails(argv[:-2] + ["--draft-tokens", "99"], capsys, "must be a whole number in 1..64")
