@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -20,8 +21,25 @@ HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/co
 KEY_ENV = "KESTREL_API_KEY"
 
 
+# What generate's flags mean here: the prompt comes from each request, and the generation flags are the defaults of
+# a request that leaves a parameter out.
+_RUN_FLAGS_HERE = {"--prompt": argparse.SUPPRESS, "--prompt-ids": argparse.SUPPRESS, "--json": argparse.SUPPRESS,
+                   "--max-new-tokens": "max_tokens where a request gives none (default: 16 for a completion; a chat "
+                                       "reply runs to the end of its turn)",
+                   "--temperature": "temperature where a request gives none (default 0: greedy)",
+                   "--seed": "seed where a request gives none (default: a new one each request)",
+                   "--top-k": "top_k where a request gives none (default 0: no cut)",
+                   "--top-p": "top_p where a request gives none (default 1)",
+                   "--ignore-eos": "generate max_tokens whatever end-of-sequence tokens come (a request may ask "
+                                   "for it with ignore_eos)"}
+
+
 def add_arguments(p):
     add_run_flags(p)
+    for action in p._actions:  # argparse has no public way to reword a flag another function added
+        for flag in action.option_strings:
+            if flag in _RUN_FLAGS_HERE:
+                action.help = _RUN_FLAGS_HERE[flag]
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other than "
                    "loopback needs an API key or --allow-insecure)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
@@ -64,8 +82,10 @@ def run(args) -> int:
     # A chat reply without max_tokens runs to the end of its turn, unless --max-new-tokens or kestrel.toml set a length.
     chat_tokens = cfg.generation.max_new_tokens if cfg.generation.max_new_tokens != GenerationConfig().max_new_tokens \
         else None
+    # A seed the operator chose makes requests without one repeatable; else each draws its own, as OpenAI's do.
+    seed = cfg.generation.seed if args.seed is not None or cfg.generation.seed != GenerationConfig().seed else None
     log = _logger()
-    service = Service(cfg, name, Limits(**settings), chat_tokens)
+    service = Service(cfg, name, Limits(**settings), chat_tokens, seed)
     app = create_app(service, api_key, int(args.max_body_mb * 2**20))
     sock = bind(args.host, args.port)
     url = url_of(sock)

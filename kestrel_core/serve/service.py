@@ -42,10 +42,13 @@ DEFAULT_CONTEXT = 4096
 
 
 class Service:
-    def __init__(self, cfg: KestrelConfig, name: str, limits: Limits, chat_max_tokens: int | None = None):
+    def __init__(self, cfg: KestrelConfig, name: str, limits: Limits, chat_max_tokens: int | None = None,
+                 seed: int | None = None):
         """``name``: the model's name in the API; ``chat_max_tokens``: a chat reply's length where the request gives
-        none (None: what the context leaves, up to the limit)."""
+        none (None: what the context leaves, up to the limit); ``seed``: a request's where it gives none (None: a new
+        one each request)."""
         self.cfg, self.name, self.limits, self.chat_max_tokens = cfg, name, limits, chat_max_tokens
+        self.seed = seed
         self.state = LOADING
         self.created = int(time.time())
         self.load_error: BaseException | None = None
@@ -140,9 +143,10 @@ class Service:
         model, vocab = self.model, self.model.config.vocab_size
         chat = isinstance(req, ChatRequest)
         if chat:
-            if self.template is None:
-                raise APIError(400, f"this model cannot chat: {self.no_template}; use /v1/completions", param="messages",
-                               code="no_chat_template")
+            if self.template is None:  # the reason in full is in the server's start lines
+                raise APIError(400, "this model cannot chat: it has no usable chat template (chat_template.jinja, or "
+                               "chat_template in tokenizer_config.json); send a prompt to /v1/completions instead",
+                               param="messages", code="no_chat_template")
             ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs,
                                    self.max_seq)
         else:
@@ -157,7 +161,7 @@ class Service:
             ends |= model.eos_ids | (self.chat_ends if chat else frozenset())
         generation = req.generation()
         if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
-            generation["seed"] = secrets.randbits(63)
+            generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
         try:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), **generation)
         except ConfigError as exc:
