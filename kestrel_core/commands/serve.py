@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -23,7 +22,8 @@ KEY_ENV = "KESTREL_API_KEY"
 
 # What generate's flags mean here: the prompt comes from each request, and the generation flags are the defaults of
 # a request that leaves a parameter out.
-_RUN_FLAGS_HERE = {"--prompt": argparse.SUPPRESS, "--prompt-ids": argparse.SUPPRESS, "--json": argparse.SUPPRESS,
+_RUN_FLAGS_HERE = {"--prompt": "refused: each request brings its prompt", "--prompt-ids": "refused: each request "
+                   "brings its prompt", "--json": "refused: the server logs lines on stderr and answers JSON over HTTP",
                    "--max-new-tokens": "max_tokens where a request gives none (default: 16 for a completion; a chat "
                                        "reply runs to the end of its turn)",
                    "--temperature": "temperature where a request gives none (default 0: greedy)",
@@ -74,7 +74,7 @@ def run(args) -> int:
 
     from ..serve.app import create_app
     from ..serve.server import Server, bind, check_bind, url_of
-    from ..serve.service import FAILED, Limits, Service
+    from ..serve.service import FAILED, READY, Limits, Service
 
     check_bind(args.host, api_key, args.allow_insecure)
     if args.api_key is not None and not args.api_key:
@@ -112,6 +112,8 @@ def run(args) -> int:
         service.load()
         if service.state == FAILED:
             server.should_exit = True  # the error is told once the server has stopped
+            return
+        if service.state != READY:  # a signal came while it loaded
             return
         for line in service.describe():
             log.info("%s", line)

@@ -19,6 +19,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from . import protocol
 from .generation import Generation, GenerationFailed
@@ -66,11 +67,14 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         if length is not None and length.isdigit() and int(length) > max_body:
             raise too_big  # refused before reading a byte of it
         chunks, size = [], 0
-        async for chunk in request.stream():  # a body without a length is counted as it comes
-            size += len(chunk)
-            if size > max_body:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():  # a body without a length is counted as it comes
+                size += len(chunk)
+                if size > max_body:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: no one hears the answer, and it is no server error
+            raise APIError(400, "the client disconnected before its request body arrived") from None
         return b"".join(chunks)
 
     @app.get("/health")

@@ -68,6 +68,11 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+if not hasattr(uvicorn.Server, "capture_signals"):  # before 0.29 uvicorn set its handlers another way
+    raise ConfigError(f"kestrel serve needs uvicorn 0.29 or later (this is {uvicorn.__version__}): "
+                      "pip install -U uvicorn")
+
+
 class Server(uvicorn.Server):
     """uvicorn, whose signal handlers call ``on_stop(signum)`` on the loop (once; a second signal calls
     ``on_force()``) and which, unlike uvicorn's own, do not raise the signal again once the server has stopped: the
