@@ -111,7 +111,7 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         gen = service.start(plan)
         answer = Answer(service, req, gen, request.url.path)
         if req.stream:
-            return StreamingResponse(answer.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStream(answer)
         return JSONResponse(await answer.whole(request))
 
     return app
@@ -131,6 +131,7 @@ class Answer:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.t0 = time.monotonic()
+        self.ended = False
 
     def usage(self) -> dict:
         return protocol.usage(self.gen.prompt_tokens, len(self.gen.tokens))
@@ -180,19 +181,38 @@ class Answer:
             log.exception("%s: the stream failed", self.path)
             yield _event(_internal().body())
         finally:
-            self.gen.cut("the client disconnected")  # a no-op when it is done
             self.end()
 
     def end(self) -> None:
-        """Forget the generation and log its line: tokens, ms/token, bytes streamed per token."""
+        """Cancel the sequence where it still runs (its client went away), forget it, and log its line: tokens,
+        ms/token, bytes streamed per token. Once."""
+        if self.ended:
+            return
+        self.ended = True
+        self.gen.cut("the client disconnected")  # a no-op when it is done
         self.service.done(self.gen)
         gen, res = self.gen, self.gen.result
-        how = gen.finish_reason or ("cut: " + gen.why_cut if gen.why_cut else "ended")
+        how = f"cut: {gen.why_cut}" if gen.why_cut else gen.finish_reason or "ended"
         line = f"{self.path}: {gen.prompt_tokens} prompt + {len(gen.tokens)} completion tokens ({how})"
         if res is not None and res.decode_ms:
             streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
             line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"
         log.info("%s, %.2f s", line, time.monotonic() - self.t0)
+
+
+class EventStream(StreamingResponse):
+    """An answer's events, whose sequence is cancelled however the response ends: a client gone before the first
+    chunk leaves the stream's generator unstarted, so its own ``finally`` would never run."""
+
+    def __init__(self, answer: Answer):
+        super().__init__(answer.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.end()
 
 
 def _event(obj: dict) -> str:

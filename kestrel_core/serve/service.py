@@ -6,6 +6,7 @@ shutdown that stops admitting, lets what runs go on for a grace period, then cut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import threading
@@ -71,6 +72,8 @@ class Service:
             self.load_error = exc
             with self._lock:
                 self.state = FAILED
+            with contextlib.suppress(Exception):  # what did open (the model, the run) is closed; the error stays
+                self.close()
             return
         with self._lock:
             if self.state == LOADING:
