@@ -46,7 +46,7 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     keep_logits: bool = False
     on_token: Callable[[int], None] | None = None
-    on_finish: Callable[["Sequence"], None] | None = None  # called once it is done (result or error set), on the batch's thread
+    on_finish: Callable[["Sequence"], None] | None = None  # once done (result or error set), on the batch's thread
 
 
 @attrs.define(eq=False)

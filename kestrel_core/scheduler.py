@@ -56,7 +56,8 @@ class Scheduler:
             raise self.error
 
     def submit(self, request: Request) -> Sequence:
-        """Queue a request (checked by ``run.request``); ``QueueFull`` where ``max_queue`` wait already."""
+        """Queue a request (checked by ``run.request``); ``QueueFull`` where every slot is taken and ``max_queue``
+        wait already."""
         total = len(request.prompt_ids) + request.gen.max_new_tokens
         if total > self.max_seq:
             raise BudgetError(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "

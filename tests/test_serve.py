@@ -341,7 +341,8 @@ def test_the_openai_client_sees_400_404_and_401(server):
 def test_the_api_key_guards_every_v1_route_but_not_health(server):
     for path in ("/v1/models", f"/v1/models/{server.name}"):
         assert_openai_error(httpx.get(f"{server.url}{path}", timeout=10), 401, code="invalid_api_key")
-        assert httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        keyed = httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert keyed.status_code == 200
     body = {"model": server.name, "prompt": [1, 2], "max_tokens": 2}
     assert_openai_error(post(server, "/v1/completions", body, key=None), 401)
     assert_openai_error(post(server, "/v1/completions", body, key=KEY + "x"), 401)

@@ -13,8 +13,9 @@ from .protocol import bad_request
 def _too_long(max_seq: int, prompt: int | None, param: str, asked: int | None = None):
     size = f"{prompt:,}" if prompt is not None else f"over {max_seq:,}"
     wanted = f" and {asked:,} to generate (max_tokens)" if asked is not None else ", leaving no room to generate"
-    return bad_request(f"this server's context is {max_seq:,} tokens; the prompt takes {size}{wanted}; shorten the "
-                       "prompt" + (" or lower max_tokens" if asked is not None else ""), param, "context_length_exceeded")
+    fix = "shorten the prompt" + (" or lower max_tokens" if asked is not None else "")
+    return bad_request(f"this server's context is {max_seq:,} tokens; the prompt takes {size}{wanted}; {fix}", param,
+                       "context_length_exceeded")
 
 
 def completion_ids(tokenizer: Tokenizer, vocab: int, prompt: str | list, max_seq: int) -> list[int]:
@@ -44,8 +45,8 @@ def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, conversation: list[di
     variables = dict(variables or {})
     for name in variables:
         if not name.isidentifier() or name in RESERVED:
-            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable "
-                              f"({', '.join(RESERVED)} are the server's; names are identifiers)", "chat_template_kwargs")
+            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable ({', '.join(RESERVED)} "
+                              "are the server's; names are identifiers)", "chat_template_kwargs")
     try:
         text = template.render(conversation, add_generation_prompt=True, **variables)
         ids = tokenizer.encode_at_most(text, max_seq)

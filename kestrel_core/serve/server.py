@@ -31,7 +31,8 @@ def is_loopback(host: str) -> bool:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
-        raise ConfigError(f"--host {host!r} does not resolve to an address; give an IP address or a known name") from None
+        raise ConfigError(f"--host {host!r} does not resolve to an address; give an IP address or a known "
+                          "name") from None
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 

@@ -200,7 +200,7 @@ class Service:
 
     # --- the end -----------------------------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float) -> None:
-        """Admit no more; what runs may go on for ``grace_s`` seconds, then it is cut (its stream still ends cleanly)."""
+        """Admit no more; what runs may go on for ``grace_s`` seconds, then is cut (its stream still ends cleanly)."""
         with self._lock:
             if self.state in (LOADING, READY):
                 self.state = STOPPING
