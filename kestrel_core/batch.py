@@ -46,6 +46,7 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     keep_logits: bool = False
     on_token: Callable[[int], None] | None = None
+    on_finish: Callable[["Sequence"], None] | None = None  # once done (result or error set), on the batch's thread
 
 
 @attrs.define(eq=False)
@@ -87,6 +88,15 @@ class Sequence:
     def cancel(self) -> None:
         """Stop it at the next step; its slot is freed then."""
         self.cancelled.set()
+
+    def end(self, reason: str, error: Exception | None = None) -> None:
+        """Mark it done with ``reason`` (its result, if any, already set), wake its waiters and tell ``on_finish``."""
+        if error is not None:
+            self.error = error
+        self.done, self.finish_reason = True, reason
+        self.finished.set()
+        if self.request.on_finish is not None:
+            self.request.on_finish(self)
 
     @property
     def decoding(self) -> bool:
@@ -299,7 +309,7 @@ class Batch:
             self.free.sort()
         if reason != "error":
             seq.result = self._result(seq)
-        seq.finished.set()
+        seq.end(reason)
 
     def _result(self, seq: Sequence) -> GenerationResult:
         backend = self.runner.backend

@@ -16,7 +16,7 @@ import warnings
 from . import plugins, progress, signals
 from .errors import Interrupted, KestrelError, KestrelNote, PluginError
 
-SUBCOMMANDS = ("make_model", "generate", "chat", "sweep", "replay", "plugins", "demo", "quantize")
+SUBCOMMANDS = ("make_model", "generate", "chat", "serve", "sweep", "replay", "plugins", "demo", "quantize")
 
 
 def _add(sub, name: str, command) -> None:

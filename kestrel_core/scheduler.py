@@ -20,20 +20,25 @@ from .errors import BudgetError, ConfigError, KestrelError
 
 
 class QueueFull(KestrelError):
-    """More requests wait than the scheduler queues: try again later (a server answers 429)."""
+    """Every slot is taken and ``max_queue`` requests wait already: try again later (a server answers 429)."""
 
 
 class Scheduler:
     def __init__(self, run, max_batch: int = 8, max_seq: int | None = None, prefill_chunk: int | None = 512,
                  max_queue: int = 64):
+        """``max_queue``: requests that may wait for a slot while all ``max_batch`` are taken (0: none wait)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ConfigError(f"max_queue must be a whole number >= 0, got {max_queue!r}")
         positions = run.model.config.max_position_embeddings
         self.max_seq = min(positions, max_seq or positions)
         if self.max_seq < 2:
             raise ConfigError(f"max_seq must be at least 2 positions, got {max_seq!r}")
         self.run, self.max_batch, self.prefill_chunk, self.max_queue = run, max_batch, prefill_chunk, max_queue
         self._incoming: deque[Sequence] = deque()
+        self._unfinished: list[Sequence] = []  # submitted and not done: what the queue bound counts
+        self._ready = threading.Event()  # the batch (and its KV cache) is made, or the thread ended trying
         self._lock = threading.Condition()
         self._stopping = self._stopped = False
         self._batch: Batch | None = None
@@ -43,11 +48,16 @@ class Scheduler:
 
     # --- any thread -----------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the batch's thread once its KV cache is allocated; a cache that cannot be had raises here."""
         self._thread = threading.Thread(target=self._loop, name="kestrel-batch", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
 
     def submit(self, request: Request) -> Sequence:
-        """Queue a request (checked by ``run.request``); ``QueueFull`` where ``max_queue`` wait already."""
+        """Queue a request (checked by ``run.request``); ``QueueFull`` where every slot is taken and ``max_queue``
+        wait already."""
         total = len(request.prompt_ids) + request.gen.max_new_tokens
         if total > self.max_seq:
             raise BudgetError(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "
@@ -56,11 +66,15 @@ class Scheduler:
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is shutting down and takes no new request")
-            if len(self._incoming) >= self.max_queue:
-                raise QueueFull(f"{len(self._incoming)} requests wait already (the queue holds {self.max_queue}); "
-                                "try again shortly")
+            # Counted from what was submitted and is not done, not from the deques, which the batch's thread moves
+            # sequences between: the bound holds whenever the batch takes them.
+            self._unfinished = [s for s in self._unfinished if not s.done]
+            if len(self._unfinished) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"all {self.max_batch} slots are taken and {len(self._unfinished) - self.max_batch} "
+                                f"requests wait (the queue holds {self.max_queue}); try again shortly")
             seq = Sequence(request)
             self._incoming.append(seq)
+            self._unfinished.append(seq)
             self._lock.notify()
         return seq
 
@@ -91,6 +105,7 @@ class Scheduler:
         try:
             with Batch(self.run.runner, self.max_batch, self.max_seq, self.prefill_chunk) as batch:
                 self._batch = batch
+                self._ready.set()
                 while True:
                     with self._lock:
                         while not self._incoming and not batch.busy and not self._stopping:
@@ -109,12 +124,12 @@ class Scheduler:
             self._fail_all(exc)
         finally:
             self._stopped = True
+            self._ready.set()
 
     @staticmethod
     def _take(batch: Batch, seq: Sequence) -> None:
         if seq.cancelled.is_set():
-            seq.done, seq.finish_reason = True, "cancelled"
-            seq.finished.set()
+            seq.end("cancelled")
             return
         batch.add(seq.request, seq)
 
@@ -124,9 +139,7 @@ class Scheduler:
             seqs += list(self._batch.active.values()) + list(self._batch.waiting)
         for seq in seqs:
             if not seq.done:
-                seq.error = exc if isinstance(exc, Exception) else KestrelError(str(exc))
-                seq.done, seq.finish_reason = True, "error"
-                seq.finished.set()
+                seq.end("error", exc if isinstance(exc, Exception) else KestrelError(str(exc)))
 
 
 def wait_all(seqs: list[Sequence], poll: float = 0.05) -> None:

@@ -13,6 +13,8 @@ block changes that:
 - ``<!-- docs-test: download -->``: needs a downloaded checkpoint (the network), not run;
 - ``<!-- docs-test: install -->``: installs packages; ``.ci/run`` runs the README's test command
   verbatim (``tests/test_packaging.py`` checks it) and ``tests/test_cli.py`` runs ``kestrel demo``;
+- ``<!-- docs-test: server -->``: starts ``kestrel serve`` (which runs until stopped) or talks to one, not
+  run; ``tests/test_serve.py`` drives a server process with the same requests;
 - ``<!-- docs-test: file NAME -->``: written to NAME in the page's directory (then imported, or read
   by a later block) instead of being run.
 """
@@ -43,9 +45,10 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # The pages whose blocks are run. A docs page of another part joins by following the conventions above.
 RUN = ["README.md", "docs/cli.md", "docs/plugins.md", "docs/gates.md", "docs/moe.md", "docs/q8.md",
-       "docs/backends.md", "docs/performance.md", "docs/decode-graphs.md", "docs/chat.md", "docs/models.md"]
+       "docs/backends.md", "docs/performance.md", "docs/decode-graphs.md", "docs/chat.md", "docs/models.md",
+       "docs/serve.md"]
 LANGUAGES = {"sh", "python", "toml", "text"}
-SKIPS = {"gpu", "download", "install"}
+SKIPS = {"gpu", "download", "install", "server"}
 MARKER = re.compile(r"<!-- docs-test: (\S+)(?: (\S+))? -->")
 
 
@@ -215,7 +218,7 @@ def test_markers_only_stand_before_blocks():
 
 
 def test_the_readme_runs_its_cpu_blocks():
-    """The README's runnable blocks: only GPU, download and install blocks are left out, and those are few."""
+    """The README's runnable blocks: only GPU, download, install and server blocks are left out, and those are few."""
     bs = blocks(README)
     runnable = [b for b in bs if b["lang"] in {"sh", "python", "toml"} and b["marker"] not in SKIPS]
     assert {b["lang"] for b in runnable} >= {"sh", "python", "toml"}

@@ -1,0 +1,171 @@
+"""kestrel serve: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one model and one continuous batch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from ..config import GenerationConfig
+from ..errors import ConfigError
+from .common import add_run_flags, config_from_args, model_dir
+
+HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
+        "loopback only unless an API key is set")
+
+KEY_ENV = "KESTREL_API_KEY"
+
+
+# What generate's flags mean here: the prompt comes from each request, and the generation flags are the defaults of
+# a request that leaves a parameter out.
+_RUN_FLAGS_HERE = {"--prompt": "refused: each request brings its prompt", "--prompt-ids": "refused: each request "
+                   "brings its prompt", "--json": "refused: the server logs lines on stderr and answers JSON over HTTP",
+                   "--max-new-tokens": "max_tokens where a request gives none (default: 16 for a completion; a chat "
+                                       "reply runs to the end of its turn)",
+                   "--temperature": "temperature where a request gives none (default 0: greedy)",
+                   "--seed": "seed where a request gives none (default: a new one each request)",
+                   "--top-k": "top_k where a request gives none (default 0: no cut)",
+                   "--top-p": "top_p where a request gives none (default 1)",
+                   "--ignore-eos": "generate max_tokens whatever end-of-sequence tokens come (a request may ask "
+                                   "for it with ignore_eos)"}
+
+
+def add_arguments(p):
+    add_run_flags(p)
+    for action in p._actions:  # argparse has no public way to reword a flag another function added
+        for flag in action.option_strings:
+            if flag in _RUN_FLAGS_HERE:
+                action.help = _RUN_FLAGS_HERE[flag]
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other than "
+                   "loopback needs an API key or --allow-insecure)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (also {KEY_ENV}, which keeps it out of "
+                   "the process list)")
+    p.add_argument("--allow-insecure", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    p.add_argument("--max-seq", type=int, help="the context: positions a sequence may use, prompt and generation "
+                   "(default: the model's, at most 4096); each of the max-batch KV slots holds this many")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens a step takes beside the decoding sequences (default 512)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while every slot is taken (default 64); past it, 429")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for "
+                   "(default 4096); a chat request without one generates up to this, within the context")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="the largest request body in MiB (default 4); "
+                   "past it, 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGINT or SIGTERM, seconds the running "
+                   "generations may go on before they are cut (default 10; a second signal cuts them at once)")
+
+
+def run(args) -> int:
+    settings = _checked(args)
+    cfg = config_from_args(args)
+    name = args.served_model_name or model_dir(cfg)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+
+    # The heavy imports after the flags are checked: a wrong flag stays a quick one-line error.
+    import uvicorn
+
+    from ..serve.app import create_app
+    from ..serve.server import Server, bind, check_bind, url_of
+    from ..serve.service import FAILED, READY, Limits, Service
+
+    check_bind(args.host, api_key, args.allow_insecure)
+    if args.api_key is not None and not args.api_key:
+        raise ConfigError("--api-key is empty; give a key, or leave the flag out")
+    # A chat reply without max_tokens runs to the end of its turn, unless --max-new-tokens or kestrel.toml set a length.
+    chat_tokens = cfg.generation.max_new_tokens if cfg.generation.max_new_tokens != GenerationConfig().max_new_tokens \
+        else None
+    # A seed the operator chose makes requests without one repeatable; else each draws its own, as OpenAI's do.
+    seed = cfg.generation.seed if args.seed is not None or cfg.generation.seed != GenerationConfig().seed else None
+    log = _logger()
+    service = Service(cfg, name, Limits(**settings), chat_tokens, seed)
+    app = create_app(service, api_key, int(args.max_body_mb * 2**20))
+    sock = bind(args.host, args.port)
+    url = url_of(sock)
+    log.info("listening on %s (the OpenAI API at %s/v1); loading %s", url, url, model_dir(cfg))
+    log.info("API key: %s", "required (Authorization: Bearer KEY)" if api_key else "none (anyone who reaches the "
+             "address may use it)" if args.allow_insecure else "none (loopback only)")
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 30)  # a backstop past the grace
+
+    def stop(signum: int) -> None:
+        log.info("%s: taking no new requests; %d running may go on for %g s, then are cut", signal.Signals(signum).name,
+                 len(service.live), args.shutdown_timeout)
+        service.begin_shutdown(args.shutdown_timeout)
+
+    def force() -> None:
+        log.info("cutting %d running generations now", len(service.live))
+        service.cut_all()
+
+    server = Server(config, stop, force)
+    t0 = time.monotonic()
+
+    def load() -> None:
+        service.load()
+        if service.state == FAILED:
+            server.should_exit = True  # the error is told once the server has stopped
+            return
+        if service.state != READY:  # a signal came while it loaded
+            return
+        for line in service.describe():
+            log.info("%s", line)
+        log.info("ready in %.1f s: %s/v1", time.monotonic() - t0, url)
+
+    loader = threading.Thread(target=load, name="kestrel-load", daemon=True)
+    loader.start()
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        sock.close()
+    if service.load_error is not None:
+        raise service.load_error
+    if not loader.is_alive():  # else a signal came mid-load: the process ends with the loading thread
+        service.close()
+    log.info("stopped")
+    return 0
+
+
+def _checked(args) -> dict:
+    """The batch's settings from the flags, each in range."""
+    if args.prompt is not None or args.prompt_ids is not None:
+        raise ConfigError("kestrel serve takes its prompts from requests; drop --prompt/--prompt-ids")
+    if args.json:
+        raise ConfigError("kestrel serve logs lines on stderr and answers in JSON over HTTP; drop --json")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if not 1 <= args.max_batch <= 256:
+        raise ConfigError(f"--max-batch must be in 1..256, got {args.max_batch}")
+    if args.max_seq is not None and args.max_seq < 2:
+        raise ConfigError(f"--max-seq must be at least 2 positions, got {args.max_seq}")
+    if args.prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.max_tokens_limit < 1:
+        raise ConfigError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
+    if not args.max_body_mb > 0:
+        raise ConfigError(f"--max-body-mb must be above 0, got {args.max_body_mb}")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+    return {"max_batch": args.max_batch, "max_seq": args.max_seq, "prefill_chunk": args.prefill_chunk,
+            "max_queue": args.max_queue, "max_tokens": args.max_tokens_limit}
+
+
+def _logger() -> logging.Logger:
+    """``kestrel serve: ...`` lines on stderr: the start, each request, the stop."""
+    log = logging.getLogger("kestrel.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kestrel serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log

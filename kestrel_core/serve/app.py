@@ -1,0 +1,236 @@
+"""The HTTP routes of kestrel serve (FastAPI): /health, /v1/models, /v1/completions and /v1/chat/completions, each
+answer and stream in OpenAI's shapes, every error as OpenAI's error object.
+
+A request is checked in this order: its key (401), its size (413), its body (400), its model (404), the server's
+state (503 while loading or stopping), its prompt and limits (400), room in the batch (429). A client that goes away
+cancels its sequence, whose KV slot is freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import statistics
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from . import protocol
+from .generation import Generation, GenerationFailed
+from .protocol import APIError, ChatRequest, CompletionRequest
+from .service import READY, Service
+
+log = logging.getLogger("kestrel.serve")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold the chunks back
+
+
+def create_app(service: Service, api_key: str | None = None, max_body: int = 4 * 2**20) -> FastAPI:
+    app = FastAPI(title="kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        log.info("%s %s %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # an unknown route, a wrong method
+        message = {404: f"no route {request.url.path}; the routes are /health, /v1/models, /v1/completions and "
+                        "/v1/chat/completions", 405: f"{request.method} is not allowed on {request.url.path}"}
+        body = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body()
+        return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):  # the server logs the traceback once this returns
+        log.error("%s %s 500: %s", request.method, request.url.path, type(exc).__name__)
+        return JSONResponse(_internal().body(), 500)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(request: Request) -> bytes:
+        too_big = APIError(413, f"the request body is over this server's limit of {max_body:,} bytes",
+                           code="body_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            raise too_big  # refused before reading a byte of it
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():  # a body without a length is counted as it comes
+                size += len(chunk)
+                if size > max_body:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: no one hears the answer, and it is no server error
+            raise APIError(400, "the client disconnected before its request body arrived") from None
+        return b"".join(chunks)
+
+    @app.get("/health")
+    async def health():
+        state = service.state
+        return JSONResponse({"status": "ok" if state == READY else state, **service.stats()},
+                            200 if state == READY else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        authorize(request)
+        return protocol.models(service.name, service.created)
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: Request):
+        authorize(request)
+        service.check_model(name)
+        return protocol.model_card(service.name, service.created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ChatRequest)
+
+    async def generate(request: Request, kind):
+        authorize(request)
+        req = protocol.parse(await read_body(request), kind)
+        service.check_model(req.model)
+        service.check_ready()
+        plan = await asyncio.to_thread(service.plan, req)
+        gen = service.start(plan)
+        answer = Answer(service, req, gen, request.url.path)
+        if req.stream:
+            return EventStream(answer)
+        return JSONResponse(await answer.whole(request))
+
+    return app
+
+
+def _internal() -> APIError:
+    return APIError(500, "the server failed on this request (the error is in the server's log)", "server_error",
+                    code="internal_error")
+
+
+class Answer:
+    """One request's answer: whole, or as server-sent events; either logs one line when it ends."""
+
+    def __init__(self, service: Service, req, gen: Generation, path: str):
+        self.service, self.req, self.gen, self.path = service, req, gen, path
+        self.chat = isinstance(req, ChatRequest)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.t0 = time.monotonic()
+        self.ended = False
+
+    def usage(self) -> dict:
+        return protocol.usage(self.gen.prompt_tokens, len(self.gen.tokens))
+
+    async def whole(self, request: Request) -> dict:
+        """Every piece, then the answer; a client gone before it is ready cancels the sequence."""
+        watch = asyncio.create_task(_on_disconnect(request, lambda: self.gen.cut("the client disconnected")))
+        text = []
+        try:
+            async for piece in self.gen.pieces():
+                text.append(piece.text)
+        except GenerationFailed as exc:
+            raise APIError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
+        finally:
+            watch.cancel()
+            self.end()
+        gen, ids = self.gen, self.req.return_token_ids
+        args = (self.id, self.created, self.service.name, "".join(text), gen.finish_reason, self.usage(),
+                list(gen.tokens) if ids else None, list(gen.seq.request.prompt_ids) if ids else None)
+        return protocol.chat(*args) if self.chat else protocol.completion(*args)
+
+    async def stream(self):
+        """``data: {chunk}`` events, the last with the finish reason (and a usage chunk where asked), then
+        ``data: [DONE]``. A client that goes away cancels the generator here, and with it the sequence."""
+        usage_field, ids = self.req.include_usage, self.req.return_token_ids
+        if self.chat:
+            chunk = lambda delta, reason=None, tok=None: protocol.chat_chunk(  # noqa: E731
+                self.id, self.created, self.service.name, delta, reason, tok, usage_field)
+        else:
+            chunk = lambda text, reason=None, tok=None: protocol.completion_chunk(  # noqa: E731
+                self.id, self.created, self.service.name, text, reason, tok, usage_field)
+        try:
+            if self.chat:
+                yield _event(chunk({"role": "assistant", "content": ""}))
+            async for piece in self.gen.pieces():
+                text = {"content": piece.text} if self.chat else piece.text
+                yield _event(chunk(text, None, piece.token_ids if ids else None))
+            yield _event(chunk({} if self.chat else "", self.gen.finish_reason))
+            if usage_field:
+                obj = "chat.completion.chunk" if self.chat else "text_completion"
+                yield _event(protocol.usage_chunk(self.id, self.created, self.service.name, obj, self.usage()))
+            yield "data: [DONE]\n\n"
+        except GenerationFailed as exc:
+            log.error("%s: generation failed: %s", self.path, exc)
+            yield _event(APIError(500, f"generation failed: {exc}", "server_error", code="generation_failed").body())
+        except Exception:  # after the 200 went out, an error can only be an event: the traceback stays in the log
+            log.exception("%s: the stream failed", self.path)
+            yield _event(_internal().body())
+        finally:
+            self.end()
+
+    def end(self) -> None:
+        """Cancel the sequence where it still runs (its client went away), forget it, and log its line: tokens,
+        ms/token, bytes streamed per token. Once."""
+        if self.ended:
+            return
+        self.ended = True
+        self.gen.cut("the client disconnected")  # a no-op when it is done
+        self.service.done(self.gen)
+        gen, res = self.gen, self.gen.result
+        how = f"cut: {gen.why_cut}" if gen.why_cut else gen.finish_reason or "ended"
+        line = f"{self.path}: {gen.prompt_tokens} prompt + {len(gen.tokens)} completion tokens ({how})"
+        if res is not None and res.decode_ms:
+            streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
+            line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"
+        log.info("%s, %.2f s", line, time.monotonic() - self.t0)
+
+
+class EventStream(StreamingResponse):
+    """An answer's events, whose sequence is cancelled however the response ends: a client gone before the first
+    chunk leaves the stream's generator unstarted, so its own ``finally`` would never run."""
+
+    def __init__(self, answer: Answer):
+        super().__init__(answer.stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.end()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+        n /= 1024
+    return f"{n:,.2f} GiB"
+
+
+async def _on_disconnect(request: Request, then) -> None:
+    """Wait for the client to go away (the body is read: what comes next is the disconnect), then call ``then``."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            then()
+            return

@@ -1,0 +1,94 @@
+"""One request's sequence as the event loop sees it: the scheduler's thread posts each token (and the end) to the
+loop, and ``pieces()`` turns them into text, cut at a stop string, until the sequence ends.
+
+    gen = Generation(loop, tokenizer, stop_strings, end_ids)
+    gen.seq = scheduler.submit(attrs.evolve(request, on_token=gen.on_token, on_finish=gen.on_finish))
+    async for piece in gen.pieces(): ...      # then gen.finish_reason, gen.tokens, gen.result
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import attrs
+
+from ..batch import Sequence
+from ..results import GenerationResult
+from ..tokenizer import Tokenizer
+from .stops import TextOutput
+
+_FINISHED = object()
+
+
+class GenerationFailed(Exception):
+    """The sequence ended with an error (non-finite logits, or the batch's thread failed)."""
+
+
+@attrs.frozen
+class Piece:
+    text: str
+    token_ids: list[int]
+
+
+class Generation:
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer, stop: list[str],
+                 end_ids: frozenset[int], prompt_tokens: int):
+        self.loop, self.end_ids, self.prompt_tokens = loop, end_ids, prompt_tokens
+        self.output = TextOutput(tokenizer, stop)
+        self.seq: Sequence | None = None  # set by whoever submits it, before the loop runs again
+        self.tokens: list[int] = []  # what the request generated: up to the stop string or end id, inclusive
+        self.finish_reason: str | None = None  # "stop" or "length", once pieces() ended
+        self.why_cut: str | None = None  # why it was cancelled from outside (a disconnect, the shutdown)
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    # --- the scheduler's thread -------------------------------------------------------------------------
+    def on_token(self, token: int) -> None:
+        self._post(token)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self._post(_FINISHED)
+
+    def _post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is gone and no one listens; the batch must go on
+            pass
+
+    # --- the event loop --------------------------------------------------------------------------------
+    def cut(self, why: str) -> None:
+        """Cancel it (its client went away, or the server is stopping): it leaves the batch at the next step."""
+        if self.seq is not None and not self.seq.done:
+            self.why_cut = self.why_cut or why
+            self.seq.cancel()
+
+    async def pieces(self):
+        """The text as it becomes safe to send, each piece with the ids read since the last; then the rest."""
+        pending: list[int] = []
+        while True:
+            item = await self._queue.get()
+            if item is _FINISHED:
+                break
+            if self.output.stopped:
+                continue  # read back after the stop string, before the sequence left: not the request's
+            self.tokens.append(item)
+            pending.append(item)
+            if item in self.end_ids:
+                continue  # an end-of-sequence id ends the text without being part of it
+            text = self.output.push(item)
+            if self.output.stopped:
+                self.seq.cancel()  # then wait for it to leave, so that its result is there
+            if text or self.output.stopped:
+                yield Piece(text, pending)
+                pending = []
+        seq = self.seq
+        if seq.finish_reason == "error":
+            raise GenerationFailed(str(seq.error) or type(seq.error).__name__) from seq.error
+        rest = self.output.finish()
+        if rest or pending:
+            yield Piece(rest, pending)
+        # A cancel from outside cut the text short, as a length limit would; OpenAI has no other reason for it.
+        self.finish_reason = "stop" if self.output.stopped or seq.finish_reason == "stop" else "length"
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.seq.result if self.seq is not None else None

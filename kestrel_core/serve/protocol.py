@@ -1,0 +1,317 @@
+"""OpenAI's shapes for kestrel serve: the request bodies it takes (checked, every error naming the parameter as OpenAI
+does), the JSON it answers, and the error object.
+
+Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement (``n`` other than 1,
+``logprobs``, ``echo``, penalties, ``logit_bias``, tools) are refused with a 400 that says so, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each
+MAX_STOP_IDS = 256
+SEED_RANGE = 2**64  # the sampler's generator takes 0..2**64-1
+
+
+class APIError(Exception):
+    """An answer other than 200, in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# --- requests -------------------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: 1.0 is no max_tokens and "true" no bool; forbid: a misspelt parameter is an error, as with OpenAI
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """What completions and chat share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's abuse-monitoring tag: taken, not used
+
+    def check(self) -> None:
+        """Values in range, and refusals for what kestrel does not do."""
+        if self.n not in (None, 1):
+            raise bad_request(f"n={self.n}: kestrel serve generates one choice a request; send n=1 (or leave it out) "
+                              "and send the request again for another choice", "n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise bad_request(f"temperature must be in 0..2, got {self.temperature}", "temperature")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k is not None and self.top_k < -1:
+            raise bad_request(f"top_k must be -1 or 0 (no cut) or a positive count, got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
+            raise bad_request(f"seed must be in 0..2**64-1, got {self.seed}", "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by kestrel serve; leave it out or send 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by kestrel serve; leave it out", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"stop holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+        for s in stops:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise bad_request(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {len(s)}", "stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_IDS:
+            raise bad_request(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_IDS}",
+                              "stop_token_ids")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def generation(self) -> dict[str, Any]:
+        """The kestrel [generation] keys the request sets (the rest are the server's defaults; what ends it, the
+        service's)."""
+        out: dict[str, Any] = {}
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None:
+            out["top_k"] = max(self.top_k, 0)  # vLLM's -1 is kestrel's 0: no cut
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None:
+            raise bad_request("logprobs is not supported by kestrel serve (keeping each token's logits costs a "
+                              "vocabulary's worth of device memory a token); leave it out", "logprobs")
+        if self.echo:
+            raise bad_request("echo is not supported by kestrel serve; leave it out", "echo")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of={self.best_of}: kestrel serve generates one sequence a request", "best_of")
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported by kestrel serve; leave it out", "suffix")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise bad_request(f"prompt holds {len(self.prompt)} prompts; kestrel serve takes one a request "
+                                  "(a string, or a list of token ids)", "prompt")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise bad_request("max_tokens and max_completion_tokens differ; send one", "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+        super().check()
+        if not self.messages:
+            raise bad_request("messages is empty; send at least one message", "messages")
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs is not supported by kestrel serve (keeping each token's logits costs a "
+                              "vocabulary's worth of device memory a token); leave it out", "logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise bad_request("tools are not supported by kestrel serve; leave tools and tool_choice out", "tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise bad_request("response_format other than text is not supported by kestrel serve", "response_format")
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as a chat template takes them (OpenAI's developer role is the templates' system)."""
+        out = []
+        for m in self.messages:
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+# Parameters whose error would otherwise list every branch of their union.
+_SHAPES = {"prompt": "a string, a list of token ids, or a list of one of those",
+           "stop": "a string or a list of strings", "messages": "a list of {\"role\", \"content\"} objects",
+           "content": "a string or a list of {\"type\": \"text\", \"text\"} parts"}
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
+    """The request ``body`` as ``kind``, checked; else a 400 naming the parameter."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)  # NaN and Infinity are Python's, not JSON's
+    except RecursionError:
+        raise bad_request("the body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as exc:
+        raise _one_line(exc) from None
+    except RecursionError:
+        raise bad_request("the body is nested too deeply") from None
+    req.check()
+    return req
+
+
+def _one_line(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    loc = [str(x) for x in err["loc"]]
+    # a union's error names the branch it tried (prompt.str, prompt.list[int]): the path to the parameter stops there
+    path = [x for x in loc if x.isdigit() or (x.isidentifier() and x not in _TYPE_NAMES)]
+    param = ".".join(path) or None
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    if err["type"] == "missing":
+        return bad_request(f"missing required parameter: {param}", param, "missing_parameter")
+    last = next((x for x in reversed(path) if not x.isdigit()), None)
+    if last in _SHAPES:
+        return bad_request(f"{param} must be {_SHAPES[last]}", param)
+    got = json.dumps(err.get("input"), default=str)
+    return bad_request(f"{param}: {err['msg'].lower()}, got {got[:80]}", param)
+
+
+# --- answers -------------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
+               token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": use}
+
+
+def completion_chunk(id: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
+    """One chunk of a completions stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if usage_field:
+        out["usage"] = None
+    return out
+
+
+def chat(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
+         token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": use}
+
+
+def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
+    """One chunk of a chat stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    if usage_field:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(id: str, created: int, model: str, obj: str, use: dict) -> dict:
+    """The last chunk of a stream that asked for usage: no choices, the usage of the whole request."""
+    return {"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def models(name: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(name, created)]}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "kestrel"}

@@ -1,0 +1,231 @@
+"""The model behind the server: loaded once, in the background while the server already answers (503 until then),
+with one continuous batch (``Scheduler``) that every request joins; requests in, ``Generation``\\ s out; and the
+shutdown that stops admitting, lets what runs go on for a grace period, then cuts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from ..chat_template import ChatTemplate, load_chat_template
+from ..commands.chat import end_ids
+from ..commands.common import model_dir
+from ..config import KestrelConfig
+from ..engine import Model, Run, load
+from ..errors import ConfigError, KestrelError
+from ..kvcache import kv_bytes
+from ..scheduler import QueueFull, Scheduler
+from . import prompts
+from .generation import Generation
+from .protocol import APIError, ChatRequest, CompletionRequest
+
+LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
+
+
+@attrs.frozen
+class Limits:
+    max_batch: int = 8
+    max_seq: int | None = None  # None: min(the model's positions, DEFAULT_CONTEXT)
+    prefill_chunk: int = 512
+    max_queue: int = 64
+    max_tokens: int = 4096  # a request's max_tokens, at most
+
+
+DEFAULT_CONTEXT = 4096
+
+
+class Service:
+    def __init__(self, cfg: KestrelConfig, name: str, limits: Limits, chat_max_tokens: int | None = None,
+                 seed: int | None = None):
+        """``name``: the model's name in the API; ``chat_max_tokens``: a chat reply's length where the request gives
+        none (None: what the context leaves, up to the limit); ``seed``: a request's where it gives none (None: a new
+        one each request)."""
+        self.cfg, self.name, self.limits, self.chat_max_tokens = cfg, name, limits, chat_max_tokens
+        self.seed = seed
+        self.state = LOADING
+        self.created = int(time.time())
+        self.load_error: BaseException | None = None
+        self.model: Model | None = None
+        self.run: Run | None = None
+        self.scheduler: Scheduler | None = None
+        self.template: ChatTemplate | None = None
+        self.no_template: str | None = None  # why chat is refused, where the model has no usable template
+        self.chat_ends: frozenset[int] = frozenset()
+        self.max_seq = 0
+        self.live: set[Generation] = set()
+        self._lock = threading.Lock()
+
+    # --- loading (a thread of its own) --------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model, open the run, start the batch and warm it up; any error lands in ``load_error``."""
+        try:
+            self._load()
+        except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
+            self.load_error = exc
+            with self._lock:
+                self.state = FAILED
+            with contextlib.suppress(Exception):  # what did open (the model, the run) is closed; the error stays
+                self.close()
+            return
+        with self._lock:
+            if self.state == LOADING:
+                self.state = READY
+
+    def _load(self) -> None:
+        model = self.model = load(model_dir(self.cfg))
+        if model.tokenizer is None:
+            raise ConfigError(f"{model.dir} has no tokenizer.json, and kestrel serve answers in text; "
+                              "use `kestrel generate --prompt-ids` for a model without one")
+        try:
+            self.template = load_chat_template(model.dir)
+            self.chat_ends = end_ids(model, self.template)
+        except ConfigError as exc:  # completions still work; chat says why it cannot
+            self.no_template = str(exc)
+        positions = model.config.max_position_embeddings
+        self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
+        self.run = model.open(self.cfg)
+        self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
+                                   self.limits.max_queue)
+        self.scheduler.start()
+        # One short generation: the window preloads and the memory figures printed at start are measured ones.
+        warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=2, stop_at_eos=False,
+                                                      temperature=0.0))
+        warm.finished.wait()
+        if warm.error is not None:
+            raise warm.error
+
+    def describe(self) -> list[str]:
+        """What the start prints once loaded: the model, its residency settings and the memory measured."""
+        cfg, run, model = self.cfg, self.run, self.model
+        res = cfg.residency
+        lines = [f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
+                 f"residency: backend={cfg.backend.name} policy={run.policy.name} keep={res.keep} "
+                 f"allocator={res.allocator} prefetch={cfg.backend.prefetch}"
+                 + (f" expert_policy={run.expert_policy.name}" if run.expert_policy else ""),
+                 f"batch: {self.limits.max_batch} sequences of up to {self.max_seq:,} positions, "
+                 f"{self.limits.max_queue} more may wait; max_tokens at most "
+                 f"{min(self.limits.max_tokens, self.max_seq - 1):,}"]
+        c = run.counters.snapshot()
+        kv = kv_bytes(model.config, self.max_seq, run.backend.dtype, self.limits.max_batch)
+        memory = [f"weights resident at peak {_mib(c['peak_resident_bytes'])}", f"KV cache {_mib(kv)}"]
+        memory += [f"{k.removesuffix('_bytes').replace('_', ' ')} {_mib(v)}"
+                   for k, v in run.backend.memory_stats().items() if v]
+        rss = _rss_bytes()
+        if rss:
+            memory.append(f"process RSS {_mib(rss)}")
+        lines.append("memory (measured after a warm-up token): " + ", ".join(memory))
+        if self.no_template:
+            lines.append(f"chat: off ({self.no_template})")
+        return lines
+
+    # --- requests (the event loop) ----------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def check_ready(self) -> None:
+        if self.state == LOADING:
+            raise APIError(503, "the model is loading; try again shortly (GET /health answers 200 once it is ready)",
+                           "server_error", code="model_loading", headers={"Retry-After": "5"})
+        if self.state != READY:
+            raise APIError(503, "the server is shutting down and takes no new request", "server_error",
+                           code="shutting_down")
+
+    def plan(self, req: CompletionRequest | ChatRequest) -> dict[str, Any]:
+        """The request as kestrel's: prompt ids and generation settings, every limit checked (a worker thread's job:
+        tokenizing and rendering take time)."""
+        model, vocab = self.model, self.model.config.vocab_size
+        chat = isinstance(req, ChatRequest)
+        if chat:
+            if self.template is None:  # the reason in full is in the server's start lines
+                raise APIError(400, "this model cannot chat: it has no usable chat template (chat_template.jinja, or "
+                               "chat_template in tokenizer_config.json); send a prompt to /v1/completions instead",
+                               param="messages", code="no_chat_template")
+            ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs,
+                                   self.max_seq)
+        else:
+            ids = prompts.completion_ids(model.tokenizer, vocab, req.prompt, self.max_seq)
+        default = self.chat_max_tokens if chat else self.cfg.generation.max_new_tokens
+        n = prompts.token_budget(req.max_tokens, default, len(ids), self.max_seq, self.limits.max_tokens,
+                                 "messages" if chat else "prompt")
+        # What ends it: the request's stop ids always; the model's end ids (and the template's end of turn) unless
+        # the request or the server ignores them.
+        ends = set(prompts.stop_ids(req.stop_token_ids, vocab))
+        if self.cfg.generation.stop_at_eos and not req.ignore_eos:
+            ends |= model.eos_ids | (self.chat_ends if chat else frozenset())
+        generation = req.generation()
+        if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
+            generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
+        try:
+            request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), **generation)
+        except ConfigError as exc:
+            raise APIError(400, str(exc)) from None
+        return {"request": attrs.evolve(request, eos_ids=frozenset(ends)), "stop": req.stop_strings}
+
+    def start(self, plan: dict[str, Any]) -> Generation:
+        """Join the batch, or a 429 where it and its queue are full."""
+        self.check_ready()
+        request = plan["request"]
+        ends = request.eos_ids if request.gen.stop_at_eos else frozenset()
+        gen = Generation(asyncio.get_running_loop(), self.model.tokenizer, plan["stop"], ends,
+                         len(request.prompt_ids))
+        if self.scheduler.error is not None:
+            raise APIError(503, "the batch stopped on an error (logged by the server); restart the server",
+                           "server_error", code="batch_failed")
+        try:
+            gen.seq = self.scheduler.submit(attrs.evolve(request, on_token=gen.on_token, on_finish=gen.on_finish))
+        except QueueFull as exc:
+            raise APIError(429, f"the server is busy: {exc}", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except KestrelError as exc:  # the context, checked again by the scheduler
+            raise APIError(400, str(exc), code="context_length_exceeded") from None
+        self.live.add(gen)
+        return gen
+
+    def done(self, gen: Generation) -> None:
+        self.live.discard(gen)
+
+    def stats(self) -> dict[str, int]:
+        s = self.scheduler
+        return {"running": s.running, "waiting": s.waiting} if s is not None else {}
+
+    # --- the end -----------------------------------------------------------------------------------------
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Admit no more; what runs may go on for ``grace_s`` seconds, then is cut (its stream still ends cleanly)."""
+        with self._lock:
+            if self.state in (LOADING, READY):
+                self.state = STOPPING
+        asyncio.get_running_loop().call_later(grace_s, self.cut_all)
+
+    def cut_all(self) -> None:
+        for gen in list(self.live):
+            gen.cut("the server is shutting down")
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop(cancel=True, timeout=30)
+        if self.run is not None:
+            self.run.close()
+        if self.model is not None:
+            self.model.close()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,541 @@
+"""kestrel serve: a real server process on loopback (the tiny preset, cpu_ref), driven by the official openai client.
+
+cpu_ref computes a batch's rows one at a time, so a sequence's greedy ids in the server's batch are its solo ids
+exactly; the ids come back through the ``return_token_ids`` extension.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kestrel_core import cli
+from kestrel_core.chat_template import load_chat_template
+from kestrel_core.commands.chat import end_ids
+from kestrel_core.engine import load
+
+KEY = "test-key-123"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+POSITIONS = 4096  # the tiny preset's 512, raised: room for a generation long enough to interrupt
+LONG = 3000  # tokens: seconds of work, far longer than any step of a test that cuts it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny preset with a chat template (its <|endoftext|> ends a turn) and 4096 positions."""
+    d = Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("serve") / "tiny"))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": POSITIONS}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    return d
+
+
+class Server:
+    """``kestrel serve`` in a subprocess on a free loopback port; its stderr lines are collected as they come."""
+
+    def __init__(self, model: Path, *flags: str, env: dict | None = None):
+        self.name = str(model)
+        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", self.name, "--port", "0",
+               "--backend", "cpu_ref", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = re.search(r"listening on (\S+)", self.wait_for("listening on")).group(1)
+        self.wait_for("ready in")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in self.lines if text in line), None)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no {text!r} from the server; stderr:\n" + "\n".join(self.lines))
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0, timeout=60)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """max_batch 8 (so 16 streams queue), a 512-token context, a 64 KiB body limit, the key from the environment."""
+    s = Server(model_dir, "--max-seq", "512", "--max-body-mb", "0.0625", "--max-tokens-limit", "256",
+               env={"KESTREL_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    """One slot and no queue: a second request while one runs is refused."""
+    s = Server(model_dir, "--max-batch", "1", "--max-queue", "0", "--max-tokens-limit", str(LONG))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def solo(model_dir):
+    """``solo(prompt_ids, n, **kw)``: the greedy ids of one sequence alone, by run.generate in this process."""
+    with load(model_dir) as model, model.open(backend="cpu_ref") as run:
+        yield lambda ids, n, **kw: run.generate(prompt_ids=list(ids), max_new_tokens=n, **kw).token_ids
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(7 * i + k * 13) % 250 + 1 for k in range(3 + i % 5)]
+
+
+def text_of(model_dir: Path, ids: list[int]) -> str:
+    with load(model_dir) as model:
+        return model.tokenizer.decode([t for t in ids if t not in model.eos_ids])
+
+
+def ids_of(chunks) -> list[int]:
+    """The ids a stream's chunks carried (``return_token_ids``; the last chunk has none)."""
+    return sum((getattr(c.choices[0], "token_ids", None) or [] for c in chunks if c.choices), [])
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+# --- completions and chat ---------------------------------------------------------------------------------
+
+def test_a_completion_is_its_solo_greedy_run(server, solo, model_dir):
+    prompt = prompt_of(1)
+    want = solo(prompt, 12)
+    got = server.client(KEY).completions.create(model=server.name, prompt=prompt, max_tokens=12,
+                                                extra_body={"return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.token_ids == want and choice.prompt_token_ids == prompt
+    assert choice.text == text_of(model_dir, want)
+    assert choice.finish_reason == ("stop" if len(want) < 12 else "length")
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == \
+        (len(prompt), len(want), len(prompt) + len(want))
+    assert got.object == "text_completion" and got.id.startswith("cmpl-") and got.model == server.name
+
+
+def test_a_streamed_completion_joins_to_the_whole_one(server, solo, model_dir):
+    prompt = prompt_of(2)
+    want = solo(prompt, 20)
+    chunks = list(server.client(KEY).completions.create(
+        model=server.name, prompt=prompt, max_tokens=20, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True}))
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == len(want)  # the usage chunk, as asked
+    assert [c.choices[0].finish_reason for c in pieces][-1] in ("stop", "length")
+    assert all(c.choices[0].finish_reason is None for c in pieces[:-1])
+    assert ids_of(pieces) == want
+    assert "".join(c.choices[0].text for c in pieces) == text_of(model_dir, want)
+    assert len(pieces) > 2  # streamed as it came, not in one piece
+
+
+def test_a_text_prompt_goes_through_the_tokenizer(server, solo, model_dir):
+    with load(model_dir) as model:
+        ids = model.tokenizer.encode("The capital of France is")
+    got = server.client(KEY).completions.create(model=server.name, prompt="The capital of France is", max_tokens=6,
+                                                extra_body={"return_token_ids": True})
+    assert got.choices[0].prompt_token_ids == ids and got.choices[0].token_ids == solo(ids, 6)
+
+
+def chat_prompt(model_dir: Path, messages: list[dict]) -> tuple[list[int], frozenset[int]]:
+    with load(model_dir) as model:
+        template = load_chat_template(model_dir)
+        return model.tokenizer.encode(template.render(messages)), end_ids(model, template)
+
+
+def test_chat_whole_and_streamed_is_the_rendered_conversations_solo_run(server, solo, model_dir):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    prompt, ends = chat_prompt(model_dir, messages)
+    want = solo(prompt, 16, stop_ids=ends)
+    client = server.client(KEY)
+    whole = client.chat.completions.create(model=server.name, messages=messages, max_tokens=16,
+                                           extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.token_ids == want and choice.prompt_token_ids == prompt
+    assert choice.message.role == "assistant" and choice.message.content == text_of(model_dir, want)
+    assert whole.usage.prompt_tokens == len(prompt) and whole.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=server.name, messages=messages, max_tokens=16, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_a_chat_reply_without_max_tokens_runs_to_the_context(server, model_dir):
+    got = server.client(KEY).chat.completions.create(model=server.name, messages=[{"role": "user", "content": "hi"}],
+                                                     extra_body={"ignore_eos": True})
+    # a 512-token context and a 256-token limit: the limit binds
+    assert got.usage.completion_tokens == 256 and got.choices[0].finish_reason == "length"
+
+
+def test_sixteen_concurrent_streams_each_equal_their_solo_run(server, solo):
+    prompts = [prompt_of(i) for i in range(16)]
+    want = [solo(p, 24) for p in prompts]
+    client = server.client(KEY)
+
+    def stream(i: int) -> list[int]:
+        chunks = client.completions.create(model=server.name, prompt=prompts[i], max_tokens=24, stream=True,
+                                           extra_body={"return_token_ids": True})
+        return ids_of(chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(stream, range(16)))
+    assert got == want
+    assert server.health()["running"] == 0
+
+
+def test_a_sampled_request_with_a_seed_is_its_solo_run_and_one_without_draws_anew(server, solo):
+    prompt = prompt_of(5)
+    settings = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+    want = solo(prompt, 20, top_k=50, stop_at_eos=False, **settings)
+    client = server.client(KEY)
+    ask = lambda **kw: client.completions.create(  # noqa: E731
+        model=server.name, prompt=prompt, max_tokens=20,
+        extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True}, **kw).choices[0].token_ids
+    assert ask(**settings) == want
+    assert ask(temperature=0.9) != ask(temperature=0.9)  # each without a seed gets its own
+
+
+# --- stop strings and ids ---------------------------------------------------------------------------------------
+
+def test_a_stop_string_ends_the_text_before_it(server, solo, model_dir):
+    prompt = prompt_of(3)
+    full = text_of(model_dir, solo(prompt, 40, stop_at_eos=False))
+    at = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2])  # two whole characters
+    stop = full[at:at + 2]
+    want = full[:full.index(stop)]
+    client = server.client(KEY)
+    whole = client.completions.create(model=server.name, prompt=prompt, max_tokens=40, stop=[stop, "never-there"],
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=server.name, prompt=prompt, max_tokens=40, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want  # held back, never sent and taken back
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_stop_token_id_ends_the_generation_and_is_not_in_the_text(server, solo, model_dir):
+    prompt = prompt_of(4)
+    ids = solo(prompt, 30, stop_at_eos=False)
+    stop_id = ids[5]
+    cut = ids[:ids.index(stop_id) + 1]
+    got = server.client(KEY).completions.create(model=server.name, prompt=prompt, max_tokens=30,
+                                                extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                                                            "return_token_ids": True})
+    choice = got.choices[0]
+    assert choice.token_ids == cut and choice.finish_reason == "stop"
+    assert choice.text == text_of(model_dir, cut[:-1]) and got.usage.completion_tokens == len(cut)
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=data, headers=headers, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("body, param, code", [
+    (b"{not json", None, None),
+    (b'{"model": "M", "prompt": [1, 2], "temperature": NaN}', None, None),
+    (b"[1, 2]", None, None),
+    ({"prompt": [1, 2]}, "model", "missing_parameter"),
+    ({"model": "M", "prompt": [1, 2], "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ({"model": "M", "prompt": [1, 2], "max_tokens": "many"}, "max_tokens", None),
+    ({"model": "M", "prompt": [1, 2], "max_tokens": 0}, "max_tokens", None),
+    ({"model": "M", "prompt": [1, 2], "max_tokens": 257}, "max_tokens", None),  # over --max-tokens-limit
+    ({"model": "M", "prompt": [1, 2], "temperature": 5}, "temperature", None),
+    ({"model": "M", "prompt": [1, 2], "top_p": 0}, "top_p", None),
+    ({"model": "M", "prompt": [1, 2], "seed": -1}, "seed", None),
+    ({"model": "M", "prompt": [1, 2], "n": 2}, "n", None),
+    ({"model": "M", "prompt": [1, 2], "logprobs": 1}, "logprobs", None),
+    ({"model": "M", "prompt": [1, 2], "echo": True}, "echo", None),
+    ({"model": "M", "prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options", None),
+    ({"model": "M", "prompt": ["a", "b"]}, "prompt", None),
+    ({"model": "M", "prompt": 7}, "prompt", None),
+    ({"model": "M", "prompt": [1, 99999]}, "prompt", None),
+    ({"model": "M", "prompt": ""}, "prompt", None),
+    ({"model": "M", "prompt": [1] * 600}, "prompt", "context_length_exceeded"),
+    ({"model": "M", "prompt": [1] * 500, "max_tokens": 100}, "prompt", "context_length_exceeded"),
+])
+def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, code):
+    if isinstance(body, dict) and "model" in body:
+        body = {**body, "model": server.name}
+    elif isinstance(body, bytes):
+        body = body.replace(b'"M"', json.dumps(server.name).encode())
+    error = assert_openai_error(post(server, "/v1/completions", body), 400, param, code)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+])
+def test_a_bad_chat_body_is_a_400(server, change, param):
+    body = {"model": server.name, "messages": [{"role": "user", "content": "hi"}], **change}
+    assert_openai_error(post(server, "/v1/chat/completions", body), 400, param)
+
+
+def test_the_openai_client_sees_400_404_and_401(server):
+    client = server.client(KEY)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=server.name, prompt=[1, 2], max_tokens=5, temperature=3.5)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt=[1, 2], max_tokens=5)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert client.models.retrieve(server.name).id == server.name
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong-key").completions.create(model=server.name, prompt=[1, 2], max_tokens=5)
+
+
+def test_the_api_key_guards_every_v1_route_but_not_health(server):
+    for path in ("/v1/models", f"/v1/models/{server.name}"):
+        assert_openai_error(httpx.get(f"{server.url}{path}", timeout=10), 401, code="invalid_api_key")
+        keyed = httpx.get(f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert keyed.status_code == 200
+    body = {"model": server.name, "prompt": [1, 2], "max_tokens": 2}
+    assert_openai_error(post(server, "/v1/completions", body, key=None), 401)
+    assert_openai_error(post(server, "/v1/completions", body, key=KEY + "x"), 401)
+    response = post(server, "/v1/completions", b"x" * 10**6, key=None)  # refused before the body is read
+    assert_openai_error(response, 401)
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    models = server.client(KEY).models.list()
+    assert [m.id for m in models.data] == [server.name]
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    huge = {"model": server.name, "prompt": "x" * 70_000}
+    assert_openai_error(post(server, "/v1/completions", huge), 413, code="body_too_large")
+
+    def chunked():  # no Content-Length: counted as it comes
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(70):
+            yield b"x" * 1024
+        yield b'"}'
+    response = httpx.post(f"{server.url}/v1/completions", content=chunked(), timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert_openai_error(response, 413)
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape(server):
+    assert_openai_error(httpx.get(f"{server.url}/v1/engines", timeout=10), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v1/completions", timeout=10), 405)
+
+
+# --- one slot: the queue and disconnects ------------------------------------------------------------------------
+
+def test_queue_full_is_a_429_and_a_disconnect_frees_the_slot(single):
+    client = single.client()
+    stream = client.completions.create(model=single.name, prompt=[1, 2, 3], max_tokens=LONG, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert single.health() == {"status": "ok", "running": 1, "waiting": 0}
+    with pytest.raises(openai.RateLimitError) as full:
+        client.completions.create(model=single.name, prompt=[1, 2], max_tokens=2)
+    assert full.value.code == "queue_full" and full.value.response.headers["retry-after"] == "1"
+    t0 = time.monotonic()
+    stream.close()  # the client goes away mid-stream
+    deadline = t0 + 10
+    while single.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert single.health()["running"] == 0
+    line = single.wait_for("cut: the client disconnected")
+    assert int(re.search(r"\+ (\d+) completion", line).group(1)) < LONG
+    got = client.completions.create(model=single.name, prompt=[1, 2], max_tokens=3, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 3
+    assert time.monotonic() - t0 < 5  # long before the cut generation would have ended by itself
+
+
+def test_a_disconnect_cancels_a_whole_answer_too(single):
+    with pytest.raises(httpx.TimeoutException):  # the client gives up, and closes the connection
+        httpx.post(f"{single.url}/v1/completions", timeout=0.5,
+                   json={"model": single.name, "prompt": [4, 5, 6, 7], "max_tokens": LONG, "ignore_eos": True})
+    line = single.wait_for("4 prompt + ")
+    assert "cut: the client disconnected" in line and int(re.search(r"\+ (\d+) completion", line).group(1)) < LONG
+    assert single.health()["running"] == 0
+
+
+# --- start, stop, safety ----------------------------------------------------------------------------------
+
+def test_the_server_listens_before_the_model_loads_and_prints_its_settings(server):
+    lines = server.lines
+    listening = next(i for i, line in enumerate(lines) if "listening on http://127.0.0.1:" in line)
+    ready = next(i for i, line in enumerate(lines) if "ready in" in line)
+    assert listening < ready
+    assert any(line.startswith("kestrel serve: residency: backend=cpu_ref policy=") for line in lines)
+    assert any("memory (measured" in line and "KV cache" in line for line in lines)
+    assert any(re.search(r"/v1/completions: \d+ prompt \+ \d+ completion tokens .*ms/token, .* streamed/token", line)
+               for line in lines)
+
+
+def test_health_is_503_while_the_model_loads(model_dir):
+    from starlette.testclient import TestClient
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny", Limits())
+    with TestClient(create_app(service), raise_server_exceptions=False) as http:
+        assert http.get("/health").status_code == 503 and http.get("/health").json()["status"] == "loading"
+        response = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
+        assert_openai_error(response, 503, code="model_loading")
+        service.load()
+        try:
+            assert http.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+            assert http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]}).status_code == 200
+        finally:
+            service.close()
+
+
+def test_a_server_error_is_a_500_without_its_traceback(model_dir, monkeypatch, caplog):
+    from starlette.testclient import TestClient
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny", Limits())
+    service.load()
+
+    def broken(req):
+        raise RuntimeError("secret internals at /home/someone")
+
+    monkeypatch.setattr(service, "plan", broken)
+    try:
+        with TestClient(create_app(service), raise_server_exceptions=False) as http:
+            response = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
+    finally:
+        service.close()
+    error = assert_openai_error(response, 500, code="internal_error")
+    assert error["type"] == "server_error" and "secret" not in response.text
+    assert "RuntimeError" in caplog.text  # the server's log names it
+
+
+def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, capsys):
+    monkeypatch.delenv("KESTREL_API_KEY", raising=False)
+    assert cli.main(["serve", "--model", str(model_dir), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "KESTREL_API_KEY" in err and "--allow-insecure" in err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
+    (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
+])
+def test_bad_flags_are_one_line_errors(model_dir, capsys, flags, needle):
+    assert cli.main(["serve", "--model", str(model_dir), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "serve", "--model", str(tmp_path / "nothing"),
+                           "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "listening on" in done.stderr and done.stderr.strip().splitlines()[-1].startswith("kestrel: error:")
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_ends_running_streams_cleanly_and_exits_0(model_dir, how):
+    s = Server(model_dir, "--shutdown-timeout", "0")
+    try:
+        stream = iter(s.client().completions.create(model=s.name, prompt=[1, 2, 3], max_tokens=LONG, stream=True,
+                                                    extra_body={"ignore_eos": True, "return_token_ids": True}))
+        first = next(stream)
+        s.proc.send_signal(how)
+        rest = list(stream)  # ends with its last chunk and [DONE]: no error
+        tokens = ids_of([first, *rest])
+        assert rest[-1].choices[0].finish_reason == "length" and 0 < len(tokens) < LONG
+        assert s.proc.wait(30) == 0
+        s.wait_for(f"{how.name}: taking no new requests")
+        assert "Traceback" not in "\n".join(s.lines)
+    finally:
+        s.stop()
+
+
+def test_a_stream_running_at_sigterm_finishes_within_the_grace_period(model_dir):
+    s = Server(model_dir, "--shutdown-timeout", "60")
+    try:
+        stream = iter(s.client().completions.create(model=s.name, prompt=[1, 2, 3], max_tokens=200, stream=True,
+                                                    extra_body={"ignore_eos": True}))
+        next(stream)
+        s.proc.send_signal(signal.SIGTERM)
+        s.wait_for("taking no new requests")
+        with pytest.raises(httpx.HTTPError):  # 503, or no longer listening
+            httpx.get(f"{s.url}/health", timeout=5).raise_for_status()
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert s.proc.wait(30) == 0
+        assert any("3 prompt + 200 completion tokens (length)" in line for line in s.lines)
+    finally:
+        s.stop()
+
+
+# --- text held back at stop strings ------------------------------------------------------------------------
+
+def test_text_that_may_begin_a_stop_string_is_held_until_decided(model_dir):
+    from kestrel_core.serve.stops import TextOutput
+
+    with load(model_dir) as model:
+        tok = model.tokenizer
+        out = TextOutput(tok, ["STOP", "xyz"])
+        sent = [out.push(t) for t in tok.encode("abc ST")]
+        assert "".join(sent) == "abc " and not out.stopped  # "ST" may begin STOP: held
+        sent += [out.push(t) for t in tok.encode("ART x")]
+        assert "".join(sent) == "abc START " and not out.stopped  # decided: not a stop; " x" may begin xyz
+        sent += [out.push(t) for t in tok.encode("yzzz")]
+        assert out.stopped and out.text == "abc START " and "".join(sent) + out.finish() == "abc START "
+        plain = TextOutput(tok, [])
+        assert "".join(plain.push(t) for t in tok.encode("no stops")) + plain.finish() == "no stops"
