@@ -171,7 +171,7 @@ DRAFT_TOKENS_MAX = 64
 
 @attrs.frozen
 class SpeculativeConfig:
-    draft: str = ""  # "" (none), "ngram", "ngram:N" (match the last N tokens), any drafter plugin's name, or a model
+    draft: str = ""  # "" (none), "ngram", "ngram:N" (match the last N..2 tokens), any drafter plugin's name, or a model
     draft_tokens: int = attrs.field(default=8, validator=_check(_int_in(1, DRAFT_TOKENS_MAX),
                                                                 f"a whole number in 1..{DRAFT_TOKENS_MAX}"))
 

@@ -31,6 +31,9 @@ class Scheduler:
             raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ConfigError(f"max_queue must be a whole number >= 0, got {max_queue!r}")
+        if getattr(run, "drafter", None) is not None:
+            raise ConfigError("speculative decoding runs one sequence at a time, and a scheduler batches them: drop "
+                              "[speculative] draft (--draft) to serve or batch")
         positions = run.model.config.max_position_embeddings
         self.max_seq = min(positions, max_seq or positions)
         if self.max_seq < 2:

@@ -1,7 +1,9 @@
 """Built-in drafters for speculative decoding.
 
-- ``ngram[:N]``: prompt lookup. Find the latest earlier place where the last N tokens (N down to 1) occurred in the
-  sequence so far, and propose what followed them there. It needs no model, and drafts deterministically.
+- ``ngram[:N]``: prompt lookup. Find the latest earlier place where the last N tokens (N down to 2; ``ngram:1``: one)
+  occurred in the sequence so far, and propose what followed them there. It needs no model, and drafts
+  deterministically. A one-token match is left out by default: it is rarely right, and a verify pass carrying drafts
+  costs more than a plain step where the pass is compute-bound (bench speculative: story and chat prompts).
 - ``model`` (``--draft MODEL``): a small model with the same vocabulary, kept resident on the run's device with its own
   KV cache; it drafts greedily (or, sampling, with the run's settings, giving each draft's distribution).
 """
@@ -16,7 +18,7 @@ from kestrel_core.kvcache import allocate_cache
 from kestrel_core.model import RopeTable
 from kestrel_core.sampling import Sampler
 
-NGRAM_DEFAULT, NGRAM_MAX = 3, 16
+NGRAM_DEFAULT, NGRAM_MAX, NGRAM_SHORTEST = 3, 16, 2
 
 
 class NGram:
@@ -36,7 +38,8 @@ class NGram:
         pass
 
     def propose(self, context, k):
-        for n in range(min(self.n, len(context) - 1), 0, -1):
+        shortest = min(self.n, NGRAM_SHORTEST)
+        for n in range(min(self.n, len(context) - 1), shortest - 1, -1):
             tail = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):  # the latest earlier match first
                 if context[start : start + n] == tail:

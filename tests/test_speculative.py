@@ -16,6 +16,7 @@ from kestrel_core.errors import ConfigError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.sampling import Sampler
+from kestrel_core.scheduler import Scheduler
 from kestrel_core.speculative import accept
 
 REPEATING = [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]
@@ -132,6 +133,8 @@ def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ck
     with load(tiny_ckpt) as model, model.open(draft="ngram") as run:
         with pytest.raises(ConfigError, match="one sequence at a time"):
             run.generate_batch([dict(prompt_ids=[1, 2])])
+        with pytest.raises(ConfigError, match="drop \\[speculative\\] draft"):
+            Scheduler(run)
 
 
 def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):

@@ -15,7 +15,7 @@ def add_arguments(p):
     add_run_flags(p)
     p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
                                    "(for kestrel replay)")
-    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N tokens), a drafter plugin's "
+    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N..2 tokens), a drafter plugin's "
                    "name, or a small model with the same vocabulary (see docs/speculative.md)")
     p.add_argument("--draft-tokens", type=int, help="speculative decoding: tokens drafted a pass, 1..64 (default 8)")
     p.add_argument("--prompts", metavar="IN.jsonl", help="a batch job: one JSON object a line ({\"prompt\": ...} or "
