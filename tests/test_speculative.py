@@ -139,11 +139,21 @@ def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ck
 
 def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):
     argv = ["generate", "--model", str(tiny_ckpt), "--prompt-ids", ",".join(map(str, REPEATING)), "--max-new-tokens",
-            "10", "--ignore-eos", "--draft", "ngram", "--draft-tokens", "3"]
+            "10", "--ignore-eos", "--draft", "ngram:1", "--draft-tokens", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "speculative: ngram" in out and "acceptance" in out and "tokens a pass" in out
     assert main([*argv, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)["speculative"]
-    assert s["passes"] >= 1 and 0 <= s["acceptance_rate"] <= 1
+    assert s["passes"] >= 1 and s["drafted"] >= 1 and 0 <= s["acceptance_rate"] <= 1
     fails(argv[:-2] + ["--draft-tokens", "99"], capsys, "must be a whole number in 1..64")
+
+
+def test_ngram_drafts_from_the_longest_match_of_two_tokens_or_more():
+    from kestrel_plugins.drafters import NGram
+
+    seq = [1, 2, 3, 4, 9, 2, 3, 7, 9, 2]
+    assert NGram().propose(seq, 3) == ([3, 7, 9], None)  # [9, 2] matched at 4, the latest: what followed it
+    assert NGram("3").propose([1, 2, 3, 4, 1, 2, 3], 2) == ([4, 1], None)  # three tokens matched
+    assert NGram().propose([5, 6, 7, 8, 6], 4) == ([], None)  # a one-token match drafts nothing by default
+    assert NGram("1").propose([5, 6, 7, 8, 6], 4) == ([7, 8, 6], None)  # ngram:1 takes it
