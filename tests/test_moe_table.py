@@ -7,6 +7,8 @@ runner's schedule. Results never depend on it.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kestrel_cpu_ref.backend import CpuRefBackend
@@ -143,3 +145,19 @@ def test_expert_decode_is_checked(tiny_moe):
             assert run.runner.schedule is None
     with load(tiny_moe) as model, model.open(expert_decode="table", keep=2) as run:
         assert run.runner.schedule is not None
+
+
+def test_the_expert_decode_flag(tiny_moe, capsys):
+    from kestrel_core.cli import main
+
+    argv = ["generate", "--model", str(tiny_moe), "--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--ignore-eos",
+            "--expert-policy", "expert_lfu", "--expert-budget-mb", "0.05", "--json"]
+    ids = {}
+    for mode in ("table", "host"):
+        assert main([*argv, "--expert-decode", mode]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ids[mode] = out["token_ids"]
+        assert out["counters"]["expert_misses"] > 0
+    assert ids["table"] == ids["host"]
+    assert main([*argv, "--expert-decode", "gpu"]) == 2
+    assert "expert_decode must be one of auto, table, host, got 'gpu'" in capsys.readouterr().err

@@ -44,6 +44,9 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="Mixture-of-Experts: guess the next layer's experts with its router and upload them ahead (decode)")
     p.add_argument("--expert-fetch", help="Mixture-of-Experts: routed (default): fetch the experts routed to; "
                    "layer: every expert with its layer (whole-layer streaming, the naive baseline)")
+    p.add_argument("--expert-decode", help="Mixture-of-Experts decode: auto (default): the table where the backend has "
+                   "one; table: routed experts read through the device's expert table (the step stays one graph); "
+                   "host: routed on the host at each sparse layer")
     p.add_argument("--dtype", help="compute dtype (cpu_ref: float32|float64; cuda: bfloat16|float16|float32)")
     p.add_argument("--device", help="device, e.g. cuda:1")
     p.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
@@ -91,6 +94,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__expert_budget_mb=args.expert_budget_mb,
         residency__expert_prefetch=args.expert_prefetch,
         residency__expert_fetch=args.expert_fetch,
+        residency__expert_decode=args.expert_decode,
         generation__prompt=args.prompt,
         generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,
