@@ -328,7 +328,7 @@ class Batch:
             prefill_ms=seq.prefill_ms,
             decode_ms=decode_ms,
             counters=final,
-            per_token=[_plus(delta(p.after, p.before), p.heard) for p in kept],
+            per_token=[{**_plus(delta(p.after, p.before), p.heard), "sequences_in_step": len(p.rows)} for p in kept],
             memory=backend.memory_stats(),
             fixed_resident_bytes=self.fixed_resident_bytes,
             logits=logits,

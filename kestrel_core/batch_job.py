@@ -65,6 +65,7 @@ def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | No
     check_new(out, "--out")  # before any work
     requests, lines = read_requests(run, prompts)
     done, tokens, t0 = 0, 0, time.perf_counter()
+    before = run.runner.counters.snapshot()
     with progress.bar(len(requests), "batch", "seq") as bar:
         def on_done(i, result):
             nonlocal done, tokens
@@ -75,6 +76,7 @@ def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | No
 
         results = run.generate_batch(requests, max_batch=max_batch, prefill_chunk=prefill_chunk, on_done=on_done)
     seconds = time.perf_counter() - t0
+    streamed = run.runner.counters.snapshot()["bytes_uploaded"] - before["bytes_uploaded"]
     rows = []
     for (n, line), result in zip(lines, results):
         if isinstance(result, Exception):
@@ -90,4 +92,5 @@ def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | No
     generated = sum(len(r.token_ids) for r in results if not isinstance(r, Exception))
     return {"sequences": len(results), "errors": sum(isinstance(r, Exception) for r in results),
             "tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds if seconds else None,
+            "bytes_streamed": streamed, "bytes_per_generated_token": streamed / generated if generated else None,
             "out": str(out)}

@@ -64,8 +64,33 @@ def test_a_batch_streams_each_layer_once_a_step(tiny_ckpt):
             got = run.generate_batch([dict(prompt_ids=[3 + i], max_new_tokens=9, stop_at_eos=False) for i in range(b)],
                                      max_batch=b)
             steady = got[0].per_token[2:]  # every sequence decodes in every one of these steps
+            assert max(p["sequences_in_step"] for p in steady) == b  # (a step may come before the last one joins)
             per_token[b] = sum(p["bytes_uploaded"] for p in steady) / (len(steady) * b)
     assert per_token[2] == per_token[1] / 2 and per_token[4] == per_token[1] / 4
+
+
+def test_the_batch_job_reports_bytes_a_generated_token(tiny_ckpt, tmp_path, capsys):
+    import json
+
+    from kestrel_core.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt_ids": [3 + i], "max_new_tokens": 9, "stop_at_eos": False}) + "\n"
+                           for i in range(4)))
+    with load(tiny_ckpt) as model, model.open(keep=1) as run:
+        solo_bytes = run.generate(prompt_ids=[3], max_new_tokens=9, stop_at_eos=False).counters["bytes_uploaded"]
+    got = {}
+    for b in (1, 4):
+        out = tmp_path / f"out{b}.jsonl"
+        argv = ["generate", "--model", str(tiny_ckpt), "--keep", "1", "--prompts", str(src), "--out", str(out),
+                "--max-batch", str(b), "--json"]
+        assert main(argv) == 0
+        got[b] = json.loads(capsys.readouterr().out)
+        assert got[b]["tokens"] == 36
+    # One at a time: about each solo run's bytes (a little less: a sequence finds the last one's layers resident).
+    assert 0.9 * solo_bytes / 9 < got[1]["bytes_per_generated_token"] <= solo_bytes / 9
+    # Shared by four (the four prompts still take a pass each: the steady 1/B is the test above).
+    assert got[4]["bytes_per_generated_token"] < got[1]["bytes_per_generated_token"] / 2.5
 
 
 def test_sampled_sequences_draw_as_they_do_alone(tiny_ckpt):

@@ -130,5 +130,6 @@ def run_batch_job(args) -> int:
         emit_json(summary)
     else:
         print(f"wrote {summary['sequences']} results ({summary['errors']} errors, {summary['tokens']} tokens, "
-              f"{summary['tokens_per_s']:.1f} tokens/s) to {summary['out']}")
+              f"{summary['tokens_per_s']:.1f} tokens/s, {summary['bytes_per_generated_token'] or 0:,.0f} bytes streamed a "
+              f"generated token) to {summary['out']}")
     return 0
