@@ -169,6 +169,8 @@ def test_a_streamed_completion_joins_to_the_whole_one(server, solo, model_dir):
     assert ids_of(pieces) == want
     assert "".join(c.choices[0].text for c in pieces) == text_of(model_dir, want)
     assert len(pieces) > 2  # streamed as it came, not in one piece
+    # Asking for ids streams each as it comes, its text empty while the text holds it back.
+    assert [len(c.choices[0].token_ids or []) for c in pieces[:-1]] == [1] * len(want)
 
 
 def test_a_text_prompt_goes_through_the_tokenizer(server, solo, model_dir):

@@ -40,6 +40,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
     "real-model": ("real_model", "the real trained model (SmolLM2-135M from its GGUF) on cpu_ref: ms/token and peak "
                                  "RSS by keep, each row a fresh process"),
+    "batch": ("batch", "batched decoding at B = 1, 4, 16 (bytes streamed a generated token, tokens/s, ids against "
+                       "one at a time), then kestrel serve under 1, 8 and 32 streaming clients beside the engine"),
     "speculative": ("speculative", "speculative decoding on the real model (SmolLM2-135M, cpu_ref): plain greedy beside "
                                    "ngram prompt lookup and an always-right drafter, per prompt"),
     "demo": ("demo", "`kestrel demo --json` as a record (from demo_record.py)"),

@@ -166,7 +166,7 @@ class Answer:
         try:
             if self.chat:
                 yield _event(chunk({"role": "assistant", "content": ""}))
-            async for piece in self.gen.pieces():
+            async for piece in self.gen.pieces(every_id=bool(ids)):
                 text = {"content": piece.text} if self.chat else piece.text
                 yield _event(chunk(text, None, piece.token_ids if ids else None))
             yield _event(chunk({} if self.chat else "", self.gen.finish_reason))

@@ -61,8 +61,9 @@ class Generation:
             self.why_cut = self.why_cut or why
             self.seq.cancel()
 
-    async def pieces(self):
-        """The text as it becomes safe to send, each piece with the ids read since the last; then the rest."""
+    async def pieces(self, every_id: bool = False):
+        """The text as it becomes safe to send, each piece with the ids read since the last; then the rest.
+        ``every_id``: a piece for each id as it comes, its text empty while held back (a stream asking for ids)."""
         pending: list[int] = []
         while True:
             item = await self._queue.get()
@@ -77,7 +78,7 @@ class Generation:
             text = self.output.push(item)
             if self.output.stopped:
                 self.seq.cancel()  # then wait for it to leave, so that its result is there
-            if text or self.output.stopped:
+            if text or self.output.stopped or every_id:
                 yield Piece(text, pending)
                 pending = []
         seq = self.seq

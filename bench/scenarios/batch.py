@@ -1,0 +1,235 @@
+"""Batched decoding and the server, in one run: the engine at batch sizes B (bytes streamed a generated token, tokens/s,
+each sequence's ids against its solo run), then ``kestrel serve`` under 1, 8 and 32 concurrent streaming clients
+(the official openai client: tokens/s, time to first token and between tokens), beside the engine's own ms/token for
+the same request, so the server's overhead at one client is measured against its baseline.
+
+    python -m bench batch [--preset demo] [--backend cpu_ref] [--keep 1] [--batches 1,4,16] [--clients 1,8,32]
+                          [--tokens 32] [--rows engine,server]
+
+The engine rows run ``Run.generate_batch`` over the same 16 prompts at each ``--batches`` B (``max_batch`` B), after a
+warm-up batch; B = 1 is one sequence at a time, the baseline. Per row: wall time, tokens/s, bytes uploaded a
+generated token over the whole job and over the steady passes (every row decoding), each sequence's decode times and
+whether its ids equal B = 1's. The server rows start ``kestrel serve`` on a free loopback port with the same settings
+and ``--max-batch`` the largest client count; each client streams one completion of ``--tokens`` tokens of its own
+prompt, all clients started together, ``--repeats`` rounds. Per row: every client's time to first token and the gaps
+between its tokens, p50 and p99 over all of them, and the round's tokens/s. The same scenario runs on cuda
+(``--backend cuda``) unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench import models
+from bench.errors import BenchError
+from bench.log import log
+from bench.stats import summary
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(p) -> None:
+    models.add_arguments(p)
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--backend", default="cpu_ref")
+    p.add_argument("--keep", default="1")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--clients", default="1,8,32")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=16, help="prompts in each engine row")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of each server row")
+    p.add_argument("--rows", default="engine,server")
+
+
+def needs_gpu(args) -> str | None:
+    if args.backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--backend cuda needs a CUDA device"
+    return None
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(7 * i + k * 13) % 250 + 1 for k in range(3 + i % 5)]
+
+
+def settings(args) -> dict:
+    return {"backend": args.backend, "keep": args.keep if args.keep == "off" else int(args.keep)}
+
+
+def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[int]]]:
+    from kestrel_core import load
+
+    rows = []
+    with load(path) as model, model.open(**settings(args)) as run:
+        reqs = [dict(prompt_ids=prompt_of(i), max_new_tokens=args.tokens, stop_at_eos=False) for i in range(args.prompts)]
+        run.generate_batch(reqs[:2], max_batch=2)  # warm-up
+        solo = None
+        for b in [int(x) for x in args.batches.split(",") if x.strip()]:
+            before = run.runner.counters.snapshot()
+            t0 = time.perf_counter()
+            got = run.generate_batch(reqs, max_batch=b)
+            wall = time.perf_counter() - t0
+            streamed = run.runner.counters.snapshot()["bytes_uploaded"] - before["bytes_uploaded"]
+            bad = [r for r in got if isinstance(r, Exception)]
+            if bad:
+                raise BenchError(f"the B={b} row failed: {bad[0]}")
+            tokens = sum(len(r.token_ids) for r in got)
+            steady = [p for r in got for p in r.per_token if p["sequences_in_step"] == b]
+            ids = [r.token_ids for r in got]
+            solo = ids if solo is None else solo
+            row = {"batch": b, "sequences": len(got), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                   "bytes_uploaded": streamed, "bytes_per_generated_token": streamed / tokens,
+                   "steady_bytes_per_generated_token": (sum(p["bytes_uploaded"] for p in steady) / len(steady) / b
+                                                        if steady else None),
+                   "decode_ms": [r.decode_ms for r in got], "step_ms": summary([ms for r in got for ms in r.decode_ms]),
+                   "ids_equal_one_at_a_time": ids == solo}
+            rows.append(row)
+            log(f"engine B={b:3}: {row['tokens_per_s']:8.1f} tokens/s, {row['bytes_per_generated_token'] / 1e6:8.3f} MB "
+                f"streamed a generated token, ids equal B=1's: {row['ids_equal_one_at_a_time']}")
+            record.save_partial({"engine": rows})
+        one = run.generate(prompt_ids=prompt_of(0), max_new_tokens=args.tokens, stop_at_eos=False)
+        base = {"decode_ms": one.decode_ms, "summary": summary(one.decode_ms), "ms_per_token": one.ms_per_token}
+    return rows, base, solo or []
+
+
+class Server:
+    """``kestrel serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, path: Path, args, max_batch: int):
+        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", str(path), "--port", "0",
+               "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max_batch),
+               "--max-seq", str(64 + args.tokens)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "KESTREL_API_KEY": "bench"})
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = re.search(r"listening on (\S+)", self.wait_for("listening on")).group(1)
+        self.wait_for("ready in")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in self.lines if text in line), None)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None:
+                raise BenchError(f"kestrel serve ended before {text!r}: {(self.lines or ['?'])[-1]}")
+            time.sleep(0.05)
+        raise BenchError(f"kestrel serve printed no {text!r} in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def one_stream(client, name: str, i: int, tokens: int, start: threading.Barrier) -> dict:
+    start.wait()
+    t0 = time.perf_counter()
+    stamps, ids = [], []
+    stream = client.completions.create(model=name, prompt=prompt_of(i), max_tokens=tokens, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        got = [t for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
+        if got:
+            stamps += [time.perf_counter()] * len(got)
+            ids += got
+    return {"ttft_ms": (stamps[0] - t0) * 1e3 if stamps else None,
+            "gaps_ms": [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:]) if b > a],
+            "tokens": len(ids), "wall_s": time.perf_counter() - t0, "ids": ids}
+
+
+def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[int]]) -> list[dict]:
+    """``solo``: the engine's one-at-a-time ids of the first prompts, which the clients of those prompts must equal."""
+    try:
+        import openai
+    except ImportError:
+        raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
+    clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    server = Server(path, args, max(clients))
+    rows = []
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
+        name = str(path)
+        one_stream(client, name, 0, 4, threading.Barrier(1))  # warm-up
+        for n in clients:
+            rounds = []
+            for _ in range(args.repeats):
+                barrier = threading.Barrier(n)
+                out: list[dict | None] = [None] * n
+
+                def go(i: int) -> None:
+                    out[i] = one_stream(client, name, i, args.tokens, barrier)
+
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                if any(o is None for o in out):
+                    raise BenchError(f"a client of the {n}-client row got no answer")
+                rounds.append({"wall_s": wall, "tokens": sum(o["tokens"] for o in out),
+                               "tokens_per_s": sum(o["tokens"] for o in out) / wall,
+                               "clients": [{k: v for k, v in o.items() if k != "ids"} for o in out],
+                               "ids_equal_engine": [o["ids"] == solo[i] for i, o in enumerate(out) if i < len(solo)]})
+            ttft = [c["ttft_ms"] for r in rounds for c in r["clients"] if c["ttft_ms"] is not None]
+            gaps = [g for r in rounds for c in r["clients"] for g in c["gaps_ms"]]
+            row = {"clients": n, "rounds": rounds, "tokens_per_s_runs": [r["tokens_per_s"] for r in rounds],
+                   "tokens_per_s_p50": statistics.median(r["tokens_per_s"] for r in rounds),
+                   "ttft_ms": percentiles(ttft), "between_tokens_ms": percentiles(gaps),
+                   "ids_compared": sum(len(r["ids_equal_engine"]) for r in rounds),
+                   "ids_equal_engine": all(all(r["ids_equal_engine"]) for r in rounds)}
+            rows.append(row)
+            log(f"server {n:3} clients: {row['tokens_per_s_p50']:8.1f} tokens/s, first token p50 "
+                f"{row['ttft_ms']['p50']:.1f} p99 {row['ttft_ms']['p99']:.1f} ms, between p50 "
+                f"{row['between_tokens_ms']['p50']:.2f} p99 {row['between_tokens_ms']['p99']:.2f} ms")
+            record.save_partial({"engine": engine, "server": rows})
+    finally:
+        server.stop()
+    return rows
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None}
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else [s[0]] * 99
+    return {"n": len(s), "p50": statistics.median(s), "p99": q[98], "max": s[-1]}
+
+
+def run(args, record) -> dict:
+    path = models.ensure_preset(args.models, args.preset)
+    wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
+    engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
+    server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
+    result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,
+              "engine": engine, "engine_one_request": base, "server": server}
+    one = next((r for r in server if r["clients"] == 1), None)
+    if one and base:
+        result["server_over_engine_at_one_client"] = one["between_tokens_ms"]["p50"] / base["summary"]["p50"]
+    if engine:
+        b1 = next((r for r in engine if r["batch"] == 1), None)
+        if b1:
+            result["bytes_per_generated_token_over_b1"] = {r["batch"]: r["bytes_per_generated_token"] /
+                                                           b1["bytes_per_generated_token"] for r in engine}
+    return result
