@@ -92,7 +92,9 @@ def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[i
                    "steady_bytes_per_generated_token": (sum(p["bytes_uploaded"] for p in steady) / len(steady) / b
                                                         if steady else None),
                    "decode_ms": [r.decode_ms for r in got], "step_ms": summary([ms for r in got for ms in r.decode_ms]),
-                   "ids_equal_one_at_a_time": ids == solo}
+                   "ids_equal_one_at_a_time": ids == solo,
+                   "first_difference": [next((k for k, (x, y) in enumerate(zip(a, b_)) if x != y), None)
+                                        for a, b_ in zip(ids, solo)]}
             rows.append(row)
             log(f"engine B={b:3}: {row['tokens_per_s']:8.1f} tokens/s, {row['bytes_per_generated_token'] / 1e6:8.3f} MB "
                 f"streamed a generated token, ids equal B=1's: {row['ids_equal_one_at_a_time']}")
