@@ -157,3 +157,22 @@ def test_ngram_drafts_from_the_longest_match_of_two_tokens_or_more():
     assert NGram("3").propose([1, 2, 3, 4, 1, 2, 3], 2) == ([4, 1], None)  # three tokens matched
     assert NGram().propose([5, 6, 7, 8, 6], 4) == ([], None)  # a one-token match drafts nothing by default
     assert NGram("1").propose([5, 6, 7, 8, 6], 4) == ([7, 8, 6], None)  # ngram:1 takes it
+
+
+def test_a_moe_target_fetches_each_routed_expert_once_a_verify_pass(tmp_path, register_plugin):
+    """Five tokens a pass, top-2 of 8 experts on 3 sparse layers: up to 10 routings a layer, but each expert comes at
+    most once a pass (the union), and the ids are plain greedy's whatever the expert budget."""
+    moe = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
+    register_plugin(OraclePlugin(), "oracle")
+    expert = 3 * 32 * 64 * 4
+    for budget in (4 * expert, 24 * expert):
+        settings = dict(keep=2, expert_policy="expert_lru", expert_budget_mb=budget / 2**20)
+        with load(moe) as model:
+            with model.open(**settings) as run:
+                plain = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, stop_at_eos=False)
+            Oracle.answer = plain.token_ids
+            with model.open(draft="oracle", draft_tokens=4, **settings) as run:
+                spec = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids and spec.speculative["tokens_per_pass"] == 5.0
+        for p in spec.per_token:
+            assert p["expert_misses"] <= 3 * 8
