@@ -15,7 +15,10 @@ import torch
 from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.kvcache import allocate_cache
+from kestrel_core.config import DRAFT_TOKENS_MAX
 from kestrel_core.model import RopeTable
+from kestrel_core.runner import DecodeState
+from kestrel_core.step_graphs import StepGraphs
 from kestrel_core.sampling import Sampler
 
 NGRAM_DEFAULT, NGRAM_MAX, NGRAM_SHORTEST = 3, 16, 2
@@ -72,7 +75,7 @@ class DraftModel:
             backend = run.config.backend
             try:
                 self.run = self.model.open(backend={"name": backend.name, "dtype": backend.dtype,
-                                                    "device": backend.device, "graphs": "off"}, keep="off")
+                                                    "device": backend.device, "graphs": backend.graphs}, keep="off")
             except BudgetError as exc:
                 raise BudgetError(f"the draft model {self.model.dir} does not fit on the device beside the target: "
                                   f"{exc}") from None
@@ -86,6 +89,10 @@ class DraftModel:
         self.cache = allocate_cache(self.model.config, self.max_seq, b.dtype, b.device)
         with torch.inference_mode():
             self.rope = RopeTable(self.model.config, self.max_seq, b.dtype, b.device)
+            # Its one-token steps run as the target's do: a decode state whose step a CUDA graph can capture and replay.
+            self.state = DecodeState(b.device, self.rope, 1, self.max_seq)
+            self.drafted = torch.zeros(DRAFT_TOKENS_MAX, dtype=torch.long, device=b.device)
+        self.graphs = StepGraphs(runner.window, b, self.run.config.backend.graphs != "off")
         self.fed: list[int] = []  # the tokens whose K/V the draft's cache holds, in order
 
     def _check(self, target) -> None:
@@ -112,24 +119,43 @@ class DraftModel:
         self.fed += ids
         return logits
 
+    def _step(self, token: int | None) -> None:
+        """One token through the draft at the next position (``token``, or greedy: the last step's argmax, already in
+        the state on the device); the step's argmax is left in the state."""
+        runner, st = self.run.runner, self.state
+        if token is not None:
+            st.tokens[0].fill_(token)
+        runner.window.next_token()
+        runner.begin_step()
+        self.graphs(lambda boundaries: runner.decode_step(st, self.cache, boundaries, 1))
+
     def propose(self, context, k):
         k = min(k, self.max_seq - len(context) - 1)
         if k <= 0:
             return [], None
         with torch.inference_mode():
-            logits = self._feed(context[len(self.fed):])
+            logits = self._feed(context[len(self.fed):])  # what the kept sequence added since: an eager pass
+            st = self.state
+            st.positions[0].fill_(len(self.fed))
+            st.live.fill_(1)
+            if self.sampler is None:  # greedy: the draft's steps chain on the device, read back once
+                first = int(torch.argmax(logits))
+                for i in range(k - 1):
+                    self._step(first if i == 0 else None)
+                    self.drafted[i].copy_(st.tokens[0])
+                tokens = [first, *self.drafted[: k - 1].tolist()]
+                self.fed += tokens[:-1]
+                return tokens, None
             tokens, probs = [], []
             for i in range(k):
-                if self.sampler is None:
-                    token = int(torch.argmax(logits))
-                else:
-                    p = self.sampler.probs(logits)
-                    token = self.sampler.draw(p)
-                    probs.append(p)
-                tokens.append(token)
+                p = self.sampler.probs(logits)
+                tokens.append(self.sampler.draw(p))
+                probs.append(p)
                 if i < k - 1:
-                    logits = self._feed([token])
-        return tokens, (probs if self.sampler is not None else None)
+                    self._step(tokens[-1])
+                    self.fed.append(tokens[-1])
+                    logits = st.logits[0]
+        return tokens, probs
 
     def accepted(self, context):
         keep = 0  # the draft's cache is good up to the first token the kept sequence disagrees with

@@ -48,3 +48,21 @@ def test_cuda_speculative_greedy_is_plain_greedy_in_float32(tiny_ckpt, keep):
                         draft_tokens=4) as run:
             spec = run.generate(prompt_ids=repeating, max_new_tokens=16, stop_at_eos=False)
     assert spec.token_ids == plain.token_ids and spec.speculative["drafted"] > 0
+
+
+def test_a_cuda_draft_models_steps_are_replayed_and_its_own_greedy(tiny_ckpt, tmp_path):
+    from kestrel_core.presets import preset_config, write_checkpoint
+
+    draft = write_checkpoint(preset_config("tiny", layers=2), tmp_path / "tiny-2")
+    context = [5, 17, 42, 99, 3, 5, 17]
+    with load(draft) as small, small.open(backend="cuda", keep="off", graphs="off") as alone:
+        want = alone.generate(prompt_ids=context, max_new_tokens=6, stop_at_eos=False).token_ids
+    with load(tiny_ckpt) as model, model.open(backend="cuda", keep=1, draft=str(draft), draft_tokens=6) as run:
+        d = run.drafter
+        d.begin(context)
+        got = [d.propose(context, 6)[0] for _ in range(3)]  # the same context again: rolled back each time
+        for _ in range(3):
+            d.accepted(context)
+        assert d.graphs.graph is not None  # its repeating one-token step was captured
+    assert got[0][:2] == want[:2]  # bf16: a captured step may round as the eager one does not, so the lead tokens
+    assert got[1] == got[2]

@@ -176,3 +176,22 @@ def test_a_moe_target_fetches_each_routed_expert_once_a_verify_pass(tmp_path, re
         assert spec.token_ids == plain.token_ids and spec.speculative["tokens_per_pass"] == 5.0
         for p in spec.per_token:
             assert p["expert_misses"] <= 3 * 8
+
+
+@pytest.mark.parametrize("keep", [1, "off"])
+def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_ckpt, draft_ckpt, keep):
+    """Whatever the kept sequence did to its cache (drafts kept, drafts rolled back), a draft model's proposal is what
+    that model alone would generate greedily from the context."""
+    with load(draft_ckpt) as small, small.open(keep="off") as alone:
+        def own(context, k):
+            return alone.generate(prompt_ids=context, max_new_tokens=k, stop_at_eos=False).token_ids
+
+        with load(tiny_ckpt) as model, model.open(keep=keep, draft=str(draft_ckpt), draft_tokens=4) as run:
+            drafter = run.drafter
+            context = list(REPEATING)
+            drafter.begin(context)
+            for k, keep_n in [(4, 2), (5, 0), (3, 3), (6, 1)]:
+                proposal, probs = drafter.propose(context, k)
+                assert proposal == own(context, k) and probs is None
+                context = context + proposal[:keep_n] + [(proposal[keep_n] + 1) % 256 if keep_n < k else 7]
+                drafter.accepted(context)
