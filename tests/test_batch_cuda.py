@@ -60,8 +60,9 @@ def test_a_cuda_draft_models_steps_are_replayed_and_its_own_greedy(tiny_ckpt, tm
     with load(tiny_ckpt) as model, model.open(backend="cuda", keep=1, draft=str(draft), draft_tokens=6) as run:
         d = run.drafter
         d.begin(context)
-        got = [d.propose(context, 6)[0] for _ in range(3)]  # the same context again: rolled back each time
-        for _ in range(3):
+        got = []
+        for _ in range(3):  # the same context again: every draft rolled back each time
+            got.append(d.propose(context, 6)[0])
             d.accepted(context)
         assert d.graphs.graph is not None  # its repeating one-token step was captured
     assert got[0][:2] == want[:2]  # bf16: a captured step may round as the eager one does not, so the lead tokens
