@@ -165,9 +165,8 @@ class Batch:
             state.positions[seq.slot].fill_(self.max_seq - 1)
         rows_live = {slot: seq for slot, seq in self.active.items()
                      if seq.decoding and 1 + seq.launched < seq.request.gen.max_new_tokens and not seq.done}
-        prefilling = next((s for s in self.active.values() if not s.done and s.prefilled < len(s.request.prompt_ids)),
-                          None)
-        if not rows_live and prefilling is None:
+        prefilling = [s for s in self.active.values() if not s.done and s.prefilled < len(s.request.prompt_ids)]
+        if not rows_live and not prefilling:
             if self.unread:
                 self._take(self.unread.popleft())
             return
@@ -180,25 +179,32 @@ class Batch:
             window.next_token()
         rows = bucket(max(rows_live) + 1, self.slots) if rows_live else 0
         self._set_live(rows_live, rows)
-        span = None
-        if prefilling is not None:
-            prompt = prefilling.request.prompt_ids
-            n = len(prompt) - prefilling.prefilled if self.prefill_chunk is None else \
-                min(self.prefill_chunk, len(prompt) - prefilling.prefilled)
-            span = (Span(prefilling.slot, rows, prefilling.prefilled, n), prompt[prefilling.prefilled:prefilling.prefilled + n])
-        table = runner.schedule is not None and span is None and rows == 1
-        if span is None:
+        # Every waiting prompt rides this pass, in the order they came, up to prefill_chunk tokens in all: a streamed
+        # layer serves them all at once.
+        spans, budget, row = [], self.prefill_chunk, rows
+        for seq in prefilling:
+            if budget is not None and budget <= 0:
+                break
+            prompt = seq.request.prompt_ids
+            n = len(prompt) - seq.prefilled if budget is None else min(budget, len(prompt) - seq.prefilled)
+            spans.append((seq, Span(seq.slot, row, seq.prefilled, n), prompt[seq.prefilled:seq.prefilled + n]))
+            row += n
+            budget = None if budget is None else budget - n
+        span = bool(spans)
+        table = runner.schedule is not None and not span and rows == 1
+        if not span:
             runner.begin_step()
         before = counters.snapshot()
         last_logits = None
-        if span is None:
+        if not span:
             graphs = self.graphs.setdefault(rows, StepGraphs(window, backend, runner.settings.graphs,
                                                              experts_in_step=runner.schedule is not None and rows == 1,
                                                              on_replay=runner.replayed))
             mode = graphs(lambda boundaries: runner.decode_step(state, self.cache, boundaries, rows))
         else:
             mode = "eager"
-            last_logits = runner.decode_step(state, self.cache, window.boundaries("prefill"), rows, span)
+            last_logits = runner.decode_step(state, self.cache, window.boundaries("prefill"), rows,
+                                             [(sp, ids) for _, sp, ids in spans])
         after = counters.snapshot()
         for seq in rows_live.values():
             seq.launched += 1
@@ -213,15 +219,15 @@ class Batch:
             state.tokens[seq.slot].fill_(seq.sampler(logits))
         self.ring[k % len(self.ring)].copy_(state.out, non_blocking=True)
         mark = backend.mark()
-        self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if span is None else -1,
+        self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if not span else -1,
                                  table=table))
-        if span is None:
+        if not span:
             self.decode_steps += 1
         for seq in rows_live.values():
             if seq.request.keep_logits:
                 seq.logits.append(state.logits[seq.slot].clone())
-        if span is not None:
-            self._prefilled(prefilling, span[0], last_logits, k)
+        for i, (seq, sp, _) in enumerate(spans):
+            self._prefilled(seq, sp, last_logits[i], k)
         self.unread.append(k)
         lag = 0 if sampled else 1
         while len(self.unread) > lag:

@@ -210,37 +210,45 @@ class Runner:
         return backend.logits(h[-1:])[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                    span: tuple[Span, list[int]] | None = None, every_span_row: bool = False) -> torch.Tensor | None:
+                    spans: list[tuple[Span, list[int]]] = (), every_span_row: bool = False) -> torch.Tensor | None:
         """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
-        the device, and its position moves on), then optionally a span of tokens (a prompt, or a token and its drafts).
-        Returns the span's last logits row, or, with ``every_span_row``, each of its rows' (the decode rows' logits stay
-        in ``state.logits``)."""
+        the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
+        of one, or a token and its drafts). Returns each span's last logits row, [spans, vocab], or with
+        ``every_span_row`` (one span) each of its rows' (the decode rows' logits stay in ``state.logits``)."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
-        if span is None:
+        if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions)
             h = backend.embed(state.tokens[:rows])
         else:
-            s, ids = span
+            if every_span_row and len(spans) != 1:
+                raise ValueError("every_span_row takes one span")
             device = backend.device
-            span_positions = torch.arange(s.start, s.start + s.T, device=device)
-            span_slots = torch.full((s.T,), s.slot, dtype=torch.long, device=device)
-            at = Attend.static(state.rope, positions, slots, state.key_positions, (s,), span_positions, span_slots,
-                               row_exact=backend.row_exact)
+            span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
+            span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
+            at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
+                               span_positions, span_slots, row_exact=backend.row_exact)
+            ids = [t for _, chunk in spans for t in chunk]
             h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
-        phase = "decode" if span is None else "prefill"
-        compiled = layer_math(self.settings.compile) if span is None else decoder_layer
-        h = self.layers(h, at, cache, boundaries, phase, compiled, state=state if span is None else None)
-        picked = h[:rows] if span is None else h if every_span_row else torch.cat((h[:rows], h[-1:]))
+        phase = "decode" if not spans else "prefill"
+        compiled = layer_math(self.settings.compile) if not spans else decoder_layer
+        h = self.layers(h, at, cache, boundaries, phase, compiled, state=state if not spans else None)
+        if not spans:
+            picked = h[:rows]
+        elif every_span_row:
+            picked = h
+        else:
+            lasts = torch.tensor([s.row + s.T - 1 for s, _ in spans], device=h.device)
+            picked = torch.cat((h[:rows], h.index_select(0, lasts)))
         logits = backend.logits(picked)
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
-        if span is None:
+        if not spans:
             return None
-        return logits[rows:] if every_span_row else logits[rows]
+        return logits[rows:]
 
     # --- NaN and inf ------------------------------------------------------------------------------
     def check_finite(self, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable,

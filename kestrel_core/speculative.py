@@ -82,7 +82,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
         backend.synchronize()
         t0 = backend.mark()
         prompt = list(prompt_ids)
-        last = runner.decode_step(state, cache, window.boundaries("prefill"), 0, (Span(0, 0, 0, len(prompt)), prompt))
+        last = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, 0, len(prompt)), prompt)])[0]
         runner.check_finite(last, prompt, 0, cache, rope, "prefill")
         tokens = [sampler(last)]
         prefill_end = backend.mark()
@@ -102,7 +102,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
             before = counters.snapshot()
             start = len(prompt) + len(tokens) - 1
             ids = [tokens[-1], *draft]
-            logits = runner.decode_step(state, cache, window.boundaries("prefill"), 0, (Span(0, 0, start, len(ids)), ids),
+            logits = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, start, len(ids)), ids)],
                                         every_span_row=True)
             after = counters.snapshot()
             marks.append(backend.mark())

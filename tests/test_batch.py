@@ -64,7 +64,7 @@ def test_a_batch_streams_each_layer_once_a_step(tiny_ckpt):
             got = run.generate_batch([dict(prompt_ids=[3 + i], max_new_tokens=9, stop_at_eos=False) for i in range(b)],
                                      max_batch=b)
             steady = got[0].per_token[2:]  # every sequence decodes in every one of these steps
-            assert max(p["sequences_in_step"] for p in steady) == b  # (a step may come before the last one joins)
+            assert {p["sequences_in_step"] for p in steady} == {b}  # the prompts went through in one pass
             per_token[b] = sum(p["bytes_uploaded"] for p in steady) / (len(steady) * b)
     assert per_token[2] == per_token[1] / 2 and per_token[4] == per_token[1] / 4
 
@@ -89,8 +89,8 @@ def test_the_batch_job_reports_bytes_a_generated_token(tiny_ckpt, tmp_path, caps
         assert got[b]["tokens"] == 36
     # One at a time: about each solo run's bytes (a little less: a sequence finds the last one's layers resident).
     assert 0.9 * solo_bytes / 9 < got[1]["bytes_per_generated_token"] <= solo_bytes / 9
-    # Shared by four (the four prompts still take a pass each: the steady 1/B is the test above).
-    assert got[4]["bytes_per_generated_token"] < got[1]["bytes_per_generated_token"] / 2.5
+    # Shared by four: the four prompts ride one pass, then every pass decodes all four, so the job costs a solo run.
+    assert got[4]["bytes_per_generated_token"] == solo_bytes / 36
 
 
 def test_sampled_sequences_draw_as_they_do_alone(tiny_ckpt):
@@ -176,3 +176,23 @@ def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, conten
     fails(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl")], capsys,
           needle)
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_waiting_prompts_share_a_pass_up_to_the_chunk(tiny_ckpt):
+    """Five prompts of 3 tokens and one generated token each, so every pass is a prefill pass: with no chunk they all
+    ride one pass; with a chunk of 4 tokens a pass takes what fits (15 tokens: 4 passes, a prompt split across two
+    where it must). At keep=1 each pass uploads the same layers. Ids are each solo run's either way."""
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(5)]
+    with load(tiny_ckpt) as model, model.open(keep=1) as run:
+        alone = [run.generate(prompt_ids=p, max_new_tokens=4, stop_at_eos=False).token_ids for p in prompts]
+        uploads = {}
+        for chunk in (None, 4):
+            before = run.runner.counters.snapshot()["layer_uploads"]
+            got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=1, stop_at_eos=False) for p in prompts],
+                                     max_batch=5, prefill_chunk=chunk)
+            uploads[chunk] = run.runner.counters.snapshot()["layer_uploads"] - before
+            assert [r.token_ids for r in got] == [a[:1] for a in alone]
+        assert uploads[4] == 4 * uploads[None] > 0
+        got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=4, stop_at_eos=False) for p in prompts],
+                                 max_batch=5, prefill_chunk=4)
+        assert [r.token_ids for r in got] == alone
