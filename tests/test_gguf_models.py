@@ -2,8 +2,9 @@
 
 Its greedy ids equal those of the Hugging Face layout of the same weights on cpu_ref (the weights computed by
 tests/gguf_files.py independently of kestrel's reader), across keep, policy and allocator; its Q8_0 units are
-kestrel q8 with group 32; ``kestrel chat`` lays the conversation out with the GGUF's template; a bad path is one line;
-and cpu_ref's mapping RSS follows the window on a quantized GGUF as it does on safetensors.
+kestrel q8 with group 32; ``kestrel chat`` lays the conversation out with the GGUF's template; ``kestrel quantize
+--from`` writes a q8 directory whose ids equal the GGUF's; a bad path is one line; and cpu_ref's mapping RSS follows
+the window on a quantized GGUF as it does on safetensors.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from kestrel_core import load, quant
-from kestrel_core.checkpoint import PAGE
+from kestrel_core.checkpoint import PAGE, Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.gguf import GGUFCheckpoint
 from kestrel_core.gguf_model import names_gguf, q8_info
@@ -226,6 +227,61 @@ def test_a_bad_gguf_path_is_one_line_naming_it_and_the_fix(kind, tmp_path, capsy
     assert "\n" not in message and message.startswith(str(path)) and re.search(BAD_PATHS[kind], message), message
     out = fails(["generate", "--model", str(path), "--prompt-ids", "1"], capsys, str(path))
     assert re.search(BAD_PATHS[kind], out), out
+
+
+# --- kestrel quantize --from -------------------------------------------------------------------------
+def test_quantize_from_a_q8_0_gguf_copies_its_bytes_and_gives_its_ids(tmp_path, capsys):
+    path, _ = write_model(tmp_path / "m.gguf", types=Q8_ONLY, tied=True)
+    out = tmp_path / "q8"
+    assert main(["quantize", "--from", str(path), "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["copied"] == summary["quantized"] == 7 * DIMS["layers"] + 1 and summary["untied"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json", "tokenizer_config.json"]
+    with GGUFCheckpoint(path) as g:
+        written = Checkpoint(out)
+        try:
+            for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+                qweight, scales = g.q8(name)
+                qname, sname = quant.q8_names(name)
+                assert torch.equal(written.view(qname), qweight) and torch.equal(written.view(sname), scales)
+            qweight, scales = g.q8("model.embed_tokens.weight")  # the tied lm_head: the Q8_0 embedding's own bytes
+            assert torch.equal(written.view("lm_head.qweight"), qweight)
+        finally:
+            written.close()
+    assert greedy(out, keep=1) == greedy(path, keep=1)
+    with load(out) as q, load(path) as g:  # what the metadata held besides the weights, as files
+        assert q.eos_ids == g.eos_ids and q.chat_template().source == g.chat_template().source
+        assert q.tokenizer.encode("<|im_start|> the a") == g.tokenizer.encode("<|im_start|> the a")
+    fails(["quantize", "--from", str(path), "--out", str(out)], capsys, "is not empty", "--force")
+
+
+def test_quantize_from_a_gguf_quantizes_the_other_types_from_their_floats(tmp_path, capsys):
+    path, _ = write_model(tmp_path / "m.gguf", dims=K_DIMS, types={**K_TYPES, "ffn_gate": T.Q8_0})  # among k-quants
+    out = tmp_path / "q8"
+    assert main(["quantize", "--from", str(path), "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["copied"] == DIMS["layers"]  # each layer's gate_proj
+    out64 = tmp_path / "q8-64"
+    assert main(["quantize", "--from", str(path), "--out", str(out64), "--group-size", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["copied"] == 0  # Q8_0's group is 32: at 64 it is quantized afresh
+    with GGUFCheckpoint(path) as g:
+        written = Checkpoint(out)
+        try:
+            name = "model.layers.0.self_attn.q_proj.weight"  # Q4_K, permuted in the file
+            qweight, scales = quant.quantize(g.view(name), 32)
+            assert torch.equal(written.view("model.layers.0.self_attn.q_proj.qweight"), qweight)
+            assert torch.equal(written.view("model.layers.0.self_attn.q_proj.scales"), scales)
+            assert written.info("model.embed_tokens.weight").dtype == "F32"  # a Q6_K embedding, dequantized
+        finally:
+            written.close()
+
+
+def test_quantize_from_refuses_what_is_not_a_gguf(tmp_path, capsys, tiny_ckpt):
+    fails(["quantize", "--from", str(tiny_ckpt), "--out", str(tmp_path / "o")], capsys, "not a GGUF file",
+          "quantize a Hugging Face directory with --model")
+    fails(["quantize", "--from", str(tmp_path / "x.gguf"), "--model", str(tiny_ckpt), "--out", str(tmp_path / "o")],
+          capsys, "not allowed with argument")
+    assert not (tmp_path / "o").exists()
 
 
 # --- cpu_ref's RSS follows the window on a quantized GGUF ------------------------------------------------
