@@ -462,6 +462,27 @@ def rss_window(recs: Records) -> str:
             + table(["keep", "mapping peak RSS", "layers at the peak + resident tensors"], out))
 
 
+def real_model(recs: Records) -> str:
+    """SmolLM2-135M on cpu_ref from its GGUF and from its float32 Hugging Face layout, by keep."""
+    found = recs.newest("real-model", lambda r: {row["source"] for row in r["result"]["rows"]} >= {"hf", "gguf"})
+    if found is None:
+        return "No record yet: `python -m bench real-model --source hf,gguf --keep 1,off` makes one."
+    name, rec = found
+    res, mib = rec["result"], 2**20
+    what = {"hf": "Hugging Face layout (float32)", "gguf": "GGUF (Q4_1, Q8_0 embedding)"}
+    out = [[what[r["source"]], str(r["keep"]), spread(r["summary"], 1), f"{r['prefill_ms']:.0f}",
+            f"{r['peak_rss_bytes'] / mib:.0f} (+{r['peak_over_before_bytes'] / mib:.0f})",
+            f"{r['mapping_rss_end_bytes'] / mib:.0f}", "= golden" if r["ids_match_golden"] else "differ"]
+           for r in res["rows"]]
+    row = res["rows"][0]
+    return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}, {row['threads']} threads, "
+            f"{row['tokens']} tokens of the story prompt, each row in a fresh process. Decode ms/token is the p50 of "
+            "its steps (p10–p90, n); peak RSS is the process's (ru_maxrss), and in brackets its rise over the RSS before "
+            "load; the mapping's RSS is read at the end of the run.\n\n"
+            + table(["weights", "keep", "decode ms/token", "prefill ms", "peak RSS MiB (+ over load)",
+                     "mapping RSS MiB at the end", "ids"], out))
+
+
 # --- every record -------------------------------------------------------------------------------------------------
 
 def _text_header(text: str) -> tuple[str, str, str]:
@@ -508,5 +529,6 @@ BLOCKS: dict[str, Callable[[Records], str]] = {
     "moe-host-cost": moe_host_cost,
     "host-tier": host_tier,
     "rss-window": rss_window,
+    "real-model": real_model,
     "records": every_record,
 }

@@ -63,6 +63,11 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def raw(self) -> bool:
+        """The stored bytes are exactly the view's (always, in safetensors; not for a GGUF's quantized tensor)."""
+        return True
+
 
 class _DuplicateKey(Exception):
     pass

@@ -6,7 +6,7 @@ see each other; plugins registered there are observers, resolved when the run op
 every boundary of that run.
 
     from kestrel_core import load
-    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B")
+    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B"), or a GGUF file
     with model.open(policy="asymmetric", keep=2, backend="cpu_ref") as run:
         res = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
 """
@@ -28,6 +28,7 @@ from .batch import BUCKETS, Batch, Request, generate_one
 from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
 from .host import HostStore
+from .gguf_model import names_gguf, open_gguf
 from .modeldir import read_model_dir
 from .plan import Counters
 from .residency import Window
@@ -121,11 +122,12 @@ class Model:
 
     def __init__(self, model_dir: str | os.PathLike):
         if not isinstance(model_dir, (str, os.PathLike)):
-            raise ConfigError(f"load() takes a model directory or a Hugging Face model name (a str or a path), "
-                              f"got {type(model_dir).__name__}")
-        files = read_model_dir(model_dir)
+            raise ConfigError(f"load() takes a model directory, a .gguf file or a Hugging Face model name (a str or "
+                              f"a path), got {type(model_dir).__name__}")
+        files = open_gguf(model_dir) if names_gguf(model_dir) else read_model_dir(model_dir)
         self.dir, self.config, self.checkpoint = files.dir, files.config, files.checkpoint
         self.quant, self.tokenizer, self.eos_ids, self.units = files.quant, files.tokenizer, files.eos_ids, files.units
+        self._chat_template = files.chat_template
         self.host = HostStore()  # backend host staging, reused by every run on this model
         self.closed = False
 
@@ -148,6 +150,11 @@ class Model:
         if default is not None:
             return list(default)
         raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+
+    def chat_template(self):
+        """The model's chat template (``chat_template.ChatTemplate``): its directory's, or its GGUF metadata's; a
+        ConfigError that says what to do where it has none."""
+        return self._chat_template()
 
     def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (), **settings: Any) -> "Run":
         """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
@@ -173,8 +180,9 @@ class Model:
 
 
 def load(model_dir: str | os.PathLike) -> Model:
-    """Open a model directory (config.json + *.safetensors), or a model name such as ``"Qwen/Qwen3-8B"`` from the
-    local Hugging Face cache (never downloaded); close it with ``model.close()`` or ``with``."""
+    """Open a model directory (config.json + *.safetensors), a GGUF file (``x.gguf``: config, tokenizer and chat
+    template from its metadata), or a model name such as ``"Qwen/Qwen3-8B"`` from the local Hugging Face cache (never
+    downloaded); close it with ``model.close()`` or ``with``."""
     return Model(model_dir)
 
 

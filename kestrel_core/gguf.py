@@ -37,19 +37,13 @@ and, for the model around it::
     q8(name)         a Q8_0 tensor repacked into kestrel's q8 layout (quant.py, group 32), not dequantized:
                      (qweight int8 [K, Npad], scales float32 [K/32, Npad]); quant.dequantize of it equals view(name)
 
-How ``Model`` should open a ``.gguf`` (``load("x.gguf")``; ``is_gguf(path)`` tells one from a directory)::
-
-    ckpt = GGUFCheckpoint(path)                  # every check below runs here; a CheckpointError names the fix
-    config = ckpt.model_config()                 # already validated against the tensors: validate_checkpoint passes
-    quant = None                                 # read_quant(ckpt, config) also gives None: metadata has no kestrel.quant
-    tokenizer = ckpt.tokenizer()                 # None: ids only, as a directory without tokenizer.json
-    eos_ids = ckpt.eos_ids()                     # in place of modeldir.eos_ids(dir, config)
-    template = ckpt.chat_template()              # in place of load_chat_template(model.dir) for `kestrel chat`
+``load("x.gguf")`` opens one through ``gguf_model.open_gguf``: the config, tokenizer, eos ids and chat template of
+``model_config()``, ``tokenizer()``, ``eos_ids()`` and ``chat_template()``, and the Q8_0 units as kestrel q8
+(``gguf_model.q8_info``: ``packed`` ``quant.Q8Tensor`` entries, read through ``q8(name)``).
 
 Things a backend must know: a quantized or permuted tensor's stored bytes are not its view's (``info(name).raw``
 is False; ``nbytes`` is the stored size), so a reader that copies a tensor's file bytes itself must take
-``view(name)`` for those: in the cuda host tier, ``Filler.sources`` (its ``PartRead`` where the view's dtype is
-the slot's, float32 included) and ``Filler._read`` (``O_DIRECT``, typed by ``info.dtype``/``info.shape``).
+``view(name)`` for those, as the cuda host tier's ``Filler.sources`` does.
 ``drop_pages``/``drop_around`` work on the stored bytes either way. A dequantized view is new memory (float32,
 4 bytes a weight), not the mapping, made afresh at each call (nothing is cached: 15 ms a layer of this Q4_1
 135M model on one core). A Q8_0 weight can go to kestrel's q8 path instead, undequantized: ``q8(name)``.
@@ -309,7 +303,10 @@ class GGUFCheckpoint:
         try:
             st = os.stat(self.path)
         except OSError as exc:
-            raise CheckpointError(f"{self.path}: cannot open ({exc.strerror})") from None
+            raise CheckpointError(f"{self.path}: cannot open ({exc.strerror}); pass the path of a .gguf file") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"{self.path}: is a directory, and a GGUF model is one file; pass the .gguf file itself "
+                                  "(a Hugging Face model directory's name must not end in .gguf)")
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{self.path}: not a regular file; pass the .gguf file")
         if st.st_size < 24:

@@ -1,14 +1,17 @@
 """Reading a Hugging Face model directory once: config.json, the safetensors (mmap'd and checked), the tokenizer,
-the ids that end a generation, and the model's residency units."""
+the ids that end a generation, the chat template (read when asked), and the model's residency units. ``ModelFiles``
+is what a model is to the engine, whatever it was read from (a GGUF file: ``gguf_model``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
+from .chat_template import ChatTemplate, load_chat_template
 from .checkpoint import Checkpoint
 from .errors import ConfigError
 from .hub import resolve
@@ -41,15 +44,16 @@ def eos_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
 
 @attrs.frozen
 class ModelFiles:
-    """A model directory as read and checked: what every run on it shares."""
+    """A model as read and checked: what every run on it shares."""
 
-    dir: Path
+    dir: Path  # the model directory, or the .gguf file
     config: ModelConfig
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint  # or a gguf.GGUFCheckpoint, which serves the same members
     quant: QuantInfo | None  # None for a float checkpoint
     tokenizer: Tokenizer | None
     eos_ids: frozenset[int]
     units: tuple[UnitSpec, ...]
+    chat_template: Callable[[], ChatTemplate]  # the model's chat template, read when asked; a ConfigError where none
 
 
 def read_model_dir(model_dir: str | Path | Any) -> ModelFiles:
@@ -66,4 +70,5 @@ def read_model_dir(model_dir: str | Path | Any) -> ModelFiles:
     except BaseException:
         checkpoint.close()
         raise
-    return ModelFiles(path, config, checkpoint, quant, tokenizer, eos, unit_specs(config))
+    return ModelFiles(path, config, checkpoint, quant, tokenizer, eos, unit_specs(config),
+                      functools.partial(load_chat_template, path))

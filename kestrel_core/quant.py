@@ -22,6 +22,10 @@ Embeddings and norms keep their original dtype. ``lm_head`` is quantized unless
 the embedding stays full precision for the lookup, a q8 copy of it becomes ``lm_head``, and
 config.json says ``tie_word_embeddings: false``. With ``keep_lm_head`` a tied model stays tied.
 
+A GGUF's Q8_0 weight (one f16 scale a block of 32 int8 values) is this format with group 32, stored as
+ggml's blocks: its ``Q8Tensor`` is ``packed``, one stored tensor that the GGUF reader repacks into this
+layout as it is read (``read_q8``), with no rounding.
+
 The safetensors metadata records it: ``kestrel.quant = "q8"``, ``kestrel.group_size``,
 ``kestrel.lm_head = "q8" | "full"``, ``kestrel.n_align``, ``kestrel.layout`` and
 ``kestrel.untied`` (``"true"`` when a tied lm_head was split off). The output is
@@ -99,11 +103,12 @@ class Q8Tensor:
     k: int
     group: int
     n_pad: int
+    packed: bool = False  # stored as one tensor of another format's blocks (a GGUF's Q8_0), repacked by ``read_q8``
 
     @property
-    def stored(self) -> tuple[str, str]:
+    def stored(self) -> tuple[str, ...]:
         """The checkpoint tensors it is stored as (what a reader maps, and drops the pages of)."""
-        return self.qweight, self.scales
+        return (self.name,) if self.packed else (self.qweight, self.scales)
 
     @property
     def n_groups(self) -> int:
@@ -200,6 +205,14 @@ def read_quant(ckpt: Checkpoint, cfg: ModelConfig) -> QuantInfo | None:
     return QuantInfo(method, group, lm_head, align, tensors)
 
 
+def read_q8(ckpt, t: Q8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s qweight int8 [K, Npad] and scales f32 [K/group, Npad]: views of its two stored tensors, or, where it is
+    ``packed``, its GGUF Q8_0 tensor repacked into this layout (``GGUFCheckpoint.q8``, no rounding)."""
+    if t.packed:
+        return ckpt.q8(t.name)
+    return ckpt.view(t.qweight), ckpt.view(t.scales)
+
+
 # --- the math ---------------------------------------------------------------------
 def quantize(w: torch.Tensor, group: int, align: int = N_ALIGN) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] (any float dtype) -> qweight int8 [K, Npad], scales f32 [K/group, Npad]."""
@@ -251,5 +264,6 @@ __all__ = [
     "q8_names",
     "q8_nbytes",
     "quantize",
+    "read_q8",
     "read_quant",
 ]

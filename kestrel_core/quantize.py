@@ -1,4 +1,9 @@
-"""``kestrel quantize``: write a q8 copy of a float checkpoint (the format: ``quant``), atomically."""
+"""``kestrel quantize``: write a q8 copy of a float checkpoint (the format: ``quant``), atomically.
+
+From a GGUF file (``--from x.gguf``) at group 32, a Q8_0 weight is copied as it is stored (Q8_0 is q8 with group 32:
+no rounding), and every other weight is quantized from its float32 dequantization; the config, tokenizer, chat
+template and end-of-sequence ids of its metadata become the directory's config.json, tokenizer.json,
+tokenizer_config.json and generation_config.json."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from . import hub, progress
 from .checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from .devices import compute_device
 from .engine import Model
+from .gguf_model import names_gguf
+from .gguf_quants import Q8_0_GROUP
 from .modelconfig import read_json
 from .outdir import check_output, is_model_file, model_output
 from .quant import (GROUP_SIZES, LAYOUT, META_GROUP, META_LAYOUT, META_LM_HEAD, META_N_ALIGN, META_QUANT, META_UNTIED,
@@ -56,11 +63,13 @@ def quantize_checkpoint(
     device: str = "cpu",
     force: bool = False,
 ) -> dict:
-    """Write a q8 copy of a float Hugging Face directory; returns a summary. Under ``progress.shown`` a bar
-    counts the linear weights quantized."""
+    """Write a q8 copy of a float Hugging Face directory or of a GGUF file; returns a summary. Under
+    ``progress.shown`` a bar counts the linear weights quantized."""
     group = parse_group_size(group)
     device = compute_device(device)
-    src, out = hub.resolve(model_dir), Path(out_dir)  # a directory, or a name in the Hugging Face cache
+    gguf = names_gguf(model_dir)
+    src = Path(model_dir) if gguf else hub.resolve(model_dir)  # a directory, or a name in the Hugging Face cache
+    out = Path(out_dir)
     if src.is_dir() and out.exists() and out.resolve() == src.resolve():
         raise QuantError("--out must be a different directory from --model")
     check_output(out, force)  # before any work
@@ -97,6 +106,7 @@ def quantize_checkpoint(
             key=lambda it: (-DTYPES[it.dtype][2], it.name),  # widest first: every tensor stays aligned to its itemsize
         )
         items += floats
+        copied = [name for name in qspecs if gguf and group == Q8_0_GROUP and ckpt.info(source[name]).ggml_type == "Q8_0"]
         metadata = {
             "format": "pt",
             META_QUANT: METHOD,
@@ -109,8 +119,10 @@ def quantize_checkpoint(
 
         def tensors(bar) -> Iterator[torch.Tensor]:
             for name in qspecs:
-                # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
-                qweight, scales = quantize(ckpt.view(source[name]).to(device), group)
+                if name in copied:  # a GGUF's Q8_0 is q8 with group 32: its bytes, repacked
+                    qweight, scales = ckpt.q8(source[name])
+                else:  # IEEE division and rounding: the same bytes on any device, the GPU is just faster.
+                    qweight, scales = quantize(ckpt.view(source[name]).to(device), group)
                 yield qweight.cpu()
                 yield scales.cpu()
                 ckpt.drop_pages([source[name]])  # keep the reader's RSS to about one tensor on big models
@@ -121,14 +133,17 @@ def quantize_checkpoint(
         with model_output(out, force) as tmp:
             with progress.bar(len(qspecs), "quantize", "weight") as bar:
                 write_safetensors(tmp / OUT_FILE, items, tensors(bar), metadata)
-            raw = read_json(src / "config.json")
+            raw = ckpt.config_dict() if gguf else read_json(src / "config.json")
             if untie:
                 raw["tie_word_embeddings"] = False
             (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-            for p in sorted(src.iterdir()):  # the tokenizer and generation files; the weights are new
-                if p.is_file() and is_model_file(p.name) and p.suffix != ".safetensors" and p.name not in (
-                        "config.json", "model.safetensors.index.json"):
-                    shutil.copyfile(p, tmp / p.name)
+            if gguf:
+                write_gguf_side_files(model, tmp)
+            else:
+                for p in sorted(src.iterdir()):  # the tokenizer and generation files; the weights are new
+                    if p.is_file() and is_model_file(p.name) and p.suffix != ".safetensors" and p.name not in (
+                            "config.json", "model.safetensors.index.json"):
+                        shutil.copyfile(p, tmp / p.name)
             written = (tmp / OUT_FILE).stat().st_size
         src_bytes = sum(f.size for f in ckpt.files.values())
     return {
@@ -137,11 +152,28 @@ def quantize_checkpoint(
         "lm_head": metadata[META_LM_HEAD],
         "untied": untie,
         "quantized": len(qspecs),
+        "copied": len(copied),  # of them, a GGUF's Q8_0 weights copied as they are (0 for a float checkpoint)
         "experts": sum(".mlp.experts." in name for name in qspecs),  # of them, expert weights (0 for a dense model)
         "float_routers": sum(cfg.moe_layer(layer) for layer in range(cfg.num_hidden_layers)),  # kept in their dtype
         "source_bytes": src_bytes,
         "bytes": written,
     }
+
+
+def write_gguf_side_files(model: Model, out: Path) -> None:
+    """What a GGUF's metadata holds besides its config, as a Hugging Face directory holds it: tokenizer.json (where kestrel
+    builds the tokenizer), tokenizer_config.json (its special tokens and chat template) and generation_config.json (the
+    ids that end a generation, eos and end-of-turn)."""
+    ckpt = model.checkpoint
+    if model.tokenizer is not None:
+        ckpt.hf_tokenizer().save(str(out / "tokenizer.json"))
+    config = dict(ckpt.special_tokens())
+    template = ckpt.value("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": model.config.bos_token_id, "eos_token_id": sorted(model.eos_ids)}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def write_safetensors(path: Path, items: list[_Item], tensors: Iterator[torch.Tensor], metadata: dict[str, str]) -> None:

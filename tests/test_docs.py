@@ -46,7 +46,7 @@ DOCS = ROOT / "docs"
 # The pages whose blocks are run. A docs page of another part joins by following the conventions above.
 RUN = ["README.md", "docs/cli.md", "docs/plugins.md", "docs/gates.md", "docs/moe.md", "docs/q8.md",
        "docs/backends.md", "docs/performance.md", "docs/decode-graphs.md", "docs/chat.md", "docs/models.md",
-       "docs/serve.md"]
+       "docs/serve.md", "docs/gguf.md"]
 LANGUAGES = {"sh", "python", "toml", "text"}
 SKIPS = {"gpu", "download", "install", "server"}
 MARKER = re.compile(r"<!-- docs-test: (\S+)(?: (\S+))? -->")

@@ -70,7 +70,7 @@ class CpuRefBackend(Backend):
             buffer.copy_(self.ckpt.view(source))  # touches the mapped pages
 
     def _dequantize(self, out, q8):
-        return quant.dequantize_into(out, self.ckpt.view(q8.qweight), self.ckpt.view(q8.scales), q8.group)
+        return quant.dequantize_into(out, *quant.read_q8(self.ckpt, q8), q8.group)
 
     def _resident(self, name):
         q8 = self._q8.get(name)  # a q8 lm_head: dequantized once, resident for the run

@@ -190,8 +190,8 @@ class CudaBackend(Backend):
         if {tuple(e.name for e in u.entries) for u in experts} != {("gate_up", "down")}:
             return None
         q8_params = None
-        if self.quant:
-            gu, dn = (e.geometry for e in experts[0].entries)
+        gu, dn = (e.geometry for e in experts[0].entries)
+        if q8.is_q8_geometry(gu):  # every expert is (a GGUF's q8 holds its experts whole or not at all: gguf_model)
             q8_params = (gu.shape[0] // gu.layout[2], gu.shape[1], dn.shape[1])  # group, gate_up n_pad, down n_pad
         cfg = self.cfg
         return grouped_experts.GroupedExperts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,

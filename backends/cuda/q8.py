@@ -149,14 +149,16 @@ def stage_q8(ckpt: Checkpoint, parts: Sequence[quant.Q8Tensor], pin_memory: bool
     else:
         w = Q8Weight.empty(n, k, group, n_pad, pin_memory=pin_memory)
     if len(parts) == 1:
-        w.qweight.copy_(ckpt.view(parts[0].qweight))
-        w.scales.copy_(ckpt.view(parts[0].scales))
+        qweight, scales = quant.read_q8(ckpt, parts[0])
+        w.qweight.copy_(qweight)
+        w.scales.copy_(scales)
         return w
     w.raw.zero_()
     at = 0
     for p in parts:
-        w.qweight[:, at : at + p.n].copy_(ckpt.view(p.qweight)[:, : p.n])
-        w.scales[:, at : at + p.n].copy_(ckpt.view(p.scales)[:, : p.n])
+        qweight, scales = quant.read_q8(ckpt, p)  # a GGUF's Q8_0: repacked from its blocks, not dequantized
+        w.qweight[:, at : at + p.n].copy_(qweight[:, : p.n])
+        w.scales[:, at : at + p.n].copy_(scales[:, : p.n])
         at += p.n
     return w
 

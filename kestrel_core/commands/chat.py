@@ -9,7 +9,7 @@ import warnings
 import attrs
 
 from .. import progress, template_limits
-from ..chat_template import RESERVED, ChatTemplate, load_chat_template
+from ..chat_template import RESERVED, ChatTemplate
 from ..config import GenerationConfig
 from ..errors import ConfigError, KestrelNote
 from ..engine import Model, load
@@ -47,7 +47,7 @@ def run(args) -> int:
         if model.tokenizer is None:
             raise ConfigError(f"{model.dir} has no tokenizer.json, and chat turns text into ids through it: a model "
                               "without a tokenizer cannot chat; use `kestrel generate --prompt-ids 1,2,3`")
-        template = load_chat_template(model.dir)
+        template = model.chat_template()
         ends = end_ids(model, template)
         with model.open(cfg) as r:
             chat = Chat(r, template, ends, variables, args.system)

@@ -20,8 +20,8 @@ def parse_ids(text: str) -> list[int]:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors), or a name in the local "
-                   "Hugging Face cache such as Qwen/Qwen3-8B (never downloaded)")
+    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors), a GGUF file (x.gguf), "
+                   "or a name in the local Hugging Face cache such as Qwen/Qwen3-8B (never downloaded)")
     p.add_argument("--config", help="kestrel.toml; flags override it")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -117,7 +117,7 @@ def _int(value, flag):
 
 def model_dir(cfg: KestrelConfig) -> str:
     if not cfg.model:
-        raise ConfigError("no model given: pass --model DIR or --model ORG/NAME from the Hugging Face cache "
+        raise ConfigError("no model given: pass --model DIR, --model FILE.gguf or --model ORG/NAME from the Hugging Face cache "
                           "(or model = \"...\" in kestrel.toml); `kestrel demo` needs none")
     return cfg.model
 

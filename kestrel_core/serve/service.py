@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ..chat_template import ChatTemplate, load_chat_template
+from ..chat_template import ChatTemplate
 from ..commands.chat import end_ids
 from ..commands.common import model_dir
 from ..config import KestrelConfig
@@ -85,7 +85,7 @@ class Service:
             raise ConfigError(f"{model.dir} has no tokenizer.json, and kestrel serve answers in text; "
                               "use `kestrel generate --prompt-ids` for a model without one")
         try:
-            self.template = load_chat_template(model.dir)
+            self.template = model.chat_template()
             self.chat_ends = end_ids(model, self.template)
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)

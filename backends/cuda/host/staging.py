@@ -127,22 +127,32 @@ class Filler:
     def sources(self, entries: Sequence[SlotEntry], dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Each part's bytes: where it is stored in ``dtype`` (the slot's), a ``PartRead`` that reads it into the slot
         (and counts it); else the mapping's view where all its pages are cached, which the ring converts as it
-        copies, or a tensor of its stored dtype and shape read from disk."""
+        copies, or a tensor of its stored dtype and shape read from disk. A part whose stored bytes are not its view's (a
+        GGUF's quantized or permuted tensor, ``info.raw`` False) is its view, made from the mapping (dequantized to float32),
+        hot or cold by its stored bytes."""
         views: dict[str, Any] = {}
+        made: set[str] = set()  # parts made in memory from their stored bytes (a GGUF's quantized or permuted tensor)
         for e in entries:
             for n in e.parts:
                 part = self._parts.get((n, dtype))
                 if part is None:
+                    info = self.ckpt.info(n)
+                    if not info.raw:  # its file bytes are not the view's: made from the mapping, counted by what it read
+                        hot = range_cached(self._fd(self.ckpt.file_of(n).path), info.start, info.nbytes)
+                        views[n] = self.ckpt.view(n)
+                        made.add(n)
+                        self.count(**{"hot" if hot else "cold": info.nbytes})
+                        continue
                     v = self.ckpt.view(n)
                     if v.dtype != dtype or v.dim() != 2:
                         views[n] = v
                         continue
-                    info, f = self.ckpt.info(n), self.ckpt.file_of(n)
+                    f = self.ckpt.file_of(n)
                     part = self._parts[(n, dtype)] = PartRead(self, self._fd(f.path), info.start, info.nbytes, v.shape[0],
                                                               str(f.path), v.data_ptr(), self._direct(f) if self.direct else None)
                     self._reads_itself.add(n)
                 views[n] = part
-        rest = [n for n, v in views.items() if not isinstance(v, PartRead)]
+        rest = [n for n, v in views.items() if not isinstance(v, PartRead) and n not in made]
         cached = {n for n in rest if cached_fraction(views[n]) == 1.0}
         for n in rest:
             nbytes = views[n].numel() * views[n].element_size()
