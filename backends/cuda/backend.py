@@ -227,7 +227,8 @@ class CudaBackend(Backend):
             raise ConfigError(
                 f"the host ring stages float checkpoints; this q8 checkpoint's {staged / 2**20:,.0f} MiB are pinned whole, "
                 f"over the host budget of {self.host_budget.bytes // 2**20} MiB ({self.host_budget.source}): raise "
-                "--host-budget-mb or KESTREL_HOST_MB, or run the float checkpoint")
+                "--host-budget-mb or KESTREL_HOST_MB, or run a float checkpoint (for a GGUF with Q8_0 weights: "
+                "one of other types, or its weights written as safetensors)")
         ctx.host.discard(key)  # an earlier run's full staging would pin more than this run's budget
         size = slot_bytes(self._slot_entries.values(), self.dtype)
         depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))
