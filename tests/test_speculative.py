@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-
 from cli_helpers import fails
+
+from bench.scenarios.speculative import Oracle, OraclePlugin  # a drafter plugin that knows the answer
 from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.config import GenerationConfig
 from kestrel_core.errors import ConfigError
-from kestrel_core.hookspecs import hookimpl
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.sampling import Sampler
 from kestrel_core.scheduler import Scheduler
@@ -42,35 +42,6 @@ def test_greedy_ids_are_plain_greedy(tiny_ckpt, draft_ckpt, settings, draft):
     s = spec.speculative
     assert s["passes"] == len(spec.decode_ms) and s["kept"] == len(spec.token_ids) - 1
     assert s["kept"] == s["passes"] + s["accepted"]  # each pass keeps its accepted drafts and one of its own
-
-
-class Oracle:
-    """A third-party drafter that knows the answer: the target's own greedy continuation."""
-
-    name = "oracle"
-    answer: list[int] = []
-
-    def __init__(self, arg=None, run=None):
-        pass
-
-    def begin(self, prompt_ids):
-        self.prompt = len(prompt_ids)
-
-    def propose(self, context, k):
-        done = len(context) - self.prompt
-        return self.answer[done : done + k], None
-
-    def accepted(self, context):
-        pass
-
-    def close(self):
-        pass
-
-
-class OraclePlugin:
-    @hookimpl
-    def register_drafters(self, register):
-        register("oracle", Oracle)
 
 
 def test_a_plugin_drafter_that_is_always_right_keeps_k_plus_one_a_pass(tiny_ckpt, register_plugin):
