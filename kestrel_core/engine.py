@@ -28,6 +28,7 @@ from .batch import BUCKETS, Batch, Request, generate_one
 from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
 from .host import HostStore
+from .hub import NotCachedError
 from .gguf_model import names_gguf, open_gguf
 from .modeldir import read_model_dir
 from .plan import Counters
@@ -98,7 +99,12 @@ def make_drafter(spec, run: "Run") -> Drafter | None:
     drafters = plugins.registry("drafters")
     if name in drafters:
         return _checked("drafter", name, drafters[name].factory(arg=arg or None, run=run), Drafter)
-    return _checked("drafter", "model", plugins.lookup("drafters", "model").factory(arg=spec.draft, run=run), Drafter)
+    try:
+        draft = plugins.lookup("drafters", "model").factory(arg=spec.draft, run=run)
+    except NotCachedError as exc:
+        names = ", ".join(sorted(n for n in drafters if n != "model"))
+        raise ConfigError(f"draft {spec.draft!r} names no registered drafter ({names}) and no model: {exc}") from None
+    return _checked("drafter", "model", draft, Drafter)
 
 
 def expert_table(res, model: "Model", backend: Backend) -> bool:

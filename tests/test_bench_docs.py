@@ -83,7 +83,7 @@ def test_new_stream_records_take_over_the_headline_and_the_picture(tmp_path):
     head, picture = tables.headline(recs), tables.headline_picture(recs)
     for text, (name, rec) in ((head, made["headline"]), (picture, made["sweep"])):
         assert name in text and "older bench scripts" not in text
-        assert rec["stamp"]["commit"][:7] in text and rec["stamp"]["command"] in text
+        assert tables.short(rec["stamp"]["commit"]) in text and rec["stamp"]["command"] in text
     assert made["sweep"][0] not in head and made["headline"][0] not in picture
     off = made["sweep"][1]["result"]["rows"][0]
     assert f"{off['summary']['p50']:.2f}" in picture

@@ -13,7 +13,7 @@ import pytest
 from kestrel_core import hookspecs, plugins
 from kestrel_core.config import KestrelConfig
 from kestrel_core.engine import Model
-from kestrel_core.errors import PluginError
+from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.plan import Advice
 from kestrel_cpu_ref.backend import CpuRefBackend
@@ -191,6 +191,63 @@ def test_a_name_registered_twice_is_an_error(register_plugin):
     register_plugin(Again(), "again")
     with pytest.raises(PluginError, match="policy 'asymmetric' is registered twice"):
         plugins.registry("policies")
+
+
+class RepeatLast:
+    """A third-party drafter: proposes the last token ``k`` times (mostly wrong, which is the point)."""
+
+    name = "repeat_last"
+
+    def __init__(self, arg=None, run=None):
+        self.k_seen = []
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, k):
+        self.k_seen.append(k)
+        return [context[-1]] * k, None
+
+    def accepted(self, context):
+        pass
+
+    def close(self):
+        pass
+
+
+class ThirdPartyDrafters:
+    @hookimpl
+    def register_drafters(self, register):
+        register("repeat_last", RepeatLast)
+
+
+def test_a_third_party_drafter_is_found_by_name_and_changes_no_id(tiny_ckpt, register_plugin):
+    from kestrel_core import load
+
+    with load(tiny_ckpt) as model:
+        with pytest.raises(ConfigError, match=r"draft 'repeat_last' names no registered drafter \(ngram\) and no model: "
+                                              r"model 'repeat_last' is not a directory"):
+            model.open(keep=1, draft="repeat_last")
+        register_plugin(ThirdPartyDrafters(), "third-party-drafters")
+        assert plugins.lookup("drafters", "repeat_last").factory is RepeatLast
+        with model.open(keep=1) as r:
+            plain = r.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, stop_at_eos=False)
+        with model.open(keep=1, draft="repeat_last", draft_tokens=3) as r:
+            spec = r.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids
+    s = spec.speculative
+    assert s["passes"] >= 1 and s["drafted"] > 0 and s["kept"] == len(spec.token_ids) - 1
+
+
+def test_a_drafter_name_registered_twice_is_an_error(register_plugin):
+    class Again:
+        @hookimpl
+        def register_drafters(self, register):
+            register("ngram", RepeatLast)
+
+    register_plugin(Again(), "again")
+    with pytest.raises(PluginError, match="drafter 'ngram' is registered twice"):
+        plugins.registry("drafters")
 
 
 def test_an_on_layer_advance_observer_sees_every_boundary(tiny_ckpt, register_plugin):
