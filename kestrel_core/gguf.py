@@ -577,7 +577,7 @@ class GGUFCheckpoint:
                 t = t.view(torch.bfloat16)
             t = t.reshape(info.shape)
         else:
-            t = torch.from_numpy(gq.dequantize(raw, stored.qtype, info.shape))
+            t = gq.dequantize(raw, stored.qtype, info.shape)
         if info.permuted:
             t = t[torch.from_numpy(self._unpermute(info))]
         return t
