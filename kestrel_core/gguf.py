@@ -83,6 +83,10 @@ from . import gguf_quants as gq
 MAGIC = b"GGUF"
 SUFFIX = ".gguf"
 CORRUPT = "the file is truncated or corrupt: re-download or re-create it"
+# Bounds on what a header may declare, far above any real model's (a few dozen keys, a vocabulary of 262k tokens,
+# a few thousand tensors), so that a hostile count is refused before anything is read or allocated for it
+MAX_KEYS, MAX_ARRAY, MAX_TENSORS = 2**16, 2**22, 2**20
+VERSIONS = (2, 3)  # what gguf reads and llama.cpp writes (3 since 2023)
 # general.architecture -> kestrel's model_type
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
@@ -206,7 +210,69 @@ def _read(path: Path):
     import gguf
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    ARRAY, STRING = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.STRING)
+
     class Reader(gguf.GGUFReader):
+        """gguf's reader, stopped at the first count, length or read that the file cannot hold: gguf's own loops over a
+        declared length and reads past the end as empty arrays, so a hostile header would run it for hours."""
+
+        _key = "the header"
+
+        _sizes: dict = {}
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            size = self._sizes.get(dtype) or self._sizes.setdefault(dtype, np.dtype(dtype).itemsize)
+            end = int(offset) + size * int(count)
+            if end > len(self.data):
+                raise _Problem(f"{self._key} runs past the end of the file (to byte {end:,} of {len(self.data):,}); {CORRUPT}")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _counted(self, count: int, what: str, limit: int, offs: int, least: int) -> None:
+            left = len(self.data) - offs
+            if count > limit or count * least > left:
+                raise _Problem(f"the header declares {int(count):,} {what}, more than the {left:,} bytes left in the file "
+                               f"hold (or over the {limit:,} kestrel reads); {CORRUPT}")
+
+        def _build_fields(self, offs, count):
+            self._counted(count, "metadata keys", MAX_KEYS, offs, 8 + 4 + 1)
+            for _ in range(int(count)):  # one at a time, so that an error names the key
+                self._key = "a metadata key"
+                n = int(self._get(offs, np.uint64)[0])
+                self._key = f"metadata {bytes(self._get(offs + 8, np.uint8, n)).decode('utf-8', 'replace')[:80]}"
+                offs = super()._build_fields(offs, 1)
+            self._key = "the header"
+            return offs
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == ARRAY:
+                itype = int(self._get(orig_offs, np.uint32)[0])
+                n = int(self._get(orig_offs + 4, np.uint64)[0])
+                if itype == ARRAY:
+                    raise _Problem(f"{self._key} is an array of arrays, which no model GGUF holds; {CORRUPT}")
+                scalar = self.gguf_scalar_to_np.get(itype)
+                least = 8 if itype == STRING else np.dtype(scalar).itemsize if scalar else 1
+                left = len(self.data) - orig_offs - 12
+                if n > MAX_ARRAY or n * least > left:
+                    raise _Problem(f"{self._key} declares {n:,} entries, more than the {left:,} bytes left in the file "
+                                   f"hold (or over the {MAX_ARRAY:,} kestrel reads); {CORRUPT}")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_tensor_info(self, offs, count):
+            self._counted(count, "tensors", MAX_TENSORS, offs, 8 + 4 + 4 + 8)
+            offs, fields = super()._build_tensor_info(offs, count)
+            self._key = "the header"
+            return offs, fields
+
+        def _get_tensor_info_field(self, orig_offs):
+            self._key = "a tensor's name"
+            n = int(self._get(orig_offs, np.uint64)[0])
+            name = bytes(self._get(orig_offs + 8, np.uint8, n)).decode("utf-8", "replace")
+            self._key = f"tensor {name[:80]!r}"
+            n_dims = int(self._get(orig_offs + 8 + n, np.uint32)[0])
+            if not 1 <= n_dims <= 4:
+                raise _Problem(f"tensor {name[:80]!r} has {n_dims} dimensions; a GGUF tensor has 1 to 4; {CORRUPT}")
+            return super()._get_tensor_info_field(orig_offs)
+
         def _build_tensors(self, start_offs, fields):  # name each bad tensor before gguf fails on it less clearly
             size = len(self.data)
             try:
@@ -214,7 +280,11 @@ def _read(path: Path):
                             start_offs + int(f.parts[5][0])) for f in fields]
             except Exception:  # another gguf version's layout: leave the checks to it
                 checked = []
+            spans = []
             for name, ne, raw_type, at in checked:
+                if (at - start_offs) % self.alignment:
+                    raise _Problem(f"tensor {name!r} starts at data byte {at - start_offs}, not a multiple of the file's "
+                                   f"alignment {self.alignment}; {CORRUPT}")
                 try:
                     qtype = GGMLQuantizationType(raw_type)
                 except ValueError:
@@ -228,6 +298,11 @@ def _read(path: Path):
                 if end > size:
                     raise _Problem(f"tensor {name!r} ends at byte {end} but the file has {size}; the file is truncated: "
                                    "re-download or re-create it")
+                spans.append((at - start_offs, end - start_offs, name))
+            spans.sort()
+            for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+                if s1 < e0:
+                    raise _Problem(f"tensors {a!r} (data bytes {s0}-{e0}) and {b!r} (data bytes {s1}-{e1}) overlap; {CORRUPT}")
             super()._build_tensors(start_offs, fields)
 
     reader = Reader(path)
@@ -312,10 +387,18 @@ class GGUFCheckpoint:
         if st.st_size < 24:
             raise CheckpointError(f"{self.path}: truncated ({st.st_size} bytes, no GGUF header); re-download or re-create it")
         with open(self.path, "rb") as fh:
-            magic = fh.read(4)
+            head = fh.read(8)
+        magic, version = head[:4], int.from_bytes(head[4:8], "little")
         if magic != MAGIC:
             raise CheckpointError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a .gguf "
                                   "file, or a Hugging Face model directory")
+        if version & 0xFFFF == 0 and int.from_bytes(head[4:8], "big") in VERSIONS:
+            raise CheckpointError(f"{self.path}: a big-endian GGUF; kestrel reads little-endian GGUF files (what llama.cpp "
+                                  "writes on x86 and ARM): convert the model on a little-endian machine")
+        if version not in VERSIONS:
+            raise CheckpointError(f"{self.path}: GGUF version {version}, which kestrel does not read (it reads versions "
+                                  f"{' and '.join(map(str, VERSIONS))}, what llama.cpp writes); re-convert the model with a "
+                                  "current llama.cpp, or re-download it")
         return st.st_size
 
     def _fail(self, what: str) -> CheckpointError:

@@ -1,0 +1,131 @@
+"""Hostile GGUF files: headers whose counts and lengths point past the file, arrays of absurd length, tensors that
+overlap, metadata of the wrong type. Each is one line naming the field and the fix, refused fast and small (the
+reader must not loop over a declared length or allocate for it before it finds the file too short)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import signal
+import struct
+import time
+
+import pytest
+
+from kestrel_core.errors import CheckpointError
+from kestrel_core.gguf import GGUFCheckpoint
+from tests.gguf_files import write_model
+
+ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
+
+
+def _key_end(data: bytes, key: str) -> int:
+    """The offset just after metadata key ``key`` (its u64 length and bytes) in ``data``."""
+    k = struct.pack("<Q", len(key)) + key.encode()
+    return data.index(k) + len(k)
+
+
+def _tensor_info(data: bytes, name: str) -> int:
+    """The offset of tensor ``name``'s n_dims in the header (after its name)."""
+    return _key_end(data, name)
+
+
+def _patched(tmp_path, edit) -> str:
+    """A small valid model GGUF with ``edit(bytearray)`` applied to its bytes."""
+    path, _ = write_model(tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    edit(data)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _put(at: int, fmt: str, *values):
+    def edit(data: bytearray):
+        packed = struct.pack(fmt, *values)
+        data[at : at + len(packed)] = packed
+    return edit
+
+
+def _array(key: str, itype: int, length: int):
+    """Re-declare metadata array ``key`` as ``length`` entries of ``itype``."""
+    def edit(data: bytearray):
+        at = _key_end(data, key) + 4  # past the value type (ARRAY)
+        data[at : at + 12] = struct.pack("<IQ", itype, length)
+    return edit
+
+
+def _tensor_offset(name: str, offset: int):
+    def edit(data: bytearray):
+        at = _tensor_info(data, name)
+        n_dims = struct.unpack_from("<I", data, at)[0]
+        struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, offset)
+    return edit
+
+
+def _data_offset(data: bytes, name: str) -> int:
+    at = _tensor_info(data, name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    return struct.unpack_from("<Q", data, at + 4 + 8 * n_dims + 4)[0]
+
+
+class TookTooLong(BaseException):  # not caught as a parse error
+    pass
+
+
+def _opened_within(path, seconds: float = 2.0):
+    """GGUFCheckpoint(path), stopped by an alarm after ``seconds`` (a reader that loops over a declared length would
+    otherwise run for hours)."""
+    def ring(*_):
+        raise TookTooLong(f"opening {path} took over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return GGUFCheckpoint(path)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+HOSTILE = {
+    # an array of bytes declared 2**60 long: gguf's reader loops over the declared length, reading nothing past the end
+    "u8 array of 2**60": (_array("tokenizer.ggml.token_type", UINT8, 2**60),
+                          r"metadata tokenizer.ggml.token_type declares 1,152,921,504,606,846,976 entries"),
+    "u8 array of 10**9": (_array("tokenizer.ggml.token_type", UINT8, 10**9),
+                          r"metadata tokenizer.ggml.token_type declares 1,000,000,000 entries, more than the .* bytes"),
+    "array of arrays": (_array("tokenizer.ggml.merges", ARRAY, 5), r"metadata tokenizer.ggml.merges is an array of arrays"),
+    "string of 2**60": (lambda d: struct.pack_into("<Q", d, _key_end(d, "tokenizer.ggml.model") + 4, 2**60),
+                        r"metadata tokenizer.ggml.model runs past the end of the file"),
+    "tokens of 2**60": (_array("tokenizer.ggml.tokens", STRING, 2**60),
+                        r"metadata tokenizer.ggml.tokens declares 1,152,921,504,606,846,976 entries"),
+    "n_kv 2**63": (_put(16, "<Q", 2**63), r"the header declares 9,223,372,036,854,775,808 metadata keys"),
+    "n_tensors 2**63": (_put(8, "<Q", 2**63), r"the header declares 9,223,372,036,854,775,808 tensors"),
+    "version 1": (_put(4, "<I", 1), r"GGUF version 1, which kestrel does not read \(it reads versions 2 and 3"),
+    "version 999": (_put(4, "<I", 999), r"GGUF version 999, which kestrel does not read"),
+    "big-endian": (_put(4, ">I", 3), r"a big-endian GGUF; kestrel reads little-endian"),
+    "5 dims": (lambda d: struct.pack_into("<I", d, _tensor_info(d, "blk.0.ffn_up.weight"), 5),
+               r"tensor 'blk.0.ffn_up.weight' has 5 dimensions"),
+    "0 dims": (lambda d: struct.pack_into("<I", d, _tensor_info(d, "blk.0.ffn_up.weight"), 0),
+               r"tensor 'blk.0.ffn_up.weight' has 0 dimensions"),
+    "overlapping tensors": (lambda d: _tensor_offset("blk.0.ffn_up.weight", _data_offset(d, "blk.0.ffn_gate.weight"))(d),
+                            r"tensors 'blk.0.ffn_gate.weight' \(data bytes \d+-\d+\) and 'blk.0.ffn_up.weight' "
+                            r"\(data bytes \d+-\d+\) overlap"),
+    "unaligned tensor": (lambda d: _tensor_offset("blk.0.ffn_up.weight", _data_offset(d, "blk.0.ffn_up.weight") + 4)(d),
+                         r"tensor 'blk.0.ffn_up.weight' starts at data byte \d+, not a multiple of the file's alignment 32"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_hostile_header_is_refused_fast_and_small_in_one_line(kind, tmp_path):
+    edit, want = HOSTILE[kind]
+    path = _patched(tmp_path, edit)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        _opened_within(path)
+    took = time.perf_counter() - t0
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert re.search(want, message), message
+    assert took < 1.0 and grew < 64 * 1024, (took, grew)
