@@ -70,16 +70,18 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
         raise CheckpointError(f"{where}: tokenizer.ggml.model is {kind!r}; kestrel builds only 'gpt2' (byte-level BPE) "
                               "tokenizers from a GGUF: pass --prompt-ids, or run the model's Hugging Face directory")
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str):
+        raise CheckpointError(f"{where}: tokenizer.ggml.pre is {_kind(pre)}, not a string; the file is corrupt: re-convert it")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{where}: tokenizer.ggml.pre is {pre!r}, which kestrel does not know; known: "
                               f"{', '.join(PRE_TOKENIZERS)} (pass --prompt-ids, or run the model's Hugging Face directory)")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not tokens:
+    tokens = _array(meta, "tokenizer.ggml.tokens", str, where)
+    merges = _array(meta, "tokenizer.ggml.merges", str, where)
+    if not tokens:
         raise CheckpointError(f"{where}: tokenizer.ggml.tokens is missing or empty; the GGUF has no vocabulary: re-convert it")
-    if not isinstance(merges, list):
+    if merges is None:
         raise CheckpointError(f"{where}: tokenizer.ggml.merges is missing; a gpt2 tokenizer needs its merges: re-convert it")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = _array(meta, "tokenizer.ggml.token_type", int, where) or [1] * len(tokens)
     if len(types) != len(tokens):
         raise CheckpointError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens "
                               f"has {len(tokens)}; the file is corrupt: re-convert it")
@@ -88,17 +90,18 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
         vocab.setdefault(tok, i)  # a duplicate (some converters pad with repeats) keeps its first id, as llama.cpp's map
     pairs = []
     for m in merges:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise CheckpointError(f"{where}: tokenizer.ggml.merges holds {m!r}, not two tokens separated by a space; "
+        parts = m.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges holds {m[:60]!r}, not two tokens separated by a space; "
                                   "the file is corrupt: re-convert it")
-        pairs.append((a, b))
+        pairs.append((parts[0], parts[1]))
     make_pre, nfc, ignore_merges = PRE_TOKENIZERS[pre]
     try:
         extra = {"ignore_merges": True} if ignore_merges else {}  # tokenizers >= 0.19; llama.cpp's llama3 looks words up first
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, **extra)
     except Exception as exc:  # a merge of a token not in the vocabulary
-        raise CheckpointError(f"{where}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc}); re-convert it") from None
+        raise CheckpointError(f"{where}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens "
+                              f"({' '.join(str(exc).split())[:160]}); re-convert it") from None
     tok = HFTokenizer(bpe)
     if nfc:
         tok.normalizer = normalizers.NFC()
@@ -109,6 +112,28 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
     tok.add_special_tokens(special)
     tok.add_tokens(plain)
     return tok
+
+
+def _kind(value: Any) -> str:
+    """What a metadata value is, for an error: "an array", "a string", "an int"..."""
+    name = {list: "array", str: "string", int: "int", float: "float", bool: "bool"}.get(type(value), type(value).__name__)
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _array(meta: Mapping[str, Any], key: str, kind: type, where: str) -> list | None:
+    """Metadata array ``key`` whose every entry is a ``kind`` (None where it is absent); anything else is an error naming
+    the key."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    want = f"an array of {'strings' if kind is str else 'ints'}"
+    if not isinstance(value, list):
+        raise CheckpointError(f"{where}: {key} is {_kind(value)}, not {want}; the file is corrupt: re-convert it")
+    for v in value:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise CheckpointError(f"{where}: {key} holds {repr(v)[:60]}, not {'a string' if kind is str else 'an int'}; "
+                                  "the file is corrupt: re-convert it")
+    return value
 
 
 SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from kestrel_core.errors import CheckpointError
+from kestrel_core import load
+from kestrel_core.errors import CheckpointError, KestrelNote
 from kestrel_core.gguf import GGUFCheckpoint
-from tests.gguf_files import write_model
+from tests.gguf_files import MERGES, VOCAB, write_model
 
 ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
 
@@ -129,3 +130,30 @@ def test_a_hostile_header_is_refused_fast_and_small_in_one_line(kind, tmp_path):
     assert "\n" not in message and message.startswith(str(path)), message
     assert re.search(want, message), message
     assert took < 1.0 and grew < 64 * 1024, (took, grew)
+
+
+# --- the vocabulary's metadata of the wrong type or shape ---------------------------------------------------------
+BAD_VOCAB = {
+    "pre an array": ({"tokenizer.ggml.pre": ["qwen2"]}, r"tokenizer.ggml.pre is an array, not a string"),
+    "tokens a string": ({"tokenizer.ggml.tokens": "abc"}, r"tokenizer.ggml.tokens is a string, not an array of strings"),
+    "tokens ints": ({"tokenizer.ggml.tokens": list(range(VOCAB))}, r"tokenizer.ggml.tokens holds 0, not a string"),
+    "merges a string": ({"tokenizer.ggml.merges": "a b"}, r"tokenizer.ggml.merges is a string, not an array of strings"),
+    "merges ints": ({"tokenizer.ggml.merges": [1, 2, 3]}, r"tokenizer.ggml.merges holds 1, not a string"),
+    "merge of 3 parts": ({"tokenizer.ggml.merges": ["Ġ t x", *MERGES[1:]]},
+                         r"tokenizer.ggml.merges holds 'Ġ t x', not two tokens separated by a space"),
+    "token_type a scalar": ({"tokenizer.ggml.token_type": 1}, r"tokenizer.ggml.token_type is an int, not an array of ints"),
+    "token_type strings": ({"tokenizer.ggml.token_type": ["x"] * VOCAB}, r"tokenizer.ggml.token_type holds 'x', not an int"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_VOCAB)
+def test_a_vocabulary_of_the_wrong_type_is_one_line_naming_the_key(kind, tmp_path):
+    meta, want = BAD_VOCAB[kind]
+    path, _ = write_model(tmp_path / "m.gguf", meta=meta)
+    with GGUFCheckpoint(path) as ckpt, pytest.raises(CheckpointError) as err:
+        ckpt.tokenizer()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert re.search(want, message) and "re-convert" in message, message
+    with pytest.warns(KestrelNote, match=re.escape(want[:20].replace("\\", ""))):  # load() runs it on ids, and says why
+        load(path).close()
