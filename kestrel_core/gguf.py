@@ -117,6 +117,8 @@ EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{role}_proj.weight"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _PERMUTED = {"attn_q.weight": "q", "attn_k.weight": "k", "attn_q.bias": "q", "attn_k.bias": "k"}
 # Llama 3 rope scaling as llama.cpp's converter writes rope_freqs (the defaults it assumes where config.json omits them)
+# the ids that end a generation: eos, and llama.cpp's end-of-turn and end-of-message
+END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -477,6 +479,10 @@ class GGUFCheckpoint:
             "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[gq.view_dtype(embed.qtype)],
             "hidden_act": "silu",
         }
+        for key in END_IDS + ("tokenizer.ggml.bos_token_id",):  # ids kestrel acts on: each one of the vocabulary's
+            if key in self._meta and not 0 <= self._get(key, "int") < vocab:
+                raise self._fail(f"metadata {key}={self._meta[key]} is not a token id of the {vocab}-token vocabulary; "
+                                 "the GGUF is corrupt: re-convert it")
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             if name in self._meta:
                 cfg[key] = self._get(name, "int")
@@ -518,6 +524,12 @@ class GGUFCheckpoint:
         if kind not in ("none", ""):
             raise self._fail(f"metadata {a}.rope.scaling.type is {kind!r}; kestrel computes no rope scaling but Llama 3's "
                              "(as a rope_freqs tensor)")
+        for key in (f"{a}.rope.scaling.factor", f"{a}.rope.scale_linear"):  # llama.cpp scales by it, as linear scaling
+            factor = self._get(key, "float", 0.0)
+            if factor not in (0.0, 1.0):
+                raise self._fail(f"metadata {key} is {factor:g} (with rope.scaling.type {kind!r}): llama.cpp applies it as "
+                                 "linear rope scaling, which kestrel does not compute; run the model's Hugging Face "
+                                 "directory, or a GGUF without it")
         freqs = self._stored.get(ROPE_FREQS)
         if freqs is None:
             return None
@@ -747,8 +759,7 @@ class GGUFCheckpoint:
         return chat_template(self._meta, self._where)
 
     def eos_ids(self) -> frozenset[int]:
-        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        return frozenset(self._get(k, "int") for k in keys if k in self._meta)
+        return frozenset(self._get(k, "int") for k in END_IDS if k in self._meta)
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:

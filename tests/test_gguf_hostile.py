@@ -157,3 +157,37 @@ def test_a_vocabulary_of_the_wrong_type_is_one_line_naming_the_key(kind, tmp_pat
     assert re.search(want, message) and "re-convert" in message, message
     with pytest.warns(KestrelNote, match=re.escape(want[:20].replace("\\", ""))):  # load() runs it on ids, and says why
         load(path).close()
+
+
+# --- metadata kestrel acts on, out of range or contradictory ---------------------------------------------------------
+BAD_META = {
+    "eos out of the vocabulary": ({"tokenizer.ggml.eos_token_id": 10**6},
+                                  r"metadata tokenizer.ggml.eos_token_id=1000000 is not a token id of the 265-token vocabulary"),
+    "eot out of the vocabulary": ({"tokenizer.ggml.eot_token_id": VOCAB},
+                                  r"metadata tokenizer.ggml.eot_token_id=265 is not a token id of the 265-token vocabulary"),
+    "bos out of the vocabulary": ({"tokenizer.ggml.bos_token_id": 10**6},
+                                  r"metadata tokenizer.ggml.bos_token_id=1000000 is not a token id"),
+    "rope scaling factor without a type": ({"llama.rope.scaling.factor": 8.0},
+                                           r"metadata llama.rope.scaling.factor is 8 .*linear rope scaling.*does not compute"),
+    "rope scaling factor a string": ({"llama.rope.scaling.factor": "8"},
+                                     r"metadata llama.rope.scaling.factor is '8', not a float"),
+    "legacy linear rope scale": ({"llama.rope.scale_linear": 4.0}, r"metadata llama.rope.scale_linear is 4 "),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_META)
+def test_metadata_kestrel_would_misread_is_one_line_naming_the_key(kind, tmp_path):
+    meta, want = BAD_META[kind]
+    path, _ = write_model(tmp_path / "m.gguf", meta=meta)
+    with pytest.raises(CheckpointError) as err:
+        GGUFCheckpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert re.search(want, message), message
+
+
+def test_a_rope_scaling_factor_of_one_changes_nothing_and_opens(tmp_path):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"llama.rope.scaling.factor": 1.0})
+    with GGUFCheckpoint(path) as ckpt:
+        assert ckpt.model_config().rope_scaling is None
+
