@@ -32,6 +32,7 @@ and, for the model around it::
                      GGUF holds no vocabulary; a tokenizer kestrel cannot build is a CheckpointError
     hf_tokenizer()   the same as a tokenizers.Tokenizer (tokenizer.json: .save(path))
     chat_template()  kestrel_core.chat_template.ChatTemplate from tokenizer.chat_template (ConfigError without one)
+    chat_template_source()  its text, checked (a string, of a template's size) but not compiled; None without one
     eos_ids()        frozenset of the ids that end a generation: eos, and llama.cpp's end-of-turn (eot) and
                      end-of-message (eom) ids where the metadata names them
     q8(name)         a Q8_0 tensor repacked into kestrel's q8 layout (quant.py, group 32), not dequantized:
@@ -757,6 +758,12 @@ class GGUFCheckpoint:
         from .gguf_tokenizer import chat_template
 
         return chat_template(self._meta, self._where)
+
+    def chat_template_source(self) -> str | None:
+        """tokenizer.chat_template's text (None where there is none), checked as chat_template() checks it, not compiled."""
+        from .gguf_tokenizer import template_source
+
+        return template_source(self._meta, self._where)
 
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self._get(k, "int") for k in END_IDS if k in self._meta)

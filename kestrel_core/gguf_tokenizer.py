@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from .chat_template import ChatTemplate
+from .chat_template import TEMPLATE_LIMIT, ChatTemplate
 from .errors import CheckpointError, ConfigError
 from .tokenizer import Tokenizer
 
@@ -153,10 +153,25 @@ def special_tokens(meta: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def template_source(meta: Mapping[str, Any], where: str) -> str | None:
+    """``tokenizer.chat_template``'s text, None where there is none; one that is not a string, or is larger than a
+    directory's chat template may be (``TEMPLATE_LIMIT``), is a ConfigError naming the key."""
+    source = meta.get("tokenizer.chat_template")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise ConfigError(f"{where}: tokenizer.chat_template is {_kind(source)}, not a string; the GGUF is corrupt: "
+                          "re-convert it, or run the model's Hugging Face directory")
+    if len(source) > TEMPLATE_LIMIT:  # characters: at least as many bytes
+        raise ConfigError(f"{where}: tokenizer.chat_template is {len(source) / 2**20:,.1f} MiB, over the "
+                          f"{TEMPLATE_LIMIT // 2**20} MiB limit; a chat template is a few KiB: take the model's own")
+    return source
+
+
 def chat_template(meta: Mapping[str, Any], where: str) -> ChatTemplate:
     """``tokenizer.chat_template`` as kestrel's ChatTemplate; a GGUF without one is a ConfigError saying what to do."""
-    source = meta.get("tokenizer.chat_template")
-    if not isinstance(source, str):
+    source = template_source(meta, where)
+    if source is None:
         raise ConfigError(f"{where} has no chat template (no tokenizer.chat_template in its metadata), so kestrel cannot "
                           "lay out a conversation for it: a base model may have none; use `kestrel generate --prompt TEXT` "
                           "for plain continuation")

@@ -13,8 +13,10 @@ import time
 import pytest
 
 from kestrel_core import load
-from kestrel_core.errors import CheckpointError, KestrelNote
+from kestrel_core.chat_template import TEMPLATE_LIMIT
+from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.gguf import GGUFCheckpoint
+from tests.cli_helpers import fails
 from tests.gguf_files import MERGES, VOCAB, write_model
 
 ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
@@ -191,3 +193,25 @@ def test_a_rope_scaling_factor_of_one_changes_nothing_and_opens(tmp_path):
     with GGUFCheckpoint(path) as ckpt:
         assert ckpt.model_config().rope_scaling is None
 
+
+# --- the chat template: a string, of a template's size ---------------------------------------------------------------
+def test_a_chat_template_of_the_wrong_type_says_so_not_that_there_is_none(tmp_path):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.chat_template": 5})
+    with load(path) as model, pytest.raises(ConfigError) as err:
+        model.chat_template()
+    message = str(err.value)
+    assert "\n" not in message and "tokenizer.chat_template is an int, not a string" in message, message
+
+
+def test_a_huge_chat_template_is_refused_before_it_is_compiled(tmp_path, capsys):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.chat_template": "x" * (TEMPLATE_LIMIT + 1)})
+    with load(path) as model:
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError) as err:
+            model.chat_template()
+        assert time.perf_counter() - t0 < 0.5
+    message = str(err.value)
+    assert "\n" not in message and re.search(r"tokenizer.chat_template is 4.0 MiB, over the 4 MiB limit", message), message
+    out = tmp_path / "q8"  # kestrel quantize would copy it into tokenizer_config.json: refused there too, before any weight
+    fails(["quantize", "--from", str(path), "--out", str(out)], capsys, "tokenizer.chat_template is 4.0 MiB")
+    assert not out.exists()
