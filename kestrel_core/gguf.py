@@ -285,6 +285,8 @@ def _read(path: Path):
                 checked = []
             spans = []
             for name, ne, raw_type, at in checked:
+                if 0 in ne:
+                    raise _Problem(f"tensor {name!r} has a dimension of 0 (GGUF ne {ne}); {CORRUPT}")
                 if (at - start_offs) % self.alignment:
                     raise _Problem(f"tensor {name!r} starts at data byte {at - start_offs}, not a multiple of the file's "
                                    f"alignment {self.alignment}; {CORRUPT}")

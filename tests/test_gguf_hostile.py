@@ -17,9 +17,10 @@ from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.gguf import GGUFCheckpoint
 from tests.cli_helpers import fails
-from tests.gguf_files import MERGES, VOCAB, write_model
+from tests.gguf_files import LLAMA_TYPES, MERGES, VOCAB, T, write_model
 
 ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
+MOE_TYPES = {**LLAMA_TYPES, "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.BF16}
 
 
 def _key_end(data: bytes, key: str) -> int:
@@ -215,3 +216,24 @@ def test_a_huge_chat_template_is_refused_before_it_is_compiled(tmp_path, capsys)
     out = tmp_path / "q8"  # kestrel quantize would copy it into tokenizer_config.json: refused there too, before any weight
     fails(["quantize", "--from", str(path), "--out", str(out)], capsys, "tokenizer.chat_template is 4.0 MiB")
     assert not out.exists()
+
+
+def _dim(name: str, index: int, value: int):
+    """Set ne[index] of tensor ``name`` in the header."""
+    def edit(data: bytearray):
+        struct.pack_into("<Q", data, _tensor_info(data, name) + 4 + 8 * index, value)
+    return edit
+
+
+@pytest.mark.parametrize("arch,name,index", [("qwen3moe", "blk.0.ffn_up_exps.weight", 2), ("llama", "blk.0.ffn_up.weight", 0)],
+                         ids=["an expert stack of 0 experts", "a row of 0 values"])
+def test_a_tensor_with_a_dimension_of_0_is_one_line(arch, name, index, tmp_path):
+    path, _ = write_model(tmp_path / "m.gguf", arch=arch, types=MOE_TYPES)
+    data = bytearray(path.read_bytes())
+    _dim(name, index, 0)(data)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        GGUFCheckpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert re.search(rf"tensor '{re.escape(name)}' has a dimension of 0 \(GGUF ne \[.*\]\)", message), message
