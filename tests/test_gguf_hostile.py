@@ -4,6 +4,7 @@ reader must not loop over a declared length or allocate for it before it finds t
 
 from __future__ import annotations
 
+import io
 import re
 import resource
 import signal
@@ -237,3 +238,17 @@ def test_a_tensor_with_a_dimension_of_0_is_one_line(arch, name, index, tmp_path)
     message = str(err.value)
     assert "\n" not in message and message.startswith(str(path)), message
     assert re.search(rf"tensor '{re.escape(name)}' has a dimension of 0 \(GGUF ne \[.*\]\)", message), message
+
+
+# --- a GGUF whose tokenizer kestrel cannot build: every text path says why, not "no tokenizer.json" ---------------------
+def test_text_on_a_gguf_without_a_tokenizer_says_why_there_is_none(tmp_path, capsys, monkeypatch):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.ggml.merges": ["ab", *MERGES[1:]]})
+    why = "has no tokenizer kestrel can build (tokenizer.ggml.merges holds 'ab', not two tokens separated by a space"
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    out = fails(["chat", "--model", str(path), "--backend", "cpu_ref"], capsys, why, "cannot chat")
+    assert "tokenizer.json" not in out, out
+    out = fails(["generate", "--model", str(path), "--prompt", "the"], capsys, "--prompt needs a tokenizer", why)
+    assert "tokenizer.json" not in out, out
+    with pytest.warns(KestrelNote), load(path) as model, model.open(backend="cpu_ref") as run:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            run.generate(prompt_ids=[1, 2], max_new_tokens=1, on_text=print)
