@@ -16,7 +16,7 @@ import pytest
 from kestrel_core import load
 from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
-from kestrel_core.gguf import GGUFCheckpoint
+from kestrel_core.gguf import MAX_ARRAY, GGUFCheckpoint
 from tests.cli_helpers import fails
 from tests.gguf_files import LLAMA_TYPES, MERGES, VOCAB, T, write_model
 
@@ -252,3 +252,36 @@ def test_text_on_a_gguf_without_a_tokenizer_says_why_there_is_none(tmp_path, cap
     with pytest.warns(KestrelNote), load(path) as model, model.open(backend="cpu_ref") as run:
         with pytest.raises(ConfigError, match=re.escape(why)):
             run.generate(prompt_ids=[1, 2], max_new_tokens=1, on_text=print)
+
+
+# --- arrays as long as kestrel reads: read whole, fast and small -----------------------------------------------------
+def _raw_gguf(path, key: str, itype: int, n: int, items: bytes):
+    """A GGUF of general.architecture llama and one array ``key`` of ``n`` entries of ``itype`` (``items``), no tensors."""
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    kvs = (string(b"general.architecture") + struct.pack("<I", STRING) + string(b"llama")
+           + string(key.encode()) + struct.pack("<IIQ", ARRAY, itype, n) + items)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kvs)
+    return path
+
+
+@pytest.mark.parametrize("itype,item", [(UINT8, b"\x01"), (STRING, struct.pack("<Q", 1) + b"a")], ids=["bytes", "strings"])
+def test_an_array_of_the_most_entries_kestrel_reads_is_read_fast_and_small(itype, item, tmp_path):
+    n = MAX_ARRAY
+    path = _raw_gguf(tmp_path / "m.gguf", "junk.array", itype, n, item * n)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):  # read whole, then refused
+        _opened_within(path)
+    assert time.perf_counter() - t0 < 1.5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 160 * 1024  # KiB: was 0.9-1.6 GiB
+    path = _raw_gguf(tmp_path / "m.gguf", "junk.array", itype, n + 1, item * (n + 1))
+    with pytest.raises(CheckpointError, match=r"metadata junk.array declares 1,048,577 entries.*over the 1,048,576"):
+        _opened_within(path)
+
+
+def test_a_string_that_is_not_utf8_names_its_key(tmp_path):
+    path = _raw_gguf(tmp_path / "m.gguf", "tokenizer.ggml.tokens", STRING, 2, struct.pack("<Q", 1) + b"a" +
+                     struct.pack("<Q", 2) + b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"metadata tokenizer.ggml.tokens holds a string that is not UTF-8"):
+        GGUFCheckpoint(path)
