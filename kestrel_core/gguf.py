@@ -447,6 +447,9 @@ class GGUFCheckpoint:
         arch = self._meta.get("general.architecture")
         if arch is None:
             raise self._fail("metadata has no general.architecture; the file is not a model GGUF, or is corrupt")
+        if not isinstance(arch, str):
+            raise self._fail(f"general.architecture is {str(arch)[:60]}, not a string; the file is not a model GGUF, "
+                             "or is corrupt")
         if arch not in ARCHITECTURES:
             raise self._fail(f"general.architecture is {arch!r}, which kestrel does not run; supported: "
                              f"{', '.join(ARCHITECTURES)}")

@@ -11,6 +11,7 @@ import signal
 import struct
 import time
 
+import numpy as np
 import pytest
 
 from kestrel_core import load
@@ -18,7 +19,7 @@ from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.gguf import MAX_ARRAY, GGUFCheckpoint
 from tests.cli_helpers import fails
-from tests.gguf_files import LLAMA_TYPES, MERGES, VOCAB, T, write_model
+from tests.gguf_files import DIMS, LLAMA_TYPES, MERGES, VOCAB, T, model_metadata, model_tensors, write_gguf, write_model
 
 ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
 MOE_TYPES = {**LLAMA_TYPES, "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.BF16}
@@ -285,3 +286,13 @@ def test_a_string_that_is_not_utf8_names_its_key(tmp_path):
                      struct.pack("<Q", 2) + b"\xff\xfe")
     with pytest.raises(CheckpointError, match=r"metadata tokenizer.ggml.tokens holds a string that is not UTF-8"):
         GGUFCheckpoint(path)
+
+
+def test_an_architecture_that_is_not_a_string_is_one_line(tmp_path):
+    def as_array(data: bytearray):  # general.architecture = "llama" (type, length, 5 bytes) -> an array of one byte
+        at = _key_end(data, "general.architecture")
+        data[at : at + 17] = struct.pack("<IIQ", ARRAY, UINT8, 1) + b"l"
+    path = _patched(tmp_path, as_array)
+    with pytest.raises(CheckpointError, match=r"general.architecture is \[108\], not a string; the file is not a model GGUF"):
+        GGUFCheckpoint(path)
+
