@@ -579,6 +579,9 @@ class GGUFCheckpoint:
         with open(self.path, "rb") as fh:
             fh.seek(freqs.start)
             stored = np.frombuffer(fh.read(freqs.end - freqs.start), dtype=np.float32)
+        if not (np.isfinite(stored).all() and (stored > 0).all()):
+            raise self._fail(f"tensor {ROPE_FREQS!r} holds {float(stored.min()):g} to {float(stored.max()):g}, not the "
+                             "finite positive factors of Llama 3 rope scaling; the file is corrupt: re-convert it")
         theta = self._get(f"{a}.rope.freq_base", "float", 10000.0)
         scaling = {"rope_type": "llama3", "factor": float(stored.max()), **LLAMA3_ROPE}
         want = _llama3_factors(theta, head_dim, scaling)

@@ -296,3 +296,12 @@ def test_an_architecture_that_is_not_a_string_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"general.architecture is \[108\], not a string; the file is not a model GGUF"):
         GGUFCheckpoint(path)
 
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_rope_freqs_that_are_not_finite_positive_factors_are_refused_quietly(value, tmp_path, recwarn):
+    tensors, _ = model_tensors("llama")
+    tensors["rope_freqs.weight"] = (np.full(DIMS["head_dim"] // 2, value, np.float32), T.F32)
+    path = write_gguf(tmp_path / "m.gguf", "llama", model_metadata("llama"), tensors)
+    with pytest.raises(CheckpointError, match=r"tensor 'rope_freqs.weight' holds .*, not the finite positive factors"):
+        GGUFCheckpoint(path)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
