@@ -425,8 +425,12 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: not a regular file; pass the .gguf file")
         if st.st_size < 24:
             raise CheckpointError(f"{self.path}: truncated ({st.st_size} bytes, no GGUF header); re-download or re-create it")
-        with open(self.path, "rb") as fh:
-            head = fh.read(8)
+        try:
+            with open(self.path, "rb") as fh:
+                head = fh.read(8)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot open ({exc.strerror}); check its permissions, or pass the path "
+                                  "of a .gguf file you can read") from None
         magic, version = head[:4], int.from_bytes(head[4:8], "little")
         if magic != MAGIC:
             raise CheckpointError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a .gguf "

@@ -305,3 +305,18 @@ def test_rope_freqs_that_are_not_finite_positive_factors_are_refused_quietly(val
     with pytest.raises(CheckpointError, match=r"tensor 'rope_freqs.weight' holds .*, not the finite positive factors"):
         GGUFCheckpoint(path)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+def test_a_file_kestrel_may_not_read_is_one_line(tmp_path, monkeypatch, capsys):
+    path, _ = write_model(tmp_path / "m.gguf")
+    real_open = open
+
+    def denied(file, *args, **kwargs):  # what open() does on a file without read permission (the tests run as root)
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("kestrel_core.gguf.open", denied, raising=False)
+    with pytest.raises(CheckpointError, match=r"m.gguf: cannot open \(Permission denied\)"):
+        GGUFCheckpoint(path)
+    fails(["generate", "--model", str(path), "--prompt-ids", "1"], capsys, "cannot open (Permission denied)")
