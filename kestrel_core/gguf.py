@@ -551,7 +551,10 @@ class GGUFCheckpoint:
 
     def _vocab_size(self, embed: _Stored) -> int:
         """The embedding's rows, checked against the vocabulary and the vocab_size key."""
-        rows = embed.shape[0] if len(embed.shape) == 2 else -1
+        if len(embed.shape) != 2:
+            raise self._fail(f"tensor 'token_embd.weight' has shape {list(embed.shape)}; an embedding is 2-D [vocab, hidden]; "
+                             f"{CORRUPT}")
+        rows = embed.shape[0]
         tokens = self._meta.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list) and len(tokens) != rows:
             raise self._fail(f"tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight has {rows} rows; the "

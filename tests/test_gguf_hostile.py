@@ -320,3 +320,14 @@ def test_a_file_kestrel_may_not_read_is_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(CheckpointError, match=r"m.gguf: cannot open \(Permission denied\)"):
         GGUFCheckpoint(path)
     fails(["generate", "--model", str(path), "--prompt-ids", "1"], capsys, "cannot open (Permission denied)")
+
+
+@pytest.mark.parametrize("shape", [(VOCAB * DIMS["hidden"],), (1, VOCAB, DIMS["hidden"])], ids=["1-D", "3-D"])
+def test_an_embedding_that_is_not_2d_says_so(shape, tmp_path):
+    tensors, _ = model_tensors("llama")
+    tensors["token_embd.weight"] = (np.ones(shape, np.float32), T.F32)
+    path = write_gguf(tmp_path / "m.gguf", "llama", model_metadata("llama"), tensors)
+    with pytest.raises(CheckpointError) as err:
+        GGUFCheckpoint(path)
+    assert re.search(rf"tensor 'token_embd.weight' has shape \[{', '.join(map(str, shape))}\]; an embedding is 2-D "
+                     r"\[vocab, hidden\]", str(err.value)), str(err.value)
