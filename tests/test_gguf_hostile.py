@@ -331,3 +331,30 @@ def test_an_embedding_that_is_not_2d_says_so(shape, tmp_path):
         GGUFCheckpoint(path)
     assert re.search(rf"tensor 'token_embd.weight' has shape \[{', '.join(map(str, shape))}\]; an embedding is 2-D "
                      r"\[vocab, hidden\]", str(err.value)), str(err.value)
+
+
+def _many_tensors(path, names: list[str]):
+    """A GGUF of general.architecture llama and one F32 [8] tensor (32 bytes, one alignment) of each name."""
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    infos = b"".join(string(n.encode()) + struct.pack("<IQIQ", 1, 8, 0, 32 * i) for i, n in enumerate(names))
+    head = (b"GGUF" + struct.pack("<IQQ", 3, len(names), 1) + string(b"general.architecture") + struct.pack("<I", STRING)
+            + string(b"llama") + infos)
+    path.write_bytes(head + b"\0" * (-len(head) % 32) + b"\0" * (32 * len(names)))
+    return path
+
+
+def test_a_long_tensor_list_is_read_fast_and_small(tmp_path):
+    path = _many_tensors(tmp_path / "m.gguf", [f"t{i}" for i in range(2**16)])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):  # listed whole, then refused
+        _opened_within(path)
+    assert time.perf_counter() - t0 < 1.5  # was 5.4 s
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 160 * 1024  # KiB: was 340 MiB
+
+
+def test_a_tensor_listed_twice_is_one_line(tmp_path):
+    path = _many_tensors(tmp_path / "m.gguf", ["a", "b", "a"])
+    with pytest.raises(CheckpointError, match=r"m.gguf: tensor 'a' is listed twice; the file is truncated or corrupt"):
+        GGUFCheckpoint(path)
