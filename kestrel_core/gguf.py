@@ -86,9 +86,9 @@ from . import gguf_quants as gq
 MAGIC = b"GGUF"
 SUFFIX = ".gguf"
 CORRUPT = "the file is truncated or corrupt: re-download or re-create it"
-# Bounds on what a header may declare, far above any real model's (a few dozen keys, a vocabulary of 262k tokens,
+# Bounds on what a header may declare, far above any real model's (about 50 keys, a vocabulary of 262k tokens,
 # a few thousand tensors), so that a hostile count is refused before anything is read or allocated for it
-MAX_KEYS, MAX_ARRAY, MAX_TENSORS = 2**16, 2**20, 2**17
+MAX_KEYS, MAX_ARRAY, MAX_TENSORS = 2**12, 2**20, 2**17
 VERSIONS = (2, 3)  # what gguf reads and llama.cpp writes (3 since 2023)
 # general.architecture -> kestrel's model_type
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}

@@ -17,7 +17,7 @@ import pytest
 from kestrel_core import load
 from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
-from kestrel_core.gguf import MAX_ARRAY, GGUFCheckpoint
+from kestrel_core.gguf import MAX_ARRAY, MAX_KEYS, GGUFCheckpoint
 from tests.cli_helpers import fails
 from tests.gguf_files import DIMS, LLAMA_TYPES, MERGES, VOCAB, T, model_metadata, model_tensors, write_gguf, write_model
 
@@ -358,3 +358,17 @@ def test_a_tensor_listed_twice_is_one_line(tmp_path):
     path = _many_tensors(tmp_path / "m.gguf", ["a", "b", "a"])
     with pytest.raises(CheckpointError, match=r"m.gguf: tensor 'a' is listed twice; the file is truncated or corrupt"):
         GGUFCheckpoint(path)
+
+
+def test_more_metadata_keys_than_kestrel_reads_are_refused_before_they_are_read(tmp_path):
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    n = MAX_KEYS + 1
+    kvs = string(b"general.architecture") + struct.pack("<I", STRING) + string(b"llama")
+    kvs += b"".join(string(f"k{i}".encode()) + struct.pack("<IB", UINT8, 1) for i in range(n - 1))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n) + kvs)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"the header declares {n:,} metadata keys.*over the {MAX_KEYS:,} kestrel reads"):
+        _opened_within(path)
+    assert time.perf_counter() - t0 < 0.5
