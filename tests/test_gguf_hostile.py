@@ -372,3 +372,12 @@ def test_more_metadata_keys_than_kestrel_reads_are_refused_before_they_are_read(
     with pytest.raises(CheckpointError, match=rf"the header declares {n:,} metadata keys.*over the {MAX_KEYS:,} kestrel reads"):
         _opened_within(path)
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_directory_of_gguf_files_names_them(tmp_path, capsys):
+    d = tmp_path / "repo"  # a GGUF repository as downloaded: .gguf files, no config.json
+    d.mkdir()
+    write_model(d / "m-Q8_0.gguf")
+    (d / "m-Q4_K_M.gguf").write_bytes(b"")
+    fails(["generate", "--model", str(d), "--prompt-ids", "1"], capsys, "config.json: missing",
+          "it holds m-Q4_K_M.gguf, m-Q8_0.gguf: pass a .gguf file itself", f"--model {d / 'm-Q4_K_M.gguf'}")
