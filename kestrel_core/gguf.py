@@ -247,7 +247,8 @@ def _read(path: Path):
             for _ in range(int(count)):  # one at a time, so that an error names the key
                 self._key = "a metadata key"
                 n = int(self._get(offs, np.uint64)[0])
-                self._key = f"metadata {bytes(self._get(offs + 8, np.uint8, n)).decode('utf-8', 'replace')[:80]}"
+                key = bytes(self._get(offs + 8, np.uint8, n)).decode("utf-8", "replace")[:80]
+                self._key = f"metadata {key if key.isprintable() else repr(key)}"  # one line, whatever the file holds
                 offs = super()._build_fields(offs, 1)
                 if self._pending is not None:
                     self.strings[next(reversed(self.fields))] = self._pending

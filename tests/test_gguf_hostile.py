@@ -381,3 +381,14 @@ def test_a_directory_of_gguf_files_names_them(tmp_path, capsys):
     (d / "m-Q4_K_M.gguf").write_bytes(b"")
     fails(["generate", "--model", str(d), "--prompt-ids", "1"], capsys, "config.json: missing",
           "it holds m-Q4_K_M.gguf, m-Q8_0.gguf: pass a .gguf file itself", f"--model {d / 'm-Q4_K_M.gguf'}")
+
+
+def test_a_key_name_with_a_newline_stays_one_line(tmp_path):
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    path = tmp_path / "m.gguf"  # key "evil\nkey": an array of 2**40 bytes that the file cannot hold
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string(b"evil\nkey") + struct.pack("<IIQ", ARRAY, UINT8, 2**40))
+    with pytest.raises(CheckpointError) as err:
+        GGUFCheckpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and r"metadata 'evil\nkey' declares 1,099,511,627,776 entries" in message, message
