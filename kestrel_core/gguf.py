@@ -368,7 +368,10 @@ def _read(path: Path):
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's own header fields
             continue
-        value = reader.strings[key] if key in reader.strings else _field_value(field, gguf.GGUFValueType)
+        try:
+            value = reader.strings[key] if key in reader.strings else _field_value(field, gguf.GGUFValueType)
+        except UnicodeDecodeError:
+            raise _Problem(f"metadata {key if key.isprintable() else repr(key)} is not UTF-8 text; {CORRUPT}") from None
         if len(field.types) == 1 and field.types[0] == gguf.GGUFValueType.FLOAT32:
             value = float(str(np.float32(value)))  # 1e-05, as the config.json it came from said, not 9.99999974e-06
         meta[key] = value

@@ -392,3 +392,12 @@ def test_a_key_name_with_a_newline_stays_one_line(tmp_path):
         GGUFCheckpoint(path)
     message = str(err.value)
     assert "\n" not in message and r"metadata 'evil\nkey' declares 1,099,511,627,776 entries" in message, message
+
+
+def test_a_string_value_that_is_not_utf8_names_its_key(tmp_path):
+    def bad_model(data: bytearray):  # tokenizer.ggml.model = "gpt2" -> b"gp\xff2"
+        at = _key_end(data, "tokenizer.ggml.model") + 4 + 8
+        data[at : at + 4] = b"gp\xff2"
+    path = _patched(tmp_path, bad_model)
+    with pytest.raises(CheckpointError, match=r"metadata tokenizer.ggml.model is not UTF-8 text"):
+        GGUFCheckpoint(path)
