@@ -21,6 +21,9 @@ from .errors import CheckpointError, ConfigError
 from .tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
+# tokens added whole (control and user-defined): real vocabularies have a few hundred, or some thousands; tokenizers
+# builds a matcher over them (2**20 took 6 s and 1 GiB)
+MAX_ADDED = 2**17
 _QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
@@ -85,6 +88,11 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
     if len(types) != len(tokens):
         raise CheckpointError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens "
                               f"has {len(tokens)}; the file is corrupt: re-convert it")
+    added = sum(1 for k in types if k in (CONTROL, USER_DEFINED))
+    if added > MAX_ADDED:
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type marks {added:,} tokens control or user-defined, over the "
+                              f"{MAX_ADDED:,} kestrel builds (real vocabularies have a few hundred); the file is corrupt: "
+                              "re-convert it")
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicate (some converters pad with repeats) keeps its first id, as llama.cpp's map

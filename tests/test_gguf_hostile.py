@@ -18,6 +18,7 @@ from kestrel_core import load
 from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.gguf import MAX_ARRAY, MAX_KEYS, GGUFCheckpoint
+from kestrel_core.gguf_tokenizer import MAX_ADDED, build_tokenizer
 from tests.cli_helpers import fails
 from tests.gguf_files import DIMS, LLAMA_TYPES, MERGES, VOCAB, T, model_metadata, model_tensors, write_gguf, write_model
 
@@ -401,3 +402,14 @@ def test_a_string_value_that_is_not_utf8_names_its_key(tmp_path):
     path = _patched(tmp_path, bad_model)
     with pytest.raises(CheckpointError, match=r"metadata tokenizer.ggml.model is not UTF-8 text"):
         GGUFCheckpoint(path)
+
+
+def test_more_special_tokens_than_kestrel_builds_are_refused_before_they_are_built():
+    n = MAX_ADDED + 1
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [f"<t{i}>" for i in range(n)],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [3] * n}
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"x.gguf: tokenizer.ggml.token_type marks {n:,} tokens control or "
+                                              rf"user-defined, over the {MAX_ADDED:,} kestrel builds"):
+        build_tokenizer(meta, "x.gguf")
+    assert time.perf_counter() - t0 < 0.5  # 2**20 of them took 6 s and 1 GiB in tokenizers
