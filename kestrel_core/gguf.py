@@ -419,6 +419,7 @@ class GGUFCheckpoint:
         except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on a file it cannot parse
             raise CheckpointError(f"{self.path}: cannot be read as GGUF ({type(exc).__name__}: {_one_line(exc)}); {CORRUPT}") from None
         self._meta = meta
+        self._hf = None  # the tokenizers.Tokenizer of hf_tokenizer(), once built
         self.metadata = {k: str(v) for k, v in meta.items() if not isinstance(v, list)}
         self._stored = {t.name: t for t in stored}
         self.arch = self._architecture()
@@ -810,7 +811,9 @@ class GGUFCheckpoint:
 
         if "tokenizer.ggml.model" not in self._meta:
             return None
-        return build_tokenizer(self._meta, self._where)
+        if self._hf is None:  # built once: its notes (a missing tokenizer.ggml.pre) are said once
+            self._hf = build_tokenizer(self._meta, self._where)
+        return self._hf
 
     def tokenizer(self):
         """kestrel's Tokenizer from the metadata, or None where the GGUF holds no vocabulary."""

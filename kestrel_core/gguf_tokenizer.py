@@ -10,6 +10,7 @@ tokens (type 3) are added as special tokens and user-defined ones (type 4) as pl
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 from tokenizers import AddedToken, Regex
@@ -17,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from .chat_template import TEMPLATE_LIMIT, ChatTemplate
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, KestrelNote
 from .tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
@@ -72,7 +73,12 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
     if kind != "gpt2":
         raise CheckpointError(f"{where}: tokenizer.ggml.model is {kind!r}; kestrel builds only 'gpt2' (byte-level BPE) "
                               "tokenizers from a GGUF: pass --prompt-ids, or run the model's Hugging Face directory")
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is None:  # llama.cpp's default too, which it warns about: the split may not be the model's
+        warnings.warn(f"{where}: no tokenizer.ggml.pre in its metadata: text is split as GPT-2 splits it (llama.cpp's "
+                      "'default'), which may not be how the model was trained; re-convert it with a current llama.cpp",
+                      KestrelNote, stacklevel=2)
+        pre = "default"
     if not isinstance(pre, str):
         raise CheckpointError(f"{where}: tokenizer.ggml.pre is {_kind(pre)}, not a string; the file is corrupt: re-convert it")
     if pre not in PRE_TOKENIZERS:

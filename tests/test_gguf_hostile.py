@@ -10,6 +10,7 @@ import resource
 import signal
 import struct
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -406,10 +407,22 @@ def test_a_string_value_that_is_not_utf8_names_its_key(tmp_path):
 
 def test_more_special_tokens_than_kestrel_builds_are_refused_before_they_are_built():
     n = MAX_ADDED + 1
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [f"<t{i}>" for i in range(n)],
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": [f"<t{i}>" for i in range(n)],
             "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [3] * n}
     t0 = time.perf_counter()
     with pytest.raises(CheckpointError, match=rf"x.gguf: tokenizer.ggml.token_type marks {n:,} tokens control or "
                                               rf"user-defined, over the {MAX_ADDED:,} kestrel builds"):
         build_tokenizer(meta, "x.gguf")
     assert time.perf_counter() - t0 < 0.5  # 2**20 of them took 6 s and 1 GiB in tokenizers
+
+
+def test_a_vocabulary_without_its_pre_tokenizer_says_which_one_kestrel_uses(tmp_path):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.ggml.pre": None})
+    with pytest.warns(KestrelNote, match=r"m.gguf: no tokenizer.ggml.pre in its metadata: text is split as GPT-2 splits it"):
+        model = load(path)
+    with model:
+        assert model.tokenizer is not None
+    with GGUFCheckpoint(path) as ckpt, warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        ckpt.tokenizer(), ckpt.hf_tokenizer()  # what load() and kestrel quantize ask for: the note once
+    assert len([n for n in notes if issubclass(n.category, KestrelNote)]) == 1, [str(n.message) for n in notes]
