@@ -422,6 +422,7 @@ class GGUFCheckpoint:
         self._hf = None  # the tokenizers.Tokenizer of hf_tokenizer(), once built
         self.metadata = {k: str(v) for k, v in meta.items() if not isinstance(v, list)}
         self._stored = {t.name: t for t in stored}
+        self._check_split()
         self.arch = self._architecture()
         self._check_types()
         self._config_dict = self._build_config()
@@ -468,6 +469,15 @@ class GGUFCheckpoint:
 
     def _fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {what}")
+
+    def _check_split(self) -> None:
+        """One part of a GGUF split by llama.cpp's gguf-split (split.count parts; only the first holds the metadata)."""
+        count = self._get("split.count", "int", 1)
+        if count > 1:
+            part = self._get("split.no", "int", 0) + 1
+            raise self._fail(f"part {part} of {count} of a split GGUF (split.count={count}); kestrel reads a GGUF of one "
+                             "file: merge the parts with `llama-gguf-split --merge FIRST-PART merged.gguf` (FIRST-PART "
+                             "the ...-00001-of-... file) and pass merged.gguf")
 
     def _architecture(self) -> str:
         arch = self._meta.get("general.architecture")

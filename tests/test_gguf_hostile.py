@@ -426,3 +426,21 @@ def test_a_vocabulary_without_its_pre_tokenizer_says_which_one_kestrel_uses(tmp_
         warnings.simplefilter("always")
         ckpt.tokenizer(), ckpt.hf_tokenizer()  # what load() and kestrel quantize ask for: the note once
     assert len([n for n in notes if issubclass(n.category, KestrelNote)]) == 1, [str(n.message) for n in notes]
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_one_part_of_a_split_gguf_says_how_to_merge_it(part, tmp_path):
+    extra = {"split.no": part, "split.count": 3, "split.tensors.count": 30}
+    if part:  # llama-gguf-split writes the model's metadata into the first part only
+        extra |= {"general.architecture": None}
+    path, _ = write_model(tmp_path / f"m-0000{part + 1}-of-00003.gguf", meta=extra)
+    if part:
+        data = bytearray(path.read_bytes())
+        at = _key_end(data, "general.architecture")
+        data[at - len("general.architecture")] = ord("x")  # the writer's own architecture key, renamed away
+        path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        GGUFCheckpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert f"part {part + 1} of 3 of a split GGUF" in message and "llama-gguf-split --merge" in message, message
