@@ -423,6 +423,7 @@ class GGUFCheckpoint:
         self.metadata = {k: str(v) for k, v in meta.items() if not isinstance(v, list)}
         self._stored = {t.name: t for t in stored}
         self._check_split()
+        self._check_not_adapter()
         self.arch = self._architecture()
         self._check_types()
         self._config_dict = self._build_config()
@@ -478,6 +479,15 @@ class GGUFCheckpoint:
             raise self._fail(f"part {part} of {count} of a split GGUF (split.count={count}); kestrel reads a GGUF of one "
                              "file: merge the parts with `llama-gguf-split --merge FIRST-PART merged.gguf` (FIRST-PART "
                              "the ...-00001-of-... file) and pass merged.gguf")
+
+    def _check_not_adapter(self) -> None:
+        """A GGUF of something other than a model (llama.cpp's convert_lora_to_gguf writes general.type 'adapter')."""
+        kind = self._get("general.type", "str", "model")
+        if kind == "adapter":
+            adapter = self._get("adapter.type", "str", "lora")
+            adapter = adapter[:40] if adapter.isprintable() else repr(adapter[:40])
+            raise self._fail(f"a {adapter} adapter (general.type 'adapter'), not a model; pass the base model's "
+                             ".gguf (kestrel does not apply adapters)")
 
     def _architecture(self) -> str:
         arch = self._meta.get("general.architecture")

@@ -444,3 +444,11 @@ def test_one_part_of_a_split_gguf_says_how_to_merge_it(part, tmp_path):
     message = str(err.value)
     assert "\n" not in message and message.startswith(str(path)), message
     assert f"part {part + 1} of 3 of a split GGUF" in message and "llama-gguf-split --merge" in message, message
+
+
+def test_a_lora_adapter_gguf_says_it_is_not_a_model(tmp_path):
+    path, _ = write_model(tmp_path / "lora.gguf", meta={"general.type": "adapter", "adapter.type": "lora"},
+                          drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(CheckpointError, match=r"lora.gguf: a lora adapter \(general.type 'adapter'\), not a model; "
+                                              "pass the base model's .gguf"):
+        GGUFCheckpoint(path)
