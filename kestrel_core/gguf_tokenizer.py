@@ -21,7 +21,7 @@ from .chat_template import TEMPLATE_LIMIT, ChatTemplate
 from .errors import CheckpointError, ConfigError, KestrelNote
 from .tokenizer import Tokenizer
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
+CONTROL, USER_DEFINED, MAX_TYPE = 3, 4, 6  # llama.cpp's token types (gguf.TokenType: 0 undefined to 6 byte)
 # tokens added whole (control and user-defined): real vocabularies have a few hundred, or some thousands; tokenizers
 # builds a matcher over them (2**20 took 6 s and 1 GiB)
 MAX_ADDED = 2**17
@@ -94,6 +94,10 @@ def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
     if len(types) != len(tokens):
         raise CheckpointError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens "
                               f"has {len(tokens)}; the file is corrupt: re-convert it")
+    odd = next((k for k in types if not 0 <= k <= MAX_TYPE), None)
+    if odd is not None:
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type holds {odd}, not one of llama.cpp's token types (0 to "
+                              f"{MAX_TYPE}); the file is corrupt: re-convert it")
     added = sum(1 for k in types if k in (CONTROL, USER_DEFINED))
     if added > MAX_ADDED:
         raise CheckpointError(f"{where}: tokenizer.ggml.token_type marks {added:,} tokens control or user-defined, over the "

@@ -150,6 +150,8 @@ BAD_VOCAB = {
                          r"tokenizer.ggml.merges holds 'Ġ t x', not two tokens separated by a space"),
     "token_type a scalar": ({"tokenizer.ggml.token_type": 1}, r"tokenizer.ggml.token_type is an int, not an array of ints"),
     "token_type strings": ({"tokenizer.ggml.token_type": ["x"] * VOCAB}, r"tokenizer.ggml.token_type holds 'x', not an int"),
+    "token_type 999": ({"tokenizer.ggml.token_type": [999] * VOCAB},
+                       r"tokenizer.ggml.token_type holds 999, not one of llama.cpp's token types \(0 to 6\)"),
 }
 
 
