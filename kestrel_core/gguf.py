@@ -2,10 +2,10 @@
 
 ``GGUFCheckpoint(path)`` opens one ``.gguf`` file with ``gguf.GGUFReader`` (ggml-org's reader; its metadata
 arrays and tensor list parsed in one pass here, each count and length checked against the file's size and
-``MAX_KEYS``/``MAX_ARRAY``/``MAX_TENSORS`` before it is read), checks it whole, and serves its tensors under kestrel's Hugging Face names, so that a backend reads it exactly as it
-reads ``kestrel_core.checkpoint.Checkpoint``. Architectures: ``llama``, ``qwen3`` and ``qwen3moe``. Tensor
-types: F32, F16, BF16 (mapped zero-copy) and Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (dequantized to float32,
-one tensor at a time, when it is viewed: ``gguf_quants``).
+``MAX_KEYS``/``MAX_ARRAY``/``MAX_TENSORS`` before it is read), checks it whole, and serves its tensors under
+kestrel's Hugging Face names, so that a backend reads it exactly as it reads ``kestrel_core.checkpoint.Checkpoint``.
+Architectures: ``llama``, ``qwen3`` and ``qwen3moe``. Tensor types: F32, F16, BF16 (mapped zero-copy) and Q8_0,
+Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (dequantized to float32, one tensor at a time, when it is viewed: ``gguf_quants``).
 
 What it offers (the members of ``Checkpoint`` a backend, ``validate_checkpoint`` or ``read_quant`` use)::
 
