@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from .checkpoint import FAULT_GRANULE, PAGE, _subtract, mapping_rss, merge_spans
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, KestrelNote
 from .modelconfig import ModelConfig, parse_model_config
 from .tensor_table import all_specs
 from . import gguf_quants as gq
@@ -569,6 +569,7 @@ class GGUFCheckpoint:
             if key in self._meta and not 0 <= self._get(key, "int") < vocab:
                 raise self._fail(f"metadata {key}={self._meta[key]} is not a token id of the {vocab}-token vocabulary; "
                                  "the GGUF is corrupt: re-convert it")
+        self._note_template_ids(vocab)
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             if name in self._meta:
                 cfg[key] = self._get(name, "int")
@@ -590,6 +591,18 @@ class GGUFCheckpoint:
                                  "not run (its MoE architecture is qwen3moe)")
             cfg["intermediate_size"] = self._get(f"{a}.feed_forward_length", "int")
         return cfg
+
+    def _note_template_ids(self, vocab: int) -> None:
+        """unk, pad, sep, cls and mask ids only name a chat template's tokens: one outside the vocabulary is dropped with
+        a note (llama.cpp warns and runs on too)."""
+        from .gguf_tokenizer import SPECIAL_IDS
+
+        for name, key in SPECIAL_IDS.items():
+            value = self._meta.get(key)
+            if name in ("bos_token", "eos_token") or value is None or (isinstance(value, int) and 0 <= value < vocab):
+                continue
+            warnings.warn(f"{self.path}: {key}={str(value)[:40]} is outside the {vocab}-token vocabulary; the chat "
+                          f"template gets no {name}", KestrelNote, stacklevel=4)
 
     def _vocab_size(self, embed: _Stored) -> int:
         """The embedding's rows, checked against the vocabulary and the vocab_size key."""

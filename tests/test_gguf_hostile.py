@@ -454,3 +454,12 @@ def test_a_lora_adapter_gguf_says_it_is_not_a_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"lora.gguf: a lora adapter \(general.type 'adapter'\), not a model; "
                                               "pass the base model's .gguf"):
         GGUFCheckpoint(path)
+
+
+def test_a_padding_id_outside_the_vocabulary_is_a_note_not_silence(tmp_path):
+    path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.ggml.padding_token_id": VOCAB})
+    with pytest.warns(KestrelNote, match=r"m.gguf: tokenizer.ggml.padding_token_id=265 is outside the 265-token "
+                                         r"vocabulary; the chat template gets no pad_token"):
+        ckpt = GGUFCheckpoint(path)  # llama.cpp warns and runs on too: pad, unk, sep, cls and mask are not acted on
+    with ckpt:
+        assert "pad_token" not in ckpt.special_tokens()
