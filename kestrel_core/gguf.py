@@ -119,9 +119,9 @@ STACK = "model.layers.{layer}.mlp.experts.{role}_exps"
 EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{role}_proj.weight"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _PERMUTED = {"attn_q.weight": "q", "attn_k.weight": "k", "attn_q.bias": "q", "attn_k.bias": "k"}
-# Llama 3 rope scaling as llama.cpp's converter writes rope_freqs (the defaults it assumes where config.json omits them)
 # the ids that end a generation: eos, and llama.cpp's end-of-turn and end-of-message
 END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Llama 3 rope scaling as llama.cpp's converter writes rope_freqs (the defaults it assumes where config.json omits them)
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -236,10 +236,10 @@ def _read(path: Path):
                 raise _Problem(f"{self._key} runs past the end of the file (to byte {end:,} of {len(self.data):,}); {CORRUPT}")
             return super()._get(offset, dtype, count, override_order)
 
-        def _counted(self, count: int, what: str, limit: int, offs: int, least: int) -> None:
-            left = len(self.data) - offs
+        def _counted(self, count, what: str, limit: int, offs: int, least: int) -> None:
+            count, left = int(count), len(self.data) - offs  # a Python int: numpy's uint64 would wrap count * least
             if count > limit or count * least > left:
-                raise _Problem(f"the header declares {int(count):,} {what}, more than the {left:,} bytes left in the file "
+                raise _Problem(f"the header declares {count:,} {what}, more than the {left:,} bytes left in the file "
                                f"hold (or over the {limit:,} kestrel reads); {CORRUPT}")
 
         def _build_fields(self, offs, count):
