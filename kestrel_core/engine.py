@@ -29,7 +29,8 @@ from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
 from .host import HostStore
 from .hub import NotCachedError
-from .gguf_model import names_gguf, open_gguf
+from .gguf import GGUFCheckpoint
+from .gguf_model import names_gguf, no_tokenizer as gguf_no_tokenizer, open_gguf
 from .modeldir import read_model_dir
 from .plan import Counters
 from .residency import Window
@@ -137,6 +138,13 @@ class Model:
         self.host = HostStore()  # backend host staging, reused by every run on this model
         self.closed = False
 
+    def no_tokenizer(self) -> str:
+        """Why the model has no tokenizer, as an error's subject: a directory's missing tokenizer.json, or what kept
+        kestrel from building a GGUF's."""
+        if isinstance(self.checkpoint, GGUFCheckpoint):
+            return gguf_no_tokenizer(self.checkpoint)
+        return f"{self.dir} has no tokenizer.json"
+
     @property
     def n_layers(self) -> int:
         return self.config.num_hidden_layers
@@ -147,7 +155,7 @@ class Model:
             return list(ids)
         if text:
             if self.tokenizer is None:
-                raise ConfigError(f"--prompt needs a tokenizer: {self.dir} has no usable tokenizer.json; "
+                raise ConfigError(f"--prompt needs a tokenizer: {self.no_tokenizer()}; "
                                   "pass --prompt-ids instead")
             ids = self.tokenizer.encode(text)
             if not ids:
@@ -288,7 +296,7 @@ class Run:
         needed) the text as it grows: the pieces join to the result's ``text``."""
         tok = self.model.tokenizer
         if on_text is not None and tok is None:
-            raise ConfigError(f"on_text needs a tokenizer: {self.model.dir} has no usable tokenizer.json; "
+            raise ConfigError(f"on_text needs a tokenizer: {self.model.no_tokenizer()}; "
                               "take the ids with on_token instead")
         stream = tok.stream() if on_text is not None else None
 

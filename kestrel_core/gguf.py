@@ -1,10 +1,11 @@
 """GGUF checkpoints (llama.cpp's single-file format), read through mmap as a ``Checkpoint`` is.
 
-``GGUFCheckpoint(path)`` opens one ``.gguf`` file with ``gguf.GGUFReader`` (ggml-org's reader), checks it
-whole, and serves its tensors under kestrel's Hugging Face names, so that a backend reads it exactly as it
-reads ``kestrel_core.checkpoint.Checkpoint``. Architectures: ``llama``, ``qwen3`` and ``qwen3moe``. Tensor
-types: F32, F16, BF16 (mapped zero-copy) and Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (dequantized to float32,
-one tensor at a time, when it is viewed: ``gguf_quants``).
+``GGUFCheckpoint(path)`` opens one ``.gguf`` file with ``gguf.GGUFReader`` (ggml-org's reader; its metadata
+arrays and tensor list parsed in one pass here, each count and length checked against the file's size and
+``MAX_KEYS``/``MAX_ARRAY``/``MAX_TENSORS`` before it is read), checks it whole, and serves its tensors under
+kestrel's Hugging Face names, so that a backend reads it exactly as it reads ``kestrel_core.checkpoint.Checkpoint``.
+Architectures: ``llama``, ``qwen3`` and ``qwen3moe``. Tensor types: F32, F16, BF16 (mapped zero-copy) and Q8_0,
+Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (dequantized to float32, one tensor at a time, when it is viewed: ``gguf_quants``).
 
 What it offers (the members of ``Checkpoint`` a backend, ``validate_checkpoint`` or ``read_quant`` use)::
 
@@ -32,6 +33,7 @@ and, for the model around it::
                      GGUF holds no vocabulary; a tokenizer kestrel cannot build is a CheckpointError
     hf_tokenizer()   the same as a tokenizers.Tokenizer (tokenizer.json: .save(path))
     chat_template()  kestrel_core.chat_template.ChatTemplate from tokenizer.chat_template (ConfigError without one)
+    chat_template_source()  its text, checked (a string, of a template's size) but not compiled; None without one
     eos_ids()        frozenset of the ids that end a generation: eos, and llama.cpp's end-of-turn (eot) and
                      end-of-message (eom) ids where the metadata names them
     q8(name)         a Q8_0 tensor repacked into kestrel's q8 layout (quant.py, group 32), not dequantized:
@@ -66,6 +68,7 @@ import mmap
 import os
 import re
 import stat
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -75,7 +78,7 @@ import numpy as np
 import torch
 
 from .checkpoint import FAULT_GRANULE, PAGE, _subtract, mapping_rss, merge_spans
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, KestrelNote
 from .modelconfig import ModelConfig, parse_model_config
 from .tensor_table import all_specs
 from . import gguf_quants as gq
@@ -83,6 +86,10 @@ from . import gguf_quants as gq
 MAGIC = b"GGUF"
 SUFFIX = ".gguf"
 CORRUPT = "the file is truncated or corrupt: re-download or re-create it"
+# Bounds on what a header may declare, far above any real model's (about 50 keys, a vocabulary of 262k tokens,
+# a few thousand tensors), so that a hostile count is refused before anything is read or allocated for it
+MAX_KEYS, MAX_ARRAY, MAX_TENSORS = 2**12, 2**20, 2**17
+VERSIONS = (2, 3)  # what gguf reads and llama.cpp writes (3 since 2023)
 # general.architecture -> kestrel's model_type
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
@@ -112,6 +119,8 @@ STACK = "model.layers.{layer}.mlp.experts.{role}_exps"
 EXPERT = "model.layers.{layer}.mlp.experts.{expert}.{role}_proj.weight"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _PERMUTED = {"attn_q.weight": "q", "attn_k.weight": "k", "attn_q.bias": "q", "attn_k.bias": "k"}
+# the ids that end a generation: eos, and llama.cpp's end-of-turn and end-of-message
+END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Llama 3 rope scaling as llama.cpp's converter writes rope_freqs (the defaults it assumes where config.json omits them)
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -206,41 +215,167 @@ def _read(path: Path):
     import gguf
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    ARRAY, STRING = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.STRING)
+
     class Reader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs, fields):  # name each bad tensor before gguf fails on it less clearly
-            size = len(self.data)
-            try:
-                checked = [(bytes(f.parts[1]).decode("utf-8", "replace"), [int(d) for d in f.parts[3]], int(f.parts[4][0]),
-                            start_offs + int(f.parts[5][0])) for f in fields]
-            except Exception:  # another gguf version's layout: leave the checks to it
-                checked = []
-            for name, ne, raw_type, at in checked:
+        """gguf's reader, stopped at the first count, length or read that the file cannot hold: gguf's own loops over a
+        declared length and reads past the end as empty arrays, so a hostile header would run it for hours."""
+
+        _key = "the header"
+        _sizes: dict = {}
+        _pending: list[str] | None = None  # a string array just read, for _build_fields to file under its key
+
+        def __init__(self, path):
+            self.strings: dict[str, list[str]] = {}  # each string array's values, decoded as they were read
+            super().__init__(path)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            size = self._sizes.get(dtype) or self._sizes.setdefault(dtype, np.dtype(dtype).itemsize)
+            end = int(offset) + size * int(count)
+            if end > len(self.data):
+                raise _Problem(f"{self._key} runs past the end of the file (to byte {end:,} of {len(self.data):,}); {CORRUPT}")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _counted(self, count, what: str, limit: int, offs: int, least: int) -> None:
+            count, left = int(count), len(self.data) - offs  # a Python int: numpy's uint64 would wrap count * least
+            if count > limit or count * least > left:
+                raise _Problem(f"the header declares {count:,} {what}, more than the {left:,} bytes left in the file "
+                               f"hold (or over the {limit:,} kestrel reads); {CORRUPT}")
+
+        def _build_fields(self, offs, count):
+            self._counted(count, "metadata keys", MAX_KEYS, offs, 8 + 4 + 1)
+            for _ in range(int(count)):  # one at a time, so that an error names the key
+                self._key = "a metadata key"
+                n = int(self._get(offs, np.uint64)[0])
+                key = bytes(self._get(offs + 8, np.uint8, n)).decode("utf-8", "replace")[:80]
+                self._key = f"metadata {key if key.isprintable() else repr(key)}"  # one line, whatever the file holds
+                offs = super()._build_fields(offs, 1)
+                if self._pending is not None:
+                    self.strings[next(reversed(self.fields))] = self._pending
+                    self._pending = None
+            self._key = "the header"
+            return offs
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == ARRAY:
+                itype = int(self._get(orig_offs, np.uint32)[0])
+                n = int(self._get(orig_offs + 4, np.uint64)[0])
+                if itype == ARRAY:
+                    raise _Problem(f"{self._key} is an array of arrays, which no model GGUF holds; {CORRUPT}")
+                scalar = self.gguf_scalar_to_np.get(itype)
+                least = 8 if itype == STRING else np.dtype(scalar).itemsize if scalar else 1
+                left = len(self.data) - orig_offs - 12
+                if n > MAX_ARRAY or n * least > left:
+                    raise _Problem(f"{self._key} declares {n:,} entries, more than the {left:,} bytes left in the file "
+                                   f"hold (or over the {MAX_ARRAY:,} kestrel reads); {CORRUPT}")
+                # read whole, not item by item as gguf does (two numpy arrays an item: 15 s and 1.6 GB for a 1M array)
+                head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+                if itype == STRING:
+                    self._pending, end = self._string_array(orig_offs + 12, n)
+                    return end - orig_offs, head, [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+                if scalar is None:
+                    raise _Problem(f"{self._key} is an array of unknown type {itype}; {CORRUPT}")
+                values = self._get(orig_offs + 12, scalar, n)
+                return 12 + values.nbytes, [*head, values], [2], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(itype)]
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _string_array(self, offs: int, n: int) -> tuple[list[str], int]:
+            """``n`` GGUF strings from ``offs``, decoded in one pass; (the strings, the offset after them)."""
+            size, out = len(self.data), []
+            with memoryview(self.data) as mv:
+                for _ in range(n):
+                    if offs + 8 > size:
+                        raise _Problem(f"{self._key} runs past the end of the file; {CORRUPT}")
+                    end = offs + 8 + struct.unpack_from("<Q", mv, offs)[0]
+                    if end > size:
+                        raise _Problem(f"{self._key} runs past the end of the file (to byte {end:,} of {size:,}); {CORRUPT}")
+                    try:
+                        out.append(str(mv[offs + 8 : end], "utf-8"))
+                    except UnicodeDecodeError:
+                        raise _Problem(f"{self._key} holds a string that is not UTF-8 (at byte {offs:,}); {CORRUPT}") from None
+                    offs = end
+            return out, offs
+
+        def _build_tensor_info(self, offs, count):
+            """The tensor list as (name, ne, ggml type, data offset) tuples, parsed in one pass (gguf makes six numpy arrays
+            a tensor, and a ReaderTensor view of each: 5 s and 340 MiB for 65,536 tensors)."""
+            self._counted(count, "tensors", MAX_TENSORS, offs, 8 + 4 + 4 + 8)
+            size, infos = len(self.data), []
+
+            def need(end: int) -> None:
+                if end > size:
+                    raise _Problem(f"{self._key} runs past the end of the file (to byte {end:,} of {size:,}); {CORRUPT}")
+
+            with memoryview(self.data) as mv:
+                for _ in range(int(count)):
+                    self._key = "a tensor's name"
+                    need(offs + 8)
+                    n = struct.unpack_from("<Q", mv, offs)[0]
+                    need(offs + 8 + n)
+                    try:
+                        name = str(mv[offs + 8 : offs + 8 + n], "utf-8")
+                    except UnicodeDecodeError:
+                        raise _Problem(f"a tensor name is not UTF-8 (at byte {offs:,}); {CORRUPT}") from None
+                    self._key, offs = f"tensor {name[:80]!r}", offs + 8 + n
+                    need(offs + 4)
+                    n_dims = struct.unpack_from("<I", mv, offs)[0]
+                    if not 1 <= n_dims <= 4:
+                        raise _Problem(f"tensor {name[:80]!r} has {n_dims} dimensions; a GGUF tensor has 1 to 4; {CORRUPT}")
+                    need(offs + 4 + 8 * n_dims + 12)
+                    ne = list(struct.unpack_from(f"<{n_dims}Q", mv, offs + 4))
+                    raw_type, at = struct.unpack_from("<IQ", mv, offs + 4 + 8 * n_dims)
+                    infos.append((name, ne, raw_type, at))
+                    offs += 4 + 8 * n_dims + 12
+            self._key = "the header"
+            return offs, infos
+
+        def _build_tensors(self, start_offs, fields):
+            """Each tensor checked and kept as a _Stored (gguf's numpy views of them are not made: kestrel maps the file)."""
+            size, spans, self.stored = len(self.data), [], []
+            names = set()
+            for name, ne, raw_type, rel in fields:
+                at = start_offs + rel
+                if name in names:
+                    raise _Problem(f"tensor {name!r} is listed twice; {CORRUPT}")
+                names.add(name)
+                if 0 in ne:
+                    raise _Problem(f"tensor {name!r} has a dimension of 0 (GGUF ne {ne}); {CORRUPT}")
+                if rel % self.alignment:
+                    raise _Problem(f"tensor {name!r} starts at data byte {rel}, not a multiple of the file's "
+                                   f"alignment {self.alignment}; {CORRUPT}")
                 try:
                     qtype = GGMLQuantizationType(raw_type)
                 except ValueError:
                     raise _Problem(f"tensor {name!r} has ggml type {raw_type}, which gguf {gguf_version()} does not know; "
                                    f"re-quantize the model to one of {gq.SUPPORTED_NAMES}") from None
                 block, size_of = GGML_QUANT_SIZES[qtype]
-                if ne and ne[0] % block:
+                if ne[0] % block:
                     raise _Problem(f"tensor {name!r} has rows of {ne[0]} values, not a multiple of {qtype.name}'s block of "
                                    f"{block}; {CORRUPT}")
                 end = at + math.prod(ne) // block * size_of
                 if end > size:
                     raise _Problem(f"tensor {name!r} ends at byte {end} but the file has {size}; the file is truncated: "
                                    "re-download or re-create it")
-            super()._build_tensors(start_offs, fields)
+                spans.append((rel, end - start_offs, name))
+                self.stored.append(_Stored(name, qtype, tuple(ne), at, end))
+            spans.sort()
+            for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+                if s1 < e0:
+                    raise _Problem(f"tensors {a!r} (data bytes {s0}-{e0}) and {b!r} (data bytes {s1}-{e1}) overlap; {CORRUPT}")
 
     reader = Reader(path)
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's own header fields
             continue
-        value = _field_value(field, gguf.GGUFValueType)
+        try:
+            value = reader.strings[key] if key in reader.strings else _field_value(field, gguf.GGUFValueType)
+        except UnicodeDecodeError:
+            raise _Problem(f"metadata {key if key.isprintable() else repr(key)} is not UTF-8 text; {CORRUPT}") from None
         if len(field.types) == 1 and field.types[0] == gguf.GGUFValueType.FLOAT32:
             value = float(str(np.float32(value)))  # 1e-05, as the config.json it came from said, not 9.99999974e-06
         meta[key] = value
-    tensors = [_Stored(t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.data_offset),
-                       int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors]
+    tensors = reader.stored
     size = len(reader.data)
     del reader  # its memmap goes with it: tensors are read through our own mapping
     return meta, tensors, size
@@ -284,8 +419,11 @@ class GGUFCheckpoint:
         except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on a file it cannot parse
             raise CheckpointError(f"{self.path}: cannot be read as GGUF ({type(exc).__name__}: {_one_line(exc)}); {CORRUPT}") from None
         self._meta = meta
+        self._hf = None  # the tokenizers.Tokenizer of hf_tokenizer(), once built
         self.metadata = {k: str(v) for k, v in meta.items() if not isinstance(v, list)}
         self._stored = {t.name: t for t in stored}
+        self._check_split()
+        self._check_not_adapter()
         self.arch = self._architecture()
         self._check_types()
         self._config_dict = self._build_config()
@@ -311,20 +449,53 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: not a regular file; pass the .gguf file")
         if st.st_size < 24:
             raise CheckpointError(f"{self.path}: truncated ({st.st_size} bytes, no GGUF header); re-download or re-create it")
-        with open(self.path, "rb") as fh:
-            magic = fh.read(4)
+        try:
+            with open(self.path, "rb") as fh:
+                head = fh.read(8)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot open ({exc.strerror}); check its permissions, or pass the path "
+                                  "of a .gguf file you can read") from None
+        magic, version = head[:4], int.from_bytes(head[4:8], "little")
         if magic != MAGIC:
             raise CheckpointError(f"{self.path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a .gguf "
                                   "file, or a Hugging Face model directory")
+        if version & 0xFFFF == 0 and int.from_bytes(head[4:8], "big") in VERSIONS:
+            raise CheckpointError(f"{self.path}: a big-endian GGUF; kestrel reads little-endian GGUF files (what llama.cpp "
+                                  "writes on x86 and ARM): convert the model on a little-endian machine")
+        if version not in VERSIONS:
+            raise CheckpointError(f"{self.path}: GGUF version {version}, which kestrel does not read (it reads versions "
+                                  f"{' and '.join(map(str, VERSIONS))}, what llama.cpp writes); re-convert the model with a "
+                                  "current llama.cpp, or re-download it")
         return st.st_size
 
     def _fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {what}")
 
+    def _check_split(self) -> None:
+        """One part of a GGUF split by llama.cpp's gguf-split (split.count parts; only the first holds the metadata)."""
+        count = self._get("split.count", "int", 1)
+        if count > 1:
+            part = self._get("split.no", "int", 0) + 1
+            raise self._fail(f"part {part} of {count} of a split GGUF (split.count={count}); kestrel reads a GGUF of one "
+                             "file: merge the parts with `llama-gguf-split --merge FIRST-PART merged.gguf` (FIRST-PART "
+                             "the ...-00001-of-... file) and pass merged.gguf")
+
+    def _check_not_adapter(self) -> None:
+        """A GGUF of something other than a model (llama.cpp's convert_lora_to_gguf writes general.type 'adapter')."""
+        kind = self._get("general.type", "str", "model")
+        if kind == "adapter":
+            adapter = self._get("adapter.type", "str", "lora")
+            adapter = adapter[:40] if adapter.isprintable() else repr(adapter[:40])
+            raise self._fail(f"a {adapter} adapter (general.type 'adapter'), not a model; pass the base model's "
+                             ".gguf (kestrel does not apply adapters)")
+
     def _architecture(self) -> str:
         arch = self._meta.get("general.architecture")
         if arch is None:
             raise self._fail("metadata has no general.architecture; the file is not a model GGUF, or is corrupt")
+        if not isinstance(arch, str):
+            raise self._fail(f"general.architecture is {str(arch)[:60]}, not a string; the file is not a model GGUF, "
+                             "or is corrupt")
         if arch not in ARCHITECTURES:
             raise self._fail(f"general.architecture is {arch!r}, which kestrel does not run; supported: "
                              f"{', '.join(ARCHITECTURES)}")
@@ -394,6 +565,11 @@ class GGUFCheckpoint:
             "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[gq.view_dtype(embed.qtype)],
             "hidden_act": "silu",
         }
+        for key in END_IDS + ("tokenizer.ggml.bos_token_id",):  # ids kestrel acts on: each one of the vocabulary's
+            if key in self._meta and not 0 <= self._get(key, "int") < vocab:
+                raise self._fail(f"metadata {key}={self._meta[key]} is not a token id of the {vocab}-token vocabulary; "
+                                 "the GGUF is corrupt: re-convert it")
+        self._note_template_ids(vocab)
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             if name in self._meta:
                 cfg[key] = self._get(name, "int")
@@ -416,9 +592,24 @@ class GGUFCheckpoint:
             cfg["intermediate_size"] = self._get(f"{a}.feed_forward_length", "int")
         return cfg
 
+    def _note_template_ids(self, vocab: int) -> None:
+        """unk, pad, sep, cls and mask ids only name a chat template's tokens: one outside the vocabulary is dropped with
+        a note (llama.cpp warns and runs on too)."""
+        from .gguf_tokenizer import SPECIAL_IDS
+
+        for name, key in SPECIAL_IDS.items():
+            value = self._meta.get(key)
+            if name in ("bos_token", "eos_token") or value is None or (isinstance(value, int) and 0 <= value < vocab):
+                continue
+            warnings.warn(f"{self.path}: {key}={str(value)[:40]} is outside the {vocab}-token vocabulary; the chat "
+                          f"template gets no {name}", KestrelNote, stacklevel=4)
+
     def _vocab_size(self, embed: _Stored) -> int:
         """The embedding's rows, checked against the vocabulary and the vocab_size key."""
-        rows = embed.shape[0] if len(embed.shape) == 2 else -1
+        if len(embed.shape) != 2:
+            raise self._fail(f"tensor 'token_embd.weight' has shape {list(embed.shape)}; an embedding is 2-D [vocab, hidden]; "
+                             f"{CORRUPT}")
+        rows = embed.shape[0]
         tokens = self._meta.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list) and len(tokens) != rows:
             raise self._fail(f"tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight has {rows} rows; the "
@@ -435,6 +626,12 @@ class GGUFCheckpoint:
         if kind not in ("none", ""):
             raise self._fail(f"metadata {a}.rope.scaling.type is {kind!r}; kestrel computes no rope scaling but Llama 3's "
                              "(as a rope_freqs tensor)")
+        for key in (f"{a}.rope.scaling.factor", f"{a}.rope.scale_linear"):  # llama.cpp scales by it, as linear scaling
+            factor = self._get(key, "float", 0.0)
+            if factor not in (0.0, 1.0):
+                raise self._fail(f"metadata {key} is {factor:g} (with rope.scaling.type {kind!r}): llama.cpp applies it as "
+                                 "linear rope scaling, which kestrel does not compute; run the model's Hugging Face "
+                                 "directory, or a GGUF without it")
         freqs = self._stored.get(ROPE_FREQS)
         if freqs is None:
             return None
@@ -444,6 +641,9 @@ class GGUFCheckpoint:
         with open(self.path, "rb") as fh:
             fh.seek(freqs.start)
             stored = np.frombuffer(fh.read(freqs.end - freqs.start), dtype=np.float32)
+        if not (np.isfinite(stored).all() and (stored > 0).all()):
+            raise self._fail(f"tensor {ROPE_FREQS!r} holds {float(stored.min()):g} to {float(stored.max()):g}, not the "
+                             "finite positive factors of Llama 3 rope scaling; the file is corrupt: re-convert it")
         theta = self._get(f"{a}.rope.freq_base", "float", 10000.0)
         scaling = {"rope_type": "llama3", "factor": float(stored.max()), **LLAMA3_ROPE}
         want = _llama3_factors(theta, head_dim, scaling)
@@ -644,7 +844,9 @@ class GGUFCheckpoint:
 
         if "tokenizer.ggml.model" not in self._meta:
             return None
-        return build_tokenizer(self._meta, self._where)
+        if self._hf is None:  # built once: its notes (a missing tokenizer.ggml.pre) are said once
+            self._hf = build_tokenizer(self._meta, self._where)
+        return self._hf
 
     def tokenizer(self):
         """kestrel's Tokenizer from the metadata, or None where the GGUF holds no vocabulary."""
@@ -663,9 +865,14 @@ class GGUFCheckpoint:
 
         return chat_template(self._meta, self._where)
 
+    def chat_template_source(self) -> str | None:
+        """tokenizer.chat_template's text (None where there is none), checked as chat_template() checks it, not compiled."""
+        from .gguf_tokenizer import template_source
+
+        return template_source(self._meta, self._where)
+
     def eos_ids(self) -> frozenset[int]:
-        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        return frozenset(self._get(k, "int") for k in keys if k in self._meta)
+        return frozenset(self._get(k, "int") for k in END_IDS if k in self._meta)
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:

@@ -58,6 +58,15 @@ def _tokenizer(ckpt: GGUFCheckpoint):
         return None
 
 
+def no_tokenizer(ckpt: GGUFCheckpoint) -> str:
+    """Why a GGUF has no tokenizer (what ``_tokenizer``'s note said when it opened), as an error's subject."""
+    try:
+        ckpt.tokenizer()
+    except CheckpointError as exc:
+        return f"{ckpt.path} has no tokenizer kestrel can build ({str(exc).removeprefix(f'{ckpt.path}: ')})"
+    return f"{ckpt.path} holds no vocabulary (no tokenizer.ggml.model in its metadata)"
+
+
 def q8_info(ckpt: GGUFCheckpoint, cfg: ModelConfig) -> QuantInfo | None:
     """The GGUF's Q8_0 weights as kestrel q8 (group 32, ``packed``): every linear of a layer's unit whose linears are
     all Q8_0 (the router excepted, which stays float as in kestrel's own q8), every expert where all of them are

@@ -321,6 +321,18 @@ def loads(text: str | bytes, where: str, error: type[Exception] = ConfigError, f
         raise error(f"{where}: not valid JSON (nested too deeply)") from None
 
 
+def _gguf_hint(model_dir: Path) -> str:
+    """Where a directory without config.json holds .gguf files (a GGUF repository as downloaded), what to pass instead."""
+    try:
+        found = sorted(p.name for p in Path(model_dir).glob("*.gguf"))
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    return f"; it holds {shown}: pass a .gguf file itself (--model {Path(model_dir) / found[0]})"
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     try:
@@ -332,7 +344,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     if not stat.S_ISDIR(mode):
         raise ConfigError(f"model directory {str(model_dir)!r} is a file, not a directory; pass the directory that holds config.json and the weights")
     if not os.path.lexists(path):
-        raise ConfigError(f"{path}: missing; a Hugging Face model directory needs config.json")
+        raise ConfigError(f"{path}: missing; a Hugging Face model directory needs config.json{_gguf_hint(model_dir)}")
     raw = read_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: must hold a JSON object")

@@ -84,6 +84,8 @@ def quantize_checkpoint(
             probe.close()
     with Model(src) as model:
         cfg, ckpt = model.config, model.checkpoint
+        if gguf:
+            ckpt.chat_template_source()  # the template it would copy, refused now rather than after the weights
         q_lm_head = not keep_lm_head
         qspecs = quantized_specs(cfg, q_lm_head)
         bad = {name: k for name, (_, k) in qspecs.items() if k % group}
@@ -168,8 +170,8 @@ def write_gguf_side_files(model: Model, out: Path) -> None:
     if model.tokenizer is not None:
         ckpt.hf_tokenizer().save(str(out / "tokenizer.json"))
     config = dict(ckpt.special_tokens())
-    template = ckpt.value("tokenizer.chat_template")
-    if isinstance(template, str):
+    template = ckpt.chat_template_source()
+    if template is not None:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": model.config.bos_token_id, "eos_token_id": sorted(model.eos_ids)}

@@ -45,7 +45,7 @@ def run(args) -> int:
         cfg = cfg.override(generation__max_new_tokens=REPLY_TOKENS)
     with progress.shown(not args.json), load(model_dir(cfg)) as model:
         if model.tokenizer is None:
-            raise ConfigError(f"{model.dir} has no tokenizer.json, and chat turns text into ids through it: a model "
+            raise ConfigError(f"{model.no_tokenizer()}, and chat turns text into ids through it: a model "
                               "without a tokenizer cannot chat; use `kestrel generate --prompt-ids 1,2,3`")
         template = model.chat_template()
         ends = end_ids(model, template)

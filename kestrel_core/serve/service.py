@@ -82,7 +82,7 @@ class Service:
     def _load(self) -> None:
         model = self.model = load(model_dir(self.cfg))
         if model.tokenizer is None:
-            raise ConfigError(f"{model.dir} has no tokenizer.json, and kestrel serve answers in text; "
+            raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
                               "use `kestrel generate --prompt-ids` for a model without one")
         try:
             self.template = model.chat_template()
