@@ -363,6 +363,13 @@ def _read(path: Path):
                 if s1 < e0:
                     raise _Problem(f"tensors {a!r} (data bytes {s0}-{e0}) and {b!r} (data bytes {s1}-{e1}) overlap; {CORRUPT}")
 
+    Reader._build_tensors_fields = Reader._build_tensor_info  # its name in older gguf releases
+    hooked = ("_get", "_build_fields", "_get_field_parts", "_build_tensors", "gguf_scalar_to_np")
+    missing = [n for n in hooked if not hasattr(gguf.GGUFReader, n)]
+    if missing or not any(hasattr(gguf.GGUFReader, n) for n in ("_build_tensor_info", "_build_tensors_fields")):
+        raise _Problem(f"the installed gguf {gguf_version()} reads headers through other internals than the ones kestrel "
+                       f"checks ({', '.join(missing) or '_build_tensor_info'} is gone); install the gguf kestrel is "
+                       "tested with: pip install 'gguf==0.19.0'")
     reader = Reader(path)
     meta = {}
     for key, field in reader.fields.items():

@@ -463,3 +463,16 @@ def test_a_padding_id_outside_the_vocabulary_is_a_note_not_silence(tmp_path):
         ckpt = GGUFCheckpoint(path)  # llama.cpp warns and runs on too: pad, unk, sep, cls and mask are not acted on
     with ckpt:
         assert "pad_token" not in ckpt.special_tokens()
+
+
+@pytest.mark.parametrize("gone", ["_build_fields", "_build_tensor_info"])
+def test_a_gguf_release_without_the_internals_kestrel_checks_through_says_which(tmp_path, monkeypatch, gone):
+    """kestrel's header checks ride on gguf.GGUFReader's internals; a release without them is one line, not a bypass."""
+    import gguf
+
+    path, _ = write_model(tmp_path / "m.gguf")
+    GGUFCheckpoint(path).close()
+    monkeypatch.delattr(gguf.GGUFReader, gone)
+    with pytest.raises(CheckpointError, match=rf"other internals than the ones kestrel checks \({gone} is gone\); "
+                                              r"install the gguf kestrel is tested with: pip install 'gguf==0.19.0'$"):
+        GGUFCheckpoint(path)
