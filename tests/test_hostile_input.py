@@ -178,3 +178,18 @@ def test_a_sweep_list_with_a_value_twice(tiny_ckpt, capsys, flag, value, message
     if flag != "--keep":
         argv += ["--keep", "1"]
     fails(argv, capsys, message, "list each value once")
+
+
+def test_a_temperature_so_small_that_logits_overflow_samples_the_greedy_ids(tiny_ckpt):
+    """temperature 1e-300 (in range: finite and above 0) made logits / temperature inf and the softmax NaN: a
+    traceback from torch.multinomial in generate, the batch job and speculative decoding, and in the server a 500
+    that stopped the batch for every later request."""
+    prompt = [1, 2, 3, 1, 2, 3]
+    with load(tiny_ckpt) as model:
+        with model.open(backend="cpu_ref") as run:
+            greedy = run.generate(prompt_ids=prompt, max_new_tokens=4).token_ids
+            assert run.generate(prompt_ids=prompt, max_new_tokens=4, temperature=1e-300).token_ids == greedy
+            batch = run.generate_batch([{"prompt_ids": prompt, "max_new_tokens": 4, "temperature": 1e-300}])
+            assert batch[0].token_ids == greedy
+        with model.open(backend="cpu_ref", draft="ngram") as run:
+            assert run.generate(prompt_ids=prompt, max_new_tokens=4, temperature=1e-300).token_ids == greedy
