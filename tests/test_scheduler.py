@@ -103,3 +103,13 @@ def test_a_sequence_whose_sampler_fails_ends_alone_and_the_batch_goes_on(run, mo
     finally:
         sched.stop(cancel=True)
 
+
+def test_the_error_that_ends_the_batch_is_heard(run, monkeypatch):
+    heard = []
+    sched = Scheduler(run, max_batch=1, on_error=heard.append)
+    monkeypatch.setattr(Batch, "step", lambda self: (_ for _ in ()).throw(RuntimeError("the device fell off")))
+    sched.start()
+    seq = sched.submit(request(run, n=2))
+    assert seq.finished.wait(10) and seq.finish_reason == "error"
+    sched.stop()
+    assert [str(e) for e in heard] == ["the device fell off"] and sched.error is heard[0]

@@ -465,6 +465,34 @@ def test_a_server_error_is_a_500_without_its_traceback(model_dir, monkeypatch, c
     assert "RuntimeError" in caplog.text  # the server's log names it
 
 
+def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, monkeypatch, caplog):
+    """The 503 said the error was in the server's log, and it was not; /health went on answering 200 "ok"."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from kestrel_core.batch import Batch
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    monkeypatch.setattr(logging.getLogger("kestrel.serve"), "propagate", True)  # to caplog, whatever ran before
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny", Limits())
+    service.load()
+    monkeypatch.setattr(Batch, "step", lambda self: (_ for _ in ()).throw(RuntimeError("the device fell off")))
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+    try:
+        with TestClient(create_app(service), raise_server_exceptions=False) as http:
+            assert_openai_error(http.post("/v1/completions", json=body), 500, code="generation_failed")
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "batch_failed"
+            assert_openai_error(http.post("/v1/completions", json=body), 503, code="batch_failed")
+    finally:
+        service.close()
+    failed = next(r for r in caplog.records if "the batch stopped on an error" in r.getMessage())
+    assert failed.exc_info and str(failed.exc_info[1]) == "the device fell off"
+
+
 def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, capsys):
     monkeypatch.delenv("KESTREL_API_KEY", raising=False)
     assert cli.main(["serve", "--model", str(model_dir), "--host", "0.0.0.0"]) == 2

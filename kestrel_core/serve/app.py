@@ -79,7 +79,7 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
 
     @app.get("/health")
     async def health():
-        state = service.state
+        state = service.health
         return JSONResponse({"status": "ok" if state == READY else state, **service.stats()},
                             200 if state == READY else 503)
 
