@@ -196,3 +196,43 @@ def test_waiting_prompts_share_a_pass_up_to_the_chunk(tiny_ckpt):
         got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=4, stop_at_eos=False) for p in prompts],
                                  max_batch=5, prefill_chunk=4)
         assert [r.token_ids for r in got] == alone
+
+
+@pytest.mark.parametrize("flags, toml, needle", [
+    (["--draft", "ngram"], None, "a batch job (--prompts) batches them: drop --draft and --draft-tokens"),
+    (["--draft-tokens", "3"], None, "drop --draft and --draft-tokens"),
+    ([], '[speculative]\ndraft = "ngram"\n', "drop [speculative] draft = 'ngram' from"),
+    (["--max-batch", "0"], None, "--max-batch must be in 1..256, got 0"),
+    (["--prefill-chunk", "0"], None, "--prefill-chunk must be at least 1"),
+])
+def test_a_batch_job_refuses_what_it_cannot_do_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch, flags,
+                                                                     toml, needle):
+    """--draft and --draft-tokens were silently ignored by a batch job (no drafting, exit 0); [speculative] draft
+    was refused only once the model had loaded; --max-batch 0 named max_batch, not the flag."""
+    from cli_helpers import fails
+
+    import kestrel_core.commands.generate as generate
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(generate, "load", no_load)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt_ids": [1, 2], "max_new_tokens": 2}\n')
+    if toml is not None:
+        (tmp_path / "kestrel.toml").write_text(toml)
+        flags = [*flags, "--config", str(tmp_path / "kestrel.toml")]
+    fails(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), *flags],
+          capsys, needle)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-batch", "4"], "--max-batch sets a batch job's batch: add --prompts IN.jsonl --out OUT.jsonl, or drop it"),
+    (["--prefill-chunk", "-5", "--max-batch", "0"], "--max-batch and --prefill-chunk set a batch job's batch"),
+])
+def test_batch_flags_without_a_batch_job_are_refused(tiny_ckpt, capsys, flags, needle):
+    """They were silently ignored by a one-prompt generate."""
+    from cli_helpers import fails, gen
+
+    fails(gen(tiny_ckpt, *flags), capsys, needle)
