@@ -500,14 +500,42 @@ def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, ca
     assert len(err.splitlines()) == 1 and "KESTREL_API_KEY" in err and "--allow-insecure" in err
 
 
+def no_listening(*args):
+    raise AssertionError("the server listened")
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
     (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
+    # each was a traceback (OverflowError), an "unrecognized arguments", or a server that could never be used
+    (["--max-body-mb", "inf"], "--max-body-mb must be a finite number above 0, got inf"),
+    (["--draft", "ngram"], "kestrel serve does not decode speculatively"),
+    (["--draft-tokens", "4"], "drop --draft and --draft-tokens"),
+    (["--served-model-name", " "], "--served-model-name is empty"),
+    (["--api-key", " key"], "--api-key: the API key must be printable ASCII with no space at either end"),
+    (["--api-key", "clé"], "--api-key: the API key must be printable ASCII"),
 ])
-def test_bad_flags_are_one_line_errors(model_dir, capsys, flags, needle):
+def test_bad_flags_are_one_line_errors(model_dir, capsys, monkeypatch, flags, needle):
+    monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)  # a flag let through fails, never serves
     assert cli.main(["serve", "--model", str(model_dir), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_a_key_from_the_environment_and_a_draft_in_kestrel_toml_are_checked_before_listening(model_dir, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """A key ending in a newline could never match a header; [speculative] draft failed once the model loaded."""
+    monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)
+    monkeypatch.setenv("KESTREL_API_KEY", "key\n")
+    assert cli.main(["serve", "--model", str(model_dir), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "KESTREL_API_KEY: the API key must be printable ASCII" in err
+    monkeypatch.delenv("KESTREL_API_KEY")
+    (tmp_path / "kestrel.toml").write_text('[speculative]\ndraft = "ngram"\n')
+    assert cli.main(["serve", "--model", str(model_dir), "--port", "0", "--config", str(tmp_path / "kestrel.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"kestrel: error: speculative decoding runs one sequence at a time, and kestrel serve "
+                                f"batches them: drop [speculative] draft = 'ngram' from {tmp_path / 'kestrel.toml'}"]
 
 
 def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):
