@@ -370,6 +370,36 @@ def test_a_body_over_the_limit_is_a_413(server):
     assert_openai_error(response, 413)
 
 
+def test_a_body_that_stalls_is_a_408_not_a_connection_held_forever(model_dir):
+    """A Content-Length above what was sent (or a slow-loris body) held its connection with no end."""
+    import asyncio
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    app = create_app(Service(KestrelConfig().override(model=str(model_dir)), "tiny", Limits()), body_timeout=0.2)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    parts = [{"type": "http.request", "body": b'{"model": "tiny", ', "more_body": True}]
+    sent = []
+
+    async def receive():
+        if parts:
+            return parts.pop(0)
+        await asyncio.sleep(3600)  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 408
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["code"] == "body_timeout" and "did not arrive within 0.2 s (18 bytes came)" in error["message"]
+
+
 def test_unknown_routes_and_methods_answer_in_openais_shape(server):
     assert_openai_error(httpx.get(f"{server.url}/v1/engines", timeout=10), 404)
     assert_openai_error(httpx.get(f"{server.url}/v1/completions", timeout=10), 405)
