@@ -52,6 +52,9 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
                               f"{', '.join(SETTINGS)}")
         if ("prompt" in obj) == ("prompt_ids" in obj):
             raise ConfigError(f"{where}: give exactly one of prompt (text) and prompt_ids (a list of ids)")
+        if obj.get("prompt", "x") in (None, "") or obj.get("prompt_ids", [0]) in (None, []):
+            # else the engine's hint, which names the --prompt and --prompt-ids flags
+            raise ConfigError(f"{where}: the prompt is empty; give some text as prompt, or ids as prompt_ids")
         try:
             requests.append(run.request(**obj))
         except KestrelError as exc:

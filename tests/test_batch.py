@@ -167,6 +167,10 @@ def test_a_batch_job_writes_each_line_in_order(tiny_ckpt, tmp_path, capsys):
     ('{"prompt_ids": [1], "colour": 2}\n', "line 1: unknown key(s) colour"),
     ('{"prompt_ids": [1\n', "line 1: not valid JSON"),
     ('\n\n', "no prompts"),
+    # these named the --prompt and --prompt-ids flags
+    ('{"prompt": ""}\n', "line 1: the prompt is empty; give some text as prompt, or ids as prompt_ids"),
+    ('{"prompt": null}\n', "line 1: the prompt is empty; give some text as prompt"),
+    ('{"prompt_ids": []}\n', "line 1: the prompt is empty; give some text as prompt"),
 ])
 def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, content, needle):
     from cli_helpers import fails
