@@ -22,6 +22,19 @@ MAX_LINES = 100_000
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
 
 
+class _Repeated(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: a key given twice would silently shadow the first."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     """Every line as a checked request (``run.request``), and its number and object as read; or the first bad line's
     error, naming it."""
@@ -40,7 +53,9 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     for n, line in lines:
         where = f"--prompts {path} line {n}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
+        except _Repeated as exc:
+            raise ConfigError(f"{where}: the key {exc.args[0]!r} appears twice; give it once") from None
         except (json.JSONDecodeError, RecursionError) as exc:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
             raise ConfigError(f"{where}: not valid JSON ({why}); write one JSON object a line") from None

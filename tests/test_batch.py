@@ -171,6 +171,7 @@ def test_a_batch_job_writes_each_line_in_order(tiny_ckpt, tmp_path, capsys):
     ('{"prompt": ""}\n', "line 1: the prompt is empty; give some text as prompt, or ids as prompt_ids"),
     ('{"prompt": null}\n', "line 1: the prompt is empty; give some text as prompt"),
     ('{"prompt_ids": []}\n', "line 1: the prompt is empty; give some text as prompt"),
+    ('{"prompt": "a", "max_new_tokens": 2, "prompt": "b"}\n', "line 1: the key 'prompt' appears twice"),  # was: "b"
 ])
 def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, content, needle):
     from cli_helpers import fails

@@ -301,6 +301,7 @@ def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response
     ({"model": "M", "prompt": ""}, "prompt", None),
     ({"model": "M", "prompt": [1] * 600}, "prompt", "context_length_exceeded"),
     ({"model": "M", "prompt": [1] * 500, "max_tokens": 100}, "prompt", "context_length_exceeded"),
+    (b'{"model": "M", "prompt": [1, 2], "max_tokens": 2, "max_tokens": 3}', "max_tokens", None),  # was: the last
 ])
 def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, code):
     if isinstance(body, dict) and "model" in body:
