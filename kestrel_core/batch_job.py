@@ -40,11 +40,13 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     error, naming it."""
     raw = read_bounded(path, INPUT_LIMIT, f"--prompts {path}", "split the prompts into several jobs")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of the first line
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--prompts {path}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
                           "write the file as UTF-8") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # Lines end at \n alone (a \r before it is JSON's whitespace): splitlines() would also split inside a string at
+    # U+2028, U+0085 and the like, which JSON allows raw.
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     if not lines:
         raise ConfigError(f"--prompts {path}: no prompts; write one JSON object a line, e.g. {{\"prompt\": \"hello\"}}")
     if len(lines) > MAX_LINES:

@@ -241,3 +241,21 @@ def test_batch_flags_without_a_batch_job_are_refused(tiny_ckpt, capsys, flags, n
     from cli_helpers import fails, gen
 
     fails(gen(tiny_ckpt, *flags), capsys, needle)
+
+
+def test_a_prompts_file_from_any_editor_is_read_as_written(tiny_ckpt, tmp_path, capsys):
+    """A byte-order mark was "not valid JSON" on line 1, and a raw U+2028 or U+0085 inside a prompt (JSON allows
+    them) split its line in two: "Unterminated string"."""
+    import json
+
+    from kestrel_core.cli import main
+
+    prompts = ["one\u2028two", "three\x85four", "five"]
+    src = tmp_path / "in.jsonl"
+    body = "\r\n".join(json.dumps({"prompt": p, "max_new_tokens": 1}, ensure_ascii=False) for p in prompts)
+    src.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\r\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(out)]) == 0
+    assert "wrote 3 results (0 errors" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().split("\n") if line]
+    assert [(r["line"], r["prompt"]) for r in rows] == [(1, prompts[0]), (2, prompts[1]), (3, prompts[2])]
