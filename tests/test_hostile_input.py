@@ -193,3 +193,15 @@ def test_a_temperature_so_small_that_logits_overflow_samples_the_greedy_ids(tiny
             assert batch[0].token_ids == greedy
         with model.open(backend="cpu_ref", draft="ngram") as run:
             assert run.generate(prompt_ids=prompt, max_new_tokens=4, temperature=1e-300).token_ids == greedy
+
+
+def test_a_nul_in_a_model_or_draft_path_is_a_one_line_error(tiny_ckpt, tmp_path, capsys):
+    """kestrel.toml can hold "\\u0000" where argv cannot: the model, or [speculative] draft, was a ValueError
+    traceback (embedded null byte) from os.stat."""
+    path = tmp_path / "kestrel.toml"
+    path.write_text('model = "tiny\\u0000"\n')
+    fails(["generate", "--config", str(path), "--prompt-ids", "1,2"], capsys, "holds a NUL character")
+    path.write_text('[speculative]\ndraft = "tiny\\u0000"\n')
+    fails(gen(tiny_ckpt, "--config", str(path)), capsys, "model 'tiny\\x00' holds a NUL character, which no path can")
+    with pytest.raises(ConfigError, match="holds a NUL character"):
+        load(str(tiny_ckpt) + "\x00")
