@@ -524,6 +524,19 @@ def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, mon
     assert failed.exc_info and str(failed.exc_info[1]) == "the device fell off"
 
 
+def test_a_context_past_the_models_positions_is_refused_not_cut(model_dir):
+    """--max-seq 100000 on a model of 4096 positions served 4096 without a word."""
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.service import FAILED, Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny",
+                      Limits(max_seq=100_000))
+    service.load()
+    assert service.state == FAILED
+    error = str(service.load_error)
+    assert error.startswith("--max-seq 100,000 is past") and "4,096 positions" in error
+
+
 def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, capsys):
     monkeypatch.delenv("KESTREL_API_KEY", raising=False)
     assert cli.main(["serve", "--model", str(model_dir), "--host", "0.0.0.0"]) == 2

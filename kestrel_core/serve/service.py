@@ -93,6 +93,9 @@ class Service:
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
         positions = model.config.max_position_embeddings
+        if self.limits.max_seq is not None and self.limits.max_seq > positions:  # was cut to the model's, unsaid
+            raise ConfigError(f"--max-seq {self.limits.max_seq:,} is past {model.dir}'s {positions:,} positions "
+                              f"(max_position_embeddings); give at most {positions:,}, or leave it out")
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg)
         self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
