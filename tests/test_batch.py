@@ -259,3 +259,25 @@ def test_a_prompts_file_from_any_editor_is_read_as_written(tiny_ckpt, tmp_path, 
     assert "wrote 3 results (0 errors" in capsys.readouterr().out
     rows = [json.loads(line) for line in out.read_text().split("\n") if line]
     assert [(r["line"], r["prompt"]) for r in rows] == [(1, prompts[0]), (2, prompts[1]), (3, prompts[2])]
+
+
+def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole(tiny_ckpt, tmp_path, monkeypatch):
+    """A line of a million tokens was tokenized whole before the length check (a 256 MiB line: minutes, gigabytes)."""
+    from kestrel_core.batch_job import read_requests
+    from kestrel_core.tokenizer import Tokenizer
+
+    real = Tokenizer.encode
+
+    def encode(self, text):
+        assert len(text) < 100_000, "tokenized whole"
+        return real(self, text)
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n' + '{"prompt": "%s"}\n' % ("ab " * 10**6))
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref") as run:
+        with pytest.raises(ConfigError, match="line 2: the prompt is over 511 tokens, and the model has 512 positions"):
+            read_requests(run, str(src))
+        src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n')
+        (request,), _ = read_requests(run, str(src))
+        assert request.prompt_ids == model.tokenizer.encode("hello")
