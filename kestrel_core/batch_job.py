@@ -58,8 +58,9 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
             obj = json.loads(line, object_pairs_hook=_unique_keys)
         except _Repeated as exc:
             raise ConfigError(f"{where}: the key {exc.args[0]!r} appears twice; give it once") from None
-        except (json.JSONDecodeError, RecursionError) as exc:
-            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        except (ValueError, RecursionError) as exc:  # ValueError: an integer past Python's 4300 digits
+            why = (exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+                   if isinstance(exc, RecursionError) else "a number of more than 4300 digits")
             raise ConfigError(f"{where}: not valid JSON ({why}); write one JSON object a line") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{where}: a JSON object is needed, e.g. {{\"prompt\": \"hello\"}}, got {type(obj).__name__}")

@@ -172,6 +172,8 @@ def test_a_batch_job_writes_each_line_in_order(tiny_ckpt, tmp_path, capsys):
     ('{"prompt": null}\n', "line 1: the prompt is empty; give some text as prompt"),
     ('{"prompt_ids": []}\n', "line 1: the prompt is empty; give some text as prompt"),
     ('{"prompt": "a", "max_new_tokens": 2, "prompt": "b"}\n', "line 1: the key 'prompt' appears twice"),  # was: "b"
+    ('{"prompt_ids": [%s]}\n' % ("1" * 5000), "line 1: not valid JSON (a number of more than 4300 digits)"),  # was: a
+    # traceback (int() refuses more than 4300 digits with a ValueError json.loads lets through)
 ])
 def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, content, needle):
     from cli_helpers import fails

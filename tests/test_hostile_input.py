@@ -205,3 +205,10 @@ def test_a_nul_in_a_model_or_draft_path_is_a_one_line_error(tiny_ckpt, tmp_path,
     fails(gen(tiny_ckpt, "--config", str(path)), capsys, "model 'tiny\\x00' holds a NUL character, which no path can")
     with pytest.raises(ConfigError, match="holds a NUL character"):
         load(str(tiny_ckpt) + "\x00")
+
+
+def test_a_template_var_past_pythons_4300_digits_is_taken_as_text():
+    """json.loads raised int()'s ValueError (more than 4300 digits), which only JSONDecodeError was caught for."""
+    from kestrel_core.commands.chat import template_vars
+
+    assert template_vars(["n=" + "1" * 5000]) == {"n": "1" * 5000}

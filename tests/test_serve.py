@@ -312,6 +312,16 @@ def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, co
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_number_past_pythons_4300_digits_is_a_400_that_names_it():
+    """The message was Python's, telling the client to call sys.set_int_max_str_digits()."""
+    from kestrel_core.serve import protocol
+
+    with pytest.raises(protocol.APIError) as refused:
+        protocol.parse(b'{"model": "m", "prompt": [1], "max_tokens": ' + b"1" * 5000 + b"}", protocol.CompletionRequest)
+    assert refused.value.status == 400
+    assert refused.value.message == "the body is not valid JSON (a number of more than 4300 digits)"
+
+
 @pytest.mark.parametrize("change, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),

@@ -236,7 +236,9 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
     except _Repeated as exc:
         raise bad_request(f"the key {exc.args[0]!r} appears twice in one object; send it once", exc.args[0]) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON ({exc})") from None
+        why = exc if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) or "not JSON" in str(exc) \
+            else "a number of more than 4300 digits"  # Python's integer limit, whose message tells a client of sys
+        raise bad_request(f"the body is not valid JSON ({why})") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
     try:
