@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
@@ -62,8 +61,9 @@ def add_arguments(p):
     p.add_argument("--max-body-mb", type=float, default=4.0, help="the largest request body in MiB (default 4); "
                    "past it, 413")
     # Not serve's: speculative decoding runs one sequence at a time. Taken only to refuse them in a line that says so.
-    p.add_argument("--draft", help=argparse.SUPPRESS)
-    p.add_argument("--draft-tokens", help=argparse.SUPPRESS)
+    refused = "refused: speculative decoding runs one sequence at a time, and the server batches them"
+    p.add_argument("--draft", help=refused)
+    p.add_argument("--draft-tokens", help=refused)
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGINT or SIGTERM, seconds the running "
                    "generations may go on before they are cut (default 10; a second signal cuts them at once)")
 
