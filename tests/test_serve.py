@@ -617,6 +617,38 @@ def test_a_signal_ends_running_streams_cleanly_and_exits_0(model_dir, how):
         s.stop()
 
 
+SLOW_LOAD = """
+import sys, time, torch
+from kestrel_core import cli
+from kestrel_core.serve import service
+real = service.Service._load
+def slow(self):  # torch at work on the loading thread, as a large model's load is, for seconds
+    t, a = time.monotonic(), torch.randn(256, 256)
+    while time.monotonic() - t < 30:
+        a = torch.tanh(a @ a)
+    real(self)
+service.Service._load = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_the_model_loads_exits_0(model_dir):
+    """The interpreter's exit destroyed torch's threads under the loading thread: "terminate called without an active
+    exception", and SIGABRT (exit -6) instead of 0."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, "serve", "--model", str(model_dir), "--port", "0",
+                             "--backend", "cpu_ref"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in proc.stderr.readline()
+        time.sleep(1)  # the loading thread is in torch
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "stopped (the model was still loading)" in err and "terminate called" not in err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_stream_running_at_sigterm_finishes_within_the_grace_period(model_dir):
     s = Server(model_dir, "--shutdown-timeout", "60")
     try:

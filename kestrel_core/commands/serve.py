@@ -139,8 +139,14 @@ def run(args) -> int:
         sock.close()
     if service.load_error is not None:
         raise service.load_error
-    if not loader.is_alive():  # else a signal came mid-load: the process ends with the loading thread
-        service.close()
+    if loader.is_alive():
+        # A signal came mid-load. The loading thread cannot be stopped, and the interpreter's exit would destroy the
+        # C++ threads it runs on under it ("terminate called without an active exception", SIGABRT): end here.
+        log.info("stopped (the model was still loading)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    service.close()
     log.info("stopped")
     return 0
 
