@@ -216,7 +216,9 @@ class Batch:
                 self._fail(seq, runner.nonfinite([seq.tokens[-1]], len(seq.request.prompt_ids) + len(seq.tokens) - 1,
                                                  self.cache, self.rope, "decode", seq.slot))
                 continue
-            state.tokens[seq.slot].fill_(seq.sampler(logits))
+            token = self._sample(seq, logits)
+            if token is not None:
+                state.tokens[seq.slot].fill_(token)
         self.ring[k % len(self.ring)].copy_(state.out, non_blocking=True)
         mark = backend.mark()
         self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if not span else -1,
@@ -253,7 +255,9 @@ class Batch:
             start = span.start
             self._fail(seq, runner.nonfinite(prompt[start:], start, self.cache, self.rope, "prefill", seq.slot))
             return
-        token = seq.sampler(logits)
+        token = self._sample(seq, logits)
+        if token is None:
+            return
         first = seq.prefill_passes[0]
         seq.prefill_ms = runner.backend.elapsed_ms(self.passes[first - 1].mark if first else self.t0, self.passes[k].mark)
         if seq.request.keep_logits:
@@ -302,6 +306,15 @@ class Batch:
         for seq in list(self.active.values()):
             if seq.cancelled.is_set() and not seq.done:
                 self._finish(seq, "cancelled")
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+        """The sequence's next token; None where its sampler failed: that sequence ends with the error, the batch
+        (a server's every other request) goes on."""
+        try:
+            return seq.sampler(logits)
+        except Exception as exc:  # noqa: BLE001 - one sequence's settings, not the batch's state
+            self._fail(seq, exc)
+            return None
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         seq.error = error

@@ -22,16 +22,31 @@ MAX_LINES = 100_000
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
 
 
+class _Repeated(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: a key given twice would silently shadow the first."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     """Every line as a checked request (``run.request``), and its number and object as read; or the first bad line's
     error, naming it."""
     raw = read_bounded(path, INPUT_LIMIT, f"--prompts {path}", "split the prompts into several jobs")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of the first line
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--prompts {path}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
                           "write the file as UTF-8") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # Lines end at \n alone (a \r before it is JSON's whitespace): splitlines() would also split inside a string at
+    # U+2028, U+0085 and the like, which JSON allows raw.
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     if not lines:
         raise ConfigError(f"--prompts {path}: no prompts; write one JSON object a line, e.g. {{\"prompt\": \"hello\"}}")
     if len(lines) > MAX_LINES:
@@ -40,9 +55,12 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     for n, line in lines:
         where = f"--prompts {path} line {n}"
         try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
+        except _Repeated as exc:
+            raise ConfigError(f"{where}: the key {exc.args[0]!r} appears twice; give it once") from None
+        except (ValueError, RecursionError) as exc:  # ValueError: an integer past Python's 4300 digits
+            why = (exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+                   if isinstance(exc, RecursionError) else "a number of more than 4300 digits")
             raise ConfigError(f"{where}: not valid JSON ({why}); write one JSON object a line") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{where}: a JSON object is needed, e.g. {{\"prompt\": \"hello\"}}, got {type(obj).__name__}")
@@ -52,12 +70,31 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
                               f"{', '.join(SETTINGS)}")
         if ("prompt" in obj) == ("prompt_ids" in obj):
             raise ConfigError(f"{where}: give exactly one of prompt (text) and prompt_ids (a list of ids)")
+        if obj.get("prompt", "x") in (None, "") or obj.get("prompt_ids", [0]) in (None, []):
+            # else the engine's hint, which names the --prompt and --prompt-ids flags
+            raise ConfigError(f"{where}: the prompt is empty; give some text as prompt, or ids as prompt_ids")
         try:
-            requests.append(run.request(**obj))
+            requests.append(run.request(**_tokenized(run, obj)))
         except KestrelError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         objs.append((n, obj))
     return requests, objs
+
+
+def _tokenized(run, obj: dict) -> dict:
+    """The line's arguments, its text prompt as ids where it fits the model's positions: a prompt far past them is
+    refused without tokenizing it whole (a 256 MiB line took minutes and gigabytes)."""
+    tokenizer, text = run.model.tokenizer, obj.get("prompt")
+    if tokenizer is None or not isinstance(text, str):
+        return obj  # run.request says what is wrong
+    positions = run.model.config.max_position_embeddings
+    ids = tokenizer.encode_at_most(text, positions - 1)
+    if ids is None:
+        raise ConfigError(f"the prompt is over {positions - 1:,} tokens, and the model has {positions:,} positions: no "
+                          "room to generate; shorten the prompt")
+    if not ids:
+        raise ConfigError("the prompt is empty after tokenization")
+    return {**{k: v for k, v in obj.items() if k != "prompt"}, "prompt_ids": ids}
 
 
 def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | None) -> dict:

@@ -129,6 +129,9 @@ class SafetensorsFile:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg
             raise CheckpointError(f"{self.path}: header is not valid JSON ({why}); the file is corrupt") from None
+        except ValueError:  # an integer past Python's 4300 digits
+            raise CheckpointError(f"{self.path}: header holds a number of more than 4300 digits; the file is "
+                                  "corrupt") from None
         except RecursionError:
             raise CheckpointError(f"{self.path}: header is not valid JSON (nested too deeply); the file is corrupt") from None
         if not isinstance(header, dict):

@@ -282,6 +282,8 @@ def load_config(path: str | Path | None) -> KestrelConfig:
         raise ConfigError(f"config file {str(p)!r} cannot be read (not UTF-8 text); pass a kestrel.toml file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    except ValueError:  # an integer past Python's 4300 digits: no setting takes one
+        raise ConfigError(f"{p}: a number of more than 4300 digits; no setting takes one") from None
     except RecursionError:
         raise ConfigError(f"{p}: not valid TOML (nested too deeply)") from None
     return config_from_dict(raw, str(p))

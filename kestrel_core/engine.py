@@ -131,6 +131,9 @@ class Model:
         if not isinstance(model_dir, (str, os.PathLike)):
             raise ConfigError(f"load() takes a model directory, a .gguf file or a Hugging Face model name (a str or "
                               f"a path), got {type(model_dir).__name__}")
+        if "\x00" in os.fsdecode(model_dir):  # no file can be named so; the OS would refuse it with a ValueError
+            raise ConfigError(f"model {os.fsdecode(model_dir)!r} holds a NUL character, which no path can; give the model "
+                              "directory, .gguf file or Hugging Face name without it")
         files = open_gguf(model_dir) if names_gguf(model_dir) else read_model_dir(model_dir)
         self.dir, self.config, self.checkpoint = files.dir, files.config, files.checkpoint
         self.quant, self.tokenizer, self.eos_ids, self.units = files.quant, files.tokenizer, files.eos_ids, files.units

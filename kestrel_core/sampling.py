@@ -35,7 +35,12 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sampled token is drawn from: temperature, then top-k, then top-p ([vocab] float32, CPU)."""
-        probs_logits = logits.float().cpu() / self.gen.temperature
+        logits = logits.float().cpu()
+        probs_logits = logits / self.gen.temperature
+        if bool((torch.isfinite(logits) & ~torch.isfinite(probs_logits)).any()):
+            # A temperature so small (1e-300) that logits / temperature overflow, whose softmax is NaN: its limit
+            # instead, an even draw among the largest logits.
+            probs_logits = torch.zeros_like(logits).masked_fill(logits < logits.max(), float("-inf"))
         if self.gen.top_k:
             kth = torch.topk(probs_logits, min(self.gen.top_k, probs_logits.numel())).values[-1]
             probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from .batch import BUCKETS, Batch, Request, Sequence
 from .errors import BudgetError, ConfigError, KestrelError
@@ -25,8 +26,9 @@ class QueueFull(KestrelError):
 
 class Scheduler:
     def __init__(self, run, max_batch: int = 8, max_seq: int | None = None, prefill_chunk: int | None = 512,
-                 max_queue: int = 64):
-        """``max_queue``: requests that may wait for a slot while all ``max_batch`` are taken (0: none wait)."""
+                 max_queue: int = 64, on_error: Callable[[BaseException], None] | None = None):
+        """``max_queue``: requests that may wait for a slot while all ``max_batch`` are taken (0: none wait);
+        ``on_error(exc)``: hears, on the batch's thread, the error that ended the batch (a server logs it)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
@@ -39,6 +41,7 @@ class Scheduler:
         if self.max_seq < 2:
             raise ConfigError(f"max_seq must be at least 2 positions, got {max_seq!r}")
         self.run, self.max_batch, self.prefill_chunk, self.max_queue = run, max_batch, prefill_chunk, max_queue
+        self.on_error = on_error
         self._incoming: deque[Sequence] = deque()
         self._unfinished: list[Sequence] = []  # submitted and not done: what the queue bound counts
         self._ready = threading.Event()  # the batch (and its KV cache) is made, or the thread ended trying
@@ -125,6 +128,8 @@ class Scheduler:
         except BaseException as exc:  # the batch cannot go on: every sequence ends with the error
             self.error = exc
             self._fail_all(exc)
+            if self.on_error is not None:
+                self.on_error(exc)
         finally:
             self._stopped = True
             self._ready.set()

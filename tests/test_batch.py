@@ -167,6 +167,13 @@ def test_a_batch_job_writes_each_line_in_order(tiny_ckpt, tmp_path, capsys):
     ('{"prompt_ids": [1], "colour": 2}\n', "line 1: unknown key(s) colour"),
     ('{"prompt_ids": [1\n', "line 1: not valid JSON"),
     ('\n\n', "no prompts"),
+    # these named the --prompt and --prompt-ids flags
+    ('{"prompt": ""}\n', "line 1: the prompt is empty; give some text as prompt, or ids as prompt_ids"),
+    ('{"prompt": null}\n', "line 1: the prompt is empty; give some text as prompt"),
+    ('{"prompt_ids": []}\n', "line 1: the prompt is empty; give some text as prompt"),
+    ('{"prompt": "a", "max_new_tokens": 2, "prompt": "b"}\n', "line 1: the key 'prompt' appears twice"),  # was: "b"
+    ('{"prompt_ids": [%s]}\n' % ("1" * 5000), "line 1: not valid JSON (a number of more than 4300 digits)"),  # was: a
+    # traceback (int() refuses more than 4300 digits with a ValueError json.loads lets through)
 ])
 def test_a_bad_line_is_named_before_any_work(tiny_ckpt, tmp_path, capsys, content, needle):
     from cli_helpers import fails
@@ -196,3 +203,83 @@ def test_waiting_prompts_share_a_pass_up_to_the_chunk(tiny_ckpt):
         got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=4, stop_at_eos=False) for p in prompts],
                                  max_batch=5, prefill_chunk=4)
         assert [r.token_ids for r in got] == alone
+
+
+@pytest.mark.parametrize("flags, toml, needle", [
+    (["--draft", "ngram"], None, "a batch job (--prompts) batches them: drop --draft and --draft-tokens"),
+    (["--draft-tokens", "3"], None, "drop --draft and --draft-tokens"),
+    ([], '[speculative]\ndraft = "ngram"\n', "drop [speculative] draft = 'ngram' from"),
+    (["--max-batch", "0"], None, "--max-batch must be in 1..256, got 0"),
+    (["--prefill-chunk", "0"], None, "--prefill-chunk must be at least 1"),
+])
+def test_a_batch_job_refuses_what_it_cannot_do_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch, flags,
+                                                                     toml, needle):
+    """--draft and --draft-tokens were silently ignored by a batch job (no drafting, exit 0); [speculative] draft
+    was refused only once the model had loaded; --max-batch 0 named max_batch, not the flag."""
+    from cli_helpers import fails
+
+    import kestrel_core.commands.generate as generate
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(generate, "load", no_load)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt_ids": [1, 2], "max_new_tokens": 2}\n')
+    if toml is not None:
+        (tmp_path / "kestrel.toml").write_text(toml)
+        flags = [*flags, "--config", str(tmp_path / "kestrel.toml")]
+    fails(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), *flags],
+          capsys, needle)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-batch", "4"], "--max-batch sets a batch job's batch: add --prompts IN.jsonl --out OUT.jsonl, or drop it"),
+    (["--prefill-chunk", "-5", "--max-batch", "0"], "--max-batch and --prefill-chunk set a batch job's batch"),
+])
+def test_batch_flags_without_a_batch_job_are_refused(tiny_ckpt, capsys, flags, needle):
+    """They were silently ignored by a one-prompt generate."""
+    from cli_helpers import fails, gen
+
+    fails(gen(tiny_ckpt, *flags), capsys, needle)
+
+
+def test_a_prompts_file_from_any_editor_is_read_as_written(tiny_ckpt, tmp_path, capsys):
+    """A byte-order mark was "not valid JSON" on line 1, and a raw U+2028 or U+0085 inside a prompt (JSON allows
+    them) split its line in two: "Unterminated string"."""
+    import json
+
+    from kestrel_core.cli import main
+
+    prompts = ["one\u2028two", "three\x85four", "five"]
+    src = tmp_path / "in.jsonl"
+    body = "\r\n".join(json.dumps({"prompt": p, "max_new_tokens": 1}, ensure_ascii=False) for p in prompts)
+    src.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\r\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(out)]) == 0
+    assert "wrote 3 results (0 errors" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().split("\n") if line]
+    assert [(r["line"], r["prompt"]) for r in rows] == [(1, prompts[0]), (2, prompts[1]), (3, prompts[2])]
+
+
+def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole(tiny_ckpt, tmp_path, monkeypatch):
+    """A line of a million tokens was tokenized whole before the length check (a 256 MiB line: minutes, gigabytes)."""
+    from kestrel_core.batch_job import read_requests
+    from kestrel_core.tokenizer import Tokenizer
+
+    real = Tokenizer.encode
+
+    def encode(self, text):
+        assert len(text) < 100_000, "tokenized whole"
+        return real(self, text)
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n' + '{"prompt": "%s"}\n' % ("ab " * 10**6))
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref") as run:
+        with pytest.raises(ConfigError, match="line 2: the prompt is over 511 tokens, and the model has 512 positions"):
+            read_requests(run, str(src))
+        src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n')
+        (request,), _ = read_requests(run, str(src))
+        assert request.prompt_ids == model.tokenizer.encode("hello")

@@ -238,6 +238,18 @@ def test_a_safetensors_header_nested_without_end(tiny_copy, capsys):
     fails(gen(tiny_copy), capsys, "header is not valid JSON (nested too deeply)")
 
 
+def test_a_number_past_pythons_4300_digits_is_a_one_line_error(tiny_copy, tmp_path, capsys):
+    """int() refuses more than 4300 digits with a ValueError that json.loads and tomllib let through: a traceback."""
+    path = tmp_path / "kestrel.toml"
+    path.write_text("[generation]\nseed = " + "1" * 5000 + "\n")
+    fails(gen(tiny_copy, "--config", str(path)), capsys, "kestrel.toml: a number of more than 4300 digits")
+    weights = tiny_copy / WEIGHTS
+    raw, n, _ = header_of(weights)
+    text = b'{"a": ' + b"1" * 5000 + b"}"
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    fails(gen(tiny_copy), capsys, "header holds a number of more than 4300 digits; the file is corrupt")
+
+
 def test_a_header_over_the_format_limit_is_not_called_truncated(tiny_copy, capsys):
     path = tiny_copy / WEIGHTS
     raw = path.read_bytes()

@@ -178,3 +178,37 @@ def test_a_sweep_list_with_a_value_twice(tiny_ckpt, capsys, flag, value, message
     if flag != "--keep":
         argv += ["--keep", "1"]
     fails(argv, capsys, message, "list each value once")
+
+
+def test_a_temperature_so_small_that_logits_overflow_samples_the_greedy_ids(tiny_ckpt):
+    """temperature 1e-300 (in range: finite and above 0) made logits / temperature inf and the softmax NaN: a
+    traceback from torch.multinomial in generate, the batch job and speculative decoding, and in the server a 500
+    that stopped the batch for every later request."""
+    prompt = [1, 2, 3, 1, 2, 3]
+    with load(tiny_ckpt) as model:
+        with model.open(backend="cpu_ref") as run:
+            greedy = run.generate(prompt_ids=prompt, max_new_tokens=4).token_ids
+            assert run.generate(prompt_ids=prompt, max_new_tokens=4, temperature=1e-300).token_ids == greedy
+            batch = run.generate_batch([{"prompt_ids": prompt, "max_new_tokens": 4, "temperature": 1e-300}])
+            assert batch[0].token_ids == greedy
+        with model.open(backend="cpu_ref", draft="ngram") as run:
+            assert run.generate(prompt_ids=prompt, max_new_tokens=4, temperature=1e-300).token_ids == greedy
+
+
+def test_a_nul_in_a_model_or_draft_path_is_a_one_line_error(tiny_ckpt, tmp_path, capsys):
+    """kestrel.toml can hold "\\u0000" where argv cannot: the model, or [speculative] draft, was a ValueError
+    traceback (embedded null byte) from os.stat."""
+    path = tmp_path / "kestrel.toml"
+    path.write_text('model = "tiny\\u0000"\n')
+    fails(["generate", "--config", str(path), "--prompt-ids", "1,2"], capsys, "holds a NUL character")
+    path.write_text('[speculative]\ndraft = "tiny\\u0000"\n')
+    fails(gen(tiny_ckpt, "--config", str(path)), capsys, "model 'tiny\\x00' holds a NUL character, which no path can")
+    with pytest.raises(ConfigError, match="holds a NUL character"):
+        load(str(tiny_ckpt) + "\x00")
+
+
+def test_a_template_var_past_pythons_4300_digits_is_taken_as_text():
+    """json.loads raised int()'s ValueError (more than 4300 digits), which only JSONDecodeError was caught for."""
+    from kestrel_core.commands.chat import template_vars
+
+    assert template_vars(["n=" + "1" * 5000]) == {"n": "1" * 5000}

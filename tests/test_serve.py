@@ -301,6 +301,7 @@ def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response
     ({"model": "M", "prompt": ""}, "prompt", None),
     ({"model": "M", "prompt": [1] * 600}, "prompt", "context_length_exceeded"),
     ({"model": "M", "prompt": [1] * 500, "max_tokens": 100}, "prompt", "context_length_exceeded"),
+    (b'{"model": "M", "prompt": [1, 2], "max_tokens": 2, "max_tokens": 3}', "max_tokens", None),  # was: the last
 ])
 def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, code):
     if isinstance(body, dict) and "model" in body:
@@ -309,6 +310,16 @@ def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, co
         body = body.replace(b'"M"', json.dumps(server.name).encode())
     error = assert_openai_error(post(server, "/v1/completions", body), 400, param, code)
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_number_past_pythons_4300_digits_is_a_400_that_names_it():
+    """The message was Python's, telling the client to call sys.set_int_max_str_digits()."""
+    from kestrel_core.serve import protocol
+
+    with pytest.raises(protocol.APIError) as refused:
+        protocol.parse(b'{"model": "m", "prompt": [1], "max_tokens": ' + b"1" * 5000 + b"}", protocol.CompletionRequest)
+    assert refused.value.status == 400
+    assert refused.value.message == "the body is not valid JSON (a number of more than 4300 digits)"
 
 
 @pytest.mark.parametrize("change, param", [
@@ -368,6 +379,36 @@ def test_a_body_over_the_limit_is_a_413(server):
     response = httpx.post(f"{server.url}/v1/completions", content=chunked(), timeout=30,
                           headers={"Authorization": f"Bearer {KEY}"})
     assert_openai_error(response, 413)
+
+
+def test_a_body_that_stalls_is_a_408_not_a_connection_held_forever(model_dir):
+    """A Content-Length above what was sent (or a slow-loris body) held its connection with no end."""
+    import asyncio
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    app = create_app(Service(KestrelConfig().override(model=str(model_dir)), "tiny", Limits()), body_timeout=0.2)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    parts = [{"type": "http.request", "body": b'{"model": "tiny", ', "more_body": True}]
+    sent = []
+
+    async def receive():
+        if parts:
+            return parts.pop(0)
+        await asyncio.sleep(3600)  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 408
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["code"] == "body_timeout" and "did not arrive within 0.2 s (18 bytes came)" in error["message"]
 
 
 def test_unknown_routes_and_methods_answer_in_openais_shape(server):
@@ -465,6 +506,47 @@ def test_a_server_error_is_a_500_without_its_traceback(model_dir, monkeypatch, c
     assert "RuntimeError" in caplog.text  # the server's log names it
 
 
+def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, monkeypatch, caplog):
+    """The 503 said the error was in the server's log, and it was not; /health went on answering 200 "ok"."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from kestrel_core.batch import Batch
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    monkeypatch.setattr(logging.getLogger("kestrel.serve"), "propagate", True)  # to caplog, whatever ran before
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny", Limits())
+    service.load()
+    monkeypatch.setattr(Batch, "step", lambda self: (_ for _ in ()).throw(RuntimeError("the device fell off")))
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+    try:
+        with TestClient(create_app(service), raise_server_exceptions=False) as http:
+            assert_openai_error(http.post("/v1/completions", json=body), 500, code="generation_failed")
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "batch_failed"
+            assert_openai_error(http.post("/v1/completions", json=body), 503, code="batch_failed")
+    finally:
+        service.close()
+    failed = next(r for r in caplog.records if "the batch stopped on an error" in r.getMessage())
+    assert failed.exc_info and str(failed.exc_info[1]) == "the device fell off"
+
+
+def test_a_context_past_the_models_positions_is_refused_not_cut(model_dir):
+    """--max-seq 100000 on a model of 4096 positions served 4096 without a word."""
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.service import FAILED, Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny",
+                      Limits(max_seq=100_000))
+    service.load()
+    assert service.state == FAILED
+    error = str(service.load_error)
+    assert error.startswith("--max-seq 100,000 is past") and "4,096 positions" in error
+
+
 def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, capsys):
     monkeypatch.delenv("KESTREL_API_KEY", raising=False)
     assert cli.main(["serve", "--model", str(model_dir), "--host", "0.0.0.0"]) == 2
@@ -472,14 +554,42 @@ def test_a_non_loopback_host_without_a_key_is_refused(model_dir, monkeypatch, ca
     assert len(err.splitlines()) == 1 and "KESTREL_API_KEY" in err and "--allow-insecure" in err
 
 
+def no_listening(*args):
+    raise AssertionError("the server listened")
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
     (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
+    # each was a traceback (OverflowError), an "unrecognized arguments", or a server that could never be used
+    (["--max-body-mb", "inf"], "--max-body-mb must be a finite number above 0, got inf"),
+    (["--draft", "ngram"], "kestrel serve does not decode speculatively"),
+    (["--draft-tokens", "4"], "drop --draft and --draft-tokens"),
+    (["--served-model-name", " "], "--served-model-name is empty"),
+    (["--api-key", " key"], "--api-key: the API key must be printable ASCII with no space at either end"),
+    (["--api-key", "clé"], "--api-key: the API key must be printable ASCII"),
 ])
-def test_bad_flags_are_one_line_errors(model_dir, capsys, flags, needle):
+def test_bad_flags_are_one_line_errors(model_dir, capsys, monkeypatch, flags, needle):
+    monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)  # a flag let through fails, never serves
     assert cli.main(["serve", "--model", str(model_dir), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_a_key_from_the_environment_and_a_draft_in_kestrel_toml_are_checked_before_listening(model_dir, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """A key ending in a newline could never match a header; [speculative] draft failed once the model loaded."""
+    monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)
+    monkeypatch.setenv("KESTREL_API_KEY", "key\n")
+    assert cli.main(["serve", "--model", str(model_dir), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "KESTREL_API_KEY: the API key must be printable ASCII" in err
+    monkeypatch.delenv("KESTREL_API_KEY")
+    (tmp_path / "kestrel.toml").write_text('[speculative]\ndraft = "ngram"\n')
+    assert cli.main(["serve", "--model", str(model_dir), "--port", "0", "--config", str(tmp_path / "kestrel.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"kestrel: error: speculative decoding runs one sequence at a time, and kestrel serve "
+                                f"batches them: drop [speculative] draft = 'ngram' from {tmp_path / 'kestrel.toml'}"]
 
 
 def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):
@@ -505,6 +615,38 @@ def test_a_signal_ends_running_streams_cleanly_and_exits_0(model_dir, how):
         assert "Traceback" not in "\n".join(s.lines)
     finally:
         s.stop()
+
+
+SLOW_LOAD = """
+import sys, time, torch
+from kestrel_core import cli
+from kestrel_core.serve import service
+real = service.Service._load
+def slow(self):  # torch at work on the loading thread, as a large model's load is, for seconds
+    t, a = time.monotonic(), torch.randn(256, 256)
+    while time.monotonic() - t < 30:
+        a = torch.tanh(a @ a)
+    real(self)
+service.Service._load = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_the_model_loads_exits_0(model_dir):
+    """The interpreter's exit destroyed torch's threads under the loading thread: "terminate called without an active
+    exception", and SIGABRT (exit -6) instead of 0."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, "serve", "--model", str(model_dir), "--port", "0",
+                             "--backend", "cpu_ref"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in proc.stderr.readline()
+        time.sleep(1)  # the loading thread is in torch
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "stopped (the model was still loading)" in err and "terminate called" not in err
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_stream_running_at_sigterm_finishes_within_the_grace_period(model_dir):

@@ -166,3 +166,24 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_ckpt, draft_ckp
                 assert proposal == own(context, k) and probs is None
                 context = context + proposal[:keep_n] + [(proposal[keep_n] + 1) % 256 if keep_n < k else 7]
                 drafter.accepted(context)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--draft-tokens", "4"], "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
+    (["--draft", ""], "--draft is empty"),
+    (["--draft", "  "], "--draft is empty"),
+])
+def test_a_draft_setting_that_would_do_nothing_is_refused(tiny_ckpt, capsys, flags, needle):
+    """--draft-tokens without a draft, and an empty --draft, ran plain decoding without a word."""
+    from cli_helpers import gen
+
+    fails(gen(tiny_ckpt, *flags), capsys, needle)
+
+
+def test_draft_tokens_with_kestrel_tomls_draft_is_taken(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "kestrel.toml").write_text('[speculative]\ndraft = "ngram:1"\n')
+    from cli_helpers import gen
+
+    argv = gen(tiny_ckpt, "--config", str(tmp_path / "kestrel.toml"), "--draft-tokens", "3", "--json")
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["speculative"]["passes"] >= 1

@@ -196,7 +196,7 @@ def template_vars(pairs: list[str]) -> dict:
                               f"({', '.join(RESERVED)} are reserved); pick another name")
         try:
             out[name.strip()] = json.loads(value)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (or an integer past Python's 4300 digits)
             out[name.strip()] = value  # a plain string
         except RecursionError:
             raise ConfigError(f"--template-var {name.strip()}: the JSON value is nested too deeply") from None

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from .. import traces
+from ..batch import BUCKETS
 from ..engine import load
 from ..errors import ConfigError
 from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
+
+MAX_BATCH = 8  # a batch job's default --max-batch
 
 HELP = ("generate tokens with a policy, keep, allocator and backend; print the text as it is generated "
         "(the ids where the model has no tokenizer), then ms/token and counters")
@@ -22,7 +25,7 @@ def add_arguments(p):
                    "{\"prompt_ids\": [...]}, with any [generation] setting), run as a continuous batch (needs --out)")
     p.add_argument("--out", metavar="OUT.jsonl", help="where a batch job writes its results, one line a prompt, in "
                    "input order (a new file: never replaced)")
-    p.add_argument("--max-batch", type=int, default=8, help="a batch job's sequences decoding together (default 8)")
+    p.add_argument("--max-batch", type=int, help=f"a batch job's sequences decoding together (default {MAX_BATCH})")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="a batch job's prompt tokens a step takes beside the decoding ones (default: a whole prompt)")
 
@@ -30,7 +33,19 @@ def add_arguments(p):
 def run(args) -> int:
     if args.prompts is not None or args.out is not None:
         return run_batch_job(args)
+    batch_flags = [f for f, v in (("--max-batch", args.max_batch), ("--prefill-chunk", args.prefill_chunk))
+                   if v is not None]
+    if batch_flags:
+        one = len(batch_flags) == 1
+        raise ConfigError(f"{' and '.join(batch_flags)} {'sets' if one else 'set'} a batch job's batch: add --prompts "
+                          f"IN.jsonl --out OUT.jsonl, or drop {'it' if one else 'them'}")
+    if args.draft is not None and not args.draft.strip():
+        raise ConfigError("--draft is empty; give ngram, ngram:N, a drafter plugin's name or a draft model's directory, "
+                          "or leave the flag out")
     cfg = config_from_args(args).override(speculative__draft=args.draft, speculative__draft_tokens=args.draft_tokens)
+    if args.draft_tokens is not None and not cfg.speculative.draft:
+        raise ConfigError("--draft-tokens sets how many tokens a drafter proposes, and no draft is set: add --draft "
+                          "(or [speculative] draft in kestrel.toml), or drop --draft-tokens")
     recorder = None
     if args.trace is not None:
         traces.check_new(args.trace)  # before any work: an empty name, or one that exists, is refused
@@ -119,13 +134,25 @@ def run_batch_job(args) -> int:
         raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
+    if args.draft is not None or args.draft_tokens is not None:
+        raise ConfigError("speculative decoding runs one sequence at a time, and a batch job (--prompts) batches them: "
+                          "drop --draft and --draft-tokens")
     from ..batch_job import run_job
     from ..newfile import check_new
 
     check_new(args.out, "--out")  # before the model loads
     cfg = config_from_args(args)
+    if cfg.speculative.draft:  # before the model loads
+        raise ConfigError(f"speculative decoding runs one sequence at a time, and a batch job (--prompts) batches them: "
+                          f"drop [speculative] draft = {cfg.speculative.draft!r} from {args.config}")
+    max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
+    if not 1 <= max_batch <= BUCKETS[-1]:
+        raise ConfigError(f"--max-batch must be in 1..{BUCKETS[-1]}, got {max_batch}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be at least 1 (or left out: a whole prompt a step), "
+                          f"got {args.prefill_chunk}")
     with load(model_dir(cfg)) as model, model.open(cfg) as r:
-        summary = run_job(r, args.prompts, args.out, args.max_batch, args.prefill_chunk)
+        summary = run_job(r, args.prompts, args.out, max_batch, args.prefill_chunk)
     if args.json:
         emit_json(summary)
     else:

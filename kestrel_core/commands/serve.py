@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -59,6 +60,10 @@ def add_arguments(p):
                    "(default 4096); a chat request without one generates up to this, within the context")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="the largest request body in MiB (default 4); "
                    "past it, 413")
+    # Not serve's: speculative decoding runs one sequence at a time. Taken only to refuse them in a line that says so.
+    refused = "refused: speculative decoding runs one sequence at a time, and the server batches them"
+    p.add_argument("--draft", help=refused)
+    p.add_argument("--draft-tokens", help=refused)
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGINT or SIGTERM, seconds the running "
                    "generations may go on before they are cut (default 10; a second signal cuts them at once)")
 
@@ -66,8 +71,15 @@ def add_arguments(p):
 def run(args) -> int:
     settings = _checked(args)
     cfg = config_from_args(args)
+    if cfg.speculative.draft:  # the scheduler would refuse it once the model loaded
+        raise ConfigError(f"speculative decoding runs one sequence at a time, and kestrel serve batches them: drop "
+                          f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
     name = args.served_model_name or model_dir(cfg)
     api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+    if api_key and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+        where = "--api-key" if args.api_key is not None else KEY_ENV
+        raise ConfigError(f"{where}: the API key must be printable ASCII with no space at either end (a client sends "
+                          "it in an HTTP header, which could never match it); choose another key")
 
     # The heavy imports after the flags are checked: a wrong flag stays a quick one-line error.
     import uvicorn
@@ -127,8 +139,14 @@ def run(args) -> int:
         sock.close()
     if service.load_error is not None:
         raise service.load_error
-    if not loader.is_alive():  # else a signal came mid-load: the process ends with the loading thread
-        service.close()
+    if loader.is_alive():
+        # A signal came mid-load. The loading thread cannot be stopped, and the interpreter's exit would destroy the
+        # C++ threads it runs on under it ("terminate called without an active exception", SIGABRT): end here.
+        log.info("stopped (the model was still loading)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    service.close()
     log.info("stopped")
     return 0
 
@@ -139,6 +157,12 @@ def _checked(args) -> dict:
         raise ConfigError("kestrel serve takes its prompts from requests; drop --prompt/--prompt-ids")
     if args.json:
         raise ConfigError("kestrel serve logs lines on stderr and answers in JSON over HTTP; drop --json")
+    if args.draft is not None or args.draft_tokens is not None:
+        raise ConfigError("kestrel serve does not decode speculatively (that runs one sequence at a time, and the "
+                          "server batches them): drop --draft and --draft-tokens")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ConfigError("--served-model-name is empty; give the name clients send as model, or leave the flag out "
+                          "(the name is then --model as given)")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not 1 <= args.max_batch <= 256:
@@ -151,8 +175,8 @@ def _checked(args) -> dict:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_tokens_limit < 1:
         raise ConfigError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
-    if not args.max_body_mb > 0:
-        raise ConfigError(f"--max-body-mb must be above 0, got {args.max_body_mb}")
+    if not (args.max_body_mb > 0 and math.isfinite(args.max_body_mb)):
+        raise ConfigError(f"--max-body-mb must be a finite number above 0, got {args.max_body_mb}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     return {"max_batch": args.max_batch, "max_seq": args.max_seq, "prefill_chunk": args.prefill_chunk,

@@ -31,7 +31,11 @@ log = logging.getLogger("kestrel.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold the chunks back
 
 
-def create_app(service: Service, api_key: str | None = None, max_body: int = 4 * 2**20) -> FastAPI:
+BODY_TIMEOUT_S = 60.0  # the whole body must arrive within this: a client that stalls mid-body holds no connection forever
+
+
+def create_app(service: Service, api_key: str | None = None, max_body: int = 4 * 2**20,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="kestrel", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -67,19 +71,27 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         if length is not None and length.isdigit() and int(length) > max_body:
             raise too_big  # refused before reading a byte of it
         chunks, size = [], 0
-        try:
+
+        async def read() -> None:
+            nonlocal size
             async for chunk in request.stream():  # a body without a length is counted as it comes
                 size += len(chunk)
                 if size > max_body:
                     raise too_big
                 chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), body_timeout)
         except ClientDisconnect:  # gone before its body arrived: no one hears the answer, and it is no server error
             raise APIError(400, "the client disconnected before its request body arrived") from None
+        except asyncio.TimeoutError:  # a slow-loris body, or a Content-Length above what was sent
+            raise APIError(408, f"the request body did not arrive within {body_timeout:g} s ({size:,} bytes came); "
+                           "send the whole body, and a Content-Length that matches it", code="body_timeout") from None
         return b"".join(chunks)
 
     @app.get("/health")
     async def health():
-        state = service.state
+        state = service.health
         return JSONResponse({"status": "ok" if state == READY else state, **service.stats()},
                             200 if state == READY else 503)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import threading
@@ -28,6 +29,8 @@ from .generation import Generation
 from .protocol import APIError, ChatRequest, CompletionRequest
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
+
+log = logging.getLogger("kestrel.serve")
 
 
 @attrs.frozen
@@ -90,10 +93,13 @@ class Service:
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
         positions = model.config.max_position_embeddings
+        if self.limits.max_seq is not None and self.limits.max_seq > positions:  # was cut to the model's, unsaid
+            raise ConfigError(f"--max-seq {self.limits.max_seq:,} is past {model.dir}'s {positions:,} positions "
+                              f"(max_position_embeddings); give at most {positions:,}, or leave it out")
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg)
         self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
-                                   self.limits.max_queue)
+                                   self.limits.max_queue, on_error=self._batch_failed)
         self.scheduler.start()
         # One short generation: the window preloads and the memory figures printed at start are measured ones.
         warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=2, stop_at_eos=False,
@@ -101,6 +107,11 @@ class Service:
         warm.finished.wait()
         if warm.error is not None:
             raise warm.error
+
+    @staticmethod
+    def _batch_failed(exc: BaseException) -> None:
+        """The batch's thread ended on an error: every later request is a 503 that points here."""
+        log.error("the batch stopped on an error; restart the server", exc_info=exc)
 
     def describe(self) -> list[str]:
         """What the start prints once loaded: the model, its residency settings and the memory measured."""
@@ -197,6 +208,13 @@ class Service:
     def stats(self) -> dict[str, int]:
         s = self.scheduler
         return {"running": s.running, "waiting": s.waiting} if s is not None else {}
+
+    @property
+    def health(self) -> str:
+        """What /health says: ``ready`` only while requests can be served (a stopped batch cannot)."""
+        if self.state == READY and self.scheduler is not None and self.scheduler.error is not None:
+            return "batch_failed"
+        return self.state
 
     # --- the end -----------------------------------------------------------------------------------------
     def begin_shutdown(self, grace_s: float) -> None:
