@@ -14,25 +14,13 @@ import time
 
 from . import progress
 from .errors import ConfigError, KestrelError
+from .json_keys import RepeatedKey, unique_keys
 from .newfile import check_new, write_new
 from .readfile import read_bounded
 
 INPUT_LIMIT = 256 * 2**20  # bytes of prompts a job reads
 MAX_LINES = 100_000
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
-
-
-class _Repeated(Exception):
-    pass
-
-
-def _unique_keys(pairs: list) -> dict:
-    """json object_pairs_hook: a key given twice would silently shadow the first."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set = set()
-        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
 
 
 def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
@@ -55,8 +43,8 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
     for n, line in lines:
         where = f"--prompts {path} line {n}"
         try:
-            obj = json.loads(line, object_pairs_hook=_unique_keys)
-        except _Repeated as exc:
+            obj = json.loads(line, object_pairs_hook=unique_keys)
+        except RepeatedKey as exc:
             raise ConfigError(f"{where}: the key {exc.args[0]!r} appears twice; give it once") from None
         except (ValueError, RecursionError) as exc:  # ValueError: an integer past Python's 4300 digits
             why = (exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"

@@ -22,6 +22,7 @@ import torch
 
 from .dtypes import BY_NAME, BY_ST, WEIGHT_NAMES
 from .errors import CheckpointError
+from .json_keys import RepeatedKey, unique_keys
 from .modelconfig import is_int, read_json, shown
 
 PAGE = mmap.PAGESIZE
@@ -69,19 +70,6 @@ class TensorInfo:
         return True
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list) -> dict:
-    """json object_pairs_hook: a repeated key (one tensor defined twice) would silently shadow the first."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
 class SafetensorsFile:
     """One mmap'd safetensors file, validated on open."""
 
@@ -123,8 +111,8 @@ class SafetensorsFile:
                 "the file is truncated or corrupt: re-download or re-create it"
             )
         try:
-            header = json.loads(bytes(self._mm[8 : 8 + n]), object_pairs_hook=_unique_keys)
-        except _DuplicateKey as exc:
+            header = json.loads(bytes(self._mm[8 : 8 + n]), object_pairs_hook=unique_keys)
+        except RepeatedKey as exc:
             raise self._fail(f"header defines {exc.args[0]!r} twice") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg

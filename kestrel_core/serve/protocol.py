@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..json_keys import RepeatedKey, unique_keys
+
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each
 MAX_STOP_IDS = 256
@@ -213,27 +215,14 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-class _Repeated(Exception):
-    pass
-
-
-def _unique_keys(pairs: list) -> dict:
-    """json object_pairs_hook: a key given twice would silently shadow the first."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set = set()
-        raise _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
-
-
 def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
     """The request ``body`` as ``kind``, checked; else a 400 naming the parameter."""
     try:
         data = json.loads(body, parse_constant=_reject_constant,  # NaN and Infinity are Python's, not JSON's
-                          object_pairs_hook=_unique_keys)
+                          object_pairs_hook=unique_keys)
     except RecursionError:
         raise bad_request("the body is nested too deeply") from None
-    except _Repeated as exc:
+    except RepeatedKey as exc:
         raise bad_request(f"the key {exc.args[0]!r} appears twice in one object; send it once", exc.args[0]) from None
     except (ValueError, UnicodeDecodeError) as exc:
         why = exc if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) or "not JSON" in str(exc) \
