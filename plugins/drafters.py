@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from kestrel_core.errors import BudgetError, ConfigError
+from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.kvcache import allocate_cache
 from kestrel_core.config import DRAFT_TOKENS_MAX
@@ -84,6 +86,10 @@ class DraftModel:
             raise
         self.gen = run.config.generation
         self.max_seq = min(self.model.config.max_position_embeddings, target.config.max_position_embeddings)
+        if self.max_seq < target.config.max_position_embeddings:
+            warnings.warn(f"the draft model {self.model.dir} holds {self.max_seq:,} positions, fewer than the target's "
+                          f"{target.config.max_position_embeddings:,}: past position {self.max_seq:,} the target decodes "
+                          "one token a pass, undrafted", KestrelNote, stacklevel=2)
         runner = self.run.runner
         b = runner.backend
         self.cache = allocate_cache(self.model.config, self.max_seq, b.dtype, b.device)

@@ -13,7 +13,7 @@ from bench.scenarios.speculative import Oracle, OraclePlugin  # a drafter plugin
 from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.config import GenerationConfig
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.presets import preset_config, write_checkpoint
 from kestrel_core.sampling import Sampler
 from kestrel_core.scheduler import Scheduler
@@ -187,3 +187,24 @@ def test_draft_tokens_with_kestrel_tomls_draft_is_taken(tiny_ckpt, tmp_path, cap
     argv = gen(tiny_ckpt, "--config", str(tmp_path / "kestrel.toml"), "--draft-tokens", "3", "--json")
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["speculative"]["passes"] >= 1
+
+
+def test_a_draft_with_fewer_positions_says_so_and_the_target_decodes_on_undrafted(tmp_path, tiny_ckpt):
+    """A draft model that holds fewer positions than the target drafts up to its own end, with a note saying so; past
+    it every pass is one plain token, and the ids stay plain greedy decoding's."""
+    short = write_checkpoint(preset_config("tiny", layers=2), tmp_path / "short")
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16
+    (short / "config.json").write_text(json.dumps(cfg))
+    with load(tiny_ckpt) as model:
+        with model.open(keep=1) as run:
+            plain = run.generate(prompt_ids=REPEATING, max_new_tokens=12, stop_at_eos=False)
+        with pytest.warns(KestrelNote, match=r"the draft model .*short holds 16 positions, fewer than the target's "
+                                             r"[\d,]+: past position 16 the target decodes one token a pass, undrafted"):
+            run = model.open(keep=1, draft=str(short), draft_tokens=4)
+        with run:
+            spec = run.generate(prompt_ids=REPEATING, max_new_tokens=12, stop_at_eos=False)
+    assert spec.token_ids == plain.token_ids
+    s = spec.speculative
+    assert s["drafted"] <= 16 - len(REPEATING) - 1  # drafts only where the draft's positions reach
+    assert s["passes"] > (12 - 1) - s["drafted"] - 1  # the rest one plain token a pass
