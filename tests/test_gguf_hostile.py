@@ -18,7 +18,8 @@ import pytest
 from kestrel_core import load
 from kestrel_core.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
-from kestrel_core.gguf import MAX_ARRAY, MAX_KEYS, GGUFCheckpoint
+from kestrel_core.gguf import GGUFCheckpoint
+from kestrel_core.gguf_header import MAX_ARRAY, MAX_KEYS
 from kestrel_core.gguf_tokenizer import MAX_ADDED, build_tokenizer
 from tests.cli_helpers import fails
 from tests.gguf_files import DIMS, LLAMA_TYPES, MERGES, VOCAB, T, model_metadata, model_tensors, write_gguf, write_model
