@@ -683,3 +683,63 @@ def test_text_that_may_begin_a_stop_string_is_held_until_decided(model_dir):
         assert out.stopped and out.text == "abc START " and "".join(sent) + out.finish() == "abc START "
         plain = TextOutput(tok, [])
         assert "".join(plain.push(t) for t in tok.encode("no stops")) + plain.finish() == "no stops"
+
+
+@pytest.fixture
+def slow_app_server():
+    """uvicorn with kestrel's header deadline (0.3 s here) in front of an app that answers after 0.6 s."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    from kestrel_core.serve.server import header_deadline
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(0.6)  # longer than the deadline: a request being answered is not cut
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=header_deadline(0.3)))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve([sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+
+
+def _closed_after(conn, timeout: float = 5.0) -> float:
+    """Seconds until the server closed ``conn`` (it sends nothing first); fails if it is still open after ``timeout``."""
+    conn.settimeout(timeout)
+    t0 = time.monotonic()
+    assert conn.recv(100) == b""
+    return time.monotonic() - t0
+
+
+def test_headers_that_never_finish_lose_their_connection(slow_app_server):
+    import socket
+
+    port = slow_app_server
+    partial = socket.create_connection(("127.0.0.1", port))
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    assert 0.25 <= _closed_after(partial) < 3
+    silent = socket.create_connection(("127.0.0.1", port))  # connects, sends nothing
+    assert 0.25 <= _closed_after(silent) < 3
+    kept = socket.create_connection(("127.0.0.1", port))  # a whole request, answered after the deadline had passed
+    kept.settimeout(5)
+    for _ in range(2):  # and again on the same connection, its next headers within the deadline
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"ok"):
+            answer += kept.recv(200)
+        assert answer.startswith(b"HTTP/1.1 200 OK")
+    kept.sendall(b"GET / HTTP/1.1\r\n")  # then a request that stops mid-headers
+    assert _closed_after(kept) < 3

@@ -85,7 +85,7 @@ def run(args) -> int:
     import uvicorn
 
     from ..serve.app import create_app
-    from ..serve.server import Server, bind, check_bind, url_of
+    from ..serve.server import Server, bind, check_bind, header_deadline, url_of
     from ..serve.service import FAILED, READY, Limits, Service
 
     check_bind(args.host, api_key, args.allow_insecure)
@@ -106,6 +106,7 @@ def run(args) -> int:
              "address may use it)" if args.allow_insecure else "none (loopback only)")
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False,
+                            http=header_deadline(),  # slow or absent request headers close their connection
                             timeout_graceful_shutdown=args.shutdown_timeout + 30)  # a backstop past the grace
 
     def stop(signum: int) -> None:

@@ -14,7 +14,9 @@ import socket
 import threading
 from typing import Callable
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import ConfigError
 from ..signals import SIGNALS
@@ -62,6 +64,55 @@ def bind(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port, or stop "
                           "what holds it") from None
     return sock
+
+
+HEADER_TIMEOUT_S = 30.0  # a request's headers must all arrive within this of the connection, or of the last answer
+
+
+def header_deadline(seconds: float = HEADER_TIMEOUT_S) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers have not all come within ``seconds`` of
+    the connection or of its last answer. uvicorn has no such timeout: a client that connects and sends nothing, or
+    its headers a byte a minute, would hold a connection for ever (the body has its own, in ``app.py``)."""
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel()
+            super().connection_lost(exc)
+
+        def _watch(self) -> None:
+            """Arm the deadline while the next request's headers are awaited (h11's IDLE); disarm it once they came."""
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                self._cancel()
+            elif self._deadline is None:
+                self._deadline = self.loop.call_later(seconds, self._late)
+
+        def _cancel(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closed a connection from %s whose request headers did not all come within %g s",
+                         "%s:%d" % self.client if self.client else "a client", seconds)
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def url_of(sock: socket.socket) -> str:
