@@ -264,51 +264,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
-               token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _choice(key: str, value, finish_reason: str | None, token_ids: list[int] | None,
+            prompt_ids: list[int] | None = None) -> dict:
+    """The one choice of an answer or a chunk: its ``key`` (text, message or delta) and the ids where asked for."""
+    choice = {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     if prompt_ids is not None:
         choice["prompt_token_ids"] = prompt_ids
-    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            "usage": use}
+    return choice
+
+
+def _answer(obj: str, id: str, created: int, model: str, choice: dict, **usage) -> dict:
+    return {"id": id, "object": obj, "created": created, "model": model, "choices": [choice], **usage}
+
+
+def completion(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
+               token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
+    return _answer("text_completion", id, created, model, _choice("text", text, finish_reason, token_ids, prompt_ids),
+                   usage=use)
 
 
 def completion_chunk(id: str, created: int, model: str, text: str, finish_reason: str | None = None,
                      token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
     """One chunk of a completions stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-    if usage_field:
-        out["usage"] = None
-    return out
+    return _answer("text_completion", id, created, model, _choice("text", text, finish_reason, token_ids),
+                   **({"usage": None} if usage_field else {}))
 
 
 def chat(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
          token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    if prompt_ids is not None:
-        choice["prompt_token_ids"] = prompt_ids
-    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": use}
+    message = {"role": "assistant", "content": text}
+    return _answer("chat.completion", id, created, model, _choice("message", message, finish_reason, token_ids,
+                                                                   prompt_ids), usage=use)
 
 
 def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
                token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
     """One chunk of a chat stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    if usage_field:
-        out["usage"] = None
-    return out
+    return _answer("chat.completion.chunk", id, created, model, _choice("delta", delta, finish_reason, token_ids),
+                   **({"usage": None} if usage_field else {}))
 
 
 def usage_chunk(id: str, created: int, model: str, obj: str, use: dict) -> dict:
