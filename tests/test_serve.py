@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import shutil
 import signal
@@ -22,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from bench.serve_process import ServeProcess
 from kestrel_core import cli
 from kestrel_core.chat_template import load_chat_template
 from kestrel_core.commands.chat import end_ids
@@ -44,35 +44,11 @@ def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
     return d
 
 
-class Server:
-    """``kestrel serve`` in a subprocess on a free loopback port; its stderr lines are collected as they come."""
+class Server(ServeProcess):
+    """``kestrel serve`` on cpu_ref in a subprocess on a free loopback port, with the clients the tests use."""
 
     def __init__(self, model: Path, *flags: str, env: dict | None = None):
-        self.name = str(model)
-        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", self.name, "--port", "0",
-               "--backend", "cpu_ref", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.url = re.search(r"listening on (\S+)", self.wait_for("listening on")).group(1)
-        self.wait_for("ready in")
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, text: str, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = next((line for line in self.lines if text in line), None)
-            if found is not None:
-                return found
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.02)
-        raise AssertionError(f"no {text!r} from the server; stderr:\n" + "\n".join(self.lines))
+        super().__init__(model, "--backend", "cpu_ref", *flags, env=env)
 
     def client(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0, timeout=60)
@@ -81,13 +57,7 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().stop(30)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,7 @@ between its tokens, p50 and p99 over all of them, and the round's tokens/s. The 
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +26,7 @@ from pathlib import Path
 from bench import models
 from bench.errors import BenchError
 from bench.log import log
+from bench.serve_process import ServeProcess
 from bench.stats import summary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,45 +100,6 @@ def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[i
     return rows, base, solo or []
 
 
-class Server:
-    """``kestrel serve`` in a subprocess on a free loopback port."""
-
-    def __init__(self, path: Path, args, max_batch: int):
-        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", str(path), "--port", "0",
-               "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max_batch),
-               "--max-seq", str(64 + args.tokens)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "KESTREL_API_KEY": "bench"})
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = re.search(r"listening on (\S+)", self.wait_for("listening on")).group(1)
-        self.wait_for("ready in")
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, text: str, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = next((line for line in self.lines if text in line), None)
-            if found is not None:
-                return found
-            if self.proc.poll() is not None:
-                raise BenchError(f"kestrel serve ended before {text!r}: {(self.lines or ['?'])[-1]}")
-            time.sleep(0.05)
-        raise BenchError(f"kestrel serve printed no {text!r} in {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def one_stream(client, name: str, i: int, tokens: int, start: threading.Barrier) -> dict:
     start.wait()
     t0 = time.perf_counter()
@@ -166,7 +123,8 @@ def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[in
     except ImportError:
         raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
     clients = [int(x) for x in args.clients.split(",") if x.strip()]
-    server = Server(path, args, max(clients))
+    server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max(clients)),
+                          "--max-seq", str(64 + args.tokens), env={"KESTREL_API_KEY": "bench"}, timeout=300)
     rows = []
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
