@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from .config import GenerationConfig
-from .errors import KestrelError
+from .errors import ConfigError, KestrelError
 from .kvcache import allocate_cache
 from .model import RopeTable, Span
 from .plan import delta
@@ -31,6 +31,17 @@ from .sampling import Sampler
 from .step_graphs import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
+
+
+def check_batch(max_batch, prefill_chunk) -> None:
+    """A ConfigError naming the setting where ``max_batch`` (1..the largest bucket) or ``prefill_chunk`` (>= 1, or
+    None: a whole prompt a step) is not one a Batch can run with."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
+        raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk must be a whole number >= 1 (or None: a whole prompt a step), "
+                          f"got {prefill_chunk!r}")
 
 
 def bucket(rows: int, slots: int) -> int:

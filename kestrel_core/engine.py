@@ -22,15 +22,24 @@ import torch
 
 from . import plugins
 from .backend import BackendContext
+from .batch import Batch, Request, check_batch, generate_one
 from .config import OFF, KestrelConfig, check_environment, with_settings
-from .contracts import Allocator, Backend, Drafter, ExpertPolicy, Policy, member, missing_members
-from .batch import BUCKETS, Batch, Request, generate_one
+from .contracts import (
+    Allocator,
+    Backend,
+    Drafter,
+    ExpertPolicy,
+    Policy,
+    member,
+    missing_members,
+)
 from .errors import BudgetError, ConfigError, KestrelError, PluginError
 from .expert_cache import budget_bytes
+from .gguf import GGUFCheckpoint
+from .gguf_model import names_gguf, open_gguf
+from .gguf_model import no_tokenizer as gguf_no_tokenizer
 from .host import HostStore
 from .hub import NotCachedError
-from .gguf import GGUFCheckpoint
-from .gguf_model import names_gguf, no_tokenizer as gguf_no_tokenizer, open_gguf
 from .modeldir import read_model_dir
 from .plan import Counters
 from .residency import Window
@@ -329,14 +338,9 @@ class Run:
         as another leaves. ``prefill_chunk``: prompt tokens a step takes beside the decoding ones (None: a whole
         prompt a step). The results in the order given; ``on_done(i, result or error)`` hears each as it finishes.
         A sequence whose logits went non-finite gets its error in its place; the others go on."""
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
-            raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        check_batch(max_batch, prefill_chunk)
         if self.drafter is not None:
             raise ConfigError("speculative decoding runs one sequence at a time: drop the draft for a batch")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise ConfigError(f"prefill_chunk must be a whole number >= 1 (or None: a whole prompt a step), "
-                              f"got {prefill_chunk!r}")
         reqs = []
         for i, r in enumerate(requests):
             if isinstance(r, Request):  # checked by ``request`` already

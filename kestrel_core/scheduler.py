@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from .batch import BUCKETS, Batch, Request, Sequence
+from .batch import Batch, Request, Sequence, check_batch
 from .errors import BudgetError, ConfigError, KestrelError
 
 
@@ -29,8 +29,7 @@ class Scheduler:
                  max_queue: int = 64, on_error: Callable[[BaseException], None] | None = None):
         """``max_queue``: requests that may wait for a slot while all ``max_batch`` are taken (0: none wait);
         ``on_error(exc)``: hears, on the batch's thread, the error that ended the batch (a server logs it)."""
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
-            raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        check_batch(max_batch, prefill_chunk)
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ConfigError(f"max_queue must be a whole number >= 0, got {max_queue!r}")
         if getattr(run, "drafter", None) is not None:

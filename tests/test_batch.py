@@ -10,6 +10,7 @@ from kestrel_core.batch import Batch, Request
 from kestrel_core.config import GenerationConfig
 from kestrel_core.errors import ConfigError
 from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [100, 200], [300, 301, 302, 303]]
 
@@ -132,6 +133,8 @@ def test_batch_settings_are_checked(tiny_ckpt, kwargs, needle):
     with load(tiny_ckpt) as model, model.open() as run:
         with pytest.raises(ConfigError, match=needle):
             run.generate_batch([dict(prompt_ids=[1, 2])], **kwargs)
+        with pytest.raises(ConfigError, match=needle):  # a scheduler took prefill_chunk=0; its batch died on its first step
+            Scheduler(run, **kwargs)
         with pytest.raises(ConfigError, match="request 0: a dict"):
             run.generate_batch([[1, 2]])
 
