@@ -62,27 +62,11 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
             # else the engine's hint, which names the --prompt and --prompt-ids flags
             raise ConfigError(f"{where}: the prompt is empty; give some text as prompt, or ids as prompt_ids")
         try:
-            requests.append(run.request(**_tokenized(run, obj)))
+            requests.append(run.request(**obj))
         except KestrelError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         objs.append((n, obj))
     return requests, objs
-
-
-def _tokenized(run, obj: dict) -> dict:
-    """The line's arguments, its text prompt as ids where it fits the model's positions: a prompt far past them is
-    refused without tokenizing it whole (a 256 MiB line took minutes and gigabytes)."""
-    tokenizer, text = run.model.tokenizer, obj.get("prompt")
-    if tokenizer is None or not isinstance(text, str):
-        return obj  # run.request says what is wrong
-    positions = run.model.config.max_position_embeddings
-    ids = tokenizer.encode_at_most(text, positions - 1)
-    if ids is None:
-        raise ConfigError(f"the prompt is over {positions - 1:,} tokens, and the model has {positions:,} positions: no "
-                          "room to generate; shorten the prompt")
-    if not ids:
-        raise ConfigError("the prompt is empty after tokenization")
-    return {**{k: v for k, v in obj.items() if k != "prompt"}, "prompt_ids": ids}
 
 
 def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | None) -> dict:

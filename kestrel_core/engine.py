@@ -169,7 +169,11 @@ class Model:
             if self.tokenizer is None:
                 raise ConfigError(f"--prompt needs a tokenizer: {self.no_tokenizer()}; "
                                   "pass --prompt-ids instead")
-            ids = self.tokenizer.encode(text)
+            positions = self.config.max_position_embeddings
+            ids = self.tokenizer.encode_at_most(text, positions - 1)  # text far past the positions: not tokenized whole
+            if ids is None:
+                raise ConfigError(f"the prompt is over {positions - 1:,} tokens, and the model has {positions:,} "
+                                  "positions: no room to generate; shorten the prompt")
             if not ids:
                 raise ConfigError("the prompt is empty after tokenization")
             return ids

@@ -286,3 +286,5 @@ def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole
         src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n')
         (request,), _ = read_requests(run, str(src))
         assert request.prompt_ids == model.tokenizer.encode("hello")
+        with pytest.raises(ConfigError, match="^the prompt is over 511 tokens"):  # the Python API, the same way
+            run.generate(prompt="ab " * 10**6)
