@@ -105,8 +105,8 @@ class DraftModel:
         draft = self.model
         mine, theirs = draft.tokenizer, target.tokenizer
         if mine is None or theirs is None:
-            who = draft.dir if mine is None else target.dir
-            raise ConfigError(f"--draft {draft.dir}: {who} has no tokenizer.json, so the vocabularies cannot be compared; "
+            why = (draft if mine is None else target).no_tokenizer()  # a directory's, or a GGUF's own reason
+            raise ConfigError(f"--draft {draft.dir}: {why}, so the vocabularies cannot be compared; "
                               "a draft model needs the target's vocabulary")
         if mine.vocab() != theirs.vocab() or draft.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"--draft {draft.dir}: its vocabulary differs from {target.dir}'s (the same ids must mean "
