@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,10 +95,17 @@ def test_bad_draft_settings(tiny_ckpt, settings, needle):
         model.open(**settings)
 
 
-def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ckpt, draft_ckpt):
+def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ckpt, draft_ckpt, tmp_path):
+    import shutil
+
+    untokenized = Path(shutil.copytree(draft_ckpt, tmp_path / "no-tokenizer"))
+    (untokenized / "tokenizer.json").unlink()
     with load(tiny_ckpt) as model:
         with pytest.raises(ConfigError, match="its vocabulary differs"):
             model.open(draft=str(demo_ckpt))
+        with pytest.raises(ConfigError, match=f"{untokenized} has no tokenizer.json, so the vocabularies cannot be "
+                                              "compared"):
+            model.open(draft=str(untokenized))
     with load(draft_ckpt) as small:
         with pytest.raises(ConfigError, match="is not smaller than the target"):
             small.open(draft=str(tiny_ckpt))
