@@ -80,6 +80,21 @@ class ChatTemplate:
 RESERVED = ("messages", "add_generation_prompt", "self")
 
 
+def end_ids(model, template: ChatTemplate) -> frozenset[int]:
+    """The ids that end a reply of ``model`` (a loaded ``engine.Model``): eos_token_id in config.json and
+    generation_config.json, and the template's eos_token (Qwen3's <|im_end|>, say); a model that names none cannot
+    end a turn."""
+    ids = set(model.eos_ids)
+    if template.eos_token:
+        token = model.tokenizer.token_to_id(template.eos_token)
+        if token is not None:
+            ids.add(token)
+    if not ids:
+        raise ConfigError(f"{model.dir} names no end-of-sequence token (eos_token_id in config.json or "
+                          "generation_config.json, eos_token in tokenizer_config.json), so a reply could not end; add one")
+    return frozenset(ids)
+
+
 def load_chat_template(model_dir: str | Path) -> ChatTemplate:
     """The directory's chat template; a directory without one is a ConfigError that says what to do instead."""
     d = Path(model_dir)

@@ -287,3 +287,11 @@ def load_config(path: str | Path | None) -> KestrelConfig:
     except RecursionError:
         raise ConfigError(f"{p}: not valid TOML (nested too deeply)") from None
     return config_from_dict(raw, str(p))
+
+
+def model_dir(cfg: KestrelConfig) -> str:
+    """The model the config names (--model, or kestrel.toml's model); a ConfigError that says how to give one."""
+    if not cfg.model:
+        raise ConfigError("no model given: pass --model DIR, --model FILE.gguf or --model ORG/NAME from the Hugging Face cache "
+                          "(or model = \"...\" in kestrel.toml); `kestrel demo` needs none")
+    return cfg.model

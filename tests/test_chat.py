@@ -10,9 +10,8 @@ import shutil
 import pytest
 
 from cli_helpers import fails
-from kestrel_core.chat_template import ChatTemplate, load_chat_template
+from kestrel_core.chat_template import ChatTemplate, end_ids, load_chat_template
 from kestrel_core.cli import main
-from kestrel_core.commands.chat import end_ids
 from kestrel_core.engine import Model
 from kestrel_core.errors import ConfigError
 

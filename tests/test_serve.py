@@ -23,8 +23,7 @@ import pytest
 
 from bench.serve_process import ServeProcess
 from kestrel_core import cli
-from kestrel_core.chat_template import load_chat_template
-from kestrel_core.commands.chat import end_ids
+from kestrel_core.chat_template import end_ids, load_chat_template
 from kestrel_core.engine import load
 
 KEY = "test-key-123"

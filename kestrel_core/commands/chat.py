@@ -9,13 +9,13 @@ import warnings
 import attrs
 
 from .. import progress, template_limits
-from ..chat_template import RESERVED, ChatTemplate
-from ..config import GenerationConfig
+from ..chat_template import RESERVED, ChatTemplate, end_ids
+from ..config import GenerationConfig, model_dir
 from ..errors import ConfigError, KestrelNote
-from ..engine import Model, load
+from ..engine import load
 from ..results import GenerationResult
 from ..tokenizer import check_utf8
-from .common import add_run_flags, config_from_args, finite, model_dir
+from .common import add_run_flags, config_from_args, finite
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 
@@ -167,20 +167,6 @@ class Chat:
         self.replies += 1
         self.cut += gen.stop_at_eos and not ended
         return Reply(result, ids, text, bool(ended), len(prompt))
-
-
-def end_ids(model: Model, template: ChatTemplate) -> frozenset[int]:
-    """The ids that end a reply: eos_token_id in config.json and generation_config.json, and the template's
-    eos_token (Qwen3's <|im_end|>, say); a model that names none cannot end a turn."""
-    ids = set(model.eos_ids)
-    if template.eos_token:
-        token = model.tokenizer.token_to_id(template.eos_token)
-        if token is not None:
-            ids.add(token)
-    if not ids:
-        raise ConfigError(f"{model.dir} names no end-of-sequence token (eos_token_id in config.json or "
-                          "generation_config.json, eos_token in tokenizer_config.json), so a reply could not end; add one")
-    return frozenset(ids)
 
 
 def template_vars(pairs: list[str]) -> dict:

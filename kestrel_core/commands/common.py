@@ -115,13 +115,6 @@ def _int(value, flag):
         raise ConfigError(f"{flag} must be a whole number, got {value!r}") from None
 
 
-def model_dir(cfg: KestrelConfig) -> str:
-    if not cfg.model:
-        raise ConfigError("no model given: pass --model DIR, --model FILE.gguf or --model ORG/NAME from the Hugging Face cache "
-                          "(or model = \"...\" in kestrel.toml); `kestrel demo` needs none")
-    return cfg.model
-
-
 def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:
     return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .. import traces
 from ..batch import BUCKETS
+from ..config import model_dir
 from ..engine import load
 from ..errors import ConfigError
-from .common import add_run_flags, config_from_args, emit_json, mib, model_dir
+from .common import add_run_flags, config_from_args, emit_json, mib
 
 MAX_BATCH = 8  # a batch job's default --max-batch
 

@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, model_dir
 from ..errors import ConfigError
-from .common import add_run_flags, config_from_args, model_dir
+from .common import add_run_flags, config_from_args
 
 HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
         "loopback only unless an API key is set")

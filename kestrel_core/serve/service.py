@@ -16,10 +16,8 @@ from typing import Any
 
 import attrs
 
-from ..chat_template import ChatTemplate
-from ..commands.chat import end_ids
-from ..commands.common import model_dir
-from ..config import KestrelConfig
+from ..chat_template import ChatTemplate, end_ids
+from ..config import KestrelConfig, model_dir
 from ..engine import Model, Run, load
 from ..errors import ConfigError, KestrelError
 from ..kvcache import kv_bytes
