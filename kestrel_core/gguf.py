@@ -46,8 +46,8 @@ Things a backend must know: a quantized or permuted tensor's stored bytes are no
 is False; ``nbytes`` is the stored size), so a reader that copies a tensor's file bytes itself must take
 ``view(name)`` for those, as the cuda host tier's ``Filler.sources`` does.
 ``drop_pages``/``drop_around`` work on the stored bytes either way. A dequantized view is new memory (float32,
-4 bytes a weight), not the mapping, made afresh at each call (nothing is cached: about 6 ms a layer of a Q4_1
-135M model on two cores). A Q8_0 weight can go to kestrel's q8 path instead, undequantized: ``q8(name)``.
+4 bytes a weight), not the mapping, made afresh at each call (nothing is cached: see docs/gguf.md for what that
+costs a streamed token). A Q8_0 weight can go to kestrel's q8 path instead, undequantized: ``q8(name)``.
 
 llama.cpp's ``convert_hf_to_gguf.py`` stores a ``llama`` model's Q and K rows in its rotary layout
 (``LlamaModel.permute``: ``w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2)``, K with
