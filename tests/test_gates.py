@@ -256,6 +256,14 @@ def _fresh_touched_pages(nbytes: int) -> mmap.mmap:
     return mm
 
 
+def _hold_for_samples(sampler: MemSampler, n: int, limit_s: float = 5.0) -> None:
+    """Wait until the sampler's thread has taken n more samples (a loaded machine may starve it for a while)."""
+    want = len(sampler.samples) + n
+    deadline = time.monotonic() + limit_s
+    while len(sampler.samples) < want and time.monotonic() < deadline:
+        time.sleep(sampler.period_s)
+
+
 @pytest.mark.slow  # the sampler thread must catch a peak held for a few of its periods
 def test_sampler_sees_a_spike_and_reports_the_gap():
     with MemSampler("cpu", period_s=0.01) as s:
@@ -266,10 +274,7 @@ def test_sampler_sees_a_spike_and_reports_the_gap():
             spike.close()
             pytest.skip(f"64 MiB of fresh touched pages moved this process's own VmRSS by only "
                         f"{(seen - start) / MiB:+.1f} MiB: the kernel here does not report RSS promptly")
-        held_from = len(s.samples)
-        deadline = time.monotonic() + 5.0
-        while len(s.samples) < held_from + 3 and time.monotonic() < deadline:  # three samples while it is held
-            time.sleep(0.01)
+        _hold_for_samples(s, 3)
         spike.close()
         time.sleep(0.03)
     r = s.report
@@ -552,7 +557,7 @@ def _fake_cuda(monkeypatch, reserved):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (70 * GiB, 80 * GiB))
 
 
-@pytest.mark.slow  # timed by time.sleep: the sampler thread must catch a peak held for tens of ms
+@pytest.mark.slow  # the sampler thread must catch a peak held for a few of its periods
 def test_gpu_probe_logic_with_a_fake_nvml(monkeypatch):
     """The NVML path cannot run without a GPU; this drives its logic through fakes."""
     nvml = _FakeNvml(used=3 * GiB)
@@ -560,7 +565,7 @@ def test_gpu_probe_logic_with_a_fake_nvml(monkeypatch):
     _fake_cuda(monkeypatch, reserved=2 * GiB)
     with MemSampler("cuda", period_s=0.01) as s:
         nvml.used = 5 * GiB  # a peak the sampler must see
-        time.sleep(0.05)
+        _hold_for_samples(s, 2)
         nvml.used = 4 * GiB
     r = s.report
     assert r.device == "cuda:0" and "NVML" in r.sampled_source
