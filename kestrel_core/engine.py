@@ -45,7 +45,7 @@ from .plan import Counters
 from .residency import Window
 from .results import GenerationResult
 from .runner import Runner, StepSettings
-from .speculative import generate_speculative
+from .speculative import generate_speculative, refused_in_a_batch
 from .units import UnitTable
 
 __all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy"]
@@ -344,7 +344,7 @@ class Run:
         A sequence whose logits went non-finite gets its error in its place; the others go on."""
         check_batch(max_batch, prefill_chunk)
         if self.drafter is not None:
-            raise ConfigError("speculative decoding runs one sequence at a time: drop the draft for a batch")
+            raise refused_in_a_batch("generate_batch", "the draft (open the model without one)")
         reqs = []
         for i, r in enumerate(requests):
             if isinstance(r, Request):  # checked by ``request`` already

@@ -18,6 +18,7 @@ from typing import Callable
 
 from .batch import Batch, Request, Sequence, check_batch
 from .errors import BudgetError, ConfigError, KestrelError
+from .speculative import refused_in_a_batch
 
 
 class QueueFull(KestrelError):
@@ -33,8 +34,7 @@ class Scheduler:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ConfigError(f"max_queue must be a whole number >= 0, got {max_queue!r}")
         if getattr(run, "drafter", None) is not None:
-            raise ConfigError("speculative decoding runs one sequence at a time, and a scheduler batches them: drop "
-                              "[speculative] draft (--draft) to serve or batch")
+            raise refused_in_a_batch("a scheduler", "[speculative] draft (--draft) to serve or batch")
         positions = run.model.config.max_position_embeddings
         self.max_seq = min(positions, max_seq or positions)
         if self.max_seq < 2:

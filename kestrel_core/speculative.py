@@ -20,6 +20,7 @@ import torch
 
 from .config import GenerationConfig
 from .contracts import Drafter
+from .errors import ConfigError
 from .kvcache import allocate_cache
 from .model import RopeTable, Span
 from .plan import delta
@@ -41,6 +42,11 @@ class SpecStats:
         return {**attrs.asdict(self),
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
                 "tokens_per_pass": self.kept / self.passes if self.passes else None}
+
+
+def refused_in_a_batch(batcher: str, drop: str) -> ConfigError:
+    """The one refusal of a draft wherever sequences are batched: the server, a batch job, a Scheduler, generate_batch."""
+    return ConfigError(f"speculative decoding runs one sequence at a time, and {batcher} batches them: drop {drop}")
 
 
 def accept(logits: torch.Tensor, draft: list[int], probs: list | None, sampler: Sampler, greedy: bool) -> tuple[int, int]:

@@ -532,7 +532,7 @@ def no_listening(*args):
     (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
     # each was a traceback (OverflowError), an "unrecognized arguments", or a server that could never be used
     (["--max-body-mb", "inf"], "--max-body-mb must be a finite number above 0, got inf"),
-    (["--draft", "ngram"], "kestrel serve does not decode speculatively"),
+    (["--draft", "ngram"], "speculative decoding runs one sequence at a time, and kestrel serve batches them: drop --draft and --draft-tokens"),
     (["--draft-tokens", "4"], "drop --draft and --draft-tokens"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--api-key", " key"], "--api-key: the API key must be printable ASCII with no space at either end"),

@@ -7,6 +7,7 @@ from ..batch import BUCKETS
 from ..config import model_dir
 from ..engine import load
 from ..errors import ConfigError
+from ..speculative import refused_in_a_batch
 from .common import add_run_flags, config_from_args, emit_json, mib
 
 MAX_BATCH = 8  # a batch job's default --max-batch
@@ -136,16 +137,14 @@ def run_batch_job(args) -> int:
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
     if args.draft is not None or args.draft_tokens is not None:
-        raise ConfigError("speculative decoding runs one sequence at a time, and a batch job (--prompts) batches them: "
-                          "drop --draft and --draft-tokens")
+        raise refused_in_a_batch("a batch job (--prompts)", "--draft and --draft-tokens")
     from ..batch_job import run_job
     from ..newfile import check_new
 
     check_new(args.out, "--out")  # before the model loads
     cfg = config_from_args(args)
     if cfg.speculative.draft:  # before the model loads
-        raise ConfigError(f"speculative decoding runs one sequence at a time, and a batch job (--prompts) batches them: "
-                          f"drop [speculative] draft = {cfg.speculative.draft!r} from {args.config}")
+        raise refused_in_a_batch("a batch job (--prompts)", f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
     max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
     if not 1 <= max_batch <= BUCKETS[-1]:
         raise ConfigError(f"--max-batch must be in 1..{BUCKETS[-1]}, got {max_batch}")

@@ -13,6 +13,7 @@ import time
 
 from ..config import GenerationConfig, model_dir
 from ..errors import ConfigError
+from ..speculative import refused_in_a_batch
 from .common import add_run_flags, config_from_args
 
 HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
@@ -72,8 +73,7 @@ def run(args) -> int:
     settings = _checked(args)
     cfg = config_from_args(args)
     if cfg.speculative.draft:  # the scheduler would refuse it once the model loaded
-        raise ConfigError(f"speculative decoding runs one sequence at a time, and kestrel serve batches them: drop "
-                          f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
+        raise refused_in_a_batch("kestrel serve", f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
     name = args.served_model_name or model_dir(cfg)
     api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if api_key and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
@@ -159,8 +159,7 @@ def _checked(args) -> dict:
     if args.json:
         raise ConfigError("kestrel serve logs lines on stderr and answers in JSON over HTTP; drop --json")
     if args.draft is not None or args.draft_tokens is not None:
-        raise ConfigError("kestrel serve does not decode speculatively (that runs one sequence at a time, and the "
-                          "server batches them): drop --draft and --draft-tokens")
+        raise refused_in_a_batch("kestrel serve", "--draft and --draft-tokens")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("--served-model-name is empty; give the name clients send as model, or leave the flag out "
                           "(the name is then --model as given)")
