@@ -60,18 +60,21 @@ def read_header(path: Path):
             self.strings: dict[str, list[str]] = {}  # each string array's values, decoded as they were read
             super().__init__(path)
 
-        def _get(self, offset, dtype, count=1, override_order=None):
-            size = self._sizes.get(dtype) or self._sizes.setdefault(dtype, np.dtype(dtype).itemsize)
-            end = int(offset) + size * int(count)
+        def _need(self, end: int) -> None:
+            """A HeaderProblem naming what is being read where it would end past the file."""
             if end > len(self.data):
                 raise HeaderProblem(f"{self._key} runs past the end of the file (to byte {end:,} of {len(self.data):,}); {CORRUPT}")
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            size = self._sizes.get(dtype) or self._sizes.setdefault(dtype, np.dtype(dtype).itemsize)
+            self._need(int(offset) + size * int(count))
             return super()._get(offset, dtype, count, override_order)
 
         def _counted(self, count, what: str, limit: int, offs: int, least: int) -> None:
             count, left = int(count), len(self.data) - offs  # a Python int: numpy's uint64 would wrap count * least
             if count > limit or count * least > left:
                 raise HeaderProblem(f"the header declares {count:,} {what}, more than the {left:,} bytes left in the file "
-                               f"hold (or over the {limit:,} kestrel reads); {CORRUPT}")
+                                    f"hold (or over the {limit:,} kestrel reads); {CORRUPT}")
 
         def _build_fields(self, offs, count):
             self._counted(count, "metadata keys", MAX_KEYS, offs, 8 + 4 + 1)
@@ -98,7 +101,7 @@ def read_header(path: Path):
                 left = len(self.data) - orig_offs - 12
                 if n > MAX_ARRAY or n * least > left:
                     raise HeaderProblem(f"{self._key} declares {n:,} entries, more than the {left:,} bytes left in the file "
-                                   f"hold (or over the {MAX_ARRAY:,} kestrel reads); {CORRUPT}")
+                                        f"hold (or over the {MAX_ARRAY:,} kestrel reads); {CORRUPT}")
                 # read whole, not item by item as gguf does (two numpy arrays an item: 15 s and 1.6 GB for a 1M array)
                 head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
                 if itype == STRING:
@@ -112,14 +115,14 @@ def read_header(path: Path):
 
         def _string_array(self, offs: int, n: int) -> tuple[list[str], int]:
             """``n`` GGUF strings from ``offs``, decoded in one pass; (the strings, the offset after them)."""
-            size, out = len(self.data), []
+            size, out = len(self.data), []  # compared inline, _need called only to fail: a vocabulary is 10**5 strings
             with memoryview(self.data) as mv:
                 for _ in range(n):
                     if offs + 8 > size:
-                        raise HeaderProblem(f"{self._key} runs past the end of the file; {CORRUPT}")
+                        self._need(offs + 8)
                     end = offs + 8 + struct.unpack_from("<Q", mv, offs)[0]
                     if end > size:
-                        raise HeaderProblem(f"{self._key} runs past the end of the file (to byte {end:,} of {size:,}); {CORRUPT}")
+                        self._need(end)
                     try:
                         out.append(str(mv[offs + 8 : end], "utf-8"))
                     except UnicodeDecodeError:
@@ -131,28 +134,23 @@ def read_header(path: Path):
             """The tensor list as (name, ne, ggml type, data offset) tuples, parsed in one pass (gguf makes six numpy arrays
             a tensor, and a ReaderTensor view of each: 5 s and 340 MiB for 65,536 tensors)."""
             self._counted(count, "tensors", MAX_TENSORS, offs, 8 + 4 + 4 + 8)
-            size, infos = len(self.data), []
-
-            def need(end: int) -> None:
-                if end > size:
-                    raise HeaderProblem(f"{self._key} runs past the end of the file (to byte {end:,} of {size:,}); {CORRUPT}")
-
+            infos = []
             with memoryview(self.data) as mv:
                 for _ in range(int(count)):
                     self._key = "a tensor's name"
-                    need(offs + 8)
+                    self._need(offs + 8)
                     n = struct.unpack_from("<Q", mv, offs)[0]
-                    need(offs + 8 + n)
+                    self._need(offs + 8 + n)
                     try:
                         name = str(mv[offs + 8 : offs + 8 + n], "utf-8")
                     except UnicodeDecodeError:
                         raise HeaderProblem(f"a tensor name is not UTF-8 (at byte {offs:,}); {CORRUPT}") from None
                     self._key, offs = f"tensor {name[:80]!r}", offs + 8 + n
-                    need(offs + 4)
+                    self._need(offs + 4)
                     n_dims = struct.unpack_from("<I", mv, offs)[0]
                     if not 1 <= n_dims <= 4:
                         raise HeaderProblem(f"tensor {name[:80]!r} has {n_dims} dimensions; a GGUF tensor has 1 to 4; {CORRUPT}")
-                    need(offs + 4 + 8 * n_dims + 12)
+                    self._need(offs + 4 + 8 * n_dims + 12)
                     ne = list(struct.unpack_from(f"<{n_dims}Q", mv, offs + 4))
                     raw_type, at = struct.unpack_from("<IQ", mv, offs + 4 + 8 * n_dims)
                     infos.append((name, ne, raw_type, at))
@@ -161,7 +159,7 @@ def read_header(path: Path):
             return offs, infos
 
         def _build_tensors(self, start_offs, fields):
-            """Each tensor checked and kept as a _Stored (gguf's numpy views of them are not made: kestrel maps the file)."""
+            """Each tensor checked and kept as a Stored (gguf's numpy views of them are not made: kestrel maps the file)."""
             size, spans, self.stored = len(self.data), [], []
             names = set()
             for name, ne, raw_type, rel in fields:
@@ -173,20 +171,20 @@ def read_header(path: Path):
                     raise HeaderProblem(f"tensor {name!r} has a dimension of 0 (GGUF ne {ne}); {CORRUPT}")
                 if rel % self.alignment:
                     raise HeaderProblem(f"tensor {name!r} starts at data byte {rel}, not a multiple of the file's "
-                                   f"alignment {self.alignment}; {CORRUPT}")
+                                        f"alignment {self.alignment}; {CORRUPT}")
                 try:
                     qtype = GGMLQuantizationType(raw_type)
                 except ValueError:
                     raise HeaderProblem(f"tensor {name!r} has ggml type {raw_type}, which gguf {gguf_version()} does not know; "
-                                   f"re-quantize the model to one of {gq.SUPPORTED_NAMES}") from None
+                                        f"re-quantize the model to one of {gq.SUPPORTED_NAMES}") from None
                 block, size_of = GGML_QUANT_SIZES[qtype]
                 if ne[0] % block:
                     raise HeaderProblem(f"tensor {name!r} has rows of {ne[0]} values, not a multiple of {qtype.name}'s block of "
-                                   f"{block}; {CORRUPT}")
+                                        f"{block}; {CORRUPT}")
                 end = at + math.prod(ne) // block * size_of
                 if end > size:
                     raise HeaderProblem(f"tensor {name!r} ends at byte {end} but the file has {size}; the file is truncated: "
-                                   "re-download or re-create it")
+                                        "re-download or re-create it")
                 spans.append((rel, end - start_offs, name))
                 self.stored.append(Stored(name, qtype, tuple(ne), at, end))
             spans.sort()
@@ -199,8 +197,8 @@ def read_header(path: Path):
     missing = [n for n in hooked if not hasattr(gguf.GGUFReader, n)]
     if missing or not any(hasattr(gguf.GGUFReader, n) for n in ("_build_tensor_info", "_build_tensors_fields")):
         raise HeaderProblem(f"the installed gguf {gguf_version()} reads headers through other internals than the ones kestrel "
-                       f"checks ({', '.join(missing) or '_build_tensor_info'} is gone); install the gguf kestrel is "
-                       "tested with: pip install 'gguf==0.19.0'")
+                            f"checks ({', '.join(missing) or '_build_tensor_info'} is gone); install the gguf kestrel is "
+                            "tested with: pip install 'gguf==0.19.0'")
     reader = Reader(path)
     meta = {}
     for key, field in reader.fields.items():
