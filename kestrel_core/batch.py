@@ -201,13 +201,12 @@ class Batch:
             spans.append((seq, Span(seq.slot, row, seq.prefilled, n), prompt[seq.prefilled:seq.prefilled + n]))
             row += n
             budget = None if budget is None else budget - n
-        span = bool(spans)
-        table = runner.schedule is not None and not span and rows == 1
-        if not span:
+        table = runner.schedule is not None and not spans and rows == 1
+        if not spans:
             runner.begin_step()
         before = counters.snapshot()
         last_logits = None
-        if not span:
+        if not spans:
             graphs = self.graphs.setdefault(rows, StepGraphs(window, backend, runner.settings.graphs,
                                                              experts_in_step=runner.schedule is not None and rows == 1,
                                                              on_replay=runner.replayed))
@@ -232,9 +231,9 @@ class Batch:
                 state.tokens[seq.slot].fill_(token)
         self.ring[k % len(self.ring)].copy_(state.out, non_blocking=True)
         mark = backend.mark()
-        self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if not span else -1,
+        self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if not spans else -1,
                                  table=table))
-        if not span:
+        if not spans:
             self.decode_steps += 1
         for seq in rows_live.values():
             if seq.request.keep_logits:
