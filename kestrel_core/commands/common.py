@@ -8,6 +8,7 @@ import math
 import sys
 
 
+from ..batch import BUCKETS
 from ..config import KestrelConfig, load_config, parse_keep
 from ..errors import ConfigError
 
@@ -113,6 +114,16 @@ def _int(value, flag):
         return int(value)
     except ValueError:
         raise ConfigError(f"{flag} must be a whole number, got {value!r}") from None
+
+
+def check_batch_flags(max_batch: int, prefill_chunk: int | None, left_out: str = "") -> None:
+    """--max-batch and --prefill-chunk as kestrel serve and a batch job take them (``batch.check_batch``, worded by
+    flag); ``left_out``: what leaving --prefill-chunk out means, where it may be."""
+    if not 1 <= max_batch <= BUCKETS[-1]:
+        raise ConfigError(f"--max-batch must be in 1..{BUCKETS[-1]}, got {max_batch}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be at least 1{f' (or left out: {left_out})' if left_out else ''}, "
+                          f"got {prefill_chunk}")
 
 
 def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:

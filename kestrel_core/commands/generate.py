@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from .. import traces
-from ..batch import BUCKETS
 from ..config import model_dir
 from ..engine import load
 from ..errors import ConfigError
 from ..speculative import refused_in_a_batch
-from .common import add_run_flags, config_from_args, emit_json, mib
+from .common import add_run_flags, check_batch_flags, config_from_args, emit_json, mib
 
 MAX_BATCH = 8  # a batch job's default --max-batch
 
@@ -146,11 +145,7 @@ def run_batch_job(args) -> int:
     if cfg.speculative.draft:  # before the model loads
         raise refused_in_a_batch("a batch job (--prompts)", f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
     max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
-    if not 1 <= max_batch <= BUCKETS[-1]:
-        raise ConfigError(f"--max-batch must be in 1..{BUCKETS[-1]}, got {max_batch}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk must be at least 1 (or left out: a whole prompt a step), "
-                          f"got {args.prefill_chunk}")
+    check_batch_flags(max_batch, args.prefill_chunk, left_out="a whole prompt a step")
     with load(model_dir(cfg)) as model, model.open(cfg) as r:
         summary = run_job(r, args.prompts, args.out, max_batch, args.prefill_chunk)
     if args.json:

@@ -14,7 +14,7 @@ import time
 from ..config import GenerationConfig, model_dir
 from ..errors import ConfigError
 from ..speculative import refused_in_a_batch
-from .common import add_run_flags, config_from_args
+from .common import add_run_flags, check_batch_flags, config_from_args
 
 HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
         "loopback only unless an API key is set")
@@ -165,12 +165,9 @@ def _checked(args) -> dict:
                           "(the name is then --model as given)")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    if not 1 <= args.max_batch <= 256:
-        raise ConfigError(f"--max-batch must be in 1..256, got {args.max_batch}")
+    check_batch_flags(args.max_batch, args.prefill_chunk)
     if args.max_seq is not None and args.max_seq < 2:
         raise ConfigError(f"--max-seq must be at least 2 positions, got {args.max_seq}")
-    if args.prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_tokens_limit < 1:
