@@ -28,9 +28,14 @@ ARRAY, UINT8, INT32, STRING = 9, 0, 5, 8
 MOE_TYPES = {**LLAMA_TYPES, "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.BF16}
 
 
+def string(b: bytes) -> bytes:
+    """A GGUF string: its u64 length, then its bytes."""
+    return struct.pack("<Q", len(b)) + b
+
+
 def _key_end(data: bytes, key: str) -> int:
     """The offset just after metadata key ``key`` (its u64 length and bytes) in ``data``."""
-    k = struct.pack("<Q", len(key)) + key.encode()
+    k = string(key.encode())
     return data.index(k) + len(k)
 
 
@@ -263,8 +268,6 @@ def test_text_on_a_gguf_without_a_tokenizer_says_why_there_is_none(tmp_path, cap
 # --- arrays as long as kestrel reads: read whole, fast and small -----------------------------------------------------
 def _raw_gguf(path, key: str, itype: int, n: int, items: bytes):
     """A GGUF of general.architecture llama and one array ``key`` of ``n`` entries of ``itype`` (``items``), no tensors."""
-    def string(b: bytes) -> bytes:
-        return struct.pack("<Q", len(b)) + b
     kvs = (string(b"general.architecture") + struct.pack("<I", STRING) + string(b"llama")
            + string(key.encode()) + struct.pack("<IIQ", ARRAY, itype, n) + items)
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kvs)
@@ -340,8 +343,6 @@ def test_an_embedding_that_is_not_2d_says_so(shape, tmp_path):
 
 def _many_tensors(path, names: list[str]):
     """A GGUF of general.architecture llama and one F32 [8] tensor (32 bytes, one alignment) of each name."""
-    def string(b: bytes) -> bytes:
-        return struct.pack("<Q", len(b)) + b
     infos = b"".join(string(n.encode()) + struct.pack("<IQIQ", 1, 8, 0, 32 * i) for i, n in enumerate(names))
     head = (b"GGUF" + struct.pack("<IQQ", 3, len(names), 1) + string(b"general.architecture") + struct.pack("<I", STRING)
             + string(b"llama") + infos)
@@ -366,8 +367,6 @@ def test_a_tensor_listed_twice_is_one_line(tmp_path):
 
 
 def test_more_metadata_keys_than_kestrel_reads_are_refused_before_they_are_read(tmp_path):
-    def string(b: bytes) -> bytes:
-        return struct.pack("<Q", len(b)) + b
     n = MAX_KEYS + 1
     kvs = string(b"general.architecture") + struct.pack("<I", STRING) + string(b"llama")
     kvs += b"".join(string(f"k{i}".encode()) + struct.pack("<IB", UINT8, 1) for i in range(n - 1))
@@ -389,8 +388,6 @@ def test_a_directory_of_gguf_files_names_them(tmp_path, capsys):
 
 
 def test_a_key_name_with_a_newline_stays_one_line(tmp_path):
-    def string(b: bytes) -> bytes:
-        return struct.pack("<Q", len(b)) + b
     path = tmp_path / "m.gguf"  # key "evil\nkey": an array of 2**40 bytes that the file cannot hold
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string(b"evil\nkey") + struct.pack("<IIQ", ARRAY, UINT8, 2**40))
     with pytest.raises(CheckpointError) as err:
