@@ -14,7 +14,7 @@ import time
 
 from . import progress
 from .errors import ConfigError, KestrelError
-from .json_keys import RepeatedKey, unique_keys
+from .json_keys import TOO_MANY_DIGITS, RepeatedKey, unique_keys
 from .newfile import check_new, write_new
 from .readfile import read_bounded
 
@@ -48,7 +48,7 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
             raise ConfigError(f"{where}: the key {exc.args[0]!r} appears twice; give it once") from None
         except (ValueError, RecursionError) as exc:  # ValueError: an integer past Python's 4300 digits
             why = (exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-                   if isinstance(exc, RecursionError) else "a number of more than 4300 digits")
+                   if isinstance(exc, RecursionError) else TOO_MANY_DIGITS)
             raise ConfigError(f"{where}: not valid JSON ({why}); write one JSON object a line") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{where}: a JSON object is needed, e.g. {{\"prompt\": \"hello\"}}, got {type(obj).__name__}")

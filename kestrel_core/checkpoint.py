@@ -22,7 +22,7 @@ import torch
 
 from .dtypes import BY_NAME, BY_ST, WEIGHT_NAMES
 from .errors import CheckpointError
-from .json_keys import RepeatedKey, unique_keys
+from .json_keys import TOO_MANY_DIGITS, RepeatedKey, unique_keys
 from .modelconfig import is_int, read_json, shown
 
 PAGE = mmap.PAGESIZE
@@ -118,8 +118,7 @@ class SafetensorsFile:
             why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason  # UnicodeDecodeError has no .msg
             raise CheckpointError(f"{self.path}: header is not valid JSON ({why}); the file is corrupt") from None
         except ValueError:  # an integer past Python's 4300 digits
-            raise CheckpointError(f"{self.path}: header holds a number of more than 4300 digits; the file is "
-                                  "corrupt") from None
+            raise CheckpointError(f"{self.path}: header holds {TOO_MANY_DIGITS}; the file is corrupt") from None
         except RecursionError:
             raise CheckpointError(f"{self.path}: header is not valid JSON (nested too deeply); the file is corrupt") from None
         if not isinstance(header, dict):

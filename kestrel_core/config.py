@@ -11,6 +11,7 @@ from typing import Any, Callable
 import attrs
 
 from .errors import ConfigError
+from .json_keys import TOO_MANY_DIGITS
 from .readfile import read_bounded
 
 if sys.version_info >= (3, 11):
@@ -283,7 +284,7 @@ def load_config(path: str | Path | None) -> KestrelConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: not valid TOML ({exc})") from None
     except ValueError:  # an integer past Python's 4300 digits: no setting takes one
-        raise ConfigError(f"{p}: a number of more than 4300 digits; no setting takes one") from None
+        raise ConfigError(f"{p}: {TOO_MANY_DIGITS}; no setting takes one") from None
     except RecursionError:
         raise ConfigError(f"{p}: not valid TOML (nested too deeply)") from None
     return config_from_dict(raw, str(p))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import attrs
 
 from .errors import ConfigError
+from .json_keys import TOO_MANY_DIGITS, past_int_limit
 from .readfile import read_bounded
 
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}  # dense decoders
@@ -315,8 +316,8 @@ def loads(text: str | bytes, where: str, error: type[Exception] = ConfigError, f
         return json.loads(text, parse_constant=_no_constant) if finite else json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{where}: not valid JSON ({exc})") from None  # one line, with the position
-    except ValueError as exc:  # from _no_constant
-        raise error(f"{where}: not valid JSON ({exc})") from None
+    except ValueError as exc:  # from _no_constant, or an integer past Python's 4300 digits
+        raise error(f"{where}: not valid JSON ({TOO_MANY_DIGITS if past_int_limit(exc) else exc})") from None
     except RecursionError:
         raise error(f"{where}: not valid JSON (nested too deeply)") from None
 

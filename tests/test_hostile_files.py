@@ -250,6 +250,17 @@ def test_a_number_past_pythons_4300_digits_is_a_one_line_error(tiny_copy, tmp_pa
     fails(gen(tiny_copy), capsys, "header holds a number of more than 4300 digits; the file is corrupt")
 
 
+def test_a_config_json_number_past_pythons_4300_digits_says_so_in_kestrels_words(tiny_copy, capsys):
+    """config.json (and a trace, read the same way) passed Python's own message on, which tells the user to call
+    sys.set_int_max_str_digits()."""
+    cfg = (tiny_copy / "config.json").read_text()
+    (tiny_copy / "config.json").write_text(cfg.replace("{", '{"max_position_embeddings": ' + "1" * 5000 + ",", 1))
+    err = fails(gen(tiny_copy), capsys, "config.json: not valid JSON (a number of more than 4300 digits)")
+    assert "sys." not in err
+    with pytest.raises(ConfigError, match=r"^t: not valid JSON \(NaN is not a JSON number\)$"):  # a hook's own refusal
+        modelconfig.loads('{"a": NaN}', "t", finite=True)
+
+
 def test_a_header_over_the_format_limit_is_not_called_truncated(tiny_copy, capsys):
     path = tiny_copy / WEIGHTS
     raw = path.read_bytes()

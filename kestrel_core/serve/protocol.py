@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..json_keys import RepeatedKey, unique_keys
+from ..json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
 
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each
@@ -225,8 +225,7 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
     except RepeatedKey as exc:
         raise bad_request(f"the key {exc.args[0]!r} appears twice in one object; send it once", exc.args[0]) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        why = exc if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) or "not JSON" in str(exc) \
-            else "a number of more than 4300 digits"  # Python's integer limit, whose message tells a client of sys
+        why = TOO_MANY_DIGITS if past_int_limit(exc) else exc  # Python's own message tells a client of sys
         raise bad_request(f"the body is not valid JSON ({why})") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
