@@ -26,7 +26,7 @@ from .kvcache import allocate_cache
 from .model import RopeTable, Span
 from .plan import delta
 from .results import MODES, GenerationResult
-from .runner import DecodeState, Runner
+from .runner import Runner
 from .sampling import Sampler
 from .step_graphs import StepGraphs
 
@@ -123,9 +123,7 @@ class Batch:
         backend, cfg = runner.backend, runner.cfg
         self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
         self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
-        table = runner.schedule is not None and slots == 1
-        routed = (len(runner.sparse), cfg.num_experts_per_tok) if table else (0, 0)
-        self.state = DecodeState(backend.device, self.rope, slots, max_seq, routed)
+        self.state = runner.decode_state(self.rope, slots, max_seq)
         self.ring = torch.zeros((4, self.state.out.numel()), dtype=torch.long, pin_memory=backend.device.type == "cuda")
         self.graphs: dict[int, StepGraphs] = {}
         self.free = list(range(slots))
@@ -201,14 +199,14 @@ class Batch:
             spans.append((seq, Span(seq.slot, row, seq.prefilled, n), prompt[seq.prefilled:seq.prefilled + n]))
             row += n
             budget = None if budget is None else budget - n
-        table = runner.schedule is not None and not spans and rows == 1
+        table = runner.reads_table(rows, spans)
         if not spans:
             runner.begin_step()
         before = counters.snapshot()
         last_logits = None
         if not spans:
             graphs = self.graphs.setdefault(rows, StepGraphs(window, backend, runner.settings.graphs,
-                                                             experts_in_step=runner.schedule is not None and rows == 1,
+                                                             experts_in_step=runner.reads_table(rows),
                                                              on_replay=runner.replayed))
             mode = graphs(lambda boundaries: runner.decode_step(state, self.cache, boundaries, rows))
         else:

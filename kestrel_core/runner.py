@@ -46,7 +46,7 @@ def layer_math(compile: bool):
 class DecodeState:
     """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
     addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
-    not finite, then (a one-slot state whose step reads the expert table) each sparse layer's routed experts."""
+    not finite, then (on a run with an expert table) each sparse layer's routed experts of a step that read it."""
 
     def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0)):
         self.slots = slots
@@ -71,6 +71,16 @@ class Runner:
         self.counters = window.counters
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
+
+    def reads_table(self, rows: int, spans=()) -> bool:
+        """Whether a step reads its routed experts through the expert table: a decode step of one row and no spans, on
+        a run that has a table. Every caller asks here: the state's routing row, the graphs and the read-back agree."""
+        return self.schedule is not None and not spans and rows == 1
+
+    def decode_state(self, rope: RopeTable, slots: int, max_seq: int) -> DecodeState:
+        """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
+        routed = (len(self.sparse), self.cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
+        return DecodeState(self.backend.device, rope, slots, max_seq, routed)
 
     # --- plans --------------------------------------------------------------------------------
     def execute(self, plan: Plan | None) -> None:
@@ -129,18 +139,17 @@ class Runner:
 
     # --- the one layer loop ---------------------------------------------------------------------
     def layers(self, h: torch.Tensor, at: Attend, cache: list[KVCache], boundaries: Iterable[Boundary], phase: str,
-               layer_fn=decoder_layer, probe: Probe | None = None, state: DecodeState | None = None) -> torch.Tensor:
+               layer_fn=decoder_layer, probe: Probe | None = None, table: DecodeState | None = None) -> torch.Tensor:
         """Run every layer on ``h``: at each boundary, execute its plan, order the compute after the layer's upload,
-        run the layer (a sparse one reads its routed experts: through the table in a one-row decode step that has one,
-        else after the host has routed and fetched them)."""
+        run the layer (a sparse one reads its routed experts: through the table where the step reads it, ``table``
+        the state that takes its routing, else after the host has routed and fetched them)."""
         backend, cfg = self.backend, self.cfg
-        table = state is not None and self.schedule is not None and h.shape[0] == 1
         for layer, b in enumerate(boundaries):
             self.execute(b.plan)
             backend.before_use(b.key)
             experts = None
             if self.window.sparse[layer]:
-                experts = self._table_experts(layer, state) if table else self._host_experts(layer, phase)
+                experts = self._table_experts(layer, table) if table is not None else self._host_experts(layer, phase)
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
             if probe:
                 probe(f"layer {layer}", h)
@@ -232,7 +241,8 @@ class Runner:
             h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
-        h = self.layers(h, at, cache, boundaries, phase, compiled, state=state if not spans else None)
+        table = state if self.reads_table(rows, spans) else None
+        h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
         if not spans:
             picked = h[:rows]
         elif every_span_row:

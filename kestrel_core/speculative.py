@@ -25,7 +25,7 @@ from .kvcache import allocate_cache
 from .model import RopeTable, Span
 from .plan import delta
 from .results import GenerationResult
-from .runner import DecodeState, Runner
+from .runner import Runner
 from .sampling import Sampler
 
 
@@ -82,7 +82,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
     stats = SpecStats()
     with torch.inference_mode():
         rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
-        state = DecodeState(backend.device, rope, 1, max_seq)
+        state = runner.decode_state(rope, 1, max_seq)
         fixed = counters.resident_bytes
         runner.preload()
         backend.synchronize()

@@ -19,7 +19,6 @@ from kestrel_core.hookspecs import hookimpl
 from kestrel_core.kvcache import allocate_cache
 from kestrel_core.config import DRAFT_TOKENS_MAX
 from kestrel_core.model import RopeTable
-from kestrel_core.runner import DecodeState
 from kestrel_core.step_graphs import StepGraphs
 from kestrel_core.sampling import Sampler
 
@@ -96,9 +95,10 @@ class DraftModel:
         with torch.inference_mode():
             self.rope = RopeTable(self.model.config, self.max_seq, b.dtype, b.device)
             # Its one-token steps run as the target's do: a decode state whose step a CUDA graph can capture and replay.
-            self.state = DecodeState(b.device, self.rope, 1, self.max_seq)
+            self.state = runner.decode_state(self.rope, 1, self.max_seq)
             self.drafted = torch.zeros(DRAFT_TOKENS_MAX, dtype=torch.long, device=b.device)
-        self.graphs = StepGraphs(runner.window, b, self.run.config.backend.graphs != "off")
+        self.graphs = StepGraphs(runner.window, b, self.run.config.backend.graphs != "off",
+                                 experts_in_step=runner.reads_table(1), on_replay=runner.replayed)
         self.fed: list[int] = []  # the tokens whose K/V the draft's cache holds, in order
 
     def _check(self, target) -> None:

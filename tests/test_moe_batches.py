@@ -1,0 +1,96 @@
+"""A Mixture-of-Experts model in a batch, a scheduler and the server (tiny-moe, cpu_ref, which has the expert table).
+
+A batch's one-row steps read the expert table, its wider steps route on the host; which a step does is one fact
+(``Runner.reads_table``), so a batch of many slots whose last sequence decodes alone (the long one, in slot 0) reads
+the table from then on. Every sequence's greedy ids are its solo ids.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from bench.serve_process import ServeProcess
+from kestrel_core import load
+from kestrel_core.batch import Batch
+from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.scheduler import Scheduler
+
+EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers
+LONG_FIRST = [([5, 17, 42, 99, 3], 12), ([1, 2, 3], 3), ([7, 8, 9], 5)]  # the longest generation takes slot 0
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("moe-batches") / "tiny-moe")
+
+
+@pytest.fixture(scope="module", params=["off-lru", "keep2", "whole-layers"])
+def run(request, tiny_moe):
+    settings = {"off-lru": dict(keep="off", expert_policy="expert_lru", expert_budget_mb=5 * EXPERT / 2**20),
+                "keep2": dict(keep=2), "whole-layers": dict(keep="off")}[request.param]
+    with load(tiny_moe) as model, model.open(backend="cpu_ref", **settings) as r:
+        assert r.runner.schedule is not None  # these runs have the expert table
+        yield r
+
+
+def solo(run) -> list[list[int]]:
+    return [run.generate(prompt_ids=p, max_new_tokens=n, stop_at_eos=False).token_ids for p, n in LONG_FIRST]
+
+
+@pytest.mark.parametrize("max_batch", [2, 8])
+def test_generate_batch_with_the_long_request_in_slot_0_is_each_solo_run(run, max_batch):
+    got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=n, stop_at_eos=False) for p, n in LONG_FIRST],
+                             max_batch=max_batch)
+    assert [r.token_ids for r in got] == solo(run)
+
+
+def test_a_batch_reads_the_table_once_one_row_decodes_and_routes_on_the_host_while_more_do(run):
+    from kestrel_core.config import GenerationConfig
+    from kestrel_core.batch import Request
+
+    with Batch(run.runner, slots=4, max_seq=64) as b:
+        seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]
+        b.run_until_done()
+    assert [s.tokens for s in seqs] == solo(run)
+    decode = [p for p in b.passes if p.decode_index >= 0]
+    assert any(p.table for p in decode) and any(not p.table for p in decode)
+    assert all(p.table == (max(p.rows) == 0) for p in decode)  # the table exactly where slot 0 decodes alone
+
+
+def test_the_scheduler_serves_a_moe_model(run):
+    sched = Scheduler(run, max_batch=8, max_queue=8)
+    sched.start()
+    try:
+        seqs = [sched.submit(run.request(prompt_ids=p, max_new_tokens=n, stop_at_eos=False)) for p, n in LONG_FIRST]
+        assert all(s.finished.wait(60) for s in seqs)
+    finally:
+        sched.stop(cancel=True)
+    assert [s.error for s in seqs] == [None] * 3
+    assert [s.tokens for s in seqs] == solo(run)
+
+
+def test_kestrel_serve_starts_on_a_moe_model_and_answers_each_solo_run(tiny_moe, tmp_path):
+    with load(tiny_moe) as model, model.open(backend="cpu_ref") as r:
+        want = solo(r)
+    d = Path(shutil.copytree(tiny_moe, tmp_path / "tiny-moe"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    server = ServeProcess(d, "--backend", "cpu_ref")  # the default --max-batch 8: its warm-up died on MoE
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        import concurrent.futures
+
+        def ask(i):
+            p, n = LONG_FIRST[i]
+            got = client.completions.create(model=server.name, prompt=p, max_tokens=n, temperature=0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+            return got.choices[0].token_ids
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, range(3))) == want
+    finally:
+        server.stop(30)
