@@ -22,13 +22,11 @@ import torch
 
 from .config import GenerationConfig
 from .errors import ConfigError, KestrelError
-from .kvcache import allocate_cache
-from .model import RopeTable, Span
+from .model import Span
 from .plan import delta
 from .results import MODES, GenerationResult
-from .runner import Runner
+from .runner import Launched, Runner, StepRequest
 from .sampling import Sampler
-from .step_graphs import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
 
@@ -62,16 +60,24 @@ class Request:
 
 @attrs.define(eq=False)
 class _Pass:
-    """One step: the counters around its plans (and around hearing its routing, a step later), how it ran, its mark."""
+    """One step: as the runner launched it, the sequences whose tokens it made, and the counters of hearing its
+    routing (a step later)."""
 
-    before: dict[str, int]
-    after: dict[str, int]
-    mode: str
-    mark: object
+    launched: Launched
     rows: dict[int, "Sequence"]  # slot -> the sequence whose token the step made there
-    decode_index: int  # its number among the steps with no prompt rows (the expert schedule counts those); -1 if it had
     heard: dict[str, int] = attrs.Factory(dict)
-    table: bool = False  # whether its routing comes back in its row (a one-row step that read the expert table)
+
+    @property
+    def mode(self) -> str:
+        return self.launched.mode
+
+    @property
+    def decode_index(self) -> int:
+        return self.launched.decode_index
+
+    @property
+    def table(self) -> bool:
+        return self.launched.table
 
 
 @attrs.define(eq=False)
@@ -116,26 +122,20 @@ class Sequence:
 
 class Batch:
     """Sequences decoding together on ``runner``, each in one of ``slots`` KV slots of ``max_seq`` positions.
-    ``prefill_chunk``: prompt tokens a step takes beside the decode rows (None: a whole prompt in one step)."""
+    ``prefill_chunk``: prompt tokens a step takes beside the decode rows (None: a whole prompt in one step).
+
+    The batch schedules (who joins, which rows and spans a step carries) and reads (each row's token to its sequence);
+    the runner runs each step."""
 
     def __init__(self, runner: Runner, slots: int, max_seq: int, prefill_chunk: int | None = None):
         self.runner, self.slots, self.max_seq, self.prefill_chunk = runner, slots, max_seq, prefill_chunk
-        backend, cfg = runner.backend, runner.cfg
-        self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
-        self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
-        self.state = runner.decode_state(self.rope, slots, max_seq)
-        self.ring = torch.zeros((4, self.state.out.numel()), dtype=torch.long, pin_memory=backend.device.type == "cuda")
-        self.graphs: dict[int, StepGraphs] = {}
+        self.dev = runner.open_slots(slots, max_seq)
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()
         self.passes: list[_Pass] = []
         self.unread: deque[int] = deque()  # steps launched whose row is not read back yet
         self.ids = 0
-        self.started = False
-        self.t0 = None  # the mark before the first step
-        self.decode_steps = 0
-        self._live: dict[int, int] = {}  # what the device's live flags hold, by slot
 
     # --- sequences ---------------------------------------------------------------------------------------
     def add(self, request: Request, seq: Sequence | None = None) -> Sequence:
@@ -159,11 +159,9 @@ class Batch:
         while self.busy:
             self.step()
 
-    # --- one step ---------------------------------------------------------------------------------------
+    # --- one step: schedule, run, read -----------------------------------------------------------------------
     def step(self) -> None:
-        """Admit, launch one pass (decode rows, and a prompt chunk where one waits), and read back what is due."""
-        runner, window, backend, counters, state = self.runner, self.runner.window, self.runner.backend, \
-            self.runner.counters, self.state
+        """Admit, launch one step (decode rows, and a prompt chunk where one waits), and read back what is due."""
         self._drop_cancelled()
         while self.waiting and self.free:
             seq = self.waiting.popleft()
@@ -171,7 +169,7 @@ class Batch:
             self.active[seq.slot] = seq
             # Until it decodes, its slot's decode row (computed with the others, its output dropped) writes at the last
             # position, which its prompt never reaches and its own token overwrites before any query reads it.
-            state.positions[seq.slot].fill_(self.max_seq - 1)
+            self.runner.place(self.dev, seq.slot, self.max_seq - 1)
         rows_live = {slot: seq for slot, seq in self.active.items()
                      if seq.decoding and 1 + seq.launched < seq.request.gen.max_new_tokens and not seq.done}
         prefilling = [s for s in self.active.values() if not s.done and s.prefilled < len(s.request.prompt_ids)]
@@ -179,16 +177,8 @@ class Batch:
             if self.unread:
                 self._take(self.unread.popleft())
             return
-        if not self.started:
-            self.started = True
-            runner.preload()
-            backend.synchronize()
-            self.t0 = backend.mark()
-        else:
-            window.next_token()
         rows = bucket(max(rows_live) + 1, self.slots) if rows_live else 0
-        self._set_live(rows_live, rows)
-        # Every waiting prompt rides this pass, in the order they came, up to prefill_chunk tokens in all: a streamed
+        # Every waiting prompt rides this step, in the order they came, up to prefill_chunk tokens in all: a streamed
         # layer serves them all at once.
         spans, budget, row = [], self.prefill_chunk, rows
         for seq in prefilling:
@@ -196,64 +186,37 @@ class Batch:
                 break
             prompt = seq.request.prompt_ids
             n = len(prompt) - seq.prefilled if budget is None else min(budget, len(prompt) - seq.prefilled)
-            spans.append((seq, Span(seq.slot, row, seq.prefilled, n), prompt[seq.prefilled:seq.prefilled + n]))
+            spans.append((seq, Span(seq.slot, row, seq.prefilled, n), tuple(prompt[seq.prefilled:seq.prefilled + n])))
             row += n
             budget = None if budget is None else budget - n
-        table = runner.reads_table(rows, spans)
-        if not spans:
-            runner.begin_step()
-        before = counters.snapshot()
-        last_logits = None
-        if not spans:
-            graphs = self.graphs.setdefault(rows, StepGraphs(window, backend, runner.settings.graphs,
-                                                             experts_in_step=runner.reads_table(rows),
-                                                             on_replay=runner.replayed))
-            mode = graphs(lambda boundaries: runner.decode_step(state, self.cache, boundaries, rows))
-        else:
-            mode = "eager"
-            last_logits = runner.decode_step(state, self.cache, window.boundaries("prefill"), rows,
-                                             [(sp, ids) for _, sp, ids in spans])
-        after = counters.snapshot()
+        sampled = tuple(slot for slot, seq in rows_live.items() if seq.request.gen.temperature > 0)
+        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), sampled)
+        launched = self.runner.step(self.dev, request, self._sample_row)
         for seq in rows_live.values():
             seq.launched += 1
         k = len(self.passes)
-        sampled = [seq for seq in rows_live.values() if seq.request.gen.temperature > 0]
-        for seq in sampled:  # the sampler reads the logits on the host anyway: check them there
-            logits = state.logits[seq.slot]
-            if not bool(torch.isfinite(logits).all()):
-                self._fail(seq, runner.nonfinite([seq.tokens[-1]], len(seq.request.prompt_ids) + len(seq.tokens) - 1,
-                                                 self.cache, self.rope, "decode", seq.slot))
-                continue
-            token = self._sample(seq, logits)
-            if token is not None:
-                state.tokens[seq.slot].fill_(token)
-        self.ring[k % len(self.ring)].copy_(state.out, non_blocking=True)
-        mark = backend.mark()
-        self.passes.append(_Pass(before, after, mode, mark, dict(rows_live), self.decode_steps if not spans else -1,
-                                 table=table))
-        if not spans:
-            self.decode_steps += 1
+        self.passes.append(_Pass(launched, dict(rows_live)))
         for seq in rows_live.values():
-            if seq.request.keep_logits:
-                seq.logits.append(state.logits[seq.slot].clone())
+            if seq.request.keep_logits and not seq.done:
+                seq.logits.append(self.runner.decode_logits(self.dev, seq.slot).clone())
         for i, (seq, sp, _) in enumerate(spans):
-            self._prefilled(seq, sp, last_logits[i], k)
+            self._prefilled(seq, sp, launched.span_logits[i], k)
         self.unread.append(k)
         lag = 0 if sampled else 1
         while len(self.unread) > lag:
             self._take(self.unread.popleft())
 
-    def _set_live(self, rows_live: dict[int, Sequence], rows: int) -> None:
-        """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
-        for slot in range(rows):
-            want = 1 if slot in rows_live else 0
-            if self._live.get(slot) != want:
-                self.state.live[slot].fill_(want)
-                self._live[slot] = want
+    def _sample_row(self, slot: int, logits: torch.Tensor) -> int | None:
+        """A sampled row's next token, drawn on the host (which reads its logits anyway, so checks them there)."""
+        seq = self.active[slot]
+        if not bool(torch.isfinite(logits).all()):
+            pos = len(seq.request.prompt_ids) + len(seq.tokens) - 1
+            self._fail(seq, self.runner.nonfinite(self.dev, [seq.tokens[-1]], pos, "decode", slot))
+            return None
+        return self._sample(seq, logits)
 
     def _prefilled(self, seq: Sequence, span: Span, logits: torch.Tensor, k: int) -> None:
         """A prompt chunk went through: where it was the last, its logits give the first token, on the host now."""
-        runner, state = self.runner, self.state
         seq.prefilled += span.T
         seq.prefill_passes.append(k)
         if seq.prefilled < len(seq.request.prompt_ids):
@@ -261,41 +224,33 @@ class Batch:
         prompt = seq.request.prompt_ids
         if not bool(torch.isfinite(logits).all()):
             start = span.start
-            self._fail(seq, runner.nonfinite(prompt[start:], start, self.cache, self.rope, "prefill", seq.slot))
+            self._fail(seq, self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot))
             return
         token = self._sample(seq, logits)
         if token is None:
             return
         first = seq.prefill_passes[0]
-        seq.prefill_ms = runner.backend.elapsed_ms(self.passes[first - 1].mark if first else self.t0, self.passes[k].mark)
+        since = self.passes[first - 1].launched.mark if first else self.dev.t0
+        seq.prefill_ms = self.runner.elapsed_ms(since, self.passes[k].launched.mark)
         if seq.request.keep_logits:
             seq.logits.insert(0, logits.clone())
-        state.tokens[seq.slot].fill_(token)
-        state.positions[seq.slot].fill_(len(prompt))
+        self.runner.place(self.dev, seq.slot, len(prompt), token)
         self._hear_token(seq, token)
 
     def _take(self, k: int) -> None:
         """Read step k back: each of its rows' tokens goes to its sequence (and its routing to the window)."""
         p = self.passes[k]
-        backend = self.runner.backend
-        backend.wait(p.mark)
-        row = self.ring[k % len(self.ring)].tolist()
-        slots = self.slots
-        if p.table and any(not seq.done for seq in p.rows.values()):
-            width = self.state.routed.shape[1]
-            before = self.runner.counters.snapshot()
-            self.runner.hear(p.decode_index, [row[i:i + width] for i in range(2 * slots, len(row), width)])
-            p.heard = delta(self.runner.counters.snapshot(), before)
+        back = self.runner.read(self.dev, p.launched, hear=any(not seq.done for seq in p.rows.values()))
+        p.heard = back.heard
         for slot, seq in p.rows.items():
             if seq.done:
                 continue  # a step launched past its end: dropped
-            if row[slots + slot]:
+            if back.bad[slot]:
                 pos = len(seq.request.prompt_ids) + len(seq.tokens) - 1
-                self._fail(seq, self.runner.nonfinite([seq.tokens[-1]], pos, self.cache, self.rope, "decode", slot))
+                self._fail(seq, self.runner.nonfinite(self.dev, [seq.tokens[-1]], pos, "decode", slot))
                 continue
             seq.passes.append(k)
-            self._hear_token(seq, row[slot])
-
+            self._hear_token(seq, back.tokens[slot])
     def _hear_token(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
         if seq.request.on_token:
@@ -339,15 +294,16 @@ class Batch:
         seq.end(reason)
 
     def _result(self, seq: Sequence) -> GenerationResult:
-        backend = self.runner.backend
-        kept = [self.passes[k] for k in seq.passes]
-        decode_ms = [backend.elapsed_ms(self.passes[k - 1].mark, self.passes[k].mark) for k in seq.passes]
-        final = self.runner.counters.snapshot()
+        runner = self.runner
+        kept = [self.passes[k].launched for k in seq.passes]
+        decode_ms = [runner.elapsed_ms(self.passes[k - 1].launched.mark, self.passes[k].launched.mark)
+                     for k in seq.passes]
+        final = runner.snapshot()
         last = seq.passes[-1] if seq.passes else (seq.prefill_passes[-1] if seq.prefill_passes else -1)
         for p in self.passes[last + 1:]:  # launched past its last token: dropped from its counters
             if any(s is seq for s in p.rows.values()):
-                final = {k: v - p.after[k] + p.before[k] if not k.startswith(("peak_", "resident_")) else v
-                         for k, v in final.items()}
+                a, b = p.launched.after, p.launched.before
+                final = {k: v - a[k] + b[k] if not k.startswith(("peak_", "resident_")) else v for k, v in final.items()}
         logits = [t.cpu() for t in seq.logits[: len(seq.tokens)]] if seq.request.keep_logits else None
         return GenerationResult(
             prompt_ids=list(seq.request.prompt_ids),
@@ -355,8 +311,9 @@ class Batch:
             prefill_ms=seq.prefill_ms,
             decode_ms=decode_ms,
             counters=final,
-            per_token=[{**_plus(delta(p.after, p.before), p.heard), "sequences_in_step": len(p.rows)} for p in kept],
-            memory=backend.memory_stats(),
+            per_token=[{**_plus(delta(p.launched.after, p.launched.before), p.heard), "sequences_in_step": len(p.rows)}
+                       for p in (self.passes[k] for k in seq.passes)],
+            memory=runner.memory_stats(),
             fixed_resident_bytes=self.fixed_resident_bytes,
             logits=logits,
             steps={m: sum(p.mode == m for p in kept) for m in MODES},
@@ -365,14 +322,13 @@ class Batch:
 
     # --- the batch's life --------------------------------------------------------------------------------
     def __enter__(self) -> "Batch":
-        self.fixed_resident_bytes = self.runner.counters.resident_bytes
+        self.fixed_resident_bytes = self.runner.resident_bytes
         self._torch_mode = torch.inference_mode()
         self._torch_mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for graphs in self.graphs.values():
-            graphs.close()
+        self.dev.close()
         self._torch_mode.__exit__(*exc)
 
 

@@ -20,8 +20,10 @@ from .expert_schedule import ExpertSchedule, is_expert
 from .kvcache import KVCache
 from .model import Attend, RopeTable, Span, decoder_layer, route
 from .modelconfig import ModelConfig
-from .plan import Boundary, Plan
+from .kvcache import allocate_cache
+from .plan import Boundary, Plan, delta
 from .residency import Window
+from .step_graphs import StepGraphs
 
 Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
 
@@ -62,6 +64,70 @@ class DecodeState:
         self.logits: torch.Tensor | None = None  # the last step's [rows, vocab] float32
 
 
+@attrs.frozen
+class StepRequest:
+    """One step as a batch asks for it: the next token of each of the first ``rows`` slots (those in ``live`` decode:
+    their positions move on), then ``spans``, each a sequence's tokens (a prompt chunk), with its ids. ``sample``: the
+    slots whose next token the host draws from their logits (the rest take their argmax on the device)."""
+
+    rows: int
+    live: frozenset[int] = frozenset()
+    spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
+    sample: tuple[int, ...] = ()
+
+
+@attrs.define(eq=False)
+class Launched:
+    """A step as it was launched: its number in its slots, how it ran (one of ``results.MODES``), the counters around
+    its plans, its mark, its number among the decode steps (-1 where it had spans), whether it read the expert table,
+    and each span's last logits row ([spans, vocab], on the device; None without spans)."""
+
+    index: int
+    mode: str
+    before: dict[str, int]
+    after: dict[str, int]
+    mark: object
+    decode_index: int
+    table: bool
+    span_logits: torch.Tensor | None
+
+
+@attrs.frozen
+class Readback:
+    """A step read back: each slot's token and whether its logits were not finite, and the counters of the plans made
+    on hearing its routing (where it read the expert table)."""
+
+    tokens: list[int]
+    bad: list[bool]
+    heard: dict[str, int]
+
+
+class Slots:
+    """A batch's side on the compute device: ``slots`` KV slots of ``max_seq`` positions, the decode state, the ring
+    its steps are read back through and the captured steps, one a row count. Made by ``Runner.open_slots``; only the
+    runner reads or writes it."""
+
+    RING = 4  # steps a read may lag behind (greedy reads one late)
+
+    def __init__(self, runner: "Runner", slots: int, max_seq: int):
+        backend, cfg = runner.backend, runner.cfg
+        self.count, self.max_seq = slots, max_seq
+        self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
+        self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
+        self.state = runner.decode_state(self.rope, slots, max_seq)
+        self.ring = torch.zeros((self.RING, self.state.out.numel()), dtype=torch.long,
+                                pin_memory=backend.device.type == "cuda")
+        self.graphs: dict[int, StepGraphs] = {}
+        self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
+        self.launched = 0
+        self.t0 = None  # the mark before its first step
+
+    def close(self) -> None:
+        for graphs in self.graphs.values():
+            graphs.close()
+        self.graphs.clear()
+
+
 class Runner:
     """Owns each step of a run on ``window`` and ``backend``: it plans through the window, executes every plan through
     the backend, and runs the layers."""
@@ -71,6 +137,7 @@ class Runner:
         self.counters = window.counters
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
+        self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
 
     def reads_table(self, rows: int, spans=()) -> bool:
         """Whether a step reads its routed experts through the expert table: a decode step of one row and no spans, on
@@ -81,6 +148,91 @@ class Runner:
         """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
         routed = (len(self.sparse), self.cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
         return DecodeState(self.backend.device, rope, slots, max_seq, routed)
+
+    # --- a step, as a batch asks for it ----------------------------------------------------------------
+    def open_slots(self, slots: int, max_seq: int) -> Slots:
+        """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each."""
+        return Slots(self, slots, max_seq)
+
+    def step(self, s: Slots, request: StepRequest,
+             sample: Callable[[int, torch.Tensor], int | None] | None = None) -> Launched:
+        """Launch one step on ``s``: the window's token, its plans (the first step's preload), the pass (replayed,
+        captured or eager), then each sampled slot's token (``sample(slot, logits)``; None leaves the argmax), and
+        the copy of the step's output row to the host, which ``read`` waits for."""
+        window, backend, counters, state = self.window, self.backend, self.counters, s.state
+        if s.t0 is None:
+            self.preload()
+            backend.synchronize()
+            s.t0 = backend.mark()
+        else:
+            window.next_token()
+        rows, spans = request.rows, list(request.spans)
+        self._set_live(s, request.live, rows)
+        table = self.reads_table(rows, spans)
+        decode_index = self.begin_step() if not spans else -1
+        before = counters.snapshot()
+        span_logits = None
+        if not spans:
+            graphs = s.graphs.get(rows)
+            if graphs is None:
+                graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
+                                                     on_replay=self.replayed)
+            mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows))
+        else:
+            mode = "eager"
+            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans)
+        after = counters.snapshot()
+        for slot in request.sample:
+            token = sample(slot, state.logits[slot])
+            if token is not None:
+                state.tokens[slot].fill_(token)
+        index, s.launched = s.launched, s.launched + 1
+        s.ring[index % s.RING].copy_(state.out, non_blocking=True)
+        return Launched(index, mode, before, after, backend.mark(), decode_index, table, span_logits)
+
+    def read(self, s: Slots, step: Launched, hear: bool = True) -> Readback:
+        """Wait for ``step`` and read its row back; where it read the expert table (and ``hear``), the window hears its
+        routing and plans on it."""
+        self.backend.wait(step.mark)
+        row = s.ring[step.index % s.RING].tolist()
+        n, heard = s.count, {}
+        if step.table and hear:
+            width = s.state.routed.shape[1]
+            before = self.counters.snapshot()
+            self.hear(step.decode_index, [row[i:i + width] for i in range(2 * n, len(row), width)])
+            heard = delta(self.counters.snapshot(), before)
+        return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
+
+    def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
+        """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
+        if token is not None:
+            s.state.tokens[slot].fill_(token)
+        s.state.positions[slot].fill_(position)
+
+    def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
+        """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
+        return s.state.logits[slot]
+
+    def elapsed_ms(self, start, stop) -> float:
+        return self.backend.elapsed_ms(start, stop)
+
+    def snapshot(self) -> dict[str, int]:
+        return self.counters.snapshot()
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.backend.memory_stats()
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.counters.resident_bytes
+
+    def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
+        """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
+        for slot in range(rows):
+            want = 1 if slot in live else 0
+            if s.live.get(slot) != want:
+                s.state.live[slot].fill_(want)
+                s.live[slot] = want
 
     # --- plans --------------------------------------------------------------------------------
     def execute(self, plan: Plan | None) -> None:
@@ -124,12 +276,15 @@ class Runner:
                 if host:
                     self.backend.point_experts(host, [])
 
-    def begin_step(self) -> None:
-        """Before a decode step is launched: the admissions it reads from their slots."""
+    def begin_step(self) -> int:
+        """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
+        decode steps."""
+        index, self.decode_steps = self.decode_steps, self.decode_steps + 1
         if self.schedule is not None:
             slots = self.schedule.begin_step()
             if slots:
                 self.backend.point_experts([], slots)
+        return index
 
     def preload(self) -> None:
         self.execute(self.window.preload())
@@ -261,14 +416,7 @@ class Runner:
         return logits[rows:]
 
     # --- NaN and inf ------------------------------------------------------------------------------
-    def check_finite(self, logits: torch.Tensor, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable,
-                     phase: str, slot: int = 0) -> None:
-        """Stop at a logit row holding NaN or inf (see ``nonfinite``)."""
-        if not bool(torch.isfinite(logits).all()):
-            raise self.nonfinite(ids, start, cache, rope, phase, slot)
-
-    def nonfinite(self, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
-                  slot: int = 0) -> NonFiniteError:
+    def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:
         """The error for non-finite logits at this step, naming the first part of the model whose output went non-finite.
 
         The search runs the step again through the same layer loop with a probe: on the error path only.
@@ -279,7 +427,7 @@ class Runner:
             if not found and not bool(torch.isfinite(h).all()):
                 found.append(where)
 
-        self.forward(ids, start, cache, rope, phase, probe, slot)  # rewrites this step's K/V with the same values
+        self.forward(ids, start, s.cache, s.rope, phase, probe, slot)  # rewrites this step's K/V with the same values
         where = found[0] if found else "the final norm and lm_head"
         dtype = str(self.backend.dtype).replace("torch.", "")
         wider = ", or compute in float32 (--dtype float32)" if self.backend.dtype in (torch.float16, torch.bfloat16) else ""

@@ -21,8 +21,7 @@ import torch
 from .config import GenerationConfig
 from .contracts import Drafter
 from .errors import ConfigError
-from .kvcache import allocate_cache
-from .model import RopeTable, Span
+from .model import Span
 from .plan import delta
 from .results import GenerationResult
 from .runner import Runner
@@ -76,20 +75,20 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
     """Generate from ``prompt_ids`` (checked by the caller) with ``drafter`` proposing up to ``k`` tokens a pass."""
     cfg, backend, window, counters = runner.cfg, runner.backend, runner.window, runner.counters
     max_seq = len(prompt_ids) + gen.max_new_tokens + k  # a last pass may write drafts past the end
-    cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device)
     sampler = Sampler(gen)
     greedy = gen.temperature == 0
     stats = SpecStats()
     with torch.inference_mode():
-        rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
-        state = runner.decode_state(rope, 1, max_seq)
+        slots = runner.open_slots(1, max_seq)
+        state, cache = slots.state, slots.cache
         fixed = counters.resident_bytes
         runner.preload()
         backend.synchronize()
         t0 = backend.mark()
         prompt = list(prompt_ids)
         last = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, 0, len(prompt)), prompt)])[0]
-        runner.check_finite(last, prompt, 0, cache, rope, "prefill")
+        if not bool(torch.isfinite(last).all()):
+            raise runner.nonfinite(slots, prompt, 0, "prefill")
         tokens = [sampler(last)]
         prefill_end = backend.mark()
         prefill_ms = backend.elapsed_ms(t0, prefill_end)
@@ -114,7 +113,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
             marks.append(backend.mark())
             if not bool(torch.isfinite(logits).all()):
                 row = int((~torch.isfinite(logits).all(dim=-1)).nonzero()[0])
-                raise runner.nonfinite(ids[: row + 1], start, cache, rope, "decode")
+                raise runner.nonfinite(slots, ids[: row + 1], start, "decode")
             n, own = accept(logits, draft, probs, sampler, greedy)
             new = draft[:n] + [own]
             stats.passes += 1
