@@ -200,7 +200,7 @@ class Batch:
             if seq.request.keep_logits and not seq.done:
                 seq.logits.append(self.runner.decode_logits(self.dev, seq.slot).clone())
         for i, (seq, sp, _) in enumerate(spans):
-            self._prefilled(seq, sp, launched.span_logits[i], k)
+            self._prefilled(seq, sp, launched.span_logits[i][-1], k)
         self.unread.append(k)
         lag = 0 if sampled else 1
         while len(self.unread) > lag:

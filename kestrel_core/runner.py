@@ -67,12 +67,15 @@ class DecodeState:
 @attrs.frozen
 class StepRequest:
     """One step as a batch asks for it: the next token of each of the first ``rows`` slots (those in ``live`` decode:
-    their positions move on), then ``spans``, each a sequence's tokens (a prompt chunk), with its ids. ``sample``: the
-    slots whose next token the host draws from their logits (the rest take their argmax on the device)."""
+    their positions move on), then ``spans``, each a sequence's tokens with their ids (a prompt chunk, or a verify
+    pass: the last token and its drafts). ``every_row``: the spans whose every row's logits come back (a verify pass);
+    the others give their last row. ``sample``: the slots whose next token the host draws from their logits (the rest
+    take their argmax on the device)."""
 
     rows: int
     live: frozenset[int] = frozenset()
     spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
+    every_row: frozenset[int] = frozenset()
     sample: tuple[int, ...] = ()
 
 
@@ -80,7 +83,7 @@ class StepRequest:
 class Launched:
     """A step as it was launched: its number in its slots, how it ran (one of ``results.MODES``), the counters around
     its plans, its mark, its number among the decode steps (-1 where it had spans), whether it read the expert table,
-    and each span's last logits row ([spans, vocab], on the device; None without spans)."""
+    and each span's logits rows ([1 or T, vocab] each, as the request asked, on the device)."""
 
     index: int
     mode: str
@@ -89,7 +92,7 @@ class Launched:
     mark: object
     decode_index: int
     table: bool
-    span_logits: torch.Tensor | None
+    span_logits: list[torch.Tensor]
 
 
 @attrs.frozen
@@ -171,7 +174,7 @@ class Runner:
         table = self.reads_table(rows, spans)
         decode_index = self.begin_step() if not spans else -1
         before = counters.snapshot()
-        span_logits = None
+        span_logits = []
         if not spans:
             graphs = s.graphs.get(rows)
             if graphs is None:
@@ -180,7 +183,7 @@ class Runner:
             mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows))
         else:
             mode = "eager"
-            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans)
+            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans, request.every_row)
         after = counters.snapshot()
         for slot in request.sample:
             token = sample(slot, state.logits[slot])
@@ -374,19 +377,17 @@ class Runner:
         return backend.logits(h[-1:])[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                    spans: list[tuple[Span, list[int]]] = (), every_span_row: bool = False) -> torch.Tensor | None:
+                    spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
-        of one, or a token and its drafts). Returns each span's last logits row, [spans, vocab], or with
-        ``every_span_row`` (one span) each of its rows' (the decode rows' logits stay in ``state.logits``)."""
+        of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
+        ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
         if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions)
             h = backend.embed(state.tokens[:rows])
         else:
-            if every_span_row and len(spans) != 1:
-                raise ValueError("every_span_row takes one span")
             device = backend.device
             span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
             span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
@@ -398,22 +399,19 @@ class Runner:
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
         table = state if self.reads_table(rows, spans) else None
         h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
-        if not spans:
-            picked = h[:rows]
-        elif every_span_row:
-            picked = h
+        wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
+                  for i, (s, _) in enumerate(spans)]
+        if spans:
+            picked = torch.cat((h[:rows], h.index_select(0, torch.tensor([r for w in wanted for r in w], device=h.device))))
         else:
-            lasts = torch.tensor([s.row + s.T - 1 for s, _ in spans], device=h.device)
-            picked = torch.cat((h[:rows], h.index_select(0, lasts)))
+            picked = h[:rows]
         logits = backend.logits(picked)
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
-        if not spans:
-            return None
-        return logits[rows:]
+        return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
 
     # --- NaN and inf ------------------------------------------------------------------------------
     def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:

@@ -86,7 +86,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
         backend.synchronize()
         t0 = backend.mark()
         prompt = list(prompt_ids)
-        last = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, 0, len(prompt)), prompt)])[0]
+        last = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, 0, len(prompt)), prompt)])[0][-1]
         if not bool(torch.isfinite(last).all()):
             raise runner.nonfinite(slots, prompt, 0, "prefill")
         tokens = [sampler(last)]
@@ -108,7 +108,7 @@ def generate_speculative(runner: Runner, prompt_ids: list[int], gen: GenerationC
             start = len(prompt) + len(tokens) - 1
             ids = [tokens[-1], *draft]
             logits = runner.decode_step(state, cache, window.boundaries("prefill"), 0, [(Span(0, 0, start, len(ids)), ids)],
-                                        every_span_row=True)
+                                        frozenset({0}))[0]
             after = counters.snapshot()
             marks.append(backend.mark())
             if not bool(torch.isfinite(logits).all()):
