@@ -14,6 +14,7 @@ once it is read back: exactly the tokens of the result, in order. A step with a 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -21,12 +22,14 @@ import attrs
 import torch
 
 from .config import GenerationConfig
+from .contracts import Drafter, Drafting
 from .errors import ConfigError, KestrelError
 from .model import Span
 from .plan import delta
 from .results import MODES, GenerationResult
 from .runner import Launched, Runner, StepRequest
 from .sampling import Sampler
+from .speculative import SpecStats, accept, begin_drafting, check_draft
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
 
@@ -56,6 +59,8 @@ class Request:
     keep_logits: bool = False
     on_token: Callable[[int], None] | None = None
     on_finish: Callable[["Sequence"], None] | None = None  # once done (result or error set), on the batch's thread
+    drafter: Drafter | None = None  # speculative decoding: proposes up to ``draft_tokens`` a step, verified in the step
+    draft_tokens: int = 0
 
 
 @attrs.define(eq=False)
@@ -64,7 +69,8 @@ class _Pass:
     routing (a step later)."""
 
     launched: Launched
-    rows: dict[int, "Sequence"]  # slot -> the sequence whose token the step made there
+    rows: dict[int, "Sequence"]  # slot -> the sequence whose token the step made there (a decode row)
+    verified: dict[int, "Sequence"] = attrs.Factory(dict)  # slot -> the sequence whose drafts it verified (a span)
     heard: dict[str, int] = attrs.Factory(dict)
 
     @property
@@ -95,6 +101,9 @@ class Sequence:
     prefill_passes: list[int] = attrs.Factory(list)
     prefill_ms: float = 0.0
     logits: list[torch.Tensor] = attrs.Factory(list)
+    drafting: Drafting | None = None  # what drafts for it (its request's drafter, begun on its prompt)
+    spec: SpecStats | None = None
+    kept: list[int] = attrs.Factory(list)  # tokens each of its passes kept (speculative decoding)
     done: bool = False
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: Exception | None = None
@@ -129,7 +138,7 @@ class Batch:
 
     def __init__(self, runner: Runner, slots: int, max_seq: int, prefill_chunk: int | None = None):
         self.runner, self.slots, self.max_seq, self.prefill_chunk = runner, slots, max_seq, prefill_chunk
-        self.dev = runner.open_slots(slots, max_seq)
+        self.dev = runner.open_slots(slots, max_seq + 1)  # and the parking position (``park``)
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()
@@ -147,6 +156,8 @@ class Batch:
         if seq is None:
             seq = Sequence(request)
         seq.id, seq.sampler = self.ids, Sampler(request.gen)
+        if request.drafter is not None:
+            seq.drafting, seq.spec = begin_drafting(request.drafter, request.prompt_ids), SpecStats()
         self.ids += 1
         self.waiting.append(seq)
         return seq
@@ -161,26 +172,32 @@ class Batch:
 
     # --- one step: schedule, run, read -----------------------------------------------------------------------
     def step(self) -> None:
-        """Admit, launch one step (decode rows, and a prompt chunk where one waits), and read back what is due."""
+        """Admit; ask each drafting sequence for its drafts; launch one step (decode rows, then verify spans, then
+        prompt chunks where they wait); read back what is due."""
         self._drop_cancelled()
         while self.waiting and self.free:
             seq = self.waiting.popleft()
             seq.slot = self.free.pop(0)
             self.active[seq.slot] = seq
-            # Until it decodes, its slot's decode row (computed with the others, its output dropped) writes at the last
-            # position, which its prompt never reaches and its own token overwrites before any query reads it.
-            self.runner.place(self.dev, seq.slot, self.max_seq - 1)
+            self.runner.place(self.dev, seq.slot, self.park)
+        verify = self._drafts()
         rows_live = {slot: seq for slot, seq in self.active.items()
-                     if seq.decoding and 1 + seq.launched < seq.request.gen.max_new_tokens and not seq.done}
+                     if seq.decoding and not seq.done and slot not in verify and self._wants_a_row(seq)}
         prefilling = [s for s in self.active.values() if not s.done and s.prefilled < len(s.request.prompt_ids)]
-        if not rows_live and not prefilling:
+        if not rows_live and not prefilling and not verify:
             if self.unread:
                 self._take(self.unread.popleft())
             return
         rows = bucket(max(rows_live) + 1, self.slots) if rows_live else 0
+        spans, row = [], rows
+        for slot, (draft, _) in verify.items():  # the last token and its drafts, each row's logits back
+            seq = self.active[slot]
+            ids = (seq.tokens[-1], *draft)
+            spans.append((seq, Span(slot, row, len(seq.request.prompt_ids) + len(seq.tokens) - 1, len(ids)), ids))
+            row += len(ids)
         # Every waiting prompt rides this step, in the order they came, up to prefill_chunk tokens in all: a streamed
         # layer serves them all at once.
-        spans, budget, row = [], self.prefill_chunk, rows
+        budget = self.prefill_chunk
         for seq in prefilling:
             if budget is not None and budget <= 0:
                 break
@@ -190,21 +207,91 @@ class Batch:
             row += n
             budget = None if budget is None else budget - n
         sampled = tuple(slot for slot, seq in rows_live.items() if seq.request.gen.temperature > 0)
-        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), sampled)
+        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans),
+                              frozenset(range(len(verify))), sampled)
         launched = self.runner.step(self.dev, request, self._sample_row)
         for seq in rows_live.values():
             seq.launched += 1
         k = len(self.passes)
-        self.passes.append(_Pass(launched, dict(rows_live)))
+        self.passes.append(_Pass(launched, dict(rows_live), {slot: self.active[slot] for slot in verify}))
         for seq in rows_live.values():
             if seq.request.keep_logits and not seq.done:
                 seq.logits.append(self.runner.decode_logits(self.dev, seq.slot).clone())
-        for i, (seq, sp, _) in enumerate(spans):
-            self._prefilled(seq, sp, launched.span_logits[i][-1], k)
+        for i, (seq, sp, ids) in enumerate(spans):
+            if i < len(verify):
+                self._verified(seq, sp, ids, verify[seq.slot][1], launched.span_logits[i], k)
+            else:
+                self._prefilled(seq, sp, launched.span_logits[i][-1], k)
         self.unread.append(k)
-        lag = 0 if sampled else 1
+        lag = 0 if sampled or any(seq.drafting is not None for seq in rows_live.values()) else 1
         while len(self.unread) > lag:
             self._take(self.unread.popleft())
+
+    @property
+    def park(self) -> int:
+        """The position a slot's decode row writes at while its sequence does not decode (a prompt in chunks, a verify
+        span): one past every sequence's positions, so its junk row never lands where a sequence reads or writes."""
+        return self.max_seq
+
+    def _wants_a_row(self, seq: Sequence) -> bool:
+        """Whether a decoding sequence needs another token (a greedy row read a step late counts its step launched)."""
+        if seq.drafting is not None:  # read back at once: its tokens are all known
+            return len(seq.tokens) < seq.request.gen.max_new_tokens
+        return 1 + seq.launched < seq.request.gen.max_new_tokens
+
+    def _drafts(self) -> dict[int, tuple[list[int], list | None]]:
+        """Each drafting sequence's drafts for this step (by slot), where it proposed any: it rides as a verify span.
+        One that proposes none decodes as a row."""
+        out = {}
+        for slot, seq in self.active.items():
+            if seq.drafting is None or seq.done or not seq.decoding:
+                continue
+            gen = seq.request.gen
+            room = gen.max_new_tokens - len(seq.tokens) - 1  # the pass adds one token of the target's own
+            k = min(seq.request.draft_tokens, room)
+            if k <= 0:
+                continue
+            t0 = time.perf_counter()
+            try:
+                draft, probs = seq.drafting.propose(list(seq.request.prompt_ids) + seq.tokens, k)
+                draft = check_draft(seq.request.drafter, draft, probs, k, self.runner.vocab_size)
+            except Exception as exc:  # noqa: BLE001 - one sequence's drafter, not the batch's state
+                self._fail(seq, exc)
+                continue
+            seq.spec.draft_ms += (time.perf_counter() - t0) * 1e3
+            if draft:
+                out[slot] = (draft, probs)
+                self.runner.place(self.dev, slot, self.park)  # its decode row, if the step has one, writes nowhere read
+        return out
+
+    def _verified(self, seq: Sequence, span: Span, ids: tuple[int, ...], probs, logits: torch.Tensor, k: int) -> None:
+        """A verify span went through: keep the drafts the target agrees with and one token of its own (stopping at
+        an end), then place the slot's next decode row after them."""
+        draft = list(ids[1:])
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            self._fail(seq, self.runner.nonfinite(self.dev, list(ids[: row + 1]), span.start, "decode", seq.slot))
+            return
+        try:
+            n, own = accept(logits, draft, probs, seq.sampler, seq.request.gen.temperature == 0)
+        except Exception as exc:  # noqa: BLE001 - one sequence's settings, not the batch's state
+            self._fail(seq, exc)
+            return
+        seq.spec.drafted += len(draft)
+        seq.spec.accepted += n
+        kept = draft[:n] + [own]
+        ends = next((i + 1 for i, token in enumerate(kept) if self._ends(seq, token, len(seq.tokens) + i + 1)), None)
+        kept = kept[:ends]  # an end inside the pass: what follows it is dropped
+        seq.passes.append(k)
+        seq.kept.append(len(kept))
+        for i, token in enumerate(kept):
+            if seq.request.keep_logits:
+                seq.logits.append(logits[i].clone())
+            self._hear_token(seq, token)
+        if not seq.done:
+            seq.drafting.accepted(list(seq.request.prompt_ids) + seq.tokens)
+            self.runner.place(self.dev, seq.slot, len(seq.request.prompt_ids) + len(seq.tokens) - 1, seq.tokens[-1])
 
     def _sample_row(self, slot: int, logits: torch.Tensor) -> int | None:
         """A sampled row's next token, drawn on the host (which reads its logits anyway, so checks them there)."""
@@ -250,16 +337,23 @@ class Batch:
                 self._fail(seq, self.runner.nonfinite(self.dev, [seq.tokens[-1]], pos, "decode", slot))
                 continue
             seq.passes.append(k)
+            seq.kept.append(1)
             self._hear_token(seq, back.tokens[slot])
     def _hear_token(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
         if seq.request.on_token:
             seq.request.on_token(token)
+        reason = self._ends(seq, token, len(seq.tokens))
+        if reason:
+            self._finish(seq, reason)
+
+    @staticmethod
+    def _ends(seq: Sequence, token: int, count: int) -> str | None:
+        """Why ``token``, the sequence's ``count``-th, ends it ("stop": an end id; "length"), or None."""
         gen = seq.request.gen
         if gen.stop_at_eos and token in seq.request.eos_ids:
-            self._finish(seq, "stop")
-        elif len(seq.tokens) >= gen.max_new_tokens:
-            self._finish(seq, "length")
+            return "stop"
+        return "length" if count >= gen.max_new_tokens else None
 
     def _drop_cancelled(self) -> None:
         for seq in list(self.waiting):
@@ -311,14 +405,22 @@ class Batch:
             prefill_ms=seq.prefill_ms,
             decode_ms=decode_ms,
             counters=final,
-            per_token=[{**_plus(delta(p.launched.after, p.launched.before), p.heard), "sequences_in_step": len(p.rows)}
+            per_token=[{**_plus(delta(p.launched.after, p.launched.before), p.heard), "sequences_in_step": len(p.rows) + len(p.verified)}
                        for p in (self.passes[k] for k in seq.passes)],
             memory=runner.memory_stats(),
             fixed_resident_bytes=self.fixed_resident_bytes,
             logits=logits,
             steps={m: sum(p.mode == m for p in kept) for m in MODES},
             step_modes=[p.mode for p in kept],
+            **self._speculative(seq, decode_ms),
         )
+
+    def _speculative(self, seq: Sequence, decode_ms: list[float]) -> dict:
+        """A drafting sequence's result fields: the tokens each pass kept, and its drafts' figures."""
+        if seq.spec is None:
+            return {}
+        spec = attrs.evolve(seq.spec, passes=len(seq.passes), kept=sum(seq.kept), verify_ms=sum(decode_ms))
+        return {"tokens_per_step": list(seq.kept), "speculative": spec.to_json()}
 
     # --- the batch's life --------------------------------------------------------------------------------
     def __enter__(self) -> "Batch":
@@ -336,13 +438,11 @@ def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: v + b.get(k, 0) for k, v in a.items()}
 
 
-def generate_one(runner: Runner, prompt_ids: list[int], gen: GenerationConfig, eos_ids: frozenset[int],
-                 keep_logits: bool = False, on_token: Callable[[int], None] | None = None) -> GenerationResult:
-    """Generate from ``prompt_ids`` (checked by the caller): a batch of one. ``on_token(id)`` is called with each token
-    of the result as soon as it is read back (the first from the prefill); ``eos_ids`` end the generation where
-    ``gen.stop_at_eos``."""
-    with Batch(runner, slots=1, max_seq=len(prompt_ids) + gen.max_new_tokens) as batch:
-        seq = batch.add(Request(list(prompt_ids), gen, eos_ids, keep_logits=keep_logits, on_token=on_token))
+def generate_one(runner: Runner, request: Request) -> GenerationResult:
+    """Generate ``request`` (checked by the caller): a batch of one. Its ``on_token(id)`` hears each token of the
+    result as soon as it is read back (the first from the prefill)."""
+    with Batch(runner, slots=1, max_seq=len(request.prompt_ids) + request.gen.max_new_tokens) as batch:
+        seq = batch.add(request)
         batch.run_until_done()
     if seq.error is not None:
         raise seq.error

@@ -104,14 +104,8 @@ class ExpertPolicy(Protocol):
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """Proposes tokens for speculative decoding. A factory is called ``factory(arg=, run=)`` (``arg``: what follows
-    the name in ``--draft NAME:ARG``, or the model of ``--draft MODEL``; ``run``: the target's run, read-only)."""
-
-    name: str
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        """A new sequence starts from ``prompt_ids``."""
+class Drafting(Protocol):
+    """What drafts for one sequence (``Drafter.begin``'s answer): asked before each step the sequence rides."""
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], list | None]:
         """Up to ``k`` tokens to follow ``context``, and each one's distribution (a [vocab] tensor it was drawn from, for
@@ -119,6 +113,18 @@ class Drafter(Protocol):
 
     def accepted(self, context: list[int]) -> None:
         """The sequence as kept after a verify pass (drafts past it were rejected)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens for speculative decoding. A factory is called ``factory(arg=, run=)`` (``arg``: what follows
+    the name in ``--draft NAME:ARG``, or the model of ``--draft MODEL``; ``run``: the target's run, read-only)."""
+
+    name: str
+
+    def begin(self, prompt_ids: list[int]) -> Drafting:
+        """A new sequence starts from ``prompt_ids``: what drafts for it (the drafter itself, where it keeps nothing
+        a sequence). Sequences of one batch draft side by side."""
 
     def close(self) -> None:
         """The run closes: let go of what it holds."""

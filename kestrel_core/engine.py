@@ -45,7 +45,6 @@ from .plan import Counters
 from .residency import Window
 from .results import GenerationResult
 from .runner import Runner, StepSettings
-from .speculative import generate_speculative, refused_in_a_batch
 from .units import UnitTable
 
 __all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy"]
@@ -301,7 +300,9 @@ class Run:
             ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
         check_prompt(self.model, ids, gen)
         eos = self.model.eos_ids | frozenset(stop_ids)  # config.json's and generation_config.json's, and the caller's
-        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token)
+        draft = self.config.speculative.draft_tokens if self.drafter is not None else 0
+        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=self.drafter,
+                       draft_tokens=draft)
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
@@ -325,12 +326,7 @@ class Run:
         hear = each if on_token is not None or stream is not None else None
         req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, **generation)
         with self._oom_is_a_budget_error():
-            if self.drafter is not None:
-                result = generate_speculative(self.runner, req.prompt_ids, req.gen, req.eos_ids, self.drafter,
-                                              self.config.speculative.draft_tokens, keep_logits, hear)
-            else:
-                result = generate_one(self.runner, req.prompt_ids, req.gen, req.eos_ids, keep_logits=keep_logits,
-                                      on_token=hear)
+            result = generate_one(self.runner, req)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
@@ -343,8 +339,6 @@ class Run:
         prompt a step). The results in the order given; ``on_done(i, result or error)`` hears each as it finishes.
         A sequence whose logits went non-finite gets its error in its place; the others go on."""
         check_batch(max_batch, prefill_chunk)
-        if self.drafter is not None:
-            raise refused_in_a_batch("generate_batch", "the draft (open the model without one)")
         reqs = []
         for i, r in enumerate(requests):
             if isinstance(r, Request):  # checked by ``request`` already

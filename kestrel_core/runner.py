@@ -226,6 +226,10 @@ class Runner:
         return self.backend.memory_stats()
 
     @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
     def resident_bytes(self) -> int:
         return self.counters.resident_bytes
 

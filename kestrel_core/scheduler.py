@@ -18,7 +18,6 @@ from typing import Callable
 
 from .batch import Batch, Request, Sequence, check_batch
 from .errors import BudgetError, ConfigError, KestrelError
-from .speculative import refused_in_a_batch
 
 
 class QueueFull(KestrelError):
@@ -33,8 +32,6 @@ class Scheduler:
         check_batch(max_batch, prefill_chunk)
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ConfigError(f"max_queue must be a whole number >= 0, got {max_queue!r}")
-        if getattr(run, "drafter", None) is not None:
-            raise refused_in_a_batch("a scheduler", "[speculative] draft (--draft) to serve or batch")
         positions = run.model.config.max_position_embeddings
         self.max_seq = min(positions, max_seq or positions)
         if self.max_seq < 2:

@@ -16,10 +16,8 @@ import torch
 
 from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.kvcache import allocate_cache
-from kestrel_core.config import DRAFT_TOKENS_MAX
-from kestrel_core.model import RopeTable
-from kestrel_core.step_graphs import StepGraphs
+from kestrel_core.model import Span
+from kestrel_core.runner import StepRequest
 from kestrel_core.sampling import Sampler
 
 NGRAM_DEFAULT, NGRAM_MAX, NGRAM_SHORTEST = 3, 16, 2
@@ -39,7 +37,7 @@ class NGram:
             raise ConfigError(f"--draft ngram:N takes N in 1..{NGRAM_MAX} (the tokens matched), got {arg!r}")
 
     def begin(self, prompt_ids):
-        pass
+        return self  # it keeps nothing a sequence
 
     def propose(self, context, k):
         shortest = min(self.n, NGRAM_SHORTEST)
@@ -90,16 +88,11 @@ class DraftModel:
                           f"{target.config.max_position_embeddings:,}: past position {self.max_seq:,} the target decodes "
                           "one token a pass, undrafted", KestrelNote, stacklevel=2)
         runner = self.run.runner
-        b = runner.backend
-        self.cache = allocate_cache(self.model.config, self.max_seq, b.dtype, b.device)
+        # One KV slot, its steps run as the target's do (one-token steps captured and replayed); the sequence whose
+        # tokens it holds is its owner, and another sequence's proposal feeds its own context anew.
         with torch.inference_mode():
-            self.rope = RopeTable(self.model.config, self.max_seq, b.dtype, b.device)
-            # Its one-token steps run as the target's do: a decode state whose step a CUDA graph can capture and replay.
-            self.state = runner.decode_state(self.rope, 1, self.max_seq)
-            self.drafted = torch.zeros(DRAFT_TOKENS_MAX, dtype=torch.long, device=b.device)
-        self.graphs = StepGraphs(runner.window, b, self.run.config.backend.graphs != "off",
-                                 experts_in_step=runner.reads_table(1), on_replay=runner.replayed)
-        self.fed: list[int] = []  # the tokens whose K/V the draft's cache holds, in order
+            self.slots = runner.open_slots(1, self.max_seq)
+        self.owner: _Drafting | None = None
 
     def _check(self, target) -> None:
         draft = self.model
@@ -117,61 +110,72 @@ class DraftModel:
                               f"target ({sizes[1] / 2**20:,.0f} MiB); a draft pays off only when it costs far less")
 
     def begin(self, prompt_ids):
-        self.fed = []
-        self.sampler = Sampler(self.gen) if self.gen.temperature > 0 else None
+        return _Drafting(self)
 
-    def _feed(self, ids: list[int]) -> torch.Tensor:
-        logits = self.run.runner.forward(ids, len(self.fed), self.cache, self.rope, "decode")
-        self.fed += ids
-        return logits
-
-    def _step(self, token: int | None) -> None:
-        """One token through the draft at the next position (``token``, or greedy: the last step's argmax, already in
-        the state on the device); the step's argmax is left in the state."""
-        runner, st = self.run.runner, self.state
-        if token is not None:
-            st.tokens[0].fill_(token)
-        runner.window.next_token()
-        runner.begin_step()
-        self.graphs(lambda boundaries: runner.decode_step(st, self.cache, boundaries, 1))
-
-    def propose(self, context, k):
+    def propose(self, seq: "_Drafting", context: list[int], k: int):
         k = min(k, self.max_seq - len(context) - 1)
         if k <= 0:
             return [], None
-        with torch.inference_mode():
-            logits = self._feed(context[len(self.fed):])  # what the kept sequence added since: an eager pass
-            st = self.state
-            st.positions[0].fill_(len(self.fed))
-            st.live.fill_(1)
-            if self.sampler is None:  # greedy: the draft's steps chain on the device, read back once
-                first = int(torch.argmax(logits))
-                for i in range(k - 1):
-                    self._step(first if i == 0 else None)
-                    self.drafted[i].copy_(st.tokens[0])
-                tokens = [first, *self.drafted[: k - 1].tolist()]
-                self.fed += tokens[:-1]
-                return tokens, None
-            tokens, probs = [], []
-            for i in range(k):
-                p = self.sampler.probs(logits)
-                tokens.append(self.sampler.draw(p))
-                probs.append(p)
-                if i < k - 1:
-                    self._step(tokens[-1])
-                    self.fed.append(tokens[-1])
-                    logits = st.logits[0]
-        return tokens, probs
+        runner, slots = self.run.runner, self.slots
+        if self.owner is not seq:  # the slot holds another sequence's tokens
+            self.owner, seq.fed = seq, []
+        seq.accepted(context)
+        fed = seq.fed[: len(context) - 1]  # at least the last token goes through: its logits give the first draft
+        new = context[len(fed):]
+        sampler = seq.sampler
+        tokens, probs = [], []
 
-    def accepted(self, context):
-        keep = 0  # the draft's cache is good up to the first token the kept sequence disagrees with
-        while keep < min(len(self.fed), len(context)) and self.fed[keep] == context[keep]:
-            keep += 1
-        self.fed = self.fed[:keep]
+        def draw(slot, logits):  # a sampled draft: drawn on the host, its distribution kept
+            p = sampler.probs(logits)
+            probs.append(p)
+            tokens.append(sampler.draw(p))
+            return tokens[-1]
+
+        with torch.inference_mode():
+            first = runner.step(slots, StepRequest(0, spans=((Span(0, 0, len(fed), len(new)), tuple(new)),)))
+            logits = first.span_logits[0][-1]
+            if sampler is None:
+                tokens.append(int(torch.argmax(logits)))
+            else:
+                draw(0, logits)
+            runner.place(slots, 0, len(context), tokens[0])
+            step = StepRequest(1, frozenset({0}), sample=(0,) if sampler else ())
+            last = None
+            for _ in range(k - 1):  # greedy: each step's argmax is the next one's token, on the device; read a step late
+                launched = runner.step(slots, step, draw)
+                if last is not None:
+                    self._read(last, tokens, sampler)
+                last = launched
+            if last is not None:
+                self._read(last, tokens, sampler)
+        seq.fed = list(context) + tokens[:-1]  # the last draft's K/V is not written
+        return tokens, (probs if sampler is not None else None)
+
+    def _read(self, launched, tokens: list[int], sampler) -> None:
+        back = self.run.runner.read(self.slots, launched)
+        if sampler is None:
+            tokens.append(back.tokens[0])
 
     def close(self):
         self.run.close()
         self.model.close()
+
+
+class _Drafting:
+    """One sequence's drafts from a draft model: the tokens whose K/V the model's slot holds for it, in order."""
+
+    def __init__(self, model: DraftModel):
+        self.model, self.fed = model, []
+        self.sampler = Sampler(model.gen) if model.gen.temperature > 0 else None
+
+    def propose(self, context, k):
+        return self.model.propose(self, context, k)
+
+    def accepted(self, context):
+        keep = 0  # the slot is good up to the first token the kept sequence disagrees with
+        while keep < min(len(self.fed), len(context)) and self.fed[keep] == context[keep]:
+            keep += 1
+        self.fed = self.fed[:keep]
 
 
 @hookimpl

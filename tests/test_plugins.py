@@ -202,7 +202,7 @@ class RepeatLast:
         self.k_seen = []
 
     def begin(self, prompt_ids):
-        pass
+        return self
 
     def propose(self, context, k):
         self.k_seen.append(k)

@@ -532,8 +532,8 @@ def no_listening(*args):
     (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
     # each was a traceback (OverflowError), an "unrecognized arguments", or a server that could never be used
     (["--max-body-mb", "inf"], "--max-body-mb must be a finite number above 0, got inf"),
-    (["--draft", "ngram"], "speculative decoding runs one sequence at a time, and kestrel serve batches them: drop --draft and --draft-tokens"),
-    (["--draft-tokens", "4"], "drop --draft and --draft-tokens"),
+    (["--draft-tokens", "4"], "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
+    (["--draft", ""], "--draft is empty"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--api-key", " key"], "--api-key: the API key must be printable ASCII with no space at either end"),
     (["--api-key", "clé"], "--api-key: the API key must be printable ASCII"),
@@ -545,20 +545,13 @@ def test_bad_flags_are_one_line_errors(model_dir, capsys, monkeypatch, flags, ne
     assert len(err.splitlines()) == 1 and needle in err
 
 
-def test_a_key_from_the_environment_and_a_draft_in_kestrel_toml_are_checked_before_listening(model_dir, tmp_path,
-                                                                                             monkeypatch, capsys):
-    """A key ending in a newline could never match a header; [speculative] draft failed once the model loaded."""
+def test_a_key_from_the_environment_is_checked_before_listening(model_dir, monkeypatch, capsys):
+    """A key ending in a newline could never match a header."""
     monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)
     monkeypatch.setenv("KESTREL_API_KEY", "key\n")
     assert cli.main(["serve", "--model", str(model_dir), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "KESTREL_API_KEY: the API key must be printable ASCII" in err
-    monkeypatch.delenv("KESTREL_API_KEY")
-    (tmp_path / "kestrel.toml").write_text('[speculative]\ndraft = "ngram"\n')
-    assert cli.main(["serve", "--model", str(model_dir), "--port", "0", "--config", str(tmp_path / "kestrel.toml")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [f"kestrel: error: speculative decoding runs one sequence at a time, and kestrel serve "
-                                f"batches them: drop [speculative] draft = 'ngram' from {tmp_path / 'kestrel.toml'}"]
 
 
 def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):

@@ -109,11 +109,6 @@ def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ck
     with load(draft_ckpt) as small:
         with pytest.raises(ConfigError, match="is not smaller than the target"):
             small.open(draft=str(tiny_ckpt))
-    with load(tiny_ckpt) as model, model.open(draft="ngram") as run:
-        with pytest.raises(ConfigError, match="one sequence at a time"):
-            run.generate_batch([dict(prompt_ids=[1, 2])])
-        with pytest.raises(ConfigError, match="drop \\[speculative\\] draft"):
-            Scheduler(run)
 
 
 def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):
@@ -167,13 +162,14 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_ckpt, draft_ckp
 
         with load(tiny_ckpt) as model, model.open(keep=keep, draft=str(draft_ckpt), draft_tokens=4) as run:
             drafter = run.drafter
-            context = list(REPEATING)
-            drafter.begin(context)
+            contexts = [list(REPEATING), [9, 8, 7, 6]]
+            seqs = [drafter.begin(c) for c in contexts]  # two sequences of a batch, drafting in turn from one slot
             for k, keep_n in [(4, 2), (5, 0), (3, 3), (6, 1)]:
-                proposal, probs = drafter.propose(context, k)
-                assert proposal == own(context, k) and probs is None
-                context = context + proposal[:keep_n] + [(proposal[keep_n] + 1) % 256 if keep_n < k else 7]
-                drafter.accepted(context)
+                for i, seq in enumerate(seqs):
+                    proposal, probs = seq.propose(contexts[i], k)
+                    assert proposal == own(contexts[i], k) and probs is None
+                    contexts[i] = contexts[i] + proposal[:keep_n] + [(proposal[keep_n] + 1) % 256 if keep_n < k else 7]
+                    seq.accepted(contexts[i])
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -51,16 +51,17 @@ class Oracle:
 
     name = "oracle"
     answer: list[int] = []
-    prompt_len = 0
 
     def __init__(self, arg=None, run=None):
-        pass
+        self.prompt_len = 0
 
     def begin(self, prompt_ids):
-        Oracle.prompt_len = len(prompt_ids)
+        seq = Oracle()
+        seq.prompt_len = len(prompt_ids)
+        return seq
 
     def propose(self, context, k):
-        done = len(context) - Oracle.prompt_len
+        done = len(context) - self.prompt_len
         return Oracle.answer[done: done + k], None
 
     def accepted(self, context):

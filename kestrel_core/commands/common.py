@@ -63,6 +63,24 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
 
 
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N..2 tokens), a drafter plugin's "
+                   "name, or a small model with the same vocabulary (see docs/speculative.md)")
+    p.add_argument("--draft-tokens", type=int, help="speculative decoding: tokens drafted a pass, 1..64 (default 8)")
+
+
+def with_draft(cfg: KestrelConfig, args: argparse.Namespace) -> KestrelConfig:
+    """``cfg`` with the draft flags (``add_draft_flags``) applied, checked before any model loads."""
+    if args.draft is not None and not args.draft.strip():
+        raise ConfigError("--draft is empty; give ngram, ngram:N, a drafter plugin's name or a draft model's directory, "
+                          "or leave the flag out")
+    cfg = cfg.override(speculative__draft=args.draft, speculative__draft_tokens=args.draft_tokens)
+    if args.draft_tokens is not None and not cfg.speculative.draft:
+        raise ConfigError("--draft-tokens sets how many tokens a drafter proposes, and no draft is set: add --draft "
+                          "(or [speculative] draft in kestrel.toml), or drop --draft-tokens")
+    return cfg
+
+
 def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelConfig:
     """kestrel.toml, then flags. List-valued sweep flags are applied per run, not here."""
     cfg = load_config(args.config)

@@ -6,8 +6,7 @@ from .. import traces
 from ..config import model_dir
 from ..engine import load
 from ..errors import ConfigError
-from ..speculative import refused_in_a_batch
-from .common import add_run_flags, check_batch_flags, config_from_args, emit_json, mib
+from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, emit_json, mib, with_draft
 
 MAX_BATCH = 8  # a batch job's default --max-batch
 
@@ -19,9 +18,7 @@ def add_arguments(p):
     add_run_flags(p)
     p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
                                    "(for kestrel replay)")
-    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N..2 tokens), a drafter plugin's "
-                   "name, or a small model with the same vocabulary (see docs/speculative.md)")
-    p.add_argument("--draft-tokens", type=int, help="speculative decoding: tokens drafted a pass, 1..64 (default 8)")
+    add_draft_flags(p)
     p.add_argument("--prompts", metavar="IN.jsonl", help="a batch job: one JSON object a line ({\"prompt\": ...} or "
                    "{\"prompt_ids\": [...]}, with any [generation] setting), run as a continuous batch (needs --out)")
     p.add_argument("--out", metavar="OUT.jsonl", help="where a batch job writes its results, one line a prompt, in "
@@ -40,13 +37,7 @@ def run(args) -> int:
         one = len(batch_flags) == 1
         raise ConfigError(f"{' and '.join(batch_flags)} {'sets' if one else 'set'} a batch job's batch: add --prompts "
                           f"IN.jsonl --out OUT.jsonl, or drop {'it' if one else 'them'}")
-    if args.draft is not None and not args.draft.strip():
-        raise ConfigError("--draft is empty; give ngram, ngram:N, a drafter plugin's name or a draft model's directory, "
-                          "or leave the flag out")
-    cfg = config_from_args(args).override(speculative__draft=args.draft, speculative__draft_tokens=args.draft_tokens)
-    if args.draft_tokens is not None and not cfg.speculative.draft:
-        raise ConfigError("--draft-tokens sets how many tokens a drafter proposes, and no draft is set: add --draft "
-                          "(or [speculative] draft in kestrel.toml), or drop --draft-tokens")
+    cfg = with_draft(config_from_args(args), args)
     recorder = None
     if args.trace is not None:
         traces.check_new(args.trace)  # before any work: an empty name, or one that exists, is refused
@@ -135,15 +126,11 @@ def run_batch_job(args) -> int:
         raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
-    if args.draft is not None or args.draft_tokens is not None:
-        raise refused_in_a_batch("a batch job (--prompts)", "--draft and --draft-tokens")
     from ..batch_job import run_job
     from ..newfile import check_new
 
     check_new(args.out, "--out")  # before the model loads
-    cfg = config_from_args(args)
-    if cfg.speculative.draft:  # before the model loads
-        raise refused_in_a_batch("a batch job (--prompts)", f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
+    cfg = with_draft(config_from_args(args), args)
     max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
     check_batch_flags(max_batch, args.prefill_chunk, left_out="a whole prompt a step")
     with load(model_dir(cfg)) as model, model.open(cfg) as r:

@@ -13,8 +13,7 @@ import time
 
 from ..config import GenerationConfig, model_dir
 from ..errors import ConfigError
-from ..speculative import refused_in_a_batch
-from .common import add_run_flags, check_batch_flags, config_from_args
+from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
 HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
         "loopback only unless an API key is set")
@@ -61,19 +60,14 @@ def add_arguments(p):
                    "(default 4096); a chat request without one generates up to this, within the context")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="the largest request body in MiB (default 4); "
                    "past it, 413")
-    # Not serve's: speculative decoding runs one sequence at a time. Taken only to refuse them in a line that says so.
-    refused = "refused: speculative decoding runs one sequence at a time, and the server batches them"
-    p.add_argument("--draft", help=refused)
-    p.add_argument("--draft-tokens", help=refused)
+    add_draft_flags(p)
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGINT or SIGTERM, seconds the running "
                    "generations may go on before they are cut (default 10; a second signal cuts them at once)")
 
 
 def run(args) -> int:
     settings = _checked(args)
-    cfg = config_from_args(args)
-    if cfg.speculative.draft:  # the scheduler would refuse it once the model loaded
-        raise refused_in_a_batch("kestrel serve", f"[speculative] draft = {cfg.speculative.draft!r} from {args.config}")
+    cfg = with_draft(config_from_args(args), args)
     name = args.served_model_name or model_dir(cfg)
     api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if api_key and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
@@ -158,8 +152,6 @@ def _checked(args) -> dict:
         raise ConfigError("kestrel serve takes its prompts from requests; drop --prompt/--prompt-ids")
     if args.json:
         raise ConfigError("kestrel serve logs lines on stderr and answers in JSON over HTTP; drop --json")
-    if args.draft is not None or args.draft_tokens is not None:
-        raise refused_in_a_batch("kestrel serve", "--draft and --draft-tokens")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("--served-model-name is empty; give the name clients send as model, or leave the flag out "
                           "(the name is then --model as given)")
