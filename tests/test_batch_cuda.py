@@ -58,12 +58,11 @@ def test_a_cuda_draft_models_steps_are_replayed_and_its_own_greedy(tiny_ckpt, tm
     with load(draft) as small, small.open(backend="cuda", keep="off", graphs="off") as alone:
         want = [alone.generate(prompt_ids=c, max_new_tokens=6, stop_at_eos=False).token_ids for c in contexts]
     with load(tiny_ckpt) as model, model.open(backend="cuda", keep=1, draft=str(draft), draft_tokens=6) as run:
-        d = run.drafter
-        d.begin(contexts[0])
+        seq = run.drafter.begin(contexts[0])
         got = []
         for c in contexts:  # each a token past the last: its drafts rolled back
-            d.accepted(c)
-            got.append(d.propose(c, 6)[0])
-        assert d.graphs.graph is not None  # its repeating one-token step was captured
+            seq.accepted(c)
+            got.append(seq.propose(c, 6)[0])
+        assert run.drafter.slots.graphs[1].graph is not None  # its repeating one-token step was captured
     # bf16: a captured step may round otherwise than the eager one, so only the lead tokens must agree
     assert [g[:2] for g in got] == [w[:2] for w in want]
