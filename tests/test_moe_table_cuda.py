@@ -78,9 +78,9 @@ def test_no_decode_step_waits_for_the_host(tiny_moe, monkeypatch):
 
     real = Runner.decode_step
 
-    def decode_step(self, state, cache, boundaries, rows, span=None):
-        if span is not None:  # a prompt's pass may route on the host
-            return real(self, state, cache, boundaries, rows, span)
+    def decode_step(self, state, cache, boundaries, rows, spans=(), every_row=frozenset()):
+        if spans:  # a prompt's pass may route on the host
+            return real(self, state, cache, boundaries, rows, spans, every_row)
         return strictly(real)(self, state, cache, boundaries, rows)
 
     monkeypatch.setattr(Runner, "decode_step", decode_step)
