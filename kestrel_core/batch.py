@@ -23,7 +23,8 @@ import torch
 
 from .config import GenerationConfig
 from .contracts import Drafter, Drafting
-from .errors import ConfigError, KestrelError
+from .errors import ConfigError
+from .limits import RequestLimits
 from .model import Span
 from .plan import delta
 from .results import MODES, GenerationResult
@@ -34,15 +35,16 @@ from .speculative import SpecStats, accept, begin_drafting, check_draft
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
 
 
-def check_batch(max_batch, prefill_chunk) -> None:
-    """A ConfigError naming the setting where ``max_batch`` (1..the largest bucket) or ``prefill_chunk`` (>= 1, or
-    None: a whole prompt a step) is not one a Batch can run with."""
+def check_batch(max_batch, prefill_chunk, names: tuple[str, str] = ("max_batch", "prefill_chunk"),
+                left_out: str = "a whole prompt a step") -> None:
+    """A ConfigError naming the setting (as its door calls it: ``names``) where ``max_batch`` (1..the largest bucket)
+    or ``prefill_chunk`` (>= 1, or None: ``left_out``) is not one a Batch can run with."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
-        raise ConfigError(f"max_batch must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
+        raise ConfigError(f"{names[0]} must be a whole number in 1..{BUCKETS[-1]}, got {max_batch!r}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 1):
-        raise ConfigError(f"prefill_chunk must be a whole number >= 1 (or None: a whole prompt a step), "
-                          f"got {prefill_chunk!r}")
+        hint = f" (or left out: {left_out})" if left_out else ""
+        raise ConfigError(f"{names[1]} must be a whole number >= 1{hint}, got {prefill_chunk!r}")
 
 
 def bucket(rows: int, slots: int) -> int:
@@ -150,9 +152,7 @@ class Batch:
     def add(self, request: Request, seq: Sequence | None = None) -> Sequence:
         """Queue a sequence (``seq``, where another thread made it for ``request`` and holds it); it joins at a step
         that has a free slot for it."""
-        total = len(request.prompt_ids) + request.gen.max_new_tokens
-        if total > self.max_seq:
-            raise KestrelError(f"this sequence needs {total} positions and the batch's slots hold {self.max_seq}")
+        RequestLimits(self.max_seq, "this batch").budget(request.gen.max_new_tokens, len(request.prompt_ids))
         if seq is None:
             seq = Sequence(request)
         seq.id, seq.sampler = self.ids, Sampler(request.gen)

@@ -23,6 +23,7 @@ import torch
 from . import plugins
 from .backend import BackendContext
 from .batch import Batch, Request, check_batch, generate_one
+from .limits import RequestLimits
 from .config import OFF, KestrelConfig, check_environment, with_settings
 from .contracts import (
     Allocator,
@@ -168,17 +169,21 @@ class Model:
             if self.tokenizer is None:
                 raise ConfigError(f"--prompt needs a tokenizer: {self.no_tokenizer()}; "
                                   "pass --prompt-ids instead")
-            positions = self.config.max_position_embeddings
-            ids = self.tokenizer.encode_at_most(text, positions - 1)  # text far past the positions: not tokenized whole
+            limits = self.limits()
+            ids = self.tokenizer.encode_at_most(text, limits.context - 1)  # text far past the context: not whole
             if ids is None:
-                raise ConfigError(f"the prompt is over {positions - 1:,} tokens, and the model has {positions:,} "
-                                  "positions: no room to generate; shorten the prompt")
+                raise limits.too_long(None)
             if not ids:
                 raise ConfigError("the prompt is empty after tokenization")
             return ids
         if default is not None:
             return list(default)
         raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+
+    def limits(self) -> RequestLimits:
+        """What one request may ask of this model: its vocabulary and positions."""
+        return RequestLimits(self.config.max_position_embeddings, "the model", self.config.vocab_size,
+                      tokens="max_new_tokens (--max-new-tokens)", source="max_position_embeddings")
 
     def chat_template(self):
         """The model's chat template (``chat_template.ChatTemplate``): its directory's, or its GGUF metadata's; a
@@ -395,21 +400,8 @@ class Run:
 
 
 def check_prompt(model: Model, prompt_ids: list[int], gen) -> None:
-    cfg = model.config
     if not prompt_ids:
         raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
-    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise ConfigError(f"prompt id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-    if gen.max_new_tokens < 1:
-        raise ConfigError(f"max-new-tokens must be >= 1, got {gen.max_new_tokens}")
-    positions = cfg.max_position_embeddings
-    if len(prompt_ids) >= positions:
-        raise ConfigError(f"the prompt is {len(prompt_ids)} tokens, and the model has {positions} positions: no room "
-                          f"to generate; shorten the prompt below {positions} tokens")
-    total = len(prompt_ids) + gen.max_new_tokens
-    if total > positions:
-        raise ConfigError(
-            f"prompt ({len(prompt_ids)}) + max-new-tokens ({gen.max_new_tokens}) = {total} exceeds "
-            f"max_position_embeddings={positions}; lower --max-new-tokens to {positions - len(prompt_ids)} or less"
-        )
+    limits = model.limits()
+    limits.ids(prompt_ids)
+    limits.budget(gen.max_new_tokens, len(prompt_ids))

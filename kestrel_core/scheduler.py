@@ -17,7 +17,8 @@ from collections import deque
 from typing import Callable
 
 from .batch import Batch, Request, Sequence, check_batch
-from .errors import BudgetError, ConfigError, KestrelError
+from .errors import ConfigError, KestrelError
+from .limits import RequestLimits
 
 
 class QueueFull(KestrelError):
@@ -36,6 +37,7 @@ class Scheduler:
         self.max_seq = min(positions, max_seq or positions)
         if self.max_seq < 2:
             raise ConfigError(f"max_seq must be at least 2 positions, got {max_seq!r}")
+        self.limits = RequestLimits(self.max_seq, "this scheduler")  # its slots' positions
         self.run, self.max_batch, self.prefill_chunk, self.max_queue = run, max_batch, prefill_chunk, max_queue
         self.on_error = on_error
         self._incoming: deque[Sequence] = deque()
@@ -60,11 +62,7 @@ class Scheduler:
     def submit(self, request: Request) -> Sequence:
         """Queue a request (checked by ``run.request``); ``QueueFull`` where every slot is taken and ``max_queue``
         wait already."""
-        total = len(request.prompt_ids) + request.gen.max_new_tokens
-        if total > self.max_seq:
-            raise BudgetError(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "
-                              f"({request.gen.max_new_tokens}) need {total} positions; this server's context is "
-                              f"{self.max_seq}")
+        self.limits.budget(request.gen.max_new_tokens, len(request.prompt_ids))
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is shutting down and takes no new request")

@@ -163,7 +163,8 @@ def test_bad_prompt_ids(tiny_ckpt, capsys, ids, needle):
 
 
 def test_max_new_tokens_beyond_max_position_embeddings(tiny_ckpt, capsys):
-    fails(gen(tiny_ckpt, "--max-new-tokens", "510"), capsys, "max_position_embeddings=512")
+    fails(gen(tiny_ckpt, "--max-new-tokens", "510"), capsys, "the model's context is 512 tokens (max_position_embeddings); "
+          "the prompt takes 3 and 510 to generate (max_new_tokens (--max-new-tokens)); shorten the prompt or lower")
 
 
 @pytest.mark.parametrize("n", ["0", "-4"])

@@ -211,8 +211,8 @@ def test_waiting_prompts_share_a_pass_up_to_the_chunk(tiny_ckpt):
 @pytest.mark.parametrize("flags, toml, needle", [
     (["--draft-tokens", "3"], None, "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
     (["--draft", " "], None, "--draft is empty"),
-    (["--max-batch", "0"], None, "--max-batch must be in 1..256, got 0"),
-    (["--prefill-chunk", "0"], None, "--prefill-chunk must be at least 1"),
+    (["--max-batch", "0"], None, "--max-batch must be a whole number in 1..256, got 0"),
+    (["--prefill-chunk", "0"], None, "--prefill-chunk must be a whole number >= 1 (or left out: a whole prompt a step), got 0"),
 ])
 def test_a_batch_job_refuses_what_it_cannot_do_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch, flags,
                                                                      toml, needle):
@@ -279,10 +279,10 @@ def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n' + '{"prompt": "%s"}\n' % ("ab " * 10**6))
     with load(tiny_ckpt) as model, model.open(backend="cpu_ref") as run:
-        with pytest.raises(ConfigError, match="line 2: the prompt is over 511 tokens, and the model has 512 positions"):
+        with pytest.raises(ConfigError, match="line 2: the model's context is 512 tokens \\(max_position_embeddings\\); the prompt takes over 511"):
             read_requests(run, str(src))
         src.write_text('{"prompt": "hello", "max_new_tokens": 2}\n')
         (request,), _ = read_requests(run, str(src))
         assert request.prompt_ids == model.tokenizer.encode("hello")
-        with pytest.raises(ConfigError, match="^the prompt is over 511 tokens"):  # the Python API, the same way
+        with pytest.raises(ConfigError, match="^the model's context is 512 tokens \\(max_position_embeddings\\); the prompt takes over 511"):  # the Python API, the same way
             run.generate(prompt="ab " * 10**6)

@@ -8,7 +8,7 @@ import math
 import sys
 
 
-from ..batch import BUCKETS
+from ..batch import check_batch
 from ..config import KestrelConfig, load_config, parse_keep
 from ..errors import ConfigError
 
@@ -135,13 +135,9 @@ def _int(value, flag):
 
 
 def check_batch_flags(max_batch: int, prefill_chunk: int | None, left_out: str = "") -> None:
-    """--max-batch and --prefill-chunk as kestrel serve and a batch job take them (``batch.check_batch``, worded by
-    flag); ``left_out``: what leaving --prefill-chunk out means, where it may be."""
-    if not 1 <= max_batch <= BUCKETS[-1]:
-        raise ConfigError(f"--max-batch must be in 1..{BUCKETS[-1]}, got {max_batch}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk must be at least 1{f' (or left out: {left_out})' if left_out else ''}, "
-                          f"got {prefill_chunk}")
+    """--max-batch and --prefill-chunk as kestrel serve and a batch job take them: ``batch.check_batch``, worded by
+    flag; ``left_out``: what leaving --prefill-chunk out means, where it may be."""
+    check_batch(max_batch, prefill_chunk, ("--max-batch", "--prefill-chunk"), left_out)
 
 
 def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:

@@ -21,10 +21,11 @@ from ..config import KestrelConfig, model_dir
 from ..engine import Model, Run, load
 from ..errors import ConfigError, KestrelError
 from ..kvcache import kv_bytes
+from ..limits import LimitError, RequestLimits
 from ..scheduler import QueueFull, Scheduler
 from . import prompts
 from .generation import Generation
-from .protocol import APIError, ChatRequest, CompletionRequest
+from .protocol import APIError, ChatRequest, CompletionRequest, bad_request
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
 
@@ -152,23 +153,30 @@ class Service:
     def plan(self, req: CompletionRequest | ChatRequest) -> dict[str, Any]:
         """The request as kestrel's: prompt ids and generation settings, every limit checked (a worker thread's job:
         tokenizing and rendering take time)."""
-        model, vocab = self.model, self.model.config.vocab_size
+        model = self.model
+        limits = RequestLimits(self.max_seq, "this server", model.config.vocab_size, self.limits.max_tokens,
+                               "max_tokens", "--max-seq")
         chat = isinstance(req, ChatRequest)
+        try:
+            return self._plan(req, chat, limits)
+        except LimitError as exc:  # a limit's one wording, in OpenAI's shape
+            raise bad_request(str(exc), exc.param, exc.code) from None
+
+    def _plan(self, req, chat: bool, limits: RequestLimits) -> dict[str, Any]:
+        model = self.model
         if chat:
             if self.template is None:  # the reason in full is in the server's start lines
                 raise APIError(400, "this model cannot chat: it has no usable chat template (chat_template.jinja, or "
                                "chat_template in tokenizer_config.json); send a prompt to /v1/completions instead",
                                param="messages", code="no_chat_template")
-            ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs,
-                                   self.max_seq)
+            ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits)
         else:
-            ids = prompts.completion_ids(model.tokenizer, vocab, req.prompt, self.max_seq)
+            ids = prompts.completion_ids(model.tokenizer, limits, req.prompt)
         default = self.chat_max_tokens if chat else self.cfg.generation.max_new_tokens
-        n = prompts.token_budget(req.max_tokens, default, len(ids), self.max_seq, self.limits.max_tokens,
-                                 "messages" if chat else "prompt")
+        n = limits.budget(req.max_tokens, len(ids), "messages" if chat else "prompt", default)
         # What ends it: the request's stop ids always; the model's end ids (and the template's end of turn) unless
         # the request or the server ignores them.
-        ends = set(prompts.stop_ids(req.stop_token_ids, vocab))
+        ends = set(limits.ids(req.stop_token_ids or (), "stop_token_ids"))
         if self.cfg.generation.stop_at_eos and not req.ignore_eos:
             ends |= model.eos_ids | (self.chat_ends if chat else frozenset())
         generation = req.generation()
@@ -195,8 +203,8 @@ class Service:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except KestrelError as exc:  # the context, checked again by the scheduler
-            raise APIError(400, str(exc), code="context_length_exceeded") from None
+        except LimitError as exc:  # the context, checked again by the scheduler
+            raise bad_request(str(exc), exc.param, exc.code) from None
         self.live.add(gen)
         return gen
 
