@@ -47,8 +47,6 @@ class Window:
         self.routed_token = 0  # the pass whose routing is being answered: ``token``, or an earlier one heard late
         self.signatures: list[tuple] = []  # this token's plans, as Plan.signature (no buffer kept alive)
         self.last_signatures: list[tuple] = []  # the previous token's
-        self._churn = self._last_churn = -1  # real allocations and frees at the start of this / the last token
-        self.repeated = False  # whether the last finished token planned exactly what the one before it did
         self._resident: dict[UnitKey, Resident] = {}
         self._idle: dict[tuple[int, str], Plan] = {}
         self._layers: frozenset[int] | None = frozenset()
@@ -208,15 +206,10 @@ class Window:
         return Plan(-1, "preload", (), fetch) if fetch else None
 
     def next_token(self) -> None:
-        """The loop wraps: note whether the token just finished repeated the one before it."""
-        churn = self.counters.allocations + self.counters.frees
-        # Buffers compare by identity: sound while none was made or freed over both tokens, from an
-        # allocator that hands them out deterministically.
-        steady = churn == self._churn == self._last_churn
-        self.repeated = self.allocator.deterministic and steady and self.signatures == self.last_signatures
+        """The loop wraps: the token just finished's plans become the last token's (``step_graphs`` compares a
+        token's plans with them)."""
         self.token += 1
         self.last_signatures, self.signatures = self.signatures, []
-        self._last_churn, self._churn = self._churn, churn
 
     def release_all(self) -> Plan | None:
         """The plan that evicts every resident unit (the run is closing)."""

@@ -32,6 +32,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                "(from ring_copy_bench.py)"),
     "q8-gemv": ("q8_gemv", "the q8 GEMV kernel per split count against the torch path and the device copy "
                            "(from q8_gemv_bench.py)"),
+    "gguf-gemv": ("gguf_gemv", "the GGUF block kernels (Q4_0 .. Q8_0) at Qwen3-8B and 30B-A3B expert shapes, M = 1, 8 "
+                               "and 64, against the device copy and dequantize-then-linear"),
     "rss-window": ("rss_window", "cpu_ref's mapping RSS per keep against the policy's peak (from rss_window.py)"),
     "rss-experts": ("rss_experts", "cpu_ref's mapping RSS under expert budgets against the resident bytes "
                                    "(from rss_experts.py)"),
