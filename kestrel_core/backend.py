@@ -74,6 +74,18 @@ class Backend:
         if depth:
             raise ConfigError(f"{cls.name} has no side stream to prefetch on; set prefetch = 0 for this backend")
 
+    @classmethod
+    def entries_of(cls, tensors: dict) -> int:
+        """How many device entries a unit with these roles (``UnitSpec.tensors``) takes here: one a role, unless the
+        backend fuses them (what a gate counts without making a backend)."""
+        return len(tensors)
+
+    @classmethod
+    def weight_budget(cls, config_mb: int, free_bytes: int) -> tuple[int, str] | None:
+        """(bytes, where it came from) of the weight cache a run would get with ``free_bytes`` free on the device, or
+        None where the backend keeps no budgeted cache."""
+        return None
+
     # --- what a subclass provides -------------------------------------------------
     def layout(self, spec: UnitSpec) -> Iterable[EntrySpec]:
         """The buffers that hold one unit in this backend's compute layout."""

@@ -29,6 +29,14 @@ EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
 
 
+def parse_ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` as ids."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
 def parse_keep(value: Any) -> int | str:
     """``keep`` is a positive layer count or 'off' (no window: every layer stays resident)."""
     if value is None or value == OFF:

@@ -184,7 +184,7 @@ def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_
         assert q["value"] == want[backend], backend
         assert "kestrel_core.tensor_table.unit_specs" in q["source"] and "195 resident" in q["source"]
     assert "48 layer units x 3 + 6144 expert units x 2" in _q(doc, "entries_cuda")["source"]
-    assert "kestrel_cuda.layout.fusion" in _q(doc, "entries_cuda")["source"]
+    assert "cuda layout: its fused entries" in _q(doc, "entries_cuda")["source"]
     assert "48 layer units x 5 + 6144 expert units x 3" in _q(doc, "entries_cpu_ref")["source"]
     assert (want["cuda"], want["cpu_ref"]) == (12_627, 18_867)
 

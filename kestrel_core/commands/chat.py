@@ -15,7 +15,8 @@ from ..errors import ConfigError, KestrelNote
 from ..engine import load
 from ..results import GenerationResult
 from ..tokenizer import check_utf8
-from .common import add_run_flags, config_from_args, finite
+from ..jsonout import finite
+from .common import add_run_flags, config_from_args
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 

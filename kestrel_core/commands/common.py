@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
 
 
 from ..batch import check_batch
-from ..config import KestrelConfig, load_config, parse_keep
+from ..config import KestrelConfig, load_config, parse_ids, parse_keep
 from ..errors import ConfigError
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -142,23 +132,6 @@ def check_batch_flags(max_batch: int, prefill_chunk: int | None, left_out: str =
 
 def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) -> list[int]:
     return model.prompt_ids(list(cfg.generation.prompt_ids), cfg.generation.prompt, default)
-
-
-def finite(obj):
-    """``obj`` with every NaN and infinity as None: JSON has no such numbers, and strict parsers reject the
-    ``NaN`` Python's json writes (ms/token of a one-token run, a ratio over nothing)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def emit_json(obj) -> None:
-    json.dump(finite(obj), sys.stdout, indent=1, allow_nan=False)
-    sys.stdout.write("\n")
 
 
 def mib(n: float) -> str:

@@ -6,7 +6,8 @@ from .. import traces
 from ..config import model_dir
 from ..engine import load
 from ..errors import ConfigError
-from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, emit_json, mib, with_draft
+from ..jsonout import emit_json
+from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, mib, with_draft
 
 MAX_BATCH = 8  # a batch job's default --max-batch
 

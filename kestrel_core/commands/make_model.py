@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import progress
 from ..presets import DTYPES, PRESETS, preset_config, write_checkpoint
-from .common import emit_json
+from ..jsonout import emit_json
 
 HELP = "write a real Hugging Face-format Qwen3/Llama/Qwen3-MoE checkpoint with seeded random weights"
 

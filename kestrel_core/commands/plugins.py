@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 from .. import hookspecs, plugins
-from .common import emit_json
+from ..jsonout import emit_json
 
 HELP = "list registered backends, policies, allocators, commands and the rest, with their package and version"
 # One kind per discovery hook, in the order hookspecs.py declares them.

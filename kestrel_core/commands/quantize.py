@@ -7,7 +7,8 @@ from ..errors import ConfigError
 from ..gguf_model import names_gguf
 from ..quant import GROUP_SIZES
 from ..quantize import quantize_checkpoint
-from .common import emit_json, mib
+from ..jsonout import emit_json
+from .common import mib
 
 HELP = ("write a q8 checkpoint (from a float checkpoint or a GGUF file): int8 weights with one f32 scale per group of "
         "input columns, in device layout "

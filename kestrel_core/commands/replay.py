@@ -7,7 +7,7 @@ import math
 from .. import plugins, traces
 from ..errors import ConfigError
 from ..expert_cache import budget_bytes
-from .common import emit_json
+from ..jsonout import emit_json
 
 HELP = "replay a routing trace (kestrel generate --trace) through an expert policy at a budget, with no weights or GPU"
 

@@ -10,7 +10,8 @@ from ..engine import Model
 from ..errors import ConfigError
 from ..sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot, plotting,
                      run_sweep)
-from .common import add_run_flags, config_from_args, emit_json, prompt_ids_for
+from ..jsonout import emit_json
+from .common import add_run_flags, config_from_args, prompt_ids_for
 
 HELP = "sweep keep x policy x allocator (x backend); print the cost table and whether token ids stayed identical"
 DEFAULT_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -8,7 +8,6 @@ from typing import Any
 
 import attrs
 
-from kestrel_cuda.budget import resolve_budget
 from kestrel_core.errors import ConfigError
 from kestrel_core.modelconfig import ModelConfig, read_model_config
 
@@ -181,8 +180,11 @@ class GateContext:
         return Quantity("free", "free device memory", total.value, "B", ASSUMED, "an idle card: free = total")
 
     def weight_cache_budget(self, free_bytes: float) -> tuple[int, str]:
-        """(bytes, source) of the weight-cache budget a run would get with this much free memory: the backend's rule."""
-        return resolve_budget(self.options.budget_mb or 0, int(free_bytes))
+        """(bytes, source) of the weight-cache budget a run would get with this much free memory: the cuda backend's
+        rule (its class's ``weight_budget``, found in the registry)."""
+        from kestrel_core import plugins
+
+        return plugins.lookup("backends", "cuda").factory.weight_budget(self.options.budget_mb or 0, int(free_bytes))
 
     # --- runs ---
     def require_runnable(self) -> None:

@@ -11,7 +11,7 @@ from collections import Counter
 
 from kestrel_core.tensor_table import global_specs, small_specs, unit_specs
 from kestrel_core.modelconfig import ModelConfig
-from kestrel_cuda.layout import fusion  # the cuda backend's own layout: importable without a GPU
+from kestrel_core import plugins
 
 from .context import GateContext
 from .figures import ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REMEASURE, WEIGHT_BYTES, fmt_mib, fmt_ratio
@@ -21,9 +21,14 @@ from .shapes import n_moe_layers, param_count, streamed_params
 # kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.tensor_table.unit_specs
 # (a layer's own unit; each expert of a sparse layer), and per unit cpu_ref's one entry a role, cuda's fused entries.
 KESTREL_LAYOUTS = {
-    "cpu_ref": (len, "cpu_ref layout: one entry a role (UnitSpec.tensors)"),
-    "cuda": (lambda tensors: len(fusion(tensors)), "cuda layout kestrel_cuda.layout.fusion"),
+    "cpu_ref": "cpu_ref layout: one entry a role (UnitSpec.tensors)",
+    "cuda": "cuda layout: its fused entries (the backend's entries_of)",
 }
+
+
+def entries_of(backend: str):
+    """A registered backend's entries a unit (its class's ``entries_of``): no backend is imported by name."""
+    return plugins.lookup("backends", backend).factory.entries_of
 # The seed engine's layout (DESIGN.md, "Device weight cache"): dense 7 single + 2 fused, MoE 5; plus lm_head.
 SEED_DENSE_ENTRIES, SEED_MOE_ENTRIES, SEED_GLOBAL_ENTRIES = 9, 5, 1
 
@@ -152,7 +157,7 @@ class WindowGate(Gate):
                           f"dense {SEED_DENSE_ENTRIES}/layer, MoE {SEED_MOE_ENTRIES}/layer, + lm_head"))
         for backend, terms in entries["terms"].items():
             src = (f"{terms} + {entries['resident']} resident (embed, norms, lm_head); units from "
-                   f"kestrel_core.tensor_table.unit_specs, {KESTREL_LAYOUTS[backend][1]}")
+                   f"kestrel_core.tensor_table.unit_specs, {KESTREL_LAYOUTS[backend]}")
             q.append(Quantity(f"entries_{backend}", f"entries expected, kestrel {backend}", entries[backend], "count",
                               COMPUTED, src))
         if off is not None:
@@ -223,7 +228,8 @@ def kestrel_entries(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
     """backend -> (streamed entries over every residency unit, the sum as text: 'N layer units x E + ...')."""
     units = unit_specs(cfg)
     out = {}
-    for backend, (per_unit, _) in KESTREL_LAYOUTS.items():
+    for backend in KESTREL_LAYOUTS:
+        per_unit = entries_of(backend)
         # (kind, entries a unit) -> units: a layer's own unit (layer,) or an expert (layer, e)
         groups = Counter(("expert" if len(u.key) > 1 else "layer", per_unit(u.tensors)) for u in units)
         terms = " + ".join(f"{n} {kind} unit{'s' if n != 1 else ''} x {k}"
