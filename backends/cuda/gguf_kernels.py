@@ -1,0 +1,249 @@
+"""Activations times a weight held as the file's own GGUF blocks (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0), dequantized
+inside the kernel and summed in float32, so the device reads the file's bytes (4.5 to 8.5 bits a weight) and never a
+dequantized copy.
+
+A weight W [N, K] is stored as ggml stores it: each of its N rows is a run of blocks along K, so the bytes are uint8
+[N, K / values_per_block * bytes_per_block] (``kestrel_core.gguf_quants.block_geometry``). ``matmul(x, raw, qtype, n,
+k)`` gives y [M, N] = x [M, K] @ W.T in float32, for M = 1 (decode at batch 1) up to 64 rows a launch (batched decode,
+speculative verify passes; more rows run as further launches); ``gemv`` is its one-row form.
+
+One kernel serves every M, and each row's sum runs in the same order whatever M is, so row m of a batch is bitwise the
+one-row result on x[m] (batched ids equal solo ids). A program owns BLOCK_N outputs and walks a fixed range of K in
+chunks (one 256-value super-block, or eight 32-value blocks); it dequantizes the chunk's weight tile once, then for
+each row (a ``tl.static_range`` loop, the same code for any M) reduces that row's products over the tile with the same
+shape and adds them to the row's accumulator. No ``tl.dot`` (its order depends on the tile shape), no atomics. Where
+few programs would cover N, K is cut into a number of slices chosen from (type, N, K) alone, never from M, and a short
+epilogue adds the slices' float32 partial sums in slice order.
+
+Measured once (``bench/results/gguf-gemv_20261205T145716Z.json``, H100, Triton 3.6, default plan, a dirty tree): one row reads Q4_K at 590 to 835 GB/s
+and Q8_0 at 900 to 1280 GB/s on the Qwen3-8B q and gate shapes (20 to 44% of the device copy), 6 to 15x
+dequantize-then-linear; 8 rows take 2.5 to 4x one row's time; 64 rows are compute-bound on the per-row reductions
+(each row's x tile crosses shared memory) and slower than dequantize-then-linear.
+
+Each type's bits are read as ggml's ``dequantize_row_*`` reads them; ``kestrel_core.gguf_quants`` (bit-exact with ggml)
+is the reference the tests hold these kernels to. Triton compiles them on first use; where Triton is missing,
+``available()`` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from gguf import GGMLQuantizationType
+
+from kestrel_core.gguf_quants import block_geometry
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+MAX_ROWS = 64  # rows a launch: the per-row loop is unrolled, so each M up to this is its own compiled kernel
+BLOCK_N = 16  # outputs a program
+NUM_WARPS = 4
+MIN_PROGRAMS = 512  # K is sliced until about this many programs cover the weight (a few per SM on an H100)
+
+# qtype -> (G, L): a chunk is a [G, L] tile of values, G groups of L sharing a scale (one super-block for the K-types,
+# eight 32-value blocks for the others)
+_CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (16, 16)}
+
+
+@functools.cache
+def available() -> str | None:
+    """None where the kernels can run here, else why not (one line)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def f16_at(p, mask):
+        """The little-endian float16 at byte pointers ``p`` (blocks are packed, so it may sit at any even or odd
+        offset: read as two bytes), as float32."""
+        lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def byte_at(p, mask):
+        return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def weight_tile(wrow, rows_ok, c, NB, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr):
+        """Chunk ``c`` of each row as float32 [BLOCK_N, G, L]: value (g, l) is the row's value c * G * L + g * L + l.
+        ``wrow`` [BLOCK_N, 1, 1] points at each row's first byte; a row past N reads as zeros. Each product and sum
+        is ggml's, in its order (d * q, then + m or - dmin * m)."""
+        g = tl.arange(0, G)[None, :, None]
+        l = tl.arange(0, L)[None, None, :]  # noqa: E741
+        if QT == "Q8_0" or QT == "Q4_0" or QT == "Q4_1":
+            blk = c * G + g  # a block of 32 values a group
+            if EVEN:
+                ok = rows_ok & (g < G)
+            else:
+                ok = rows_ok & (blk < NB)  # the last chunk of a K that is not whole chunks
+            if QT == "Q8_0":  # d f16, then 32 int8
+                p = wrow + blk * 34
+                q = tl.load(p + 2 + l, mask=ok, other=0).to(tl.int8, bitcast=True)
+                wt = q.to(tl.float32) * f16_at(p, ok)
+            elif QT == "Q4_0":  # d f16, then 16 bytes: value j in byte j's low nibble, value j + 16 in its high one
+                p = wrow + blk * 18
+                q = (byte_at(p + 2 + (l % 16), ok) >> ((l // 16) * 4)) & 15
+                wt = (q - 8).to(tl.float32) * f16_at(p, ok)
+            else:  # Q4_1: d f16, m f16, then Q4_0's nibbles
+                p = wrow + blk * 20
+                q = (byte_at(p + 4 + (l % 16), ok) >> ((l // 16) * 4)) & 15
+                wt = q.to(tl.float32) * f16_at(p, ok) + f16_at(p + 2, ok)
+        elif QT == "Q4_K" or QT == "Q5_K":
+            # d f16, dmin f16, 12 bytes of eight 6-bit scales and mins (get_scale_min_k4), then the quants. Group g's
+            # scale and min come from bytes a = [g % 4], b = [4 + g % 4], e = [8 + g % 4] of the 12.
+            p = wrow + c * (144 if QT == "Q4_K" else 176)
+            ok = rows_ok & (g < G)
+            a = byte_at(p + 4 + g % 4, ok)
+            b = byte_at(p + 8 + g % 4, ok)
+            e = byte_at(p + 12 + g % 4, ok)
+            low = g < 4
+            sc = tl.where(low, a & 63, (e & 15) | ((a >> 6) << 4))
+            mn = tl.where(low, b & 63, (e >> 4) | ((b >> 6) << 4))
+            d1 = f16_at(p, rows_ok) * sc.to(tl.float32)
+            m1 = f16_at(p + 2, rows_ok) * mn.to(tl.float32)
+            # 64 values a 32-byte run: group g is the low (g even) or high nibbles of run g // 2
+            if QT == "Q4_K":
+                q = (byte_at(p + 16 + (g // 2) * 32 + l, ok) >> ((g % 2) * 4)) & 15
+            else:  # Q5_K: the fifth bit of value l of group g is bit g of qh[l]
+                q = (byte_at(p + 48 + (g // 2) * 32 + l, ok) >> ((g % 2) * 4)) & 15
+                q = q | (((byte_at(p + 16 + l, ok) >> g) & 1) << 4)
+            wt = d1 * q.to(tl.float32) - m1
+        else:  # Q6_K: ql[128], qh[64], 16 int8 scales, d f16; two halves of 128 values, each four quarters of 32
+            p = wrow + c * 210
+            ok = rows_ok & (g < G)
+            h = g // 8  # the half
+            t = (g % 8) // 2  # the quarter in it
+            j = (g % 2) * 16 + l  # the value in the quarter
+            lo = (byte_at(p + 64 * h + 32 * (t % 2) + j, ok) >> (4 * (t // 2))) & 15
+            hi = (byte_at(p + 128 + 32 * h + j, ok) >> (2 * t)) & 3
+            q = (lo | (hi << 4)) - 32
+            sc = tl.load(p + 192 + g, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            wt = (f16_at(p + 208, rows_ok) * sc) * q.to(tl.float32)
+        return wt
+
+    # gguf_rows calls these by name, and Triton (compiler and interpreter alike) looks a called function up in the
+    # module's globals, not in this closure
+    globals().update(f16_at=f16_at, byte_at=byte_at, weight_tile=weight_tile)
+
+    @triton.jit
+    def gguf_rows(x, w, out, N, K, ROW_BYTES, NB, NCH, CPS, M: tl.constexpr, QT: tl.constexpr, G: tl.constexpr,
+                  L: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """out[s, m, n] = sum over the chunks of slice s of W[n, chunk] . x[m, chunk], for m < M (x [M, K]
+        contiguous); chunks are G * L values, NB blocks a row, NCH chunks a row, CPS chunks a slice; EVEN: every
+        chunk is whole (no block past the row's last to mask). The shape is passed at run time (one compiled
+        kernel a type, M and plan, not a layer), M and the tile as constants."""
+        pn, s = tl.program_id(0), tl.program_id(1)
+        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = rows[:, None, None]
+        rows_ok = r3 < N
+        wrow = w + r3.to(tl.int64) * ROW_BYTES
+        g2 = tl.arange(0, G)[:, None]
+        xoff = g2 * L + tl.arange(0, L)[None, :]  # [G, L]: the chunk's values, in the tile's order
+        mcol = tl.arange(0, BLOCK_M)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # acc[n, m]: the layout of a row's partial sums
+        for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCH)):
+            wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)  # read and dequantized once for all rows
+            if EVEN:
+                xok = g2 < G
+            else:
+                xok = (c * G + g2) < NB
+            for m in tl.static_range(M):
+                # the same ops on the same tile for every row and every M: the row's bits do not depend on M
+                xv = tl.load(x + m * K + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+                part = tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1)
+                acc = tl.where(mcol == m, acc + part[:, None], acc)
+        dst = out + s * (M * N) + mcol * N + rows[:, None]
+        tl.store(dst, acc, mask=(rows[:, None] < N) & (mcol < M))
+
+    @triton.jit
+    def add_slices(part, out, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = part[0, i] + part[1, i] + ... in slice order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < TOTAL
+        acc = tl.load(part + i, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc = acc + tl.load(part + s * TOTAL + i, mask=ok, other=0.0)
+        tl.store(out + i, acc, mask=ok)
+
+    return gguf_rows, add_slices
+
+
+def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None,
+         split: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, K slices, chunks a slice) for W [n, k] of ``qtype``: from the weight's shape alone, never from M,
+    so every M reduces each row in one order. ``split`` asks for that many slices (fewer where the chunks run out)."""
+    values, _ = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nch = -(-(k // values) // (g * l // values))  # chunks a row
+    bn = block_n or BLOCK_N
+    want = split if split is not None else -(-MIN_PROGRAMS // -(-n // bn))
+    cps = -(-nch // max(1, min(want, nch)))
+    return bn, -(-nch // cps), cps
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, qtype, n: int, k: int) -> None:
+    if qtype not in _CHUNK:
+        raise ValueError(f"no GGUF kernel for {getattr(qtype, 'name', qtype)}; these run: "
+                         + ", ".join(t.name for t in TYPES))
+    values, nbytes = block_geometry(qtype)
+    if k % values:
+        raise ValueError(f"k={k} is not whole {qtype.name} blocks of {values} values")
+    want = n * (k // values) * nbytes
+    if weight.dtype != torch.uint8 or weight.numel() != want or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous uint8 of {want} bytes ({qtype.name} [{n}, {k}])")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be [M, {k}] float32, bfloat16 or float16, not {list(x.shape)} {x.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight on {weight.device}")
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
+           out: torch.Tensor | None = None, block_n: int | None = None, split: int | None = None,
+           num_warps: int | None = None) -> torch.Tensor:
+    """y [M, n] float32 = x [M, k] @ W.T, W [n, k] held in ``weight`` as GGUF ``qtype`` blocks (uint8, n rows of
+    whole blocks, ggml's layout). Row m of y is bitwise the result for x[m] alone, for any M. ``block_n``, ``split``
+    and ``num_warps`` override the plan (for measuring: a row's bits depend on them, so keep them fixed across M)."""
+    rows, add_slices = _kernels()
+    _check(x, weight, qtype, n, k)
+    x = x.contiguous()
+    m_all = x.shape[0]
+    y = out if out is not None else torch.empty((m_all, n), dtype=torch.float32, device=x.device)
+    if y.shape != (m_all, n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{m_all}, {n}]")
+    values, nbytes = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    bn, slices, cps = plan(qtype, n, k, block_n, split)
+    nb, per_chunk = k // values, g * l // values  # blocks a row, blocks a chunk
+    for at in range(0, m_all, MAX_ROWS):
+        m = min(MAX_ROWS, m_all - at)
+        dst = y[at:at + m]
+        part = dst if slices == 1 else torch.empty((slices, m, n), dtype=torch.float32, device=x.device)
+        rows[(-(-n // bn), slices)](
+            x[at:at + m], weight, part, n, k, nb * nbytes, nb, -(-nb // per_chunk), cps, M=m, QT=qtype.name, G=g,
+            L=l, EVEN=nb % per_chunk == 0, BLOCK_N=bn, BLOCK_M=1 << (m - 1).bit_length(),
+            num_warps=num_warps or NUM_WARPS)
+        if slices > 1:
+            add_slices[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
+    return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, **kw) -> torch.Tensor:
+    """y [n] float32 = W @ x for one row x [k] (or [1, k]): ``matmul`` with M = 1."""
+    return matmul(x.reshape(1, k), weight, qtype, n, k, **kw).reshape(n)
+
+
+def stored_bytes(qtype: GGMLQuantizationType, n: int, k: int) -> int:
+    """Bytes of W [n, k] as ``qtype`` blocks: what one call reads of the weight."""
+    values, nbytes = block_geometry(qtype)
+    return n * (k // values) * nbytes
