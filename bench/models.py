@@ -42,7 +42,7 @@ def preset_dir_name(preset: str, dtype: str = "bfloat16", layers: int | None = N
 def ensure_preset(root: Path, preset: str, *, dtype: str = "bfloat16", layers: int | None = None,
                   router_skew: float = 0.0, seed: int = 0, shard_mb: int = 0, device: str | None = None) -> Path:
     """The preset's checkpoint under ``root``, written first where it is not there yet."""
-    from kestrel_core.presets import preset_config, write_checkpoint
+    from kestrel_core.tools.presets import preset_config, write_checkpoint
 
     path = Path(root) / preset_dir_name(preset, dtype, layers, router_skew, seed)
     if not (path / "config.json").is_file():
@@ -54,7 +54,7 @@ def ensure_preset(root: Path, preset: str, *, dtype: str = "bfloat16", layers: i
 
 def ensure_q8(src: Path, group: int, device: str | None = None) -> Path:
     """A q8 copy of ``src`` (group size ``group``) beside it, written first where it is not there yet."""
-    from kestrel_core.quantize import quantize_checkpoint
+    from kestrel_core.tools.quantize import quantize_checkpoint
 
     out = Path(src).parent / f"{Path(src).name}-q8g{group}"
     if not (out / "config.json").is_file():

@@ -495,7 +495,7 @@ def airllm(model_path, prompt_ids, n_new: int, scratch_dir, *, device: str = "cu
 
         def step(ids, past):
             if drop_cache_each_step:  # the same cold disk kestrel's cold rows read: nothing of the split cached
-                from kestrel_cuda.host.pagecache import drop_cache
+                from backends.cuda.host.pagecache import drop_cache
 
                 for f in split_dir.glob("*.safetensors"):
                     drop_cache(f)

@@ -99,7 +99,7 @@ def write_hf_dir(ckpt, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kestrel_core.tensor_table import all_specs
+    from kestrel_core.formats.tensor_table import all_specs
 
     cfg = ckpt.model_config()
     out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +120,7 @@ def write_hf_dir(ckpt, out: Path) -> Path:
 
 def smollm2_hf_path(cache: Path | None = None) -> Path:
     """The converted Hugging Face directory, written once (atomically: a half-written one never lands)."""
-    from kestrel_core.gguf import GGUFCheckpoint
+    from kestrel_core.formats.gguf import GGUFCheckpoint
 
     cache = cache or cache_root()
     gguf = smollm2_gguf_path(cache)

@@ -7,7 +7,7 @@ import mmap
 import os
 from pathlib import Path
 
-from kestrel_core.checkpoint import PAGE, Checkpoint, mapping_rss, merge_spans
+from kestrel_core.formats.checkpoint import PAGE, Checkpoint, mapping_rss, merge_spans
 
 
 def fault_granule(directory: str | os.PathLike) -> int:

@@ -7,7 +7,7 @@
     print(res.token_ids, res.text, res.ms_per_token, res.counters)
 """
 
-from .engine import Model, load
+from kestrel_core.engine.run import Model, load
 
 __version__ = "0.1.0"
 __all__ = ["Model", "load"]

@@ -13,8 +13,12 @@ import signal
 import sys
 import warnings
 
-from . import plugins, progress, signals
-from .errors import Interrupted, KestrelError, KestrelNote, PluginError
+from kestrel_core import plugins
+
+from kestrel_core.io import progress
+
+from kestrel_core.io import signals
+from kestrel_core.errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "serve", "sweep", "replay", "plugins", "demo", "quantize")
 

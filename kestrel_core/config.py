@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import attrs
 
-from .errors import ConfigError
-from .json_keys import TOO_MANY_DIGITS
-from .readfile import read_bounded
+from kestrel_core.errors import ConfigError
+from kestrel_core.io.json_keys import TOO_MANY_DIGITS
+from kestrel_core.io.readfile import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib

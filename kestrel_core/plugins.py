@@ -9,9 +9,8 @@ from typing import Any, Callable, Iterable
 import attrs
 import pluggy
 
-from . import hookspecs
-from .errors import PluginError
-from .plan import Observers
+from kestrel_core import hookspecs
+from kestrel_core.errors import PluginError
 
 ENTRY_POINT_GROUP = "kestrel"
 # Unset: load every installed plugin package. Set: only these (comma-separated distribution
@@ -131,9 +130,9 @@ def implementations(hook: str, manager: pluggy.PluginManager = pm) -> list[Calla
     return [impl.function for impl in reversed(impls)]  # pluggy lists the last registered first
 
 
-def observers(extra: Iterable[object] = ()) -> Observers:
-    """Every observer of a run: the plugins registered in the manager now, then ``extra``, objects whose hook methods
-    observe this run alone. ``extra`` is checked as a plugin is (a misspelt hook is an error) in a manager of its
+def observers(extra: Iterable[object] = ()) -> dict[str, tuple]:
+    """Every observer of a run, hook by hook (``plan.Observers``' fields): the plugins registered in the manager now,
+    then ``extra``, objects whose hook methods observe this run alone. ``extra`` is checked as a plugin is (a misspelt hook is an error) in a manager of its
     own, so the global one never holds a run's objects."""
     load_plugins()
     own = pluggy.PluginManager("kestrel")
@@ -141,7 +140,7 @@ def observers(extra: Iterable[object] = ()) -> Observers:
     for obj in extra:
         own.register(obj)
     check_plugins(own)
-    return Observers(**{hook: tuple(implementations(hook) + implementations(hook, own)) for hook in OBSERVED})
+    return {hook: tuple(implementations(hook) + implementations(hook, own)) for hook in OBSERVED}
 
 
 OBSERVED = ("on_layer_advance", "on_experts_routed", "preload", "alloc", "release")  # the hooks a run's observers hear

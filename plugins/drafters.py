@@ -16,9 +16,9 @@ import torch
 
 from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.model import Span
-from kestrel_core.runner import StepRequest
-from kestrel_core.sampling import Sampler
+from kestrel_core.engine.model import Span
+from kestrel_core.engine.runner import StepRequest
+from kestrel_core.engine.sampling import Sampler
 
 NGRAM_DEFAULT, NGRAM_MAX, NGRAM_SHORTEST = 3, 16, 2
 

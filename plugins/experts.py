@@ -1,11 +1,11 @@
 """Built-in expert policies: which experts of a Mixture-of-Experts model stay resident under a byte budget.
 
-Each ranks the eviction candidates of ``kestrel_core.expert_cache.ExpertCache`` by its own rule.
+Each ranks the eviction candidates of ``kestrel_core.engine.expert_cache.ExpertCache`` by its own rule.
 """
 
 from __future__ import annotations
 
-from kestrel_core.expert_cache import ExpertCache
+from kestrel_core.engine.expert_cache import ExpertCache
 from kestrel_core.hookspecs import hookimpl
 
 

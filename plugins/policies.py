@@ -9,8 +9,8 @@ from __future__ import annotations
 import attrs
 
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.optimum import farthest_first
-from kestrel_core.plan import Advice
+from kestrel_core.tools.optimum import farthest_first
+from kestrel_core.engine.plan import Advice
 
 
 @attrs.define

@@ -26,8 +26,8 @@ torch.set_num_threads(int(THREADS))
 
 from kestrel_core import plugins  # noqa: E402
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import load
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.engine.run import load
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 BACKENDS = [b.strip() for b in os.environ.get("KESTREL_TEST_BACKENDS", "cpu_ref").split(",") if b.strip()]
 GPU_BACKENDS = {"cuda"}

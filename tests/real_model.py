@@ -27,7 +27,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2_ckpt(smollm2_gguf):
     """The GGUF opened (a GGUFCheckpoint), shared by the session."""
-    from kestrel_core.gguf import GGUFCheckpoint
+    from kestrel_core.formats.gguf import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(smollm2_gguf)
     yield ckpt

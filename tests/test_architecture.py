@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "kestrel_core"
-OUTSIDE = ("kestrel_cuda", "kestrel_cpu_ref", "kestrel_plugins", "kestrel_gates", "kestrel_csrc", "backends", "plugins",
+OUTSIDE = ("backends", "plugins", "csrc",
            "bench")
 
 
@@ -24,6 +24,12 @@ def module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
+
+
+def is_module(name: str) -> bool:
+    """Whether ``name`` is a file or package of this tree."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def imports_of(path: Path) -> set[str]:
@@ -41,7 +47,8 @@ def imports_of(path: Path) -> set[str]:
                 stem = ".".join(base + ([node.module] if node.module else []))
             else:
                 stem = node.module
-            if node.module:  # ``from . import plugins`` imports the module plugins, not the package's face
+            # ``from . import plugins`` (or ``from kestrel_core import plugins``) imports the module, not the face
+            if node.module and not all(is_module(f"{stem}.{a.name}") for a in node.names):
                 found.add(stem)
             found.update(f"{stem}.{a.name}" for a in node.names)
     return found
@@ -98,25 +105,37 @@ def reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_runner_imports_no_engine_and_the_window_no_plugin_manager():
     graph = core_graph()
-    assert "kestrel_core.engine" not in reach(graph, "kestrel_core.runner")
-    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.residency")
-    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.runner")
+    assert "kestrel_core.engine.run" not in reach(graph, "kestrel_core.engine.runner")
+    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.engine.residency")
+    assert "kestrel_core.plugins" not in reach(graph, "kestrel_core.engine.runner")
 
 
 def test_the_token_loop_has_one_home():
     """generate.py and decode.py are gone: the runner owns the step, and there is one layer loop in it."""
     assert not (CORE / "generate.py").exists() and not (CORE / "decode.py").exists()
-    tree = ast.parse((CORE / "runner.py").read_text())
+    tree = ast.parse((CORE / "engine" / "runner.py").read_text())
     loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and "boundaries" in ast.unparse(n.iter)]
     assert len(loops) == 1, [ast.unparse(n.iter) for n in loops]
 
 
-def test_the_gates_load_under_one_name():
-    import kestrel_gates
+def test_every_file_loads_under_one_name_its_path():
+    """Every built-in loaded through the entry points, and each file of the tree in sys.modules once, under the name
+    its path gives (``backends/cuda/backend.py`` is ``backends.cuda.backend``)."""
+    import sys
 
-    assert kestrel_gates.__name__ == "kestrel_gates"
-    with pytest.raises(ImportError, match="kestrel_gates"):
-        importlib.import_module("kestrel_plugins.gates")
+    from kestrel_core import plugins
+
+    plugins.load_plugins()
+    importlib.import_module("plugins.gates")
+    names: dict[Path, list[str]] = {}
+    for name, mod in list(sys.modules.items()):
+        file = getattr(mod, "__file__", None)
+        path = Path(file).resolve() if file and Path(file).is_absolute() else Path("/")
+        if ROOT in path.parents and "tests" not in path.relative_to(ROOT).parts:
+            names.setdefault(path, []).append(name)
+    assert names and all(v == [module_name(p)] for p, v in names.items()), \
+        {str(p.relative_to(ROOT)): v for p, v in names.items() if v != [module_name(p)]}
+    assert {"backends.cuda", "backends.cpu_ref", "plugins.gates", "plugins.drafters"} <= set(sys.modules)
 
 
 def test_nothing_calls_a_private_token_loop():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kestrel_core import load
-from kestrel_core.batch import Batch, Request
+from kestrel_core.engine.batch import Batch, Request
 from kestrel_core.config import GenerationConfig
 from kestrel_core.errors import ConfigError
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.scheduler import Scheduler
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.engine.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [100, 200], [300, 301, 302, 303]]
 
@@ -266,8 +266,8 @@ def test_a_prompts_file_from_any_editor_is_read_as_written(tiny_ckpt, tmp_path, 
 
 def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole(tiny_ckpt, tmp_path, monkeypatch):
     """A line of a million tokens was tokenized whole before the length check (a 256 MiB line: minutes, gigabytes)."""
-    from kestrel_core.batch_job import read_requests
-    from kestrel_core.tokenizer import Tokenizer
+    from kestrel_core.tools.batch_job import read_requests
+    from kestrel_core.formats.tokenizer import Tokenizer
 
     real = Tokenizer.encode
 

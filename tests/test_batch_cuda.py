@@ -51,7 +51,7 @@ def test_cuda_speculative_greedy_is_plain_greedy_in_float32(tiny_ckpt, keep):
 
 
 def test_a_cuda_draft_models_steps_are_replayed_and_its_own_greedy(tiny_ckpt, tmp_path):
-    from kestrel_core.presets import preset_config, write_checkpoint
+    from kestrel_core.tools.presets import preset_config, write_checkpoint
 
     draft = write_checkpoint(preset_config("tiny", layers=2), tmp_path / "tiny-2")
     contexts = [[5, 17, 42, 99, 3, 5, 17], [5, 17, 42, 99, 3, 5, 17, 9], [5, 17, 42, 99, 3, 5, 17, 9, 4]]

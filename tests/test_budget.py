@@ -2,16 +2,16 @@
 
 import pytest
 
-import kestrel_cuda.backend
-from kestrel_cuda import budget
-from kestrel_cuda.budget import CAP, FLOOR, default_budget, resolve_budget
+import backends.cuda.backend
+from backends.cuda import budget
+from backends.cuda.budget import CAP, FLOOR, default_budget, resolve_budget
 from kestrel_core.errors import ConfigError
 
 GiB, MiB = 2**30, 2**20
 
 
 def test_the_cuda_backend_uses_the_core_rule():
-    assert kestrel_cuda.backend.resolve_budget is budget.resolve_budget  # one rule, not a copy
+    assert backends.cuda.backend.resolve_budget is budget.resolve_budget  # one rule, not a copy
 
 
 def test_default_is_half_of_free_with_cap_and_floor():

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from cli_helpers import fails
-from kestrel_core.chat_template import ChatTemplate, end_ids, load_chat_template
+from kestrel_core.formats.chat_template import ChatTemplate, end_ids, load_chat_template
 from kestrel_core.cli import main
-from kestrel_core.engine import Model
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import ConfigError
 
 # Qwen3's chat template, verbatim: the "chat_template" of Qwen/Qwen3-8B's tokenizer_config.json as released

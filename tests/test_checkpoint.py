@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kestrel_core.checkpoint import Checkpoint
+from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import CheckpointError
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 INDEX = "model.safetensors.index.json"
 
@@ -89,7 +89,7 @@ def test_an_index_that_is_not_one(sharded_copy, text):
 
 
 def test_span_subtraction():
-    from kestrel_core.checkpoint import _subtract
+    from kestrel_core.formats.checkpoint import _subtract
 
     assert _subtract([(0, 100)], []) == [(0, 100)]
     assert _subtract([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
@@ -99,7 +99,7 @@ def test_span_subtraction():
 
 
 def test_drop_around_keeps_the_kept_tensors_and_drops_their_neighbours(demo_ckpt):
-    from kestrel_core.checkpoint import mapping_rss
+    from kestrel_core.formats.checkpoint import mapping_rss
 
     ckpt = Checkpoint(demo_ckpt)
     try:

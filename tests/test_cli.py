@@ -8,7 +8,7 @@ import sys
 
 from kestrel_core.cli import main
 from kestrel_core.hookspecs import hookimpl
-from kestrel_cpu_ref.backend import CpuRefBackend
+from backends.cpu_ref.backend import CpuRefBackend
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -176,7 +176,7 @@ def test_make_model_unknown_preset(tmp_path, capsys):
 
 
 def test_demo_json_finishes_identical(tmp_path, capsys):
-    from kestrel_core.sweep import available_backends
+    from kestrel_core.tools.sweep import available_backends
 
     data = cli_json(capsys, "demo", "--cache-dir", str(tmp_path), "--max-new-tokens", "3")
     assert (tmp_path / "demo-qwen3" / "config.json").is_file()
@@ -189,7 +189,7 @@ def test_demo_json_finishes_identical(tmp_path, capsys):
 
 
 def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys, monkeypatch):
-    from kestrel_core import progress
+    from kestrel_core.io import progress
     from kestrel_core.commands.demo import ensure_demo_model
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a person at a terminal hears of the write

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kestrel_core.hookspecs import hookimpl
-from kestrel_plugins.allocators import Pool
+from plugins.allocators import Pool
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 

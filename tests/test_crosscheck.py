@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.engine.run import Model
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [
     pytest.mark.crosscheck,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import BudgetError
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,7 +72,7 @@ def test_pool_allocates_nothing_after_warmup_and_free_every_token(model):
 
 
 def test_budget_below_one_layer_is_rejected_with_the_number_needed(model, monkeypatch):
-    import kestrel_cuda.backend as backend_mod
+    import backends.cuda.backend as backend_mod
 
     monkeypatch.setattr(backend_mod, "resolve_budget", lambda mb, free: (10_000, "test"))
     with pytest.raises(BudgetError) as exc:
@@ -81,7 +81,7 @@ def test_budget_below_one_layer_is_rejected_with_the_number_needed(model, monkey
 
 
 def test_window_off_over_budget_suggests_a_keep(model, monkeypatch):
-    import kestrel_cuda.backend as backend_mod
+    import backends.cuda.backend as backend_mod
 
     # keep=1 peaks at 2 layers + globals (229 KB) and fits; all six layers (557 KB) do not.
     monkeypatch.setattr(backend_mod, "resolve_budget", lambda mb, free: (250_000, "test"))

@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_core import leftovers, outdir, presets, renameat
+from kestrel_core.io import leftovers
+
+from kestrel_core.io import outdir
+
+from kestrel_core.tools import presets
+
+from kestrel_core.io import renameat
 from kestrel_core.cli import main
 from kestrel_core.errors import KestrelNote
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 from cli_helpers import fails
 
 MAKE = ["make-model", "--preset", "tiny-llama"]

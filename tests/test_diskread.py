@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel_cuda.host import diskread
-from kestrel_core.checkpoint import Checkpoint
-from kestrel_cuda.host.diskread import (
+from backends.cuda.host import diskread
+from kestrel_core.formats.checkpoint import Checkpoint
+from backends.cuda.host.diskread import (
     ALIGN,
     DirectFile,
     Reader,
@@ -29,7 +29,7 @@ from kestrel_cuda.host.diskread import (
     span_bytes,
 )
 from kestrel_core.errors import CheckpointError, KestrelError
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -107,8 +107,8 @@ def test_every_hook_is_documented_in_docs(name):
 
 
 def protocols() -> dict[str, list[str]]:
-    """Protocol name -> its members, for every Protocol class of kestrel_core/contracts.py."""
-    tree = ast.parse((ROOT / "kestrel_core" / "contracts.py").read_text())
+    """Protocol name -> its members, for every Protocol class of kestrel_core/engine/contracts.py."""
+    tree = ast.parse((ROOT / "kestrel_core" / "engine" / "contracts.py").read_text())
     found = {}
     for c in tree.body:
         if isinstance(c, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Protocol" for b in c.bases):
@@ -121,7 +121,7 @@ def protocols() -> dict[str, list[str]]:
 def test_every_contract_and_its_members_are_in_the_plugin_guide(name):
     guide = (DOCS / "plugins.md").read_text()
     section = re.search(rf"^### `{name}`\n(.*?)(?=^##)", guide, re.M | re.S)
-    assert section, f"docs/plugins.md has no section ### `{name}` for the Protocol in kestrel_core/contracts.py"
+    assert section, f"docs/plugins.md has no section ### `{name}` for the Protocol in kestrel_core/engine/contracts.py"
     missing = [m for m in protocols()[name] if not re.search(rf"`{m}\b", section.group(1))]
     assert not missing, f"docs/plugins.md's {name} section does not name {missing}"
 

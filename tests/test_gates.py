@@ -1,4 +1,4 @@
-"""Benefit gates (the kestrel_gates package): the seed's arithmetic, a measured CPU run, the window's entry counts,
+"""Benefit gates (the plugins.gates package): the seed's arithmetic, a measured CPU run, the window's entry counts,
 plugins, bad input, and the layering: the core imports no gate code."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from kestrel_core import plugins
 from kestrel_core.cli import main
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.tensor_table import all_specs
-from kestrel_core.modelconfig import parse_model_config, read_model_config
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_gates import BUILD, DONT_BUILD, REMEASURE, Evaluation, Gate, GateContext, GateOptions, Quantity, run_gate
-from kestrel_gates.memsampler import MemSampler, process_rss_bytes, reset_rss_high_water_mark
-from kestrel_gates.shapes import n_moe_layers, param_count
+from kestrel_core.formats.tensor_table import all_specs
+from kestrel_core.formats.modelconfig import parse_model_config, read_model_config
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from plugins.gates import BUILD, DONT_BUILD, REMEASURE, Evaluation, Gate, GateContext, GateOptions, Quantity, run_gate
+from plugins.gates.memsampler import MemSampler, process_rss_bytes, reset_rss_high_water_mark
+from plugins.gates.shapes import n_moe_layers, param_count
 
 MiB, GiB = 2**20, 2**30
 
@@ -163,7 +163,7 @@ def _independent_entries(layers, dense_layers, experts, resident):
 
 
 def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_path, capsys):
-    from kestrel_core.model import KVCache
+    from kestrel_core.engine.model import KVCache
 
     cfg = preset_config("qwen3-30b-a3b")
     d = _write_config(tmp_path / "qwen3-30b-a3b-preset", cfg.to_hf_dict())  # config.json only, as presets write it
@@ -182,7 +182,7 @@ def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_
     for backend in ("cuda", "cpu_ref"):
         q = _q(doc, f"entries_{backend}")
         assert q["value"] == want[backend], backend
-        assert "kestrel_core.tensor_table.unit_specs" in q["source"] and "195 resident" in q["source"]
+        assert "kestrel_core.formats.tensor_table.unit_specs" in q["source"] and "195 resident" in q["source"]
     assert "48 layer units x 3 + 6144 expert units x 2" in _q(doc, "entries_cuda")["source"]
     assert "cuda layout: its fused entries" in _q(doc, "entries_cuda")["source"]
     assert "48 layer units x 5 + 6144 expert units x 3" in _q(doc, "entries_cpu_ref")["source"]
@@ -418,7 +418,7 @@ def test_a_non_gate_registration_is_refused(moe_dir, capsys):
     plugins.pm.register(Bad(), name="bad-gate-plugin")
     try:
         assert main(["gate", "bad-gate", "--model", str(moe_dir)]) == 2
-        assert "not a kestrel_gates.Gate" in capsys.readouterr().err
+        assert "not a plugins.gates.Gate" in capsys.readouterr().err
         assert main(["gate", "--list"]) == 0  # the broken one is listed as broken, the others still show
         out = capsys.readouterr().out
         assert "bad-gate" in out and "broken:" in out and "kv-paging" in out
@@ -601,7 +601,7 @@ def test_gate_is_a_plugin_command_and_the_gates_are_listed(capsys):
     rows = {(r["kind"], r["name"]): r for r in json.loads(capsys.readouterr().out)}
     for key in [("command", "gate"), ("gate", "kv-paging"), ("gate", "l3-residency"), ("gate", "window")]:
         assert rows[key]["package"] == "kestrel" and rows[key]["plugin"] == "gates", rows.get(key)
-    assert plugins.lookup("commands", "gate").factory.__name__ == "kestrel_gates.command"
+    assert plugins.lookup("commands", "gate").factory.__name__ == "plugins.gates.command"
 
 
 def test_the_core_imports_no_gate_code():

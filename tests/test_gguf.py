@@ -14,12 +14,12 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import quants as gguf_quants
 
-from kestrel_core import gguf_quants as gq
-from kestrel_core import quant
-from kestrel_core.checkpoint import FAULT_GRANULE
+from kestrel_core.formats import gguf_quants as gq
+from kestrel_core.formats import quant
+from kestrel_core.formats.checkpoint import FAULT_GRANULE
 from kestrel_core.errors import CheckpointError, ConfigError
-from kestrel_core.gguf import GGUFCheckpoint, is_gguf, unpermute_rows
-from kestrel_core.tensor_table import all_specs, validate_checkpoint
+from kestrel_core.formats.gguf import GGUFCheckpoint, is_gguf, unpermute_rows
+from kestrel_core.formats.tensor_table import all_specs, validate_checkpoint
 from tests.gguf_files import (DIMS, K_DIMS, K_TYPES, LLAMA_TYPES, T, TOKEN_TYPES, TOKENS, VOCAB, llama_permute,
                               model_metadata, model_tensors, random_blocks, reference_dequantize, write_gguf, write_model)
 

@@ -12,14 +12,14 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.cli import main
-from kestrel_core.gguf import GGUFCheckpoint
-from kestrel_core.tensor_table import unit_specs
-from kestrel_cuda import q8
-from kestrel_cuda.host.diskread import direct_io_supported
-from kestrel_cuda.host.pagecache import drop_checkpoint
-from kestrel_cuda.host.staging import Filler, PartRead, Stager
-from kestrel_cuda.host.tier import PinnedRing, slot_bytes
-from kestrel_cuda.layout import fusion, slot_entries
+from kestrel_core.formats.gguf import GGUFCheckpoint
+from kestrel_core.formats.tensor_table import unit_specs
+from backends.cuda import q8
+from backends.cuda.host.diskread import direct_io_supported
+from backends.cuda.host.pagecache import drop_checkpoint
+from backends.cuda.host.staging import Filler, PartRead, Stager
+from backends.cuda.host.tier import PinnedRing, slot_bytes
+from backends.cuda.layout import fusion, slot_entries
 from tests.gguf_files import DIMS, LLAMA_TYPES, T, write_model
 
 Q8_ONLY = {k: T.Q8_0 for k in LLAMA_TYPES}

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from kestrel_core import load
-from kestrel_core.chat_template import TEMPLATE_LIMIT
+from kestrel_core.formats.chat_template import TEMPLATE_LIMIT
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
-from kestrel_core.gguf import GGUFCheckpoint
-from kestrel_core.gguf_header import MAX_ARRAY, MAX_KEYS
-from kestrel_core.gguf_tokenizer import MAX_ADDED, build_tokenizer
+from kestrel_core.formats.gguf import GGUFCheckpoint
+from kestrel_core.formats.gguf_header import MAX_ARRAY, MAX_KEYS
+from kestrel_core.formats.gguf_tokenizer import MAX_ADDED, build_tokenizer
 from tests.cli_helpers import fails
 from tests.gguf_files import DIMS, LLAMA_TYPES, MERGES, VOCAB, T, model_metadata, model_tensors, write_gguf, write_model
 
@@ -324,7 +324,7 @@ def test_a_file_kestrel_may_not_read_is_one_line(tmp_path, monkeypatch, capsys):
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr("kestrel_core.gguf.open", denied, raising=False)
+    monkeypatch.setattr("kestrel_core.formats.gguf.open", denied, raising=False)
     with pytest.raises(CheckpointError, match=r"m.gguf: cannot open \(Permission denied\)"):
         GGUFCheckpoint(path)
     fails(["generate", "--model", str(path), "--prompt-ids", "1"], capsys, "cannot open (Permission denied)")

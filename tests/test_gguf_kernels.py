@@ -32,8 +32,8 @@ if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not N
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants as gguf_np  # noqa: E402
 
-from kestrel_core import gguf_quants  # noqa: E402
-from kestrel_cuda import gguf_kernels  # noqa: E402
+from kestrel_core.formats import gguf_quants  # noqa: E402
+from backends.cuda import gguf_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="needs Triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

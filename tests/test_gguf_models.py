@@ -20,13 +20,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kestrel_core import load, quant
-from kestrel_core.checkpoint import PAGE, Checkpoint
+from kestrel_core import load
+
+from kestrel_core.formats import quant
+from kestrel_core.formats.checkpoint import PAGE, Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
-from kestrel_core.gguf import GGUFCheckpoint
-from kestrel_core.gguf_model import names_gguf, q8_info
+from kestrel_core.formats.gguf import GGUFCheckpoint
+from kestrel_core.formats.gguf_model import names_gguf, q8_info
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.tensor_table import linear_specs, unit_specs
+from kestrel_core.formats.tensor_table import linear_specs, unit_specs
 from cli_helpers import fails
 from kestrel_core.cli import main
 from tests.gguf_files import (CHAT_TEMPLATE, DIMS, K_DIMS, K_TYPES, LLAMA_TYPES, T, encode, model_metadata,

@@ -18,10 +18,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kestrel_cpu_ref.backend import CpuRefBackend
+from backends.cpu_ref.backend import CpuRefBackend
 from cli_helpers import fails, gen
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.plan import Advice
+from kestrel_core.engine.plan import Advice
 
 from conftest import PROMPT, run_once
 
@@ -243,7 +243,7 @@ def test_a_stale_graph_fails_the_id_test(tiny_ckpt, replaying, register_plugin, 
     """After the swap every plan is idle again, as before it, yet layers 4 and 5 read each other's old buffers: the
     graph captured before the swap is stale. Keyed on the plans alone (the window's notes without the buffers each
     layer reads), it is replayed, reads layer 5's weights as layer 4's, and the stand-in's ids say so."""
-    from kestrel_core.residency import Window
+    from kestrel_core.engine.residency import Window
 
     register_plugin(SwapLayers4And5(), "swap")
     auto, off = both(tiny_ckpt, residency__keep=6, generation__max_new_tokens=12)

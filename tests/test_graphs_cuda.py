@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import KestrelNote
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.plan import Advice
-from kestrel_core.quantize import quantize_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.engine.plan import Advice
+from kestrel_core.tools.quantize import quantize_checkpoint
 
 pytestmark = [
     pytest.mark.cuda,

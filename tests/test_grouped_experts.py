@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel_core import quant
+from kestrel_core.formats import quant
 
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
-from kestrel_cuda import grouped_experts  # noqa: E402
+from backends.cuda import grouped_experts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(grouped_experts.available() is not None, reason="needs Triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -26,8 +26,8 @@ except ImportError:  # transformers older than 4.51
 
 from kestrel_core import load
 from kestrel_core.config import ResidencyConfig
-from kestrel_core.modelconfig import read_model_config
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.formats.modelconfig import read_model_config
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 PROMPT = [7, 300, 12, 45, 511, 2, 90, 128]
 NEW = 12

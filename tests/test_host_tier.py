@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_core.checkpoint import Checkpoint
+from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import BudgetError, ConfigError
-from kestrel_cuda.host.tier import (HOST_ENV, HostBudget, PinnedRing, SlotEntry, resolve_host_budget, ring_slots,
+from backends.cuda.host.tier import (HOST_ENV, HostBudget, PinnedRing, SlotEntry, resolve_host_budget, ring_slots,
                                     slot_bytes)
-from kestrel_core.tensor_table import unit_specs
-from kestrel_core.modelconfig import read_model_config
-from kestrel_cuda.layout import slot_entries
+from kestrel_core.formats.tensor_table import unit_specs
+from kestrel_core.formats.modelconfig import read_model_config
+from backends.cuda.layout import slot_entries
 
 MiB = 2**20
 

@@ -15,12 +15,12 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.errors import BudgetError, ConfigError
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.quantize import quantize_checkpoint
-from kestrel_cuda.host.diskread import ALIGN, round_up
-from kestrel_cuda.host.pagecache import drop_checkpoint
-from kestrel_cuda.host.pinned_arena import arena_bytes, release_cached_pinned
-from kestrel_cuda.host.tier import HOST_ENV
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.tools.quantize import quantize_checkpoint
+from backends.cuda.host.diskread import ALIGN, round_up
+from backends.cuda.host.pagecache import drop_checkpoint
+from backends.cuda.host.pinned_arena import arena_bytes, release_cached_pinned
+from backends.cuda.host.tier import HOST_ENV
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -167,7 +167,7 @@ def test_a_second_run_counts_the_staging_it_reuses_as_available(tiny, monkeypatc
     """A sweep's later run finds the host's available memory lower by the staging an earlier run pinned; that
     staging is this run's to reuse (or free), so it counts as available and the run is not refused for it."""
     monkeypatch.delenv(HOST_ENV, raising=False)
-    import kestrel_cuda.backend as cuda_backend
+    import backends.cuda.backend as cuda_backend
 
     staged = arena_bytes(entry_sizes(tiny))
     held = {"bytes": 0}  # what the model's staging pins now, as the host would see it

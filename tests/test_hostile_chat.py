@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kestrel_core import template_limits
-from kestrel_core.chat_template import ChatTemplate
+from kestrel_core.formats import template_limits
+from kestrel_core.formats.chat_template import ChatTemplate
 from kestrel_core.errors import ConfigError
 from cli_helpers import fails
 
@@ -120,7 +120,7 @@ def test_a_template_that_alone_fills_the_model(tiny_ckpt, tmp_path, monkeypatch,
 
 def test_a_huge_rendered_prompt_is_not_tokenized_whole(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """Everything was tokenized before the length check: a 300 MB prompt ran out of memory in the tokenizer."""
-    from kestrel_core import tokenizer
+    from kestrel_core.formats import tokenizer
 
     real, seen = tokenizer.HFTokenizer, []
 

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from kestrel_core import modelconfig, readfile
+from kestrel_core.formats import modelconfig
+
+from kestrel_core.io import readfile
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from cli_helpers import WEIGHTS, fails, gen, header_of
@@ -297,7 +299,7 @@ def test_json_never_holds_nan(tiny_ckpt, capsys):
 
 
 def test_emit_json_turns_every_non_finite_number_to_null(capsys):
-    from kestrel_core.jsonout import emit_json
+    from kestrel_core.io.jsonout import emit_json
 
     emit_json({"a": math.nan, "b": [math.inf, -math.inf, 1.5], "c": (1, {"d": math.nan})})
     assert _strict(capsys.readouterr().out) == {"a": None, "b": [None, None, 1.5], "c": [1, {"d": None}]}

@@ -103,7 +103,7 @@ def test_replay_refuses_a_budget_that_is_not_a_finite_positive_number(tmp_path, 
 
 
 def test_the_expert_budget_rule_holds_for_any_caller():
-    from kestrel_core.expert_cache import budget_bytes
+    from kestrel_core.engine.expert_cache import budget_bytes
 
     with pytest.raises(ConfigError, match="expert budget must be a finite number of MiB above 0, got inf"):
         budget_bytes(float("inf"), 2, 100)

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 from cli_helpers import fails
 
-from kestrel_core import hub, load
+from kestrel_core import load
+
+from kestrel_core.formats import hub
 from kestrel_core.cli import main
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 REPO = "Org/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -193,7 +195,7 @@ def test_quantize_reads_a_cached_name(hf_cache, tmp_path, capsys):
     assert json.loads(out.out)["quantized"] > 0
     with load(tmp_path / "q8") as model:
         assert model.quant is not None
-    from kestrel_core.quantize import quantize_checkpoint  # the Python API takes the name too
+    from kestrel_core.tools.quantize import quantize_checkpoint  # the Python API takes the name too
 
     assert quantize_checkpoint(REPO, tmp_path / "q8-api", 32)["quantized"] > 0
 

@@ -16,9 +16,9 @@ import pytest
 
 from bench.serve_process import ServeProcess
 from kestrel_core import load
-from kestrel_core.batch import Batch
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.scheduler import Scheduler
+from kestrel_core.engine.batch import Batch
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.engine.scheduler import Scheduler
 
 EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers
 LONG_FIRST = [([5, 17, 42, 99, 3], 12), ([1, 2, 3], 3), ([7, 8, 9], 5)]  # the longest generation takes slot 0
@@ -51,7 +51,7 @@ def test_generate_batch_with_the_long_request_in_slot_0_is_each_solo_run(run, ma
 
 def test_a_batch_reads_the_table_once_one_row_decodes_and_routes_on_the_host_while_more_do(run):
     from kestrel_core.config import GenerationConfig
-    from kestrel_core.batch import Request
+    from kestrel_core.engine.batch import Request
 
     with Batch(run.runner, slots=4, max_seq=64) as b:
         seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]

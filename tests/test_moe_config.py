@@ -8,8 +8,8 @@ import pytest
 
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
-from kestrel_core.modelconfig import parse_model_config, read_model_config
-from kestrel_core.presets import preset_config
+from kestrel_core.formats.modelconfig import parse_model_config, read_model_config
+from kestrel_core.tools.presets import preset_config
 
 # Qwen3-30B-A3B's config.json as published (the fields that matter, and a few that don't).
 QWEN3_30B_A3B = {
@@ -96,7 +96,7 @@ def test_transformers5_spelling_reads_as_the_published_one():
 
 
 def test_rope_parameters_carry_llama3_scaling():
-    from kestrel_core.presets import PRESETS
+    from kestrel_core.tools.presets import PRESETS
 
     raw = dict(PRESETS["tiny-llama"], torch_dtype="float32")
     newer = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}

@@ -14,7 +14,7 @@ import torch
 from kestrel_core import load
 from kestrel_core.errors import BudgetError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,8 +91,8 @@ def test_the_expert_cache_allocates_nothing_after_warm_up(tiny_moe, register_plu
 
 
 def test_a_budget_too_small_for_the_experts_names_the_expert_policy(tmp_path):
-    from kestrel_core.modelconfig import parse_model_config
-    from kestrel_core.presets import PRESETS
+    from kestrel_core.formats.modelconfig import parse_model_config
+    from kestrel_core.tools.presets import PRESETS
 
     # 3 sparse layers x 16 experts of 768 KiB in bfloat16: 36 MiB of experts, the rest well under 1 MiB.
     cfg = parse_model_config(dict(PRESETS["tiny-moe"], torch_dtype="bfloat16", num_experts=16, moe_intermediate_size=2048))
@@ -107,7 +107,7 @@ def test_a_budget_too_small_for_the_experts_names_the_expert_policy(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_moe_q8(tiny_moe, tmp_path_factory):
-    from kestrel_core.quantize import quantize_checkpoint
+    from kestrel_core.tools.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("moe-cuda-q8") / "tiny-moe-q8"
     quantize_checkpoint(tiny_moe, out, 32)

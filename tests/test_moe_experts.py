@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_core.traces import TraceRecorder
+from kestrel_core.tools.traces import TraceRecorder
 from kestrel_core import load
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_plugins.experts import ExpertLFU, ExpertLRU
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from plugins.experts import ExpertLFU, ExpertLRU
 
 PROMPT = [5, 17, 42, 99, 3]
 EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers: 24 KiB

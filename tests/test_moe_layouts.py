@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli_helpers import WEIGHTS, fails
-from kestrel_core.traces import TraceRecorder
+from kestrel_core.tools.traces import TraceRecorder
 from kestrel_core import load
-from kestrel_core.checkpoint import FUSED_DOWN, FUSED_GATE_UP, Checkpoint
+from kestrel_core.formats.checkpoint import FUSED_DOWN, FUSED_GATE_UP, Checkpoint
 from kestrel_core.cli import main
 from kestrel_core.errors import CheckpointError, ConfigError
-from kestrel_core.presets import preset_config, router_ranks, write_checkpoint
+from kestrel_core.tools.presets import preset_config, router_ranks, write_checkpoint
 
 INDEX = "model.safetensors.index.json"
 PROMPT = [5, 17, 42, 99, 3]

@@ -18,10 +18,10 @@ from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.errors import PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.plan import Advice
-from kestrel_core.model import route, sparse_mlp
-from kestrel_core.tensor_table import all_specs, expert_specs, unit_specs
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.engine.plan import Advice
+from kestrel_core.engine.model import route, sparse_mlp
+from kestrel_core.formats.tensor_table import all_specs, expert_specs, unit_specs
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")

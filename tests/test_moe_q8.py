@@ -18,13 +18,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli_helpers import WEIGHTS, fails, gen, header_of
-from kestrel_core import cli, load, quant
-from kestrel_core import model as kmodel
-from kestrel_core.checkpoint import Checkpoint
+from kestrel_core import cli, load
+from kestrel_core.formats import quant
+from kestrel_core.engine import model as kmodel
+from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError
-from kestrel_core.tensor_table import expert_specs, linear_specs
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.quantize import quantize_checkpoint
+from kestrel_core.formats.tensor_table import expert_specs, linear_specs
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.tools.quantize import quantize_checkpoint
 
 PROMPT = [5, 17, 42, 99, 3]
 CFG = preset_config("tiny-moe", "float32")

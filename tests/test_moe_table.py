@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from kestrel_cpu_ref.backend import CpuRefBackend
+from backends.cpu_ref.backend import CpuRefBackend
 from kestrel_core import load
 from kestrel_core.errors import ConfigError
-from kestrel_core.expert_schedule import ExpertSchedule
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.quantize import quantize_checkpoint
-from kestrel_core.traces import TraceRecorder, replay
-from kestrel_plugins.experts import ExpertLFU
+from kestrel_core.engine.expert_schedule import ExpertSchedule
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.tools.quantize import quantize_checkpoint
+from kestrel_core.tools.traces import TraceRecorder, replay
+from plugins.experts import ExpertLFU
 
 PROMPT = [5, 17, 42, 99, 3]
 EXPERT = 3 * 32 * 64 * 4  # one tiny-moe expert in cpu_ref's float32 buffers
@@ -62,7 +62,7 @@ def test_ids_are_the_host_paths_at_every_budget_and_policy(tiny_moe, tiny_moe_q8
 
 def test_a_step_never_routes_on_the_host(tiny_moe, monkeypatch):
     """In a table step the decision point is never reached: the routing comes back with the token."""
-    from kestrel_core.runner import Runner
+    from kestrel_core.engine.runner import Runner
 
     calls = []
     real = Runner._host_experts
@@ -122,7 +122,7 @@ def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts)
         with model.open(observers=[recorder], expert_policy="expert_lfu", expert_budget_mb=budget_mb,
                         temperature=temperature, seed=3) as run:
             live = run.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False)
-            from kestrel_core.traces import model_info, read_trace
+            from kestrel_core.tools.traces import model_info, read_trace
             info = model_info(run)
     assert info["expert_decode"] == "table" and info["lag"] == (1 if temperature == 0 else 0)
     trace = {"model": info, "sizes": {tuple(map(int, k.split("."))): v for k, v in info["expert_bytes"].items()},

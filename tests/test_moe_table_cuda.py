@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kestrel_core import load
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,7 +25,7 @@ def tiny_moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_moe_q8(tiny_moe, tmp_path_factory):
-    from kestrel_core.quantize import quantize_checkpoint
+    from kestrel_core.tools.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("table-cuda") / "tiny-moe-q8"
     quantize_checkpoint(tiny_moe, out, 32)
@@ -73,8 +73,8 @@ def strictly(fn):
 def test_no_decode_step_waits_for_the_host(tiny_moe, monkeypatch):
     """Every decode step's work, eager or captured, and every replay, runs with a sync an error (the capture's own
     synchronize before it starts is the capture's, not the step's; a prompt's pass may route on the host)."""
-    from kestrel_core.runner import Runner
-    from kestrel_cuda.backend import CudaBackend
+    from kestrel_core.engine.runner import Runner
+    from backends.cuda.backend import CudaBackend
 
     real = Runner.decode_step
 

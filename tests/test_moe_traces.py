@@ -7,10 +7,10 @@ import json
 import pytest
 
 from cli_helpers import fails
-from kestrel_core import traces
+from kestrel_core.tools import traces
 from kestrel_core.cli import main
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_plugins.experts import ExpertLFU, ExpertLRU
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from plugins.experts import ExpertLFU, ExpertLRU
 
 from conftest import run_once
 

@@ -9,7 +9,9 @@ import stat
 
 import pytest
 
-from kestrel_core import newfile, renameat
+from kestrel_core.io import newfile
+
+from kestrel_core.io import renameat
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
 from cli_helpers import fails

@@ -15,12 +15,12 @@ import torch
 from bench.scenarios.speculative import Oracle, OraclePlugin
 from bench.serve_process import ServeProcess
 from kestrel_core import load
-from kestrel_core.batch import BUCKETS, Batch, Request, bucket
+from kestrel_core.engine.batch import BUCKETS, Batch, Request, bucket
 from kestrel_core.config import GenerationConfig
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.sampling import Sampler
-from kestrel_core.scheduler import Scheduler
-from kestrel_core.speculative import accept
+from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.scheduler import Scheduler
+from kestrel_core.engine.speculative import accept
 
 REPEATING = [[5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17], [9, 8, 7, 9, 8, 7, 9, 8], [1, 2, 3], [4, 4, 4, 4, 4]]
 LENGTHS = [14, 9, 6, 11]
@@ -55,7 +55,7 @@ def test_drafting_sequences_in_a_batch_keep_their_plain_greedy_ids(tiny_ckpt, se
 
 
 def test_a_draft_model_drafts_for_a_batch_of_sequences(tiny_ckpt, tmp_path):
-    from kestrel_core.presets import preset_config, write_checkpoint
+    from kestrel_core.tools.presets import preset_config, write_checkpoint
 
     small = write_checkpoint(preset_config("tiny", layers=2), tmp_path / "tiny-2")
     with load(tiny_ckpt) as model:
@@ -205,7 +205,7 @@ def test_sampled_rows_are_read_back_in_their_step_and_greedy_ones_a_step_late(ti
 
 def test_decode_times_run_from_one_steps_mark_to_the_next(tiny_ckpt, monkeypatch):
     """With a clock that ticks once a mark, each decode step takes exactly one tick and the prefill one too."""
-    from kestrel_cpu_ref.backend import CpuRefBackend
+    from backends.cpu_ref.backend import CpuRefBackend
 
     ticks = itertools.count()
     monkeypatch.setattr(CpuRefBackend, "mark", lambda self: next(ticks))

@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from kestrel_cuda.host import pagecache
+from backends.cuda.host import pagecache
 from kestrel_core.errors import CheckpointError, KestrelError
-from kestrel_cuda.host.pagecache import cached_pages, drop_cache, range_cached, resident_fraction
+from backends.cuda.host.pagecache import cached_pages, drop_cache, range_cached, resident_fraction
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PAGES = 64

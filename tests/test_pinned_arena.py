@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_cuda.host.diskread import ALIGN, round_up
+from backends.cuda.host.diskread import ALIGN, round_up
 from kestrel_core.errors import ConfigError
-from kestrel_cuda.host.pinned_arena import BLOCK, PinnedArena, arena_bytes
+from backends.cuda.host.pinned_arena import BLOCK, PinnedArena, arena_bytes
 
 MiB = 2**20
 # one Qwen3-8B layer's bf16 entries as the cuda backend stages them: qkv, o, gate_up, down, and the small ones

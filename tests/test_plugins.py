@@ -12,11 +12,11 @@ import pytest
 
 from kestrel_core import hookspecs, plugins
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.plan import Advice
-from kestrel_cpu_ref.backend import CpuRefBackend
+from kestrel_core.engine.plan import Advice
+from backends.cpu_ref.backend import CpuRefBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = {

@@ -7,9 +7,9 @@ import itertools
 import attrs
 import pytest
 
-from kestrel_core.plan import Counters, Entry
-from kestrel_core.units import Geometry
-from kestrel_plugins.allocators import Free, Pool
+from kestrel_core.engine.plan import Counters, Entry
+from kestrel_core.formats.units import Geometry
+from plugins.allocators import Free, Pool
 
 BASE = Geometry(shape=(64, 160), dtype="torch.float32", nbytes=64 * 160 * 4, device="cpu", layout=())
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kestrel_core import progress
+from kestrel_core.io import progress
 from kestrel_core.cli import main
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 
 @pytest.fixture

@@ -20,14 +20,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kestrel_core import cli, quant
-from kestrel_core.checkpoint import Checkpoint
-from kestrel_core.engine import Model
+from kestrel_core import cli
+
+from kestrel_core.formats import quant
+from kestrel_core.formats.checkpoint import Checkpoint
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import CheckpointError
-from kestrel_core.tensor_table import linear_specs
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.units import Geometry
-from kestrel_core.quantize import quantize_checkpoint
+from kestrel_core.formats.tensor_table import linear_specs
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.formats.units import Geometry
+from kestrel_core.tools.quantize import quantize_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ["asymmetric", "future_evicting", "pinned_set"]
@@ -324,7 +326,7 @@ def test_q8_against_float_greedy_ids(tiny_ckpt, tiny_q8, run_model, record_prope
 
 @pytest.mark.parametrize("n,k,group", [(130, 96, 32), (999, 4160, 64), (64, 256, 128), (1, 32, 32)])
 def test_torch_fallback_matches_float64(n, k, group, monkeypatch):
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     gen = torch.Generator().manual_seed(n + k)
     qweight, scales = quant.quantize(torch.randn((n, k), generator=gen), group)
@@ -342,7 +344,7 @@ def test_torch_fallback_matches_float64(n, k, group, monkeypatch):
 
 
 def test_staged_fused_entries_split_like_the_parts(tiny_q8):
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     fused = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)))
     with Model(tiny_q8) as model:
@@ -387,7 +389,7 @@ def test_the_kernel_indexing_on_the_host(tmp_path):
 
 def test_kernel_refuses_a_gpu_older_than_sm80_with_a_clear_reason(monkeypatch):
     """Checked before any build: the kernel streams with cp.async (sm_80+); the torch path remains."""
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     monkeypatch.setattr(q8, "_module", None)
     monkeypatch.setattr(q8, "_error", None)
@@ -405,7 +407,7 @@ def test_kernel_refuses_a_gpu_older_than_sm80_with_a_clear_reason(monkeypatch):
 @pytest.mark.parametrize("device", [-1, 64, "0"])
 def test_kernel_queries_refuse_a_device_that_is_not_here(device):
     """Checked before the binding, which would fall back to device 0 or fail inside the extension."""
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     w = q8.Q8Weight.empty(8, 32, 32)
     with pytest.raises(ValueError, match=rf"no CUDA device {device!r} here; this machine has"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_core import quant
+from kestrel_core.formats import quant
 
 pytestmark = pytest.mark.cuda
 
@@ -34,7 +34,7 @@ SHAPES = [
 
 @pytest.fixture(scope="module")
 def q8():
-    from kestrel_cuda import q8 as mod
+    from backends.cuda import q8 as mod
 
     try:
         mod.load_kernel()
@@ -44,7 +44,7 @@ def q8():
 
 
 def _case(n, k, group, seed=0, device="cuda"):
-    from kestrel_cuda.q8 import Q8Weight
+    from backends.cuda.q8 import Q8Weight
 
     gen = torch.Generator().manual_seed(seed * 7919 + n * 31 + k)
     qweight, scales = quant.quantize(torch.randn((n, k), generator=gen) * 0.05, group)
@@ -171,7 +171,7 @@ def test_kernel_captures_into_a_cuda_graph(q8):
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
 def test_torch_path_matches_float64_on_the_gpu(n, k, group):
-    from kestrel_cuda import q8 as mod
+    from backends.cuda import q8 as mod
 
     w, ref_w, gen = _case(n, k, group, seed=1)
     for T in (1, 7):
@@ -193,7 +193,7 @@ def test_q8_linear_dispatch(q8):
 
 def test_pooled_buffer_upload_roundtrip(q8):
     """Pinned host staging -> a device buffer made from the geometry alone -> same product."""
-    from kestrel_cuda.q8 import Q8Weight, new_q8_buffer
+    from backends.cuda.q8 import Q8Weight, new_q8_buffer
 
     host_w, ref_w, gen = _case(130, 96, 32, device="cpu")
     pinned = Q8Weight.from_tensors(host_w.qweight, host_w.scales, host_w.n, host_w.group, pin_memory=True)

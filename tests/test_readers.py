@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from cli_helpers import WEIGHTS, fails, gen, header_of
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
-from kestrel_core.modelconfig import parse_model_config
-from kestrel_core.quantize import quantize_checkpoint
+from kestrel_core.formats.modelconfig import parse_model_config
+from kestrel_core.tools.quantize import quantize_checkpoint
 
 INDEX = "model.safetensors.index.json"
 GATE = "model.layers.2.mlp.gate_proj.weight"

@@ -18,11 +18,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kestrel_core import load, quant
-from kestrel_core.chat_template import load_chat_template
+from kestrel_core import load
+
+from kestrel_core.formats import quant
+from kestrel_core.formats.chat_template import load_chat_template
 from kestrel_core.cli import main
-from kestrel_core.tensor_table import all_specs, validate_checkpoint
-from kestrel_core.tokenizer import load_tokenizer
+from kestrel_core.formats.tensor_table import all_specs, validate_checkpoint
+from kestrel_core.formats.tokenizer import load_tokenizer
 from tests.real_model import smollm2_ckpt, smollm2_gguf, smollm2_hf  # noqa: F401  (fixtures)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_golden.json").read_text())

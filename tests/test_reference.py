@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 PROMPT = [7, 300, 12, 45, 511, 2, 90, 128, 64, 33, 1, 250]  # 12 tokens: the prefill uses the causal mask
 NEW = 8
@@ -198,7 +198,7 @@ def test_logits_and_greedy_ids_match_reference(request, run_model, preset, store
 
 def test_llama3_rope_scaling_matters_and_matches(tiny_llama_ckpt):
     """The scaled inverse frequencies agree with the core's, and leaving the scaling out would fail the test."""
-    from kestrel_core.modelconfig import read_model_config
+    from kestrel_core.formats.modelconfig import read_model_config
 
     c = json.loads((tiny_llama_ckpt / "config.json").read_text())
     np.testing.assert_allclose(read_model_config(tiny_llama_ckpt).inv_freq().numpy(), ref_inv_freq(c), rtol=1e-12)

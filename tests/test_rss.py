@@ -17,13 +17,13 @@ import sys
 
 import pytest
 
-from kestrel_core.checkpoint import PAGE, Checkpoint
+from kestrel_core.formats.checkpoint import PAGE, Checkpoint
 from kestrel_core.config import KestrelConfig
-from kestrel_core.engine import Model
+from kestrel_core.engine.run import Model
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.tensor_table import linear_specs
-from kestrel_core.modelconfig import read_model_config
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.formats.tensor_table import linear_specs
+from kestrel_core.formats.modelconfig import read_model_config
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")]
 

@@ -35,10 +35,10 @@ import pytest
 
 from kestrel_core import load, plugins
 from bench.rss import ResidentRuns, fault_granule
-from kestrel_core.checkpoint import PAGE
+from kestrel_core.formats.checkpoint import PAGE
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.tensor_table import all_specs
-from kestrel_core.presets import preset_config, write_checkpoint
+from kestrel_core.formats.tensor_table import all_specs
+from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 
 def _smaps_readable() -> bool:

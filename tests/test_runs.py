@@ -11,9 +11,9 @@ from kestrel_core import load
 from kestrel_core.config import KestrelConfig
 from kestrel_core.errors import ConfigError, PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.optimum import min_bytes_by_pass
-from kestrel_core.plan import Advice
-from kestrel_core.units import EntrySpec, Geometry, Unit, UnitSpec, UnitTable
+from kestrel_core.tools.optimum import min_bytes_by_pass
+from kestrel_core.engine.plan import Advice
+from kestrel_core.formats.units import EntrySpec, Geometry, Unit, UnitSpec, UnitTable
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "kestrel-plugin-example"
 PROMPT = [5, 17, 42, 99, 3]

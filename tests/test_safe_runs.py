@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from kestrel_core import kvcache
-from kestrel_core.runner import Runner
+from kestrel_core.engine import kvcache
+from kestrel_core.engine.runner import Runner
 from kestrel_core.cli import main
 from kestrel_core.errors import KestrelNote, PluginError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.plan import Advice
+from kestrel_core.engine.plan import Advice
 from cli_helpers import WEIGHTS, fails, gen
 
 
@@ -171,7 +171,7 @@ def test_numpy_layer_numbers_are_accepted(tiny_ckpt, register_plugin, run_model)
 
 
 def test_window_layer_check_names_the_policy(tiny_ckpt, register_plugin):
-    from kestrel_core.engine import Model
+    from kestrel_core.engine.run import Model
     from conftest import run_config
 
     register_plugin(Answers(advice=Advice(evict=[7])), "answers")

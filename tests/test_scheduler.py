@@ -5,11 +5,11 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kestrel_core.batch import Batch
-from kestrel_core.engine import load
+from kestrel_core.engine.batch import Batch
+from kestrel_core.engine.run import load
 from kestrel_core.errors import ConfigError
-from kestrel_core.sampling import Sampler
-from kestrel_core.scheduler import QueueFull, Scheduler
+from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.scheduler import QueueFull, Scheduler
 
 LONG = 400  # tokens: far longer than the few microseconds between two submits
 

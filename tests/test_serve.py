@@ -23,8 +23,8 @@ import pytest
 
 from bench.serve_process import ServeProcess
 from kestrel_core import cli
-from kestrel_core.chat_template import end_ids, load_chat_template
-from kestrel_core.engine import load
+from kestrel_core.formats.chat_template import end_ids, load_chat_template
+from kestrel_core.engine.run import load
 
 KEY = "test-key-123"
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -481,7 +481,7 @@ def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, mon
 
     from starlette.testclient import TestClient
 
-    from kestrel_core.batch import Batch
+    from kestrel_core.engine.batch import Batch
     from kestrel_core.config import KestrelConfig
     from kestrel_core.serve.app import create_app
     from kestrel_core.serve.service import Limits, Service

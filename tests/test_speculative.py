@@ -15,10 +15,10 @@ from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.config import GenerationConfig
 from kestrel_core.errors import ConfigError, KestrelNote
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_core.sampling import Sampler
-from kestrel_core.scheduler import Scheduler
-from kestrel_core.speculative import accept
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.scheduler import Scheduler
+from kestrel_core.engine.speculative import accept
 
 REPEATING = [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]
 
@@ -124,7 +124,7 @@ def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):
 
 
 def test_ngram_drafts_from_the_longest_match_of_two_tokens_or_more():
-    from kestrel_plugins.drafters import NGram
+    from plugins.drafters import NGram
 
     seq = [1, 2, 3, 4, 9, 2, 3, 7, 9, 2]
     assert NGram().propose(seq, 3) == ([3, 7, 9], None)  # [9, 2] matched at 4, the latest: what followed it

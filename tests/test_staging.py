@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel_core.checkpoint import Checkpoint
-from kestrel_cuda.host.diskread import direct_io_supported
-from kestrel_cuda.host.pagecache import cached_fraction, drop_checkpoint, resident_fraction
-from kestrel_cuda.host.tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
-from kestrel_core.tensor_table import unit_specs
-from kestrel_core.modelconfig import read_model_config
-from kestrel_core.presets import preset_config, write_checkpoint
-from kestrel_cuda.host.staging import Filler, PartRead, Stager
-from kestrel_cuda.layout import slot_entries
+from kestrel_core.formats.checkpoint import Checkpoint
+from backends.cuda.host.diskread import direct_io_supported
+from backends.cuda.host.pagecache import cached_fraction, drop_checkpoint, resident_fraction
+from backends.cuda.host.tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
+from kestrel_core.formats.tensor_table import unit_specs
+from kestrel_core.formats.modelconfig import read_model_config
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from backends.cuda.host.staging import Filler, PartRead, Stager
+from backends.cuda.layout import slot_entries
 
 DTYPE = torch.bfloat16
 

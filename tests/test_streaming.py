@@ -11,11 +11,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from kestrel_core.cli import main
-from kestrel_core.step_graphs import StepGraphs
-from kestrel_core.engine import Model
+from kestrel_core.engine.step_graphs import StepGraphs
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import ConfigError
-from kestrel_core.presets import byte_level_tokenizer, preset_config
-from kestrel_core.tokenizer import TextStream, Tokenizer
+from kestrel_core.tools.presets import byte_level_tokenizer, preset_config
+from kestrel_core.formats.tokenizer import TextStream, Tokenizer
 
 from conftest import PROMPT, run_config
 

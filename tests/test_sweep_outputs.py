@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_core import sweep
+from kestrel_core.tools import sweep
 from kestrel_core.cli import main
 from cli_helpers import fails
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel_core import presets, quantize
+from kestrel_core.tools import presets
+
+from kestrel_core.tools import quantize
 from kestrel_core.cli import main
 from cli_helpers import fails
 

@@ -15,14 +15,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kestrel_core import quant
-from kestrel_core.backend import Backend, BackendContext
-from kestrel_core.devices import compute_device
-from kestrel_core.dtypes import compute_dtype, itemsize
+from kestrel_core.formats import quant
+from kestrel_core.engine.backend import Backend, BackendContext
+from kestrel_core.engine.devices import compute_device
+from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
-from kestrel_core.model import expert_mlp
-from kestrel_core.units import EntrySpec, Geometry
+from kestrel_core.engine.model import expert_mlp
+from kestrel_core.formats.units import EntrySpec, Geometry
 
 DTYPES = ("float32", "float64")
 

@@ -19,18 +19,18 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from kestrel_core import progress
-from kestrel_core.backend import Backend, BackendContext
-from kestrel_cuda.budget import resolve_budget
-from kestrel_core.devices import compute_device
-from kestrel_core.dtypes import compute_dtype, itemsize
+from kestrel_core.io import progress
+from kestrel_core.engine.backend import Backend, BackendContext
+from backends.cuda.budget import resolve_budget
+from kestrel_core.engine.devices import compute_device
+from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
-from kestrel_core.host import meminfo
-from kestrel_cuda.host.diskread import round_up
-from kestrel_cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
-from kestrel_cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
-from kestrel_cuda.host.staging import Filler, Stager
-from kestrel_core.units import EntrySpec, Geometry
+from kestrel_core.engine.host import meminfo
+from backends.cuda.host.diskread import round_up
+from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
+from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
+from backends.cuda.host.staging import Filler, Stager
+from kestrel_core.formats.units import EntrySpec, Geometry
 
 from . import grouped_experts, q8
 from .expert_table import DeviceExpertTable

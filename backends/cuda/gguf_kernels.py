@@ -3,7 +3,7 @@ inside the kernel and summed in float32, so the device reads the file's bytes (4
 dequantized copy.
 
 A weight W [N, K] is stored as ggml stores it: each of its N rows is a run of blocks along K, so the bytes are uint8
-[N, K / values_per_block * bytes_per_block] (``kestrel_core.gguf_quants.block_geometry``). ``matmul(x, raw, qtype, n,
+[N, K / values_per_block * bytes_per_block] (``kestrel_core.formats.gguf_quants.block_geometry``). ``matmul(x, raw, qtype, n,
 k)`` gives y [M, N] = x [M, K] @ W.T in float32, for M = 1 (decode at batch 1) up to 64 rows a launch (batched decode,
 speculative verify passes; more rows run as further launches); ``gemv`` is its one-row form.
 
@@ -20,7 +20,7 @@ and Q8_0 at 900 to 1280 GB/s on the Qwen3-8B q and gate shapes (20 to 44% of the
 dequantize-then-linear; 8 rows take 2.5 to 4x one row's time; 64 rows are compute-bound on the per-row reductions
 (each row's x tile crosses shared memory) and slower than dequantize-then-linear.
 
-Each type's bits are read as ggml's ``dequantize_row_*`` reads them; ``kestrel_core.gguf_quants`` (bit-exact with ggml)
+Each type's bits are read as ggml's ``dequantize_row_*`` reads them; ``kestrel_core.formats.gguf_quants`` (bit-exact with ggml)
 is the reference the tests hold these kernels to. Triton compiles them on first use; where Triton is missing,
 ``available()`` says so.
 """
@@ -32,7 +32,7 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
-from kestrel_core.gguf_quants import block_geometry
+from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)

@@ -18,7 +18,7 @@ def fusion(tensors: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
 def slot_entries(tensors: dict) -> list:
     """The unit's entries as the host tier stages them (``SlotEntry``): each fused entry's shape and the
     checkpoint tensors stacked into it, in ``fusion`` order."""
-    from kestrel_cuda.host.tier import SlotEntry
+    from backends.cuda.host.tier import SlotEntry
 
     return [SlotEntry(name, (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1]),
                       tuple(tensors[r][0] for r in roles)) for name, roles in fusion(tensors)]

@@ -1,7 +1,7 @@
 """q8 weights on the CUDA backend: the device entry, the GEMV kernel (built lazily), the pure-torch path.
 
 A ``Q8Weight`` is one linear in device layout, held in a single byte buffer: qweight int8
-``[K, Npad]`` and right after it scales f32 ``[K/group, Npad]`` (see kestrel_core.quant). One
+``[K, Npad]`` and right after it scales f32 ``[K/group, Npad]`` (see kestrel_core.formats.quant). One
 buffer means one DMA per entry on upload and one pool key per geometry. It quacks like the
 torch tensor the CUDA backend's upload flow expects (``copy_``, ``data_ptr``,
 ``record_stream``), so pooled buffers, side-stream prefetch and events work unchanged.
@@ -27,10 +27,10 @@ from typing import Callable, Iterable, Sequence
 import attrs
 import torch
 
-from kestrel_core import quant
-from kestrel_core.checkpoint import Checkpoint
+from kestrel_core.formats import quant
+from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import KestrelError, KestrelNote
-from kestrel_core.units import Geometry
+from kestrel_core.formats.units import Geometry
 
 DTYPE = "q8"  # Geometry.dtype of a q8 entry
 # Largest dequantized slice the torch path materializes at once (elements): bounds its buffer.
@@ -228,7 +228,7 @@ def load_kernel():
         try:
             from torch.utils.cpp_extension import load
 
-            from kestrel_csrc import SOURCE_DIR
+            from csrc import SOURCE_DIR
 
             arch = _arch()
             saved = os.environ.get("TORCH_CUDA_ARCH_LIST")

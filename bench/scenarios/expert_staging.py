@@ -57,13 +57,13 @@ def us(times_s: list[float], factor: float = 1.0) -> dict:
 
 def run(args, record) -> dict:
     import torch
-    from kestrel_core.checkpoint import Checkpoint
-    from kestrel_core.modelconfig import read_model_config
-    from kestrel_core.tensor_table import unit_specs
-    from kestrel_cuda.host.pagecache import cached_pages, resident_fraction
-    from kestrel_cuda.host.staging import Filler, PartRead, Stager
-    from kestrel_cuda.host.tier import PinnedRing, fill_threads, slot_bytes
-    from kestrel_cuda.layout import slot_entries
+    from kestrel_core.formats.checkpoint import Checkpoint
+    from kestrel_core.formats.modelconfig import read_model_config
+    from kestrel_core.formats.tensor_table import unit_specs
+    from backends.cuda.host.pagecache import cached_pages, resident_fraction
+    from backends.cuda.host.staging import Filler, PartRead, Stager
+    from backends.cuda.host.tier import PinnedRing, fill_threads, slot_bytes
+    from backends.cuda.layout import slot_entries
 
     dtype = torch.bfloat16
     path = models.ensure_preset(args.models, args.preset, layers=args.layers)

@@ -99,7 +99,7 @@ def random_weight(qtype, n: int, k: int, seed: int):
     """Valid ``qtype`` blocks for W [n, k] on the GPU: random quant bits, float16 scales finite and small."""
     import torch
 
-    from kestrel_core.gguf_quants import block_geometry
+    from kestrel_core.formats.gguf_quants import block_geometry
 
     values, nbytes = block_geometry(qtype)
     g = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -128,8 +128,8 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
     import torch
     import torch.nn.functional as F
 
-    from kestrel_core.gguf_quants import dequantize
-    from kestrel_cuda import gguf_kernels
+    from kestrel_core.formats.gguf_quants import dequantize
+    from backends.cuda import gguf_kernels
 
     stored = gguf_kernels.stored_bytes(qtype, n, k)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 64 * 2**20
@@ -224,7 +224,7 @@ def verdict(rows: list[dict]) -> dict:
 def run(args, record) -> dict:
     from gguf import GGMLQuantizationType
 
-    from kestrel_cuda import gguf_kernels
+    from backends.cuda import gguf_kernels
 
     why = gguf_kernels.available()
     if why:

@@ -16,7 +16,7 @@ here: the staging is host work), the ways below side by side, interleaved round 
 
 ``--dma`` runs pinned host-to-device copies of 1 GiB back to back on a thread beside each timed pass (as the ring's
 uploads do beside its fill), and records the rate they kept: memory copies and DMA share the host's memory.
-This measures the cuda backend's own staging parts (``kestrel_cuda.host``), not a run.
+This measures the cuda backend's own staging parts (``backends.cuda.host``), not a run.
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ class Dma:
 
 def run(args, record) -> dict:
     import torch
-    from kestrel_core.checkpoint import Checkpoint
-    from kestrel_core.modelconfig import read_model_config
-    from kestrel_core.tensor_table import unit_specs
-    from kestrel_cuda.host.staging import Filler
-    from kestrel_cuda.host.tier import PinnedRing, slot_bytes
-    from kestrel_cuda.layout import slot_entries
+    from kestrel_core.formats.checkpoint import Checkpoint
+    from kestrel_core.formats.modelconfig import read_model_config
+    from kestrel_core.formats.tensor_table import unit_specs
+    from backends.cuda.host.staging import Filler
+    from backends.cuda.host.tier import PinnedRing, slot_bytes
+    from backends.cuda.layout import slot_entries
 
     dtype = getattr(torch, DTYPE_NAME)
     hows = ("mapping", "pread") + (("mapped",) if args.mapped else ())

@@ -100,7 +100,7 @@ def mem_available() -> int | None:
 
 def cached_share(files) -> float | None:
     """The share of the files' pages in the page cache now (``cachestat``); None where it cannot be told."""
-    from kestrel_cuda.host.pagecache import cached_pages
+    from backends.cuda.host.pagecache import cached_pages
 
     cached = pages = 0
     for f in files:
@@ -118,8 +118,8 @@ def cached_share(files) -> float | None:
 def odirect_ceiling(shard: Path, nbytes: int = 2 * 2**30) -> float:
     """The O_DIRECT read rate of ``shard``'s first ``nbytes`` now, on 8 threads, GB/s (read at the start of a run
     and on each side of a cold ring row: this disk's rate drifts over a run)."""
-    from kestrel_cuda.host.diskread import sequential_read_rate
-    from kestrel_cuda.host.pagecache import drop_cache
+    from backends.cuda.host.diskread import sequential_read_rate
+    from backends.cuda.host.pagecache import drop_cache
 
     drop_cache(shard)
     return sequential_read_rate(shard, nbytes=nbytes, threads=8) / 1e9
@@ -140,7 +140,7 @@ def kestrel_row(path: Path, label: str, budget_mb: int, cold: bool, tokens: int,
     row measures the O_DIRECT ceiling just before and just after it."""
     import torch
     from kestrel_core import load
-    from kestrel_cuda.host.pagecache import drop_checkpoint
+    from backends.cuda.host.pagecache import drop_checkpoint
 
     settings = {"backend": "cuda", "keep": 1, "prefetch": 1, "host_budget_mb": budget_mb, **settings}
     gc.collect()
@@ -190,7 +190,7 @@ def kestrel_row(path: Path, label: str, budget_mb: int, cold: bool, tokens: int,
 def staging_variant(off: tuple[str, ...] = (), piece: int | None = None):
     """The ring's staging with some of its small-unit measures taken back: ``expect`` stages a plan's units only on
     demand, ``batch`` stages one unit at a time; ``piece`` reads the parts in pieces of that many bytes."""
-    from kestrel_cuda.host.staging import PartRead, Stager
+    from backends.cuda.host.staging import PartRead, Stager
 
     saved = PartRead.PIECE, Stager.expect, Stager.BATCH_BYTES
     if piece:
@@ -223,8 +223,8 @@ def with_ids(rows: list[dict]) -> list[dict]:
 
 
 def moe_rows(root: Path, layers: int, tokens: int, variants: bool) -> dict:
-    from kestrel_core.presets import preset_config
-    from kestrel_cuda.host.staging import PartRead
+    from kestrel_core.tools.presets import preset_config
+    from backends.cuda.host.staging import PartRead
 
     path = models.ensure_preset(root, MOE_PRESET, layers=layers)
     full = preset_config(MOE_PRESET).num_hidden_layers
@@ -267,7 +267,7 @@ def memcpy_rate(nbytes: int = 2**30, threads: int = 8) -> dict:
 
 
 def ceilings(path: Path) -> dict:
-    from kestrel_cuda.host.tier import fill_threads
+    from backends.cuda.host.tier import fill_threads
 
     out = copy_rates()
     shard = max(Path(path).glob("*.safetensors"), key=lambda p: p.stat().st_size)

@@ -117,7 +117,7 @@ def two_slots(n_units: int, stream, stage, upload, retire=lambda i: None, finish
 def run(args, record) -> dict:
     import numpy as np
     import torch
-    from kestrel_cuda.host.tier import HostMemory
+    from backends.cuda.host.tier import HostMemory
 
     warnings.filterwarnings("ignore", message=".*not writable.*")
     unit = args.unit_mib * 2**20

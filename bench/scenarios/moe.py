@@ -260,7 +260,7 @@ def targets(result: dict, cfg) -> dict:
 
 
 def run(args, record) -> dict:
-    from kestrel_core.presets import PRESETS, preset_config
+    from kestrel_core.tools.presets import PRESETS, preset_config
 
     full = PRESETS[args.preset]["num_hidden_layers"]
     layers = min(args.layers, full)

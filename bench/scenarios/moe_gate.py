@@ -51,7 +51,7 @@ def experts(k: int, q8: bool):
     """k experts' host copies (pinned) and device slots, and the two tables pointing at each."""
     import torch
 
-    from kestrel_core import quant
+    from kestrel_core.formats import quant
 
     g = torch.Generator().manual_seed(0)
     host, dev = [], []
@@ -76,7 +76,7 @@ def experts(k: int, q8: bool):
 def run(args, record) -> dict:
     import torch
 
-    from kestrel_cuda.grouped_experts import GroupedExperts
+    from backends.cuda.grouped_experts import GroupedExperts
 
     k, reps = args.experts, args.reps
     out: dict = {"shape": {"hidden": H, "intermediate": I, "routed": k}, "pinned_copy": copy_rates(reps=reps)}

@@ -117,7 +117,7 @@ def python_profile(model, flags: dict, tokens: int, rows: int = 20) -> dict:
 
 def run(args, record) -> dict:
     from kestrel_core import load
-    from kestrel_core.presets import PRESETS
+    from kestrel_core.tools.presets import PRESETS
 
     full = PRESETS[args.preset]["num_hidden_layers"]
     layers = min(args.layers, full)

@@ -52,7 +52,7 @@ def parse_shapes(text: str):
 def weight_sets(n: int, k: int, group: int) -> list:
     """Random q8 weights and input rows, enough sets that together they are >= 3x the L2."""
     import torch
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 * 2**20)
     first = q8.gemv_case(n, k, group, torch.bfloat16, seed=0)
@@ -62,7 +62,7 @@ def weight_sets(n: int, k: int, group: int) -> list:
 
 def measure(cases: list, ref, variant, d2d_GBps: float, graph_reps: int = 30, eager_reps: int = 200) -> dict:
     """One row: device and eager times of one variant over the rotating sets, and its error against ``ref``."""
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     w = cases[0].weight
     path = "torch" if variant == "torch" else "kernel"
@@ -106,7 +106,7 @@ def gemv_rows(shapes, group: int, d2d_GBps: float, variants=VARIANTS, graph_reps
 
 
 def run(args, record) -> dict:
-    from kestrel_cuda import q8
+    from backends.cuda import q8
 
     variants = tuple(v if v in ("auto", "torch") else int(v) for v in args.variants.split(","))
     ceilings = copy_rates()

@@ -61,7 +61,7 @@ def captures(dev, src) -> str:
 
 def run(args, record) -> dict:
     import torch
-    from kestrel_cuda.host.tier import HostMemory
+    from backends.cuda.host.tier import HostMemory
 
     n = args.mib * 2**20
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")

@@ -53,7 +53,7 @@ class RssSampler:
         self.window = None  # the last one seen: the end sample reads the window as the run leaves it
 
     def sample(self, window, where: str, phase: str) -> None:
-        from kestrel_core.checkpoint import mapping_rss
+        from kestrel_core.formats.checkpoint import mapping_rss
 
         self.window = window
         keys = list(window.resident_units)
@@ -130,8 +130,8 @@ def run_one(model, sampler_args, tokens: int, settings: dict) -> dict:
 
 def run(args, record) -> dict:
     from kestrel_core import load
-    from kestrel_core.checkpoint import Checkpoint
-    from kestrel_core.tensor_table import unit_specs
+    from kestrel_core.formats.checkpoint import Checkpoint
+    from kestrel_core.formats.tensor_table import unit_specs
 
     fractions = [float(f) for f in args.fractions.split(",")]
     if args.model:

@@ -31,7 +31,7 @@ class RssPeak:
         self.files, self.peak, self.samples = files, 0, 0
 
     def sample(self) -> None:
-        from kestrel_core.checkpoint import mapping_rss
+        from kestrel_core.formats.checkpoint import mapping_rss
 
         self.peak = max(self.peak, mapping_rss(self.files))
         self.samples += 1
@@ -43,7 +43,7 @@ class RssPeak:
 
 def checkpoint_table(path):
     """The checkpoint's tensor table, read and unmapped again (a mapping of ours would add to the RSS measured)."""
-    from kestrel_core.checkpoint import Checkpoint
+    from kestrel_core.formats.checkpoint import Checkpoint
 
     ckpt = Checkpoint(path)
     ckpt.close()
@@ -52,7 +52,7 @@ def checkpoint_table(path):
 
 def run(args, record) -> dict:
     from kestrel_core import load
-    from kestrel_core.tensor_table import unit_specs
+    from kestrel_core.formats.tensor_table import unit_specs
 
     path = models.ensure_preset(args.models, args.preset)
     table = checkpoint_table(path)

@@ -8,15 +8,17 @@ import warnings
 
 import attrs
 
-from .. import progress, template_limits
-from ..chat_template import RESERVED, ChatTemplate, end_ids
-from ..config import GenerationConfig, model_dir
-from ..errors import ConfigError, KestrelNote
-from ..engine import load
-from ..results import GenerationResult
-from ..tokenizer import check_utf8
-from ..jsonout import finite
-from .common import add_run_flags, config_from_args
+from kestrel_core.io import progress
+
+from kestrel_core.formats import template_limits
+from kestrel_core.formats.chat_template import RESERVED, ChatTemplate, end_ids
+from kestrel_core.config import GenerationConfig, model_dir
+from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.engine.run import load
+from kestrel_core.engine.results import GenerationResult
+from kestrel_core.formats.tokenizer import check_utf8
+from kestrel_core.io.jsonout import finite
+from kestrel_core.commands.common import add_run_flags, config_from_args
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 
-from ..batch import check_batch
-from ..config import KestrelConfig, load_config, parse_ids, parse_keep
-from ..errors import ConfigError
+from kestrel_core.engine.batch import check_batch
+from kestrel_core.config import KestrelConfig, load_config, parse_ids, parse_keep
+from kestrel_core.errors import ConfigError
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -6,14 +6,14 @@ import json
 import os
 from pathlib import Path
 
-from .. import progress
-from ..config import KestrelConfig, load_config
-from ..engine import Model
-from ..errors import ConfigError
-from ..modelconfig import read_json
-from ..presets import preset_config, write_checkpoint
-from ..sweep import available_backends, run_sweep
-from .sweep import check_plot, report
+from kestrel_core.io import progress
+from kestrel_core.config import KestrelConfig, load_config
+from kestrel_core.engine.run import Model
+from kestrel_core.errors import ConfigError
+from kestrel_core.formats.modelconfig import read_json
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from kestrel_core.tools.sweep import available_backends, run_sweep
+from kestrel_core.commands.sweep import check_plot, report
 
 HELP = "write the embedded demo checkpoint if missing, sweep it on every available backend, print the verdict"
 KEEPS = [1, 2, 3, 4, 7, 8, "off"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .. import traces
-from ..config import model_dir
-from ..engine import load
-from ..errors import ConfigError
-from ..jsonout import emit_json
-from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, mib, with_draft
+from kestrel_core.tools import traces
+from kestrel_core.config import model_dir
+from kestrel_core.engine.run import load
+from kestrel_core.errors import ConfigError
+from kestrel_core.io.jsonout import emit_json
+from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, mib, with_draft
 
 MAX_BATCH = 8  # a batch job's default --max-batch
 
@@ -127,8 +127,8 @@ def run_batch_job(args) -> int:
         raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
-    from ..batch_job import run_job
-    from ..newfile import check_new
+    from kestrel_core.tools.batch_job import run_job
+    from kestrel_core.io.newfile import check_new
 
     check_new(args.out, "--out")  # before the model loads
     cfg = with_draft(config_from_args(args), args)

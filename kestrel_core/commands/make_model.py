@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .. import progress
-from ..presets import DTYPES, PRESETS, preset_config, write_checkpoint
-from ..jsonout import emit_json
+from kestrel_core.io import progress
+from kestrel_core.tools.presets import DTYPES, PRESETS, preset_config, write_checkpoint
+from kestrel_core.io.jsonout import emit_json
 
 HELP = "write a real Hugging Face-format Qwen3/Llama/Qwen3-MoE checkpoint with seeded random weights"
 

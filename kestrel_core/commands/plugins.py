@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from .. import hookspecs, plugins
-from ..jsonout import emit_json
+from kestrel_core import hookspecs, plugins
+from kestrel_core.io.jsonout import emit_json
 
 HELP = "list registered backends, policies, allocators, commands and the rest, with their package and version"
 # One kind per discovery hook, in the order hookspecs.py declares them.

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .. import progress
-from ..errors import ConfigError
-from ..gguf_model import names_gguf
-from ..quant import GROUP_SIZES
-from ..quantize import quantize_checkpoint
-from ..jsonout import emit_json
-from .common import mib
+from kestrel_core.io import progress
+from kestrel_core.errors import ConfigError
+from kestrel_core.formats.gguf_model import names_gguf
+from kestrel_core.formats.quant import GROUP_SIZES
+from kestrel_core.tools.quantize import quantize_checkpoint
+from kestrel_core.io.jsonout import emit_json
+from kestrel_core.commands.common import mib
 
 HELP = ("write a q8 checkpoint (from a float checkpoint or a GGUF file): int8 weights with one f32 scale per group of "
         "input columns, in device layout "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
-from .. import plugins, traces
-from ..errors import ConfigError
-from ..expert_cache import budget_bytes
-from ..jsonout import emit_json
+from kestrel_core import plugins
+
+from kestrel_core.tools import traces
+from kestrel_core.errors import ConfigError
+from kestrel_core.engine.expert_cache import budget_bytes
+from kestrel_core.io.jsonout import emit_json
 
 HELP = "replay a routing trace (kestrel generate --trace) through an expert policy at a budget, with no weights or GPU"
 

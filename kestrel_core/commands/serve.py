@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-from ..config import GenerationConfig, model_dir
-from ..errors import ConfigError
-from .common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
+from kestrel_core.config import GenerationConfig, model_dir
+from kestrel_core.errors import ConfigError
+from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
 HELP = ("serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models) and /health; "
         "loopback only unless an API key is set")
@@ -78,9 +78,9 @@ def run(args) -> int:
     # The heavy imports after the flags are checked: a wrong flag stays a quick one-line error.
     import uvicorn
 
-    from ..serve.app import create_app
-    from ..serve.server import Server, bind, check_bind, header_deadline, url_of
-    from ..serve.service import FAILED, READY, Limits, Service
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.server import Server, bind, check_bind, header_deadline, url_of
+    from kestrel_core.serve.service import FAILED, READY, Limits, Service
 
     check_bind(args.host, api_key, args.allow_insecure)
     if args.api_key is not None and not args.api_key:

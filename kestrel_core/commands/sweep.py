@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from .. import newfile, progress
-from ..config import model_dir, parse_keep
-from ..engine import Model
-from ..errors import ConfigError
-from ..sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot, plotting,
+from kestrel_core.io import newfile
+
+from kestrel_core.io import progress
+from kestrel_core.config import model_dir, parse_keep
+from kestrel_core.engine.run import Model
+from kestrel_core.errors import ConfigError
+from kestrel_core.tools.sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot, plotting,
                      run_sweep)
-from ..jsonout import emit_json
-from .common import add_run_flags, config_from_args, prompt_ids_for
+from kestrel_core.io.jsonout import emit_json
+from kestrel_core.commands.common import add_run_flags, config_from_args, prompt_ids_for
 
 HELP = "sweep keep x policy x allocator (x backend); print the cost table and whether token ids stayed identical"
 DEFAULT_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from . import protocol
-from .generation import Generation, GenerationFailed
-from .protocol import APIError, ChatRequest, CompletionRequest
-from .service import READY, Service
+from kestrel_core.serve import protocol
+from kestrel_core.serve.generation import Generation, GenerationFailed
+from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest
+from kestrel_core.serve.service import READY, Service
 
 log = logging.getLogger("kestrel.serve")
 

@@ -12,10 +12,10 @@ import asyncio
 
 import attrs
 
-from ..batch import Sequence
-from ..results import GenerationResult
-from ..tokenizer import Tokenizer
-from .stops import TextOutput
+from kestrel_core.engine.batch import Sequence
+from kestrel_core.engine.results import GenerationResult
+from kestrel_core.formats.tokenizer import Tokenizer
+from kestrel_core.serve.stops import TextOutput
 
 _FINISHED = object()
 

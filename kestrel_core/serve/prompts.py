@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..chat_template import RESERVED, ChatTemplate
-from ..errors import ConfigError
-from ..limits import RequestLimits
-from ..tokenizer import Tokenizer
-from .protocol import bad_request
+from kestrel_core.formats.chat_template import RESERVED, ChatTemplate
+from kestrel_core.errors import ConfigError
+from kestrel_core.engine.limits import RequestLimits
+from kestrel_core.formats.tokenizer import Tokenizer
+from kestrel_core.serve.protocol import bad_request
 
 
 def completion_ids(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | list) -> list[int]:

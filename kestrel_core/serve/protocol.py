@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
+from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
 
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each

@@ -18,8 +18,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import ConfigError
-from ..signals import SIGNALS
+from kestrel_core.errors import ConfigError
+from kestrel_core.io.signals import SIGNALS
 
 log = logging.getLogger("kestrel.serve")
 

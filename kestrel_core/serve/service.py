@@ -16,16 +16,16 @@ from typing import Any
 
 import attrs
 
-from ..chat_template import ChatTemplate, end_ids
-from ..config import KestrelConfig, model_dir
-from ..engine import Model, Run, load
-from ..errors import ConfigError, KestrelError
-from ..kvcache import kv_bytes
-from ..limits import LimitError, RequestLimits
-from ..scheduler import QueueFull, Scheduler
-from . import prompts
-from .generation import Generation
-from .protocol import APIError, ChatRequest, CompletionRequest, bad_request
+from kestrel_core.formats.chat_template import ChatTemplate, end_ids
+from kestrel_core.config import KestrelConfig, model_dir
+from kestrel_core.engine.run import Model, Run, load
+from kestrel_core.errors import ConfigError, KestrelError
+from kestrel_core.engine.kvcache import kv_bytes
+from kestrel_core.engine.limits import LimitError, RequestLimits
+from kestrel_core.engine.scheduler import QueueFull, Scheduler
+from kestrel_core.serve import prompts
+from kestrel_core.serve.generation import Generation
+from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
 

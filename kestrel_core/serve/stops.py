@@ -6,7 +6,7 @@ sends what the final text leaves out; the tokenizer's stream already holds back 
 
 from __future__ import annotations
 
-from ..tokenizer import Tokenizer
+from kestrel_core.formats.tokenizer import Tokenizer
 
 
 class TextOutput:

@@ -1,8 +1,8 @@
 """Benefit gates: an optimisation's structural upper bound, set against what it competes with, before anyone builds it.
 
-A kestrel plugin package (entry point ``gates = "kestrel_gates"``). It adds the ``kestrel gate``
+A kestrel plugin package (entry point ``gates = "plugins.gates"``). It adds the ``kestrel gate``
 command through ``register_commands`` and the built-in gates (kv-paging, l3-residency, window)
-through ``register_gates``; a third-party gate subclasses ``kestrel_gates.Gate`` and registers
+through ``register_gates``; a third-party gate subclasses ``plugins.gates.Gate`` and registers
 the same way.
 
 - ``figures``: units, verdicts, the kinds of figure, how a figure is written
@@ -17,10 +17,10 @@ the same way.
 
 from __future__ import annotations
 
-# plugins/ is also the package kestrel_plugins, so this folder could load a second time as kestrel_plugins.gates,
-# with classes of its own that are not kestrel_gates' (a gate subclassing one would not be a kestrel_gates.Gate).
-if __name__ != "kestrel_gates":
-    raise ImportError(f"the gates package is kestrel_gates: import it under that name, not as {__name__}")
+# plugins/ is also the package plugins, so this folder could load a second time as plugins.gates,
+# with classes of its own that are not plugins.gates' (a gate subclassing one would not be a plugins.gates.Gate).
+if __name__ != "plugins.gates":
+    raise ImportError(f"the gates package is plugins.gates: import it under that name, not as {__name__}")
 
 from kestrel_core.hookspecs import hookimpl  # noqa: E402
 

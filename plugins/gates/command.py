@@ -5,9 +5,11 @@ A command registered through ``register_commands``: ``HELP``, ``add_arguments(pa
 
 from __future__ import annotations
 
-from kestrel_core import newfile, plugins
+from kestrel_core import plugins
+
+from kestrel_core.io import newfile
 from kestrel_core.config import parse_ids
-from kestrel_core.jsonout import emit_json
+from kestrel_core.io.jsonout import emit_json
 from kestrel_core.errors import ConfigError
 
 from .context import GateContext, GateOptions

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from kestrel_core.errors import ConfigError
-from kestrel_core.modelconfig import ModelConfig, read_model_config
+from kestrel_core.formats.modelconfig import ModelConfig, read_model_config
 
 from .figures import (ASSUMED, ASSUMED_TOTAL_MIB, DEFAULT_H2D_GBPS, DEFAULT_MAX_SEQ, GIVEN, ITEMSIZE, KV_LAYOUTS,
                       MEASURED, WEIGHT_BYTES, MiB, Quantity)

@@ -146,7 +146,7 @@ def instantiate(reg) -> Gate:
     factory = reg.factory
     gate = factory if isinstance(factory, Gate) else factory()
     if not isinstance(gate, Gate):
-        raise PluginError(f"gate {reg.name!r} from {reg.plugin} is a {type(gate).__name__}, not a kestrel_gates.Gate")
+        raise PluginError(f"gate {reg.name!r} from {reg.plugin} is a {type(gate).__name__}, not a plugins.gates.Gate")
     if gate.name in ("?", ""):
         gate.name = reg.name
     return gate

@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 
 from kestrel_core.errors import ConfigError
-from kestrel_core.host import meminfo
+from kestrel_core.engine.host import meminfo
 
 DEFAULT_PERIOD_S = 0.5
 _KB = 1024

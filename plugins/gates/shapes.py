@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kestrel_core.modelconfig import ModelConfig
+from kestrel_core.formats.modelconfig import ModelConfig
 
 
 def n_moe_layers(cfg: ModelConfig) -> int:

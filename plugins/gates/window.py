@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from kestrel_core.tensor_table import global_specs, small_specs, unit_specs
-from kestrel_core.modelconfig import ModelConfig
+from kestrel_core.formats.tensor_table import global_specs, small_specs, unit_specs
+from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core import plugins
 
 from .context import GateContext
@@ -18,7 +18,7 @@ from .figures import ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REME
 from .framework import CARD_GB, WEIGHT_DTYPE, Evaluation, Gate, Needs, Quantity
 from .shapes import n_moe_layers, param_count, streamed_params
 
-# kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.tensor_table.unit_specs
+# kestrel's own layouts, counted with the runner's objects: the residency units of kestrel_core.formats.tensor_table.unit_specs
 # (a layer's own unit; each expert of a sparse layer), and per unit cpu_ref's one entry a role, cuda's fused entries.
 KESTREL_LAYOUTS = {
     "cpu_ref": "cpu_ref layout: one entry a role (UnitSpec.tensors)",
@@ -56,9 +56,9 @@ class WindowGate(Gate):
 
     def _checkpoint(self, ctx: GateContext) -> tuple[int, int, str | None] | None:
         """(elements, bytes, quantization) read from the safetensors headers, where weights exist."""
-        from kestrel_core.checkpoint import Checkpoint
+        from kestrel_core.formats.checkpoint import Checkpoint
         from kestrel_core.errors import CheckpointError
-        from kestrel_core.quant import META_GROUP, META_QUANT
+        from kestrel_core.formats.quant import META_GROUP, META_QUANT
 
         if not any(ctx.model_dir.glob("*.safetensors")):
             return None
@@ -157,7 +157,7 @@ class WindowGate(Gate):
                           f"dense {SEED_DENSE_ENTRIES}/layer, MoE {SEED_MOE_ENTRIES}/layer, + lm_head"))
         for backend, terms in entries["terms"].items():
             src = (f"{terms} + {entries['resident']} resident (embed, norms, lm_head); units from "
-                   f"kestrel_core.tensor_table.unit_specs, {KESTREL_LAYOUTS[backend]}")
+                   f"kestrel_core.formats.tensor_table.unit_specs, {KESTREL_LAYOUTS[backend]}")
             q.append(Quantity(f"entries_{backend}", f"entries expected, kestrel {backend}", entries[backend], "count",
                               COMPUTED, src))
         if off is not None:

@@ -35,8 +35,8 @@ PLAIN = {"capital": "The capital of France is", "story": "Once upon a time, in a
 def prompts(model_dir: Path) -> dict[str, dict]:
     """name -> {"text", "ids"}: two plain prompts and one chat turn through the model's template, tokenized by kestrel's
     tokenizer of the directory (the same ids as the GGUF's, which tests/test_real_model.py checks)."""
-    from kestrel_core.chat_template import load_chat_template
-    from kestrel_core.tokenizer import load_tokenizer
+    from kestrel_core.formats.chat_template import load_chat_template
+    from kestrel_core.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     chat = load_chat_template(model_dir).render([{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True)
@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = smollm2_hf_path()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    from kestrel_core.tokenizer import load_tokenizer
+    from kestrel_core.formats.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     record = {

@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from kestrel_core.checkpoint import DTYPES, Checkpoint
+from kestrel_core.formats.checkpoint import DTYPES, Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError
 
 from .diskread import CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, direct_io_supported, round_up

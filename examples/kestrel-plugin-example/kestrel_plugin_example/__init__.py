@@ -6,7 +6,7 @@ Installed, it shows up in ``kestrel plugins`` and runs with ``kestrel generate -
 from __future__ import annotations
 
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.plan import Advice
+from kestrel_core.engine.plan import Advice
 
 __version__ = "0.1.0"
 

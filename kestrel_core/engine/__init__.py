@@ -1,0 +1,1 @@
+"""The engine: a run, its runner and the one token loop (batch, scheduler, speculative verify), the residency window and its plans, the model math, the KV cache, sampling, results and the contracts a backend or plugin meets."""

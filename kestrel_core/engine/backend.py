@@ -1,0 +1,201 @@
+"""The backend base class: the contract of ``contracts.Backend``, and the flow every backend shares."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from kestrel_core.formats.checkpoint import Checkpoint
+from kestrel_core.config import BackendConfig, ResidencyConfig
+from kestrel_core.errors import ConfigError
+from kestrel_core.engine.host import HostStore
+from kestrel_core.engine.model import rms_norm, sparse_mlp
+from kestrel_core.formats.modelconfig import ModelConfig
+from kestrel_core.engine.plan import Counters, Fetch, Plan, Resident
+from kestrel_core.formats.tensor_table import global_specs, small_specs
+from kestrel_core.formats.units import EntrySpec, Geometry, Unit, UnitKey, UnitSpec, UnitTable
+
+
+@attrs.frozen
+class BackendContext:
+    """Everything a backend factory gets."""
+
+    checkpoint: Checkpoint
+    model: ModelConfig
+    backend: BackendConfig
+    residency: ResidencyConfig
+    counters: Counters
+    peak_layers: int  # the policy's peak of resident layers (before any prefetch)
+    host: HostStore  # lives as long as the opened Model: host copies reused across runs
+    unit_specs: tuple[UnitSpec, ...]  # the model's residency units
+    quant: Any = None  # the checkpoint's kestrel_core.formats.quant.QuantInfo, None for a float checkpoint
+
+
+class Backend:
+    """A place where the layer loop runs (implements ``contracts.Backend``).
+
+    A subclass lays each residency unit out as buffers (``layout``), makes, fills and frees
+    real buffers, and loads the never-evicted tensors. The window decides what is resident
+    and hands each boundary's plan to ``execute``; the backend keeps no record of its own.
+    """
+
+    name = "?"
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    prefetch_depth = 0
+    budget: int | None = None  # device bytes for weights; None: unbounded
+    captures = False  # whether ``capture`` can return a replayable decode step
+    expert_table = False  # whether a decode step can read its routed experts through ``routed_experts``
+    row_exact = False  # whether a row's result never depends on the rows beside it (``linear`` and attention row by row)
+    expert_table_refusal = "it has none"  # why not, where it cannot (for the error that names it)
+
+    def __init__(self, ctx: BackendContext):
+        self.check_prefetch(ctx.backend.prefetch)
+        self.ctx = ctx
+        self.cfg = ctx.model
+        self.ckpt = ctx.checkpoint
+        self.counters = ctx.counters
+        self.globals: dict[str, torch.Tensor] = {}
+        self.small: list[dict[str, torch.Tensor]] = []
+        self.units = UnitTable(())
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this machine can run the backend (``kestrel demo`` sweeps every available one)."""
+        return True
+
+    @classmethod
+    def check_prefetch(cls, depth: int) -> None:
+        """Refuse a prefetch depth this backend cannot honour; the base has no side stream."""
+        if depth:
+            raise ConfigError(f"{cls.name} has no side stream to prefetch on; set prefetch = 0 for this backend")
+
+    @classmethod
+    def entries_of(cls, tensors: dict) -> int:
+        """How many device entries a unit with these roles (``UnitSpec.tensors``) takes here: one a role, unless the
+        backend fuses them (what a gate counts without making a backend)."""
+        return len(tensors)
+
+    @classmethod
+    def weight_budget(cls, config_mb: int, free_bytes: int) -> tuple[int, str] | None:
+        """(bytes, where it came from) of the weight cache a run would get with ``free_bytes`` free on the device, or
+        None where the backend keeps no budgeted cache."""
+        return None
+
+    # --- what a subclass provides -------------------------------------------------
+    def layout(self, spec: UnitSpec) -> Iterable[EntrySpec]:
+        """The buffers that hold one unit in this backend's compute layout."""
+        raise NotImplementedError
+
+    def fill(self, buffer: Any, source: Any) -> None:
+        raise NotImplementedError
+
+    def new_buffer(self, geometry: Geometry, raw: bool = False) -> Any:
+        raise NotImplementedError
+
+    def free_buffer(self, buffer: Any) -> None:
+        raise NotImplementedError
+
+    def load_resident(self, host: torch.Tensor) -> torch.Tensor:
+        """A never-evicted copy of a host tensor in compute layout."""
+        raise NotImplementedError
+
+    def retire(self, resident: Resident) -> None:
+        """Backend work once a unit is evicted (cpu_ref drops its pages; cuda notes its buffers' last reader)."""
+
+    def before_use(self, key: UnitKey) -> None:
+        """Order the compute after the unit's upload (a side-stream backend waits on an event)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work."""
+
+    def mark(self) -> Any:
+        """A point in the device's queue (for timing and for waiting on); nothing waits here."""
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        """Milliseconds of device work between two marks, waiting for the second."""
+        return (stop - start) * 1e3
+
+    def wait(self, mark: Any) -> None:
+        """Wait until the device's work up to ``mark`` is done (the CPU's is done when marked)."""
+
+    def capture(self, step: Callable[[], None], plans: list[Plan]) -> Any:
+        """One decode step captured for replay, or None where this backend cannot capture (it then runs eagerly)."""
+        return None
+
+    def replay(self, graph: Any) -> None:
+        """Run a captured step again (on the backends whose ``capture`` returns one)."""
+        raise NotImplementedError(f"{self.name} captures nothing, so it has nothing to replay")
+
+    def memory_stats(self) -> dict[str, int]:
+        return {}
+
+    # --- the expert table (where ``expert_table``) ---------------------------------------
+    def point_experts(self, host: list[UnitKey], slots: list[tuple[UnitKey, tuple]]) -> None:
+        """In stream order: point the table at the host copies of the ``host`` experts, and at the device buffers of the
+        ``slots`` experts (each after its upload)."""
+        raise NotImplementedError(f"{self.name} has no expert table")
+
+    def fetched_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, used: list[int],
+                        weights_of: dict) -> torch.Tensor:
+        """A sparse layer's routed experts the host routed and fetched: ``weights_of[e]`` holds expert e's buffers,
+        ``used`` the experts (one token's in routing order). A backend whose table path runs its own kernel runs
+        the same one here, so that where the experts were read from never changes a result."""
+        return sparse_mlp(x, weights, chosen, weights_of.__getitem__, self.linear, used)
+
+    def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """One token's routed experts of ``layer`` (``chosen`` [1, k], ``weights`` [1, k]), each read where the table
+        points, summed by weight in expert order: the same bytes give the same result wherever they were read."""
+        raise NotImplementedError(f"{self.name} has no expert table")
+
+    @staticmethod
+    def linear(x: torch.Tensor, w: Any) -> torch.Tensor:
+        """``x @ w.T`` for a buffer of this backend (a plain function: torch.compile sees the same one every run)."""
+        return F.linear(x, w)
+
+    # --- shared flow -------------------------------------------------------------
+    def lay_out_units(self) -> None:
+        """The run's unit table in this backend's layout (call once dtype and device are set)."""
+        self.units = UnitTable(Unit.of(spec, self.layout(spec)) for spec in self.ctx.unit_specs)
+
+    def execute(self, plan: Plan) -> None:
+        for resident in plan.evict:
+            self.retire(resident)
+        for fetch in plan.fetch:
+            self.fill_unit(fetch)
+
+    def fill_unit(self, fetch: Fetch) -> None:
+        for entry, buffer in zip(fetch.unit.entries, fetch.buffers):
+            self.fill(buffer, entry.source)
+
+    def load_globals(self) -> None:
+        """Embeddings, the final norm, lm_head and per-layer norms: resident for the whole run."""
+        for role, (name, _) in global_specs(self.cfg).items():
+            self.globals[role] = self._resident(name)
+        if self.cfg.tie_word_embeddings:
+            self.globals["lm_head"] = self.globals["embed"]
+        self.small = [
+            {role: self._resident(name) for role, (name, _) in small_specs(self.cfg, layer).items()}
+            for layer in range(self.cfg.num_hidden_layers)
+        ]
+
+    def _resident(self, name: str) -> torch.Tensor:
+        t = self.load_resident(self.ckpt.view(name))
+        self.counters.add_resident(t.numel() * t.element_size())
+        return t
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.globals["embed"][ids.to(self.device)]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, self.globals["norm"], self.cfg.rms_norm_eps)
+        return self.linear(x, self.globals["lm_head"]).float()
+
+    def close(self) -> None:
+        self.globals.clear()
+        self.small.clear()

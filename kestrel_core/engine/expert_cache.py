@@ -1,0 +1,58 @@
+"""The shared rule of expert policies: keep the experts within a byte budget, evicting by a rank.
+
+An expert policy answers at a sparse layer's decision point, after the router and before the
+routed experts are fetched (``on_experts_routed``). It evicts resident experts, never one the
+layer has just routed to, lowest rank first, until the routed ones fit in the budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kestrel_core.errors import ConfigError
+from kestrel_core.engine.plan import Advice
+
+
+class ExpertCache:
+    """Experts under ``budget`` bytes; evict the lowest-ranked resident experts until the routed ones fit."""
+
+    name = "?"
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.clock = 0
+        self.last: dict[tuple, int] = {}  # expert unit -> the decision point that last routed to it
+        self.uses: dict[tuple, int] = {}  # expert unit -> how many decision points routed to it
+
+    def rank(self, key: tuple) -> tuple:
+        raise NotImplementedError
+
+    def on_experts_routed(self, window, layer, experts, phase):
+        self.clock += 1
+        routed = {(layer, e) for e in experts}
+        for key in routed:
+            self.last[key] = self.clock
+            self.uses[key] = self.uses.get(key, 0) + 1
+        units, present = window.units, window.resident_units  # a property that builds a set: read it once
+        resident = [k for k in present if len(k) == 2]
+        used = sum(units[k].nbytes for k in resident)
+        need = sum(units[k].nbytes for k in routed if k not in present)
+        victims = []
+        for key in sorted((k for k in resident if k not in routed), key=self.rank):
+            if used + need <= self.budget:
+                break
+            victims.append(key)
+            used -= units[key].nbytes
+        return Advice(evict=victims) if victims else None
+
+
+def budget_bytes(budget_mb: float, per_token: int, largest: int) -> int:
+    """An expert budget in bytes; refused below one token's routed experts (``per_token`` of the ``largest``)."""
+    if not (math.isfinite(budget_mb) and budget_mb > 0):  # int() of inf overflows; the callers check, this holds for plugins
+        raise ConfigError(f"expert budget must be a finite number of MiB above 0, got {budget_mb:g}; "
+                          "set --expert-budget-mb")
+    budget = int(budget_mb * 2**20)
+    if budget < per_token * largest:
+        raise ConfigError(f"expert budget {budget_mb:g} MiB is below one token's routed experts "
+                          f"({per_token} x {largest / 2**20:.3f} MiB); raise --expert-budget-mb")
+    return budget

@@ -1,0 +1,407 @@
+"""The way in: ``load`` opens a model, ``Model.open`` a run, ``Run.generate`` generates.
+
+A run owns its policy, allocator, backend, window, runner and counters, resolved once when it
+opens. Nothing of a run is registered in the plugin manager, so two runs open at once do not
+see each other; plugins registered there are observers, resolved when the run opens, that see
+every boundary of that run.
+
+    from kestrel_core import load
+    model = load("/path/to/model")          # or a name in the Hugging Face cache: load("Qwen/Qwen3-8B"), or a GGUF file
+    with model.open(policy="asymmetric", keep=2, backend="cpu_ref") as run:
+        res = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterable
+
+import attrs
+import torch
+
+from kestrel_core import plugins
+from kestrel_core.engine.backend import BackendContext
+from kestrel_core.engine.batch import Batch, Request, check_batch, generate_one
+from kestrel_core.engine.limits import RequestLimits
+from kestrel_core.config import OFF, KestrelConfig, check_environment, with_settings
+from kestrel_core.engine.contracts import (
+    Allocator,
+    Backend,
+    Drafter,
+    ExpertPolicy,
+    Policy,
+    member,
+    missing_members,
+)
+from kestrel_core.errors import BudgetError, ConfigError, KestrelError, PluginError
+from kestrel_core.engine.expert_cache import budget_bytes
+from kestrel_core.formats.gguf import GGUFCheckpoint
+from kestrel_core.formats.gguf_model import names_gguf, open_gguf
+from kestrel_core.formats.gguf_model import no_tokenizer as gguf_no_tokenizer
+from kestrel_core.engine.host import HostStore
+from kestrel_core.formats.hub import NotCachedError
+from kestrel_core.formats.modeldir import read_model_dir
+from kestrel_core.engine.plan import Counters, Observers
+from kestrel_core.engine.residency import Window
+from kestrel_core.engine.results import GenerationResult
+from kestrel_core.engine.runner import Runner, StepSettings
+from kestrel_core.formats.units import UnitTable
+
+__all__ = ["Model", "Run", "load", "make_allocator", "make_expert_policy", "make_policy"]
+
+
+def _checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
+    missing = missing_members(protocol, obj)
+    if missing:
+        raise PluginError(f"{kind} {name!r} ({type(obj).__name__}) lacks {', '.join(missing)}; "
+                          f"see the {protocol.__name__} protocol in kestrel_core/engine/contracts.py")
+    return obj
+
+
+def make_policy(name: str, keep, n_layers: int) -> Policy:
+    """The policy object for one run; ``keep='off'`` means no window whatever the policy (whose name must exist all the same)."""
+    reg = plugins.lookup("policies", name)
+    if keep == OFF or name == OFF:
+        return _checked("policy", OFF, plugins.lookup("policies", OFF).factory(n_layers=n_layers, keep=OFF), Policy)
+    if not 1 <= keep <= n_layers:
+        raise ConfigError(f"keep={keep} is out of range for a {n_layers}-layer model: use 1..{n_layers} or 'off'")
+    return _checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
+
+
+def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
+    if slots < 0:
+        raise ConfigError(f"pool_slots must be >= 0, got {slots}")
+    return _checked("allocator", name, plugins.lookup("allocators", name).factory(counters=counters, slots=slots), Allocator)
+
+
+def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | None:
+    """The run's expert policy, or None; its budget must hold one token's routed experts (in the backend's layout)."""
+    if res.expert_prefetch and not model.config.is_moe:
+        raise ConfigError(f"expert_prefetch is for Mixture-of-Experts models; {model.dir} ({model.config.model_type}) "
+                          "has no experts: leave --expert-prefetch off")
+    if res.expert_fetch == "layer" and (res.expert_policy or res.expert_prefetch):
+        raise ConfigError("expert_fetch = 'layer' fetches every expert with its layer, so there is nothing for "
+                          f"{'an expert policy' if res.expert_policy else 'expert_prefetch'} to choose; "
+                          "use expert_fetch = 'routed'")
+    if not res.expert_policy:
+        if res.expert_budget_mb:
+            raise ConfigError("expert_budget_mb needs an expert policy: set --expert-policy (e.g. expert_lru)")
+        return None
+    cfg = model.config
+    if not cfg.is_moe:
+        raise ConfigError(f"expert_policy {res.expert_policy!r} is for Mixture-of-Experts models; {model.dir} "
+                          f"({cfg.model_type}) has no experts")
+    factory = plugins.lookup("expert_policies", res.expert_policy).factory
+    if not res.expert_budget_mb > 0:
+        raise ConfigError(f"expert_policy {res.expert_policy!r} needs a budget: set --expert-budget-mb to a number above 0")
+    largest = max(u.nbytes for key, u in units.units.items() if len(key) == 2)
+    budget = budget_bytes(res.expert_budget_mb, cfg.num_experts_per_tok, largest)
+    return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
+
+
+def make_drafter(spec, run: "Run") -> Drafter | None:
+    """The run's drafter for speculative decoding, or None: ``spec.draft`` names a registered drafter (``ngram`` or
+    ``ngram:N``, a plugin's ``NAME:ARG``), or else a draft model (the ``model`` drafter)."""
+    if not spec.draft:
+        return None
+    name, _, arg = spec.draft.partition(":")
+    drafters = plugins.registry("drafters")
+    if name in drafters:
+        return _checked("drafter", name, drafters[name].factory(arg=arg or None, run=run), Drafter)
+    try:
+        draft = plugins.lookup("drafters", "model").factory(arg=spec.draft, run=run)
+    except NotCachedError as exc:
+        names = ", ".join(sorted(n for n in drafters if n != "model"))
+        raise ConfigError(f"draft {spec.draft!r} names no registered drafter ({names}) and no model: {exc}") from None
+    return _checked("drafter", "model", draft, Drafter)
+
+
+def expert_table(res, model: "Model", backend: Backend) -> bool:
+    """Whether a decode step reads its routed experts through the backend's expert table (``expert_decode``)."""
+    if not model.config.is_moe or res.expert_decode == "host":
+        return False
+    if res.expert_decode == "auto":
+        return backend.expert_table and not res.expert_prefetch  # a guess needs the host at each sparse layer
+    if not backend.expert_table:
+        why = backend.expert_table_refusal
+        raise ConfigError(f"expert_decode = 'table' needs the backend's expert table, and {backend.name}'s cannot serve "
+                          f"this run: {why}; use expert_decode = 'host' (or 'auto')")
+    if res.expert_prefetch:
+        raise ConfigError("expert_prefetch guesses the next layer's experts on the host at each sparse layer, and "
+                          "expert_decode = 'table' keeps the host out of the step: use expert_decode = 'host' to guess")
+    return True
+
+
+class Model:
+    """What every run on one model shares: the parsed config, the mapped checkpoint, host copies. ``with`` closes it."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ConfigError(f"load() takes a model directory, a .gguf file or a Hugging Face model name (a str or "
+                              f"a path), got {type(model_dir).__name__}")
+        if "\x00" in os.fsdecode(model_dir):  # no file can be named so; the OS would refuse it with a ValueError
+            raise ConfigError(f"model {os.fsdecode(model_dir)!r} holds a NUL character, which no path can; give the model "
+                              "directory, .gguf file or Hugging Face name without it")
+        files = open_gguf(model_dir) if names_gguf(model_dir) else read_model_dir(model_dir)
+        self.dir, self.config, self.checkpoint = files.dir, files.config, files.checkpoint
+        self.quant, self.tokenizer, self.eos_ids, self.units = files.quant, files.tokenizer, files.eos_ids, files.units
+        self._chat_template = files.chat_template
+        self.host = HostStore()  # backend host staging, reused by every run on this model
+        self.closed = False
+
+    def no_tokenizer(self) -> str:
+        """Why the model has no tokenizer, as an error's subject: a directory's missing tokenizer.json, or what kept
+        kestrel from building a GGUF's."""
+        if isinstance(self.checkpoint, GGUFCheckpoint):
+            return gguf_no_tokenizer(self.checkpoint)
+        return f"{self.dir} has no tokenizer.json"
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def prompt_ids(self, ids: list[int] | None, text: str | None, default: list[int] | None = None) -> list[int]:
+        """The prompt as ids: ``ids`` as given, else ``text`` through the tokenizer, else ``default``."""
+        if ids:
+            return list(ids)
+        if text:
+            if self.tokenizer is None:
+                raise ConfigError(f"--prompt needs a tokenizer: {self.no_tokenizer()}; "
+                                  "pass --prompt-ids instead")
+            limits = self.limits()
+            ids = self.tokenizer.encode_at_most(text, limits.context - 1)  # text far past the context: not whole
+            if ids is None:
+                raise limits.too_long(None)
+            if not ids:
+                raise ConfigError("the prompt is empty after tokenization")
+            return ids
+        if default is not None:
+            return list(default)
+        raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+
+    def limits(self) -> RequestLimits:
+        """What one request may ask of this model: its vocabulary and positions."""
+        return RequestLimits(self.config.max_position_embeddings, "the model", self.config.vocab_size,
+                      tokens="max_new_tokens (--max-new-tokens)", source="max_position_embeddings")
+
+    def chat_template(self):
+        """The model's chat template (``chat_template.ChatTemplate``): its directory's, or its GGUF metadata's; a
+        ConfigError that says what to do where it has none."""
+        return self._chat_template()
+
+    def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (), **settings: Any) -> "Run":
+        """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
+        names, flat (``policy="asymmetric", keep=2, backend="cpu_ref"``) or as tables (``backend={"name": "cuda"}``).
+        ``observers``: objects whose hook methods (``on_layer_advance``, ``on_experts_routed``, ``preload``,
+        ``alloc``, ``release``) observe this run alone, besides the plugins registered in the manager."""
+        if self.closed:
+            raise ConfigError(f"this model ({self.dir}) is closed; load it again")
+        if config is not None and not isinstance(config, KestrelConfig):
+            raise ConfigError(f"open() takes a KestrelConfig or settings by name, got {type(config).__name__}")
+        return Run(self, with_settings(config or KestrelConfig(), settings), observers)
+
+    def close(self) -> None:
+        self.closed = True
+        self.host.clear()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(model_dir: str | os.PathLike) -> Model:
+    """Open a model directory (config.json + *.safetensors), a GGUF file (``x.gguf``: config, tokenizer and chat
+    template from its metadata), or a model name such as ``"Qwen/Qwen3-8B"`` from the local Hugging Face cache (never
+    downloaded); close it with ``model.close()`` or ``with``."""
+    return Model(model_dir)
+
+
+def _prompt_ids(value: Any) -> list[int] | None:
+    """``prompt_ids`` as a list of ints, or a ConfigError naming what it was."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"prompt_ids must be a list of token ids (ints), got {type(value).__name__}; "
+                          "pass text as prompt=")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ConfigError(f"prompt_ids must hold ints, got a {type(x).__name__} ({str(x)[:40]})")
+    return list(value)
+
+
+class Run:
+    """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
+
+    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = ()):
+        check_environment()
+        res = config.residency
+        self.model, self.config = model, config
+        self.counters = Counters()
+        self.policy = make_policy(res.policy, res.keep, model.n_layers)
+        if config.backend.prefetch and not res.windowed:
+            raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
+                              "resident); set keep to a layer count, or prefetch = 0")
+        self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
+        watchers = Observers(**plugins.observers(observers))  # resolved once: a plugin registered later sees the next run
+        backend_reg = plugins.lookup("backends", config.backend.name)
+        ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
+                             self.policy.peak_layers(), model.host, model.units, model.quant)
+        try:
+            backend = backend_reg.factory(ctx)
+        except MemoryError:
+            raise KestrelError(f"out of host memory while loading {model.dir}; free memory or use a smaller model") from None
+        self.backend: Backend = _checked("backend", config.backend.name, backend, Backend)
+        try:
+            self.expert_policy = make_expert_policy(res, model, self.backend.units)
+        except BaseException:
+            self.backend.close()
+            raise
+        routers = [p.on_experts_routed for p in (self.expert_policy,) if p is not None]
+        routers.append(member(Policy, self.policy, "on_experts_routed"))
+        self.window = Window(self.backend.units, self.backend, self.policy, self.allocator, self.counters,
+                             model.n_layers, watchers, routers, self.expert_policy, res.expert_prefetch,
+                             res.expert_fetch == "layer", self.backend.prefetch_depth)
+        try:
+            table = expert_table(res, model, self.backend)
+        except BaseException:
+            self.backend.close()
+            raise
+        self.runner = Runner(self.window, self.backend, model.config,
+                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
+                                          expert_table=table))
+        self._open = True
+        try:
+            self.drafter = make_drafter(config.speculative, self)
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
+                on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = (),
+                **generation: Any) -> Request:
+        """One sequence to generate, checked: ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer), and
+        kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos). ``stop_ids``
+        end it as config.json's eos_token_id does (with stop_at_eos)."""
+        if not self._open or self.model.closed:
+            what = "run" if not self._open else f"model ({self.model.dir})"
+            raise ConfigError(f"this {what} is closed; open a new run with model.open(...)")
+        fields = [f.name for f in attrs.fields(type(self.config.generation))]
+        unknown = sorted(set(generation) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
+        ids_given = _prompt_ids(prompt_ids)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be text (a str), got {type(prompt).__name__}; pass token ids as prompt_ids=")
+        gen = with_settings(self.config, generation, "generate").generation
+        if ids_given is not None and prompt is not None:
+            raise ConfigError("both prompt and prompt_ids are given; pass one (text, or token ids)")
+        if ids_given is not None or prompt is not None:  # an argument beats both of the config's
+            ids = self.model.prompt_ids(ids_given, prompt)
+        else:
+            ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
+        check_prompt(self.model, ids, gen)
+        eos = self.model.eos_ids | frozenset(stop_ids)  # config.json's and generation_config.json's, and the caller's
+        draft = self.config.speculative.draft_tokens if self.drafter is not None else 0
+        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=self.drafter,
+                       draft_tokens=draft)
+
+    def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
+                 on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
+                 stop_ids: Iterable[int] = (), **generation: Any) -> GenerationResult:
+        """Generate from ``prompt_ids`` or ``prompt`` (see ``request``).
+
+        As it runs, ``on_token(id)`` hears each generated id, and ``on_text(piece)`` (the model's tokenizer
+        needed) the text as it grows: the pieces join to the result's ``text``."""
+        tok = self.model.tokenizer
+        if on_text is not None and tok is None:
+            raise ConfigError(f"on_text needs a tokenizer: {self.model.no_tokenizer()}; "
+                              "take the ids with on_token instead")
+        stream = tok.stream() if on_text is not None else None
+
+        def each(token: int) -> None:
+            if on_token is not None:
+                on_token(token)
+            if stream is not None and (piece := stream.push(token)):
+                on_text(piece)
+
+        hear = each if on_token is not None or stream is not None else None
+        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, **generation)
+        with self._oom_is_a_budget_error():
+            result = generate_one(self.runner, req)
+        if stream is not None and (rest := stream.finish()):
+            on_text(rest)
+        return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
+
+    def generate_batch(self, requests: Iterable[dict], max_batch: int = 8, prefill_chunk: int | None = None,
+                       on_done: Callable[[int, GenerationResult | Exception], None] | None = None) -> list:
+        """Generate every request (each a dict of ``request``'s arguments, or what it returned) as a continuous batch of at most
+        ``max_batch`` sequences: one pass over the layers a step serves every decoding sequence, and a sequence joins
+        as another leaves. ``prefill_chunk``: prompt tokens a step takes beside the decoding ones (None: a whole
+        prompt a step). The results in the order given; ``on_done(i, result or error)`` hears each as it finishes.
+        A sequence whose logits went non-finite gets its error in its place; the others go on."""
+        check_batch(max_batch, prefill_chunk)
+        reqs = []
+        for i, r in enumerate(requests):
+            if isinstance(r, Request):  # checked by ``request`` already
+                reqs.append(r)
+                continue
+            if not isinstance(r, dict):
+                raise ConfigError(f"request {i}: a dict of generate's arguments (prompt= or prompt_ids=, ...), "
+                                  f"got {type(r).__name__}")
+            reqs.append(self.request(**r))
+        if not reqs:
+            return []
+        max_seq = max(len(r.prompt_ids) + r.gen.max_new_tokens for r in reqs)
+        tok = self.model.tokenizer
+        out: list = [None] * len(reqs)
+        with self._oom_is_a_budget_error(), Batch(self.runner, min(max_batch, len(reqs)), max_seq, prefill_chunk) as b:
+            seqs = [b.add(r) for r in reqs]
+            while b.busy:
+                b.step()
+                for i, seq in enumerate(seqs):
+                    if seq.done and out[i] is None:
+                        out[i] = seq.error or attrs.evolve(seq.result, text=tok.decode(seq.result.token_ids)
+                                                           if tok else None)
+                        if on_done is not None:
+                            on_done(i, out[i])
+        return out
+
+    @contextlib.contextmanager
+    def _oom_is_a_budget_error(self):
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            budget = self.backend.budget
+            hint = f" (weight-cache budget {budget // 2**20} MiB)" if budget else ""
+            raise BudgetError(f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, "
+                              "keep, or --max-new-tokens") from None
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        try:
+            if getattr(self, "drafter", None) is not None:
+                self.drafter.close()
+            self.runner.release_all()
+            self.allocator.drain()
+        finally:
+            self.backend.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_prompt(model: Model, prompt_ids: list[int], gen) -> None:
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty: pass --prompt TEXT or --prompt-ids 1,2,3")
+    limits = model.limits()
+    limits.ids(prompt_ids)
+    limits.budget(gen.max_new_tokens, len(prompt_ids))

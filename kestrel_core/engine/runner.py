@@ -1,0 +1,439 @@
+"""The runner: it owns every step of a run. One layer loop serves prefill, decode (of one sequence or a batch) and the
+NaN probe, and the runner executes every plan the window makes, through the backend.
+
+A pass over the layers carries rows: first the decode rows (row b: the next token of the sequence in KV slot b), then
+spans of prompt tokens (a sequence's prompt, or a chunk of one). Every row of a pass shares its plans: a layer brought
+in once serves them all. The token loop over these passes is the batch's (``batch.Batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import attrs
+import torch
+
+from kestrel_core.engine.contracts import Backend
+from kestrel_core.errors import NonFiniteError
+from kestrel_core.engine.expert_schedule import ExpertSchedule, is_expert
+from kestrel_core.engine.kvcache import KVCache
+from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, route
+from kestrel_core.formats.modelconfig import ModelConfig
+from kestrel_core.engine.kvcache import allocate_cache
+from kestrel_core.engine.plan import Boundary, Plan, delta
+from kestrel_core.engine.residency import Window
+from kestrel_core.engine.step_graphs import StepGraphs
+
+Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
+
+
+@attrs.frozen
+class StepSettings:
+    graphs: bool  # replay a repeating decode step as a captured graph, where the backend can
+    compile: bool  # the decode step's layer math through torch.compile
+    expert_table: bool = False  # a one-row decode step reads its routed experts through the backend's expert table
+
+
+@functools.cache
+def _compiled_layer():
+    return torch.compile(decoder_layer, dynamic=False)
+
+
+def layer_math(compile: bool):
+    """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
+    return _compiled_layer() if compile else decoder_layer
+
+
+class DecodeState:
+    """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
+    addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
+    not finite, then (on a run with an expert table) each sparse layer's routed experts of a step that read it."""
+
+    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0)):
+        self.slots = slots
+        self.out = torch.zeros(2 * slots + routed[0] * routed[1], dtype=torch.long, device=device)
+        self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
+        self.bad = self.out[slots : 2 * slots]
+        self.routed = self.out[2 * slots :].view(routed)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
+        self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
+        self.slot_ids = torch.arange(slots, device=device)
+        self.key_positions = torch.arange(max_seq, device=device)
+        self.rope = rope
+        self.logits: torch.Tensor | None = None  # the last step's [rows, vocab] float32
+
+
+@attrs.frozen
+class StepRequest:
+    """One step as a batch asks for it: the next token of each of the first ``rows`` slots (those in ``live`` decode:
+    their positions move on), then ``spans``, each a sequence's tokens with their ids (a prompt chunk, or a verify
+    pass: the last token and its drafts). ``every_row``: the spans whose every row's logits come back (a verify pass);
+    the others give their last row. ``sample``: the slots whose next token the host draws from their logits (the rest
+    take their argmax on the device)."""
+
+    rows: int
+    live: frozenset[int] = frozenset()
+    spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
+    every_row: frozenset[int] = frozenset()
+    sample: tuple[int, ...] = ()
+
+
+@attrs.define(eq=False)
+class Launched:
+    """A step as it was launched: its number in its slots, how it ran (one of ``results.MODES``), the counters around
+    its plans, its mark, its number among the decode steps (-1 where it had spans), whether it read the expert table,
+    and each span's logits rows ([1 or T, vocab] each, as the request asked, on the device)."""
+
+    index: int
+    mode: str
+    before: dict[str, int]
+    after: dict[str, int]
+    mark: object
+    decode_index: int
+    table: bool
+    span_logits: list[torch.Tensor]
+
+
+@attrs.frozen
+class Readback:
+    """A step read back: each slot's token and whether its logits were not finite, and the counters of the plans made
+    on hearing its routing (where it read the expert table)."""
+
+    tokens: list[int]
+    bad: list[bool]
+    heard: dict[str, int]
+
+
+class Slots:
+    """A batch's side on the compute device: ``slots`` KV slots of ``max_seq`` positions, the decode state, the ring
+    its steps are read back through and the captured steps, one a row count. Made by ``Runner.open_slots``; only the
+    runner reads or writes it."""
+
+    RING = 4  # steps a read may lag behind (greedy reads one late)
+
+    def __init__(self, runner: "Runner", slots: int, max_seq: int):
+        backend, cfg = runner.backend, runner.cfg
+        self.count, self.max_seq = slots, max_seq
+        self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
+        self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
+        self.state = runner.decode_state(self.rope, slots, max_seq)
+        self.ring = torch.zeros((self.RING, self.state.out.numel()), dtype=torch.long,
+                                pin_memory=backend.device.type == "cuda")
+        self.graphs: dict[int, StepGraphs] = {}
+        self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
+        self.launched = 0
+        self.t0 = None  # the mark before its first step
+
+    def close(self) -> None:
+        for graphs in self.graphs.values():
+            graphs.close()
+        self.graphs.clear()
+
+
+class Runner:
+    """Owns each step of a run on ``window`` and ``backend``: it plans through the window, executes every plan through
+    the backend, and runs the layers."""
+
+    def __init__(self, window: Window, backend: Backend, cfg: ModelConfig, settings: StepSettings):
+        self.window, self.backend, self.cfg, self.settings = window, backend, cfg, settings
+        self.counters = window.counters
+        self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
+        self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
+        self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
+
+    def reads_table(self, rows: int, spans=()) -> bool:
+        """Whether a step reads its routed experts through the expert table: a decode step of one row and no spans, on
+        a run that has a table. Every caller asks here: the state's routing row, the graphs and the read-back agree."""
+        return self.schedule is not None and not spans and rows == 1
+
+    def decode_state(self, rope: RopeTable, slots: int, max_seq: int) -> DecodeState:
+        """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
+        routed = (len(self.sparse), self.cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
+        return DecodeState(self.backend.device, rope, slots, max_seq, routed)
+
+    # --- a step, as a batch asks for it ----------------------------------------------------------------
+    def open_slots(self, slots: int, max_seq: int) -> Slots:
+        """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each."""
+        return Slots(self, slots, max_seq)
+
+    def step(self, s: Slots, request: StepRequest,
+             sample: Callable[[int, torch.Tensor], int | None] | None = None) -> Launched:
+        """Launch one step on ``s``: the window's token, its plans (the first step's preload), the pass (replayed,
+        captured or eager), then each sampled slot's token (``sample(slot, logits)``; None leaves the argmax), and
+        the copy of the step's output row to the host, which ``read`` waits for."""
+        window, backend, counters, state = self.window, self.backend, self.counters, s.state
+        if s.t0 is None:
+            self.preload()
+            backend.synchronize()
+            s.t0 = backend.mark()
+        else:
+            window.next_token()
+        rows, spans = request.rows, list(request.spans)
+        self._set_live(s, request.live, rows)
+        table = self.reads_table(rows, spans)
+        decode_index = self.begin_step() if not spans else -1
+        before = counters.snapshot()
+        span_logits = []
+        if not spans:
+            graphs = s.graphs.get(rows)
+            if graphs is None:
+                graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
+                                                     on_replay=self.replayed)
+            mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows))
+        else:
+            mode = "eager"
+            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans, request.every_row)
+        after = counters.snapshot()
+        for slot in request.sample:
+            token = sample(slot, state.logits[slot])
+            if token is not None:
+                state.tokens[slot].fill_(token)
+        index, s.launched = s.launched, s.launched + 1
+        s.ring[index % s.RING].copy_(state.out, non_blocking=True)
+        return Launched(index, mode, before, after, backend.mark(), decode_index, table, span_logits)
+
+    def read(self, s: Slots, step: Launched, hear: bool = True) -> Readback:
+        """Wait for ``step`` and read its row back; where it read the expert table (and ``hear``), the window hears its
+        routing and plans on it."""
+        self.backend.wait(step.mark)
+        row = s.ring[step.index % s.RING].tolist()
+        n, heard = s.count, {}
+        if step.table and hear:
+            width = s.state.routed.shape[1]
+            before = self.counters.snapshot()
+            self.hear(step.decode_index, [row[i:i + width] for i in range(2 * n, len(row), width)])
+            heard = delta(self.counters.snapshot(), before)
+        return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
+
+    def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
+        """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
+        if token is not None:
+            s.state.tokens[slot].fill_(token)
+        s.state.positions[slot].fill_(position)
+
+    def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
+        """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
+        return s.state.logits[slot]
+
+    def elapsed_ms(self, start, stop) -> float:
+        return self.backend.elapsed_ms(start, stop)
+
+    def snapshot(self) -> dict[str, int]:
+        return self.counters.snapshot()
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.backend.memory_stats()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.counters.resident_bytes
+
+    def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
+        """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
+        for slot in range(rows):
+            want = 1 if slot in live else 0
+            if s.live.get(slot) != want:
+                s.state.live[slot].fill_(want)
+                s.live[slot] = want
+
+    # --- plans --------------------------------------------------------------------------------
+    def execute(self, plan: Plan | None) -> None:
+        """Execute a plan in stream order (the expert table, where there is one, follows it at once)."""
+        if plan is None or not (plan.evict or plan.fetch):
+            return
+        self.backend.execute(plan)
+        if self.schedule is not None:
+            host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
+            slots = [(f.unit.key, f.buffers) for f in plan.fetch if is_expert(f.unit.key)]
+            if host or slots:
+                self.schedule.evict_now(host, plan.layer)
+                self.schedule.admit_now((key for key, _ in slots), plan.layer)
+                self.backend.point_experts(host, slots)
+
+    def replayed(self, plans: list[Plan]) -> None:
+        """A replayed step's plans: its graph carried them out, table writes included; the expert schedule records them
+        as ``execute`` would have."""
+        if self.schedule is None:
+            return
+        for plan in plans:
+            self.schedule.evict_now([r.unit.key for r in plan.evict if is_expert(r.unit.key)], plan.layer)
+            self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
+
+    def hear(self, step: int, routed: list[list[int]]) -> None:
+        """Decode step ``step``'s routing, read back: the window plans on it a step behind (the expert policy hears it,
+        and the experts the step read from their host copies are its misses); the plan's uploads start at once on the
+        side stream, and the table follows them on the schedule."""
+        window, schedule = self.window, self.schedule
+        for layer, chosen in zip(self.sparse, routed):
+            experts = sorted(set(chosen))
+            missed = {e for e in experts if schedule.read_host((layer, e), step)}
+            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed)
+            if plan.evict or plan.fetch:
+                self.backend.execute(plan)
+                host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
+                schedule.evict_heard(host)
+                for f in plan.fetch:
+                    if is_expert(f.unit.key):
+                        schedule.admit_heard(f.unit.key, f.buffers)
+                if host:
+                    self.backend.point_experts(host, [])
+
+    def begin_step(self) -> int:
+        """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
+        decode steps."""
+        index, self.decode_steps = self.decode_steps, self.decode_steps + 1
+        if self.schedule is not None:
+            slots = self.schedule.begin_step()
+            if slots:
+                self.backend.point_experts([], slots)
+        return index
+
+    def preload(self) -> None:
+        self.execute(self.window.preload())
+
+    def release_all(self) -> None:
+        self.execute(self.window.release_all())
+
+    # --- the one layer loop ---------------------------------------------------------------------
+    def layers(self, h: torch.Tensor, at: Attend, cache: list[KVCache], boundaries: Iterable[Boundary], phase: str,
+               layer_fn=decoder_layer, probe: Probe | None = None, table: DecodeState | None = None) -> torch.Tensor:
+        """Run every layer on ``h``: at each boundary, execute its plan, order the compute after the layer's upload,
+        run the layer (a sparse one reads its routed experts: through the table where the step reads it, ``table``
+        the state that takes its routing, else after the host has routed and fetched them)."""
+        backend, cfg = self.backend, self.cfg
+        for layer, b in enumerate(boundaries):
+            self.execute(b.plan)
+            backend.before_use(b.key)
+            experts = None
+            if self.window.sparse[layer]:
+                experts = self._table_experts(layer, table) if table is not None else self._host_experts(layer, phase)
+            h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
+            if probe:
+                probe(f"layer {layer}", h)
+            del b  # a buffer its plan freed dies here, not at the end of the token
+        return h
+
+    def _table_experts(self, layer: int, state: DecodeState):
+        """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
+        The routed ids go to the step's row, which the host reads back a step late."""
+        backend, row = self.backend, state.routed[self.sparse.index(layer)]
+
+        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+            row.copy_(chosen[0])
+            return backend.routed_experts(layer, x, weights, chosen)
+
+        return experts
+
+    def _host_experts(self, layer: int, phase: str):
+        """A sparse layer's experts routed on the host: at its decision point the host learns the routed experts (the
+        one sync a sparse layer needs), the window plans their fetch (the union of the rows'), and the layer reads them
+        from their buffers.
+
+        With speculative prefetch, a one-row decode step also applies the next layer's router to this layer's hidden
+        state ``x`` and learns its guess in the same sync; their fetch runs on the side stream.
+        """
+        window, backend, cfg = self.window, self.backend, self.cfg
+        n = cfg.num_experts
+
+        def decide(chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict]:
+            """``used``: one token's experts in slot order (``sparse_mlp`` reads its weights by slot), else the distinct ones."""
+            ids = chosen[0] if chosen.shape[0] == 1 else torch.unique(chosen)  # one token's k experts are distinct
+            guess = window.guess_router(layer) if phase == "decode" and chosen.shape[0] == 1 else None
+            if guess is None:
+                used = ids.tolist()
+                plan, weights = window.route(layer, sorted(used), phase)
+            else:
+                key, router = guess
+                backend.before_use(key)
+                guessed = route(x, router, cfg, backend.linear)[1]
+                both = torch.cat((ids, torch.unique(guessed) + n)).tolist()
+                used = [e for e in both if e < n]
+                plan, weights = window.route(layer, sorted(used), phase, guess=[e - n for e in both if e >= n])
+            self.execute(plan)
+            for e in used:
+                backend.before_use((layer, e))
+            return used, weights
+
+        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+            used, routed = decide(chosen, x)
+            return backend.fetched_experts(x, weights, chosen, used, routed)
+
+        return experts
+
+    # --- passes -----------------------------------------------------------------------------------------
+    def forward(self, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
+                probe: Probe | None = None, slot: int = 0) -> torch.Tensor:
+        """Logits of the last position of one sequence's ``ids`` at ``start`` of ``slot``, each boundary planned as the
+        loop reaches it (a prompt, and the NaN probe). ``probe(where, h)`` sees the hidden state after the embedding and
+        after each layer."""
+        backend = self.backend
+        keys = torch.arange(cache[0].k.shape[1], device=backend.device) if backend.row_exact else None
+        at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys)
+        h = backend.embed(torch.tensor(ids))
+        if probe:
+            probe("the embedding", h)
+        h = self.layers(h, at, cache, self.window.boundaries(phase), phase, probe=probe)
+        return backend.logits(h[-1:])[0]
+
+    def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
+                    spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
+        the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
+        of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
+        ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``."""
+        backend = self.backend
+        positions, slots = state.positions[:rows], state.slot_ids[:rows]
+        if not spans:
+            at = Attend.static(state.rope, positions, slots, state.key_positions)
+            h = backend.embed(state.tokens[:rows])
+        else:
+            device = backend.device
+            span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
+            span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
+            at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
+                               span_positions, span_slots, row_exact=backend.row_exact)
+            ids = [t for _, chunk in spans for t in chunk]
+            h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
+        phase = "decode" if not spans else "prefill"
+        compiled = layer_math(self.settings.compile) if not spans else decoder_layer
+        table = state if self.reads_table(rows, spans) else None
+        h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
+        wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
+                  for i, (s, _) in enumerate(spans)]
+        if spans:
+            picked = torch.cat((h[:rows], h.index_select(0, torch.tensor([r for w in wanted for r in w], device=h.device))))
+        else:
+            picked = h[:rows]
+        logits = backend.logits(picked)
+        if rows:
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
+            state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
+            state.positions[:rows].add_(state.live[:rows])
+        state.logits = logits[:rows]
+        return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
+
+    # --- NaN and inf ------------------------------------------------------------------------------
+    def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:
+        """The error for non-finite logits at this step, naming the first part of the model whose output went non-finite.
+
+        The search runs the step again through the same layer loop with a probe: on the error path only.
+        """
+        found: list[str] = []
+
+        def probe(where: str, h: torch.Tensor) -> None:
+            if not found and not bool(torch.isfinite(h).all()):
+                found.append(where)
+
+        self.forward(ids, start, s.cache, s.rope, phase, probe, slot)  # rewrites this step's K/V with the same values
+        where = found[0] if found else "the final norm and lm_head"
+        dtype = str(self.backend.dtype).replace("torch.", "")
+        wider = ", or compute in float32 (--dtype float32)" if self.backend.dtype in (torch.float16, torch.bfloat16) else ""
+        return NonFiniteError(
+            f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
+            f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
+        )

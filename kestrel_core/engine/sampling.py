@@ -1,0 +1,62 @@
+"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kestrel_core.config import GenerationConfig
+from kestrel_core.errors import ConfigError
+
+
+def check_sampling(gen: GenerationConfig) -> None:
+    if not (math.isfinite(gen.temperature) and gen.temperature >= 0):
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 is greedy), got {gen.temperature}")
+    if not 0 <= gen.seed < 2**64:
+        raise ConfigError(f"seed must be in 0..2**64-1 (a 64-bit generator seed), got {gen.seed}")
+    if gen.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 means no cut), got {gen.top_k}")
+    if not 0 < gen.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {gen.top_p}")
+
+
+class Sampler:
+    def __init__(self, gen: GenerationConfig):
+        check_sampling(gen)
+        self.gen = gen
+        self.rng = torch.Generator().manual_seed(gen.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] float32 (any device)."""
+        if self.gen.temperature == 0:
+            return int(torch.argmax(logits))
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled token is drawn from: temperature, then top-k, then top-p ([vocab] float32, CPU)."""
+        logits = logits.float().cpu()
+        probs_logits = logits / self.gen.temperature
+        if bool((torch.isfinite(logits) & ~torch.isfinite(probs_logits)).any()):
+            # A temperature so small (1e-300) that logits / temperature overflow, whose softmax is NaN: its limit
+            # instead, an even draw among the largest logits.
+            probs_logits = torch.zeros_like(logits).masked_fill(logits < logits.max(), float("-inf"))
+        if self.gen.top_k:
+            kth = torch.topk(probs_logits, min(self.gen.top_k, probs_logits.numel())).values[-1]
+            probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))
+        probs = torch.softmax(probs_logits, dim=-1)
+        if self.gen.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = cum - sorted_p > self.gen.top_p  # keep the smallest prefix reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One id drawn from ``probs`` with this sampler's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.rng))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from the same generator (speculative sampling's acceptance test)."""
+        return float(torch.rand(1, generator=self.rng))
