@@ -152,7 +152,7 @@ class DraftModel:
         return tokens, (probs if sampler is not None else None)
 
     def _read(self, launched, tokens: list[int], sampler) -> None:
-        back = self.run.runner.read(self.slots, launched)
+        back = self.run.runner.read(self.slots, launched, hear=(0,))
         if sampler is None:
             tokens.append(back.tokens[0])
 

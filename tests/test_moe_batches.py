@@ -1,8 +1,8 @@
 """A Mixture-of-Experts model in a batch, a scheduler and the server (tiny-moe, cpu_ref, which has the expert table).
 
-A batch's one-row steps read the expert table, its wider steps route on the host; which a step does is one fact
-(``Runner.reads_table``), so a batch of many slots whose last sequence decodes alone (the long one, in slot 0) reads
-the table from then on. Every sequence's greedy ids are its solo ids.
+Every decode step of a batch reads the expert table, one row or many; a step with prompt rows routes on the host. Which
+a step does is one fact (``Runner.reads_table``). Every sequence's greedy ids are its solo ids, and the policy hears the
+union of the rows' routing a step later.
 """
 
 from __future__ import annotations
@@ -49,17 +49,30 @@ def test_generate_batch_with_the_long_request_in_slot_0_is_each_solo_run(run, ma
     assert [r.token_ids for r in got] == solo(run)
 
 
-def test_a_batch_reads_the_table_once_one_row_decodes_and_routes_on_the_host_while_more_do(run):
+def test_every_decode_step_of_a_batch_reads_the_table_and_the_policy_hears_the_union_of_its_rows(run):
     from kestrel_core.config import GenerationConfig
     from kestrel_core.engine.batch import Request
 
-    with Batch(run.runner, slots=4, max_seq=64) as b:
-        seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]
-        b.run_until_done()
+    heard = []
+    real = run.runner.hear
+
+    def hear(step, routed):
+        heard.append([len(set(chosen)) for chosen in routed])
+        return real(step, routed)
+
+    run.runner.hear = hear
+    try:
+        with Batch(run.runner, slots=4, max_seq=64) as b:
+            seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]
+            b.run_until_done()
+    finally:
+        del run.runner.hear
     assert [s.tokens for s in seqs] == solo(run)
     decode = [p for p in b.passes if p.decode_index >= 0]
-    assert any(p.table for p in decode) and any(not p.table for p in decode)
-    assert all(p.table == (max(p.rows) == 0) for p in decode)  # the table exactly where slot 0 decodes alone
+    assert decode and all(p.table for p in decode)  # one row or three: every decode step reads the table
+    k = run.model.config.num_experts_per_tok
+    assert all(k <= n <= 3 * k for layers in heard for n in layers)
+    assert any(n > k for layers in heard for n in layers)  # three rows' experts heard together: more than one row's
 
 
 def test_the_scheduler_serves_a_moe_model(run):

@@ -122,13 +122,17 @@ class CpuRefBackend(Backend):
             self._table[key] = {e.name: b for e, b in zip(self.units[key].entries, buffers)}
 
     def routed_experts(self, layer, x, weights, chosen):
-        """In expert order, as ``model.sparse_mlp`` sums one token's experts: bitwise its result on the same weights."""
+        """Row by row, each in expert order, as ``model.sparse_mlp`` sums one token's experts: bitwise a row's result
+        alone on the same weights, whatever the rows beside it. An expert read from its host copy is read once a
+        step, whichever rows it serves."""
         out = torch.zeros_like(x)
-        for slot, e in sorted(enumerate(chosen[0].tolist()), key=lambda se: se[1]):
-            w = self._table.get((layer, e))
-            if w is None:
-                w = self._host_copy((layer, e))
-            out += expert_mlp(x, w, self.linear) * weights[:, slot, None]
+        host: dict = {}
+        for row in range(x.shape[0]):
+            for slot, e in sorted(enumerate(chosen[row].tolist()), key=lambda se: se[1]):
+                w = self._table.get((layer, e))
+                if w is None:
+                    w = host.get(e) or host.setdefault(e, self._host_copy((layer, e)))
+                out[row:row + 1] += expert_mlp(x[row:row + 1], w, self.linear) * weights[row:row + 1, slot, None]
         return out
 
     def _host_copy(self, key) -> dict:

@@ -77,4 +77,9 @@ class DeviceExpertTable:
         self._wait_admission(key, current)
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        return self.grouped(x, weights, chosen, self.table[layer])
+        """Each row's routed experts through the table, row by row with the one-row kernels: a row's result is its
+        result alone (a batched step's ids are its sequences' solo ids)."""
+        table = self.table[layer]
+        if x.shape[0] == 1:
+            return self.grouped(x, weights, chosen, table)
+        return torch.cat([self.grouped(x[r:r + 1], weights[r:r + 1], chosen[r:r + 1], table) for r in range(x.shape[0])])

@@ -327,7 +327,7 @@ class Batch:
     def _take(self, k: int) -> None:
         """Read step k back: each of its rows' tokens goes to its sequence (and its routing to the window)."""
         p = self.passes[k]
-        back = self.runner.read(self.dev, p.launched, hear=any(not seq.done for seq in p.rows.values()))
+        back = self.runner.read(self.dev, p.launched, hear=[slot for slot, seq in p.rows.items() if not seq.done])
         p.heard = back.heard
         for slot, seq in p.rows.items():
             if seq.done:

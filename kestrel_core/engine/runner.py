@@ -32,7 +32,7 @@ Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each 
 class StepSettings:
     graphs: bool  # replay a repeating decode step as a captured graph, where the backend can
     compile: bool  # the decode step's layer math through torch.compile
-    expert_table: bool = False  # a one-row decode step reads its routed experts through the backend's expert table
+    expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
 
 
 @functools.cache
@@ -48,14 +48,15 @@ def layer_math(compile: bool):
 class DecodeState:
     """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
     addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
-    not finite, then (on a run with an expert table) each sparse layer's routed experts of a step that read it."""
+    not finite, then (on a run with an expert table) each sparse layer's routed experts of each slot's row, of a step
+    that read it: ``routed`` [sparse layers, slots, k]."""
 
     def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0)):
         self.slots = slots
-        self.out = torch.zeros(2 * slots + routed[0] * routed[1], dtype=torch.long, device=device)
+        self.out = torch.zeros(2 * slots + routed[0] * slots * routed[1], dtype=torch.long, device=device)
         self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
         self.bad = self.out[slots : 2 * slots]
-        self.routed = self.out[2 * slots :].view(routed)
+        self.routed = self.out[2 * slots :].view(routed[0], slots, routed[1])
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
         self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
         self.slot_ids = torch.arange(slots, device=device)
@@ -143,9 +144,9 @@ class Runner:
         self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
 
     def reads_table(self, rows: int, spans=()) -> bool:
-        """Whether a step reads its routed experts through the expert table: a decode step of one row and no spans, on
-        a run that has a table. Every caller asks here: the state's routing row, the graphs and the read-back agree."""
-        return self.schedule is not None and not spans and rows == 1
+        """Whether a step reads its routed experts through the expert table: a decode step (rows, no spans) on a run
+        that has a table. Every caller asks here: the state's routing row, the graphs and the read-back agree."""
+        return self.schedule is not None and not spans and rows >= 1
 
     def decode_state(self, rope: RopeTable, slots: int, max_seq: int) -> DecodeState:
         """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
@@ -193,16 +194,18 @@ class Runner:
         s.ring[index % s.RING].copy_(state.out, non_blocking=True)
         return Launched(index, mode, before, after, backend.mark(), decode_index, table, span_logits)
 
-    def read(self, s: Slots, step: Launched, hear: bool = True) -> Readback:
-        """Wait for ``step`` and read its row back; where it read the expert table (and ``hear``), the window hears its
-        routing and plans on it."""
+    def read(self, s: Slots, step: Launched, hear: Iterable[int] = ()) -> Readback:
+        """Wait for ``step`` and read its row back; where it read the expert table, the window hears the routing of the
+        slots in ``hear`` (the rows whose sequences go on) and plans on it."""
         self.backend.wait(step.mark)
         row = s.ring[step.index % s.RING].tolist()
-        n, heard = s.count, {}
+        n, heard, hear = s.count, {}, sorted(hear)
         if step.table and hear:
-            width = s.state.routed.shape[1]
+            _, slots, k = s.state.routed.shape
+            routed = [row[i:i + slots * k] for i in range(2 * n, len(row), slots * k)]  # a sparse layer's slots
             before = self.counters.snapshot()
-            self.hear(step.decode_index, [row[i:i + width] for i in range(2 * n, len(row), width)])
+            self.hear(step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
+                                          for layer in routed])
             heard = delta(self.counters.snapshot(), before)
         return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
 
@@ -265,8 +268,9 @@ class Runner:
             self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
 
     def hear(self, step: int, routed: list[list[int]]) -> None:
-        """Decode step ``step``'s routing, read back: the window plans on it a step behind (the expert policy hears it,
-        and the experts the step read from their host copies are its misses); the plan's uploads start at once on the
+        """Decode step ``step``'s routing, read back (each sparse layer's experts over the rows heard): the window plans
+        on their union a step behind (the expert policy hears it, and the experts the step read from their host copies
+        are its misses); the plan's uploads start at once on the
         side stream, and the table follows them on the schedule."""
         window, schedule = self.window, self.schedule
         for layer, chosen in zip(self.sparse, routed):
@@ -320,11 +324,11 @@ class Runner:
 
     def _table_experts(self, layer: int, state: DecodeState):
         """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
-        The routed ids go to the step's row, which the host reads back a step late."""
-        backend, row = self.backend, state.routed[self.sparse.index(layer)]
+        Each row's routed ids go to the step's output row, which the host reads back a step late."""
+        backend, rows = self.backend, state.routed[self.sparse.index(layer)]
 
         def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            row.copy_(chosen[0])
+            rows[: chosen.shape[0]].copy_(chosen)
             return backend.routed_experts(layer, x, weights, chosen)
 
         return experts
