@@ -192,6 +192,12 @@ class KestrelConfig:
     residency: ResidencyConfig = ResidencyConfig()
     generation: GenerationConfig = GenerationConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # The settings given (kestrel.toml's keys, flags, open()'s arguments) as "section.field": whether one was set is
+    # asked here, never whether its value differs from the default (a setting given its default value is given).
+    given: frozenset[str] = attrs.field(default=frozenset(), eq=False, repr=False)
+
+    def was_given(self, section: str, field: str) -> bool:
+        return f"{section}.{field}" in self.given
 
     def override(self, **flags: Any) -> "KestrelConfig":
         """Apply flags given as ``section__field=value``, or ``model=...``; None means 'not given'."""
@@ -200,10 +206,11 @@ class KestrelConfig:
             if value is None:
                 continue
             if "__" not in key:
-                cfg = attrs.evolve(cfg, **{key: value})
+                cfg = attrs.evolve(cfg, **{key: value}, given=cfg.given | {key})
                 continue
             section, field = key.split("__", 1)
-            cfg = attrs.evolve(cfg, **{section: attrs.evolve(getattr(cfg, section), **{field: value})})
+            cfg = attrs.evolve(cfg, **{section: attrs.evolve(getattr(cfg, section), **{field: value})},
+                               given=cfg.given | {f"{section}.{field}"})
         return cfg
 
 
@@ -249,7 +256,8 @@ def config_from_dict(raw: dict, where: str = "config") -> KestrelConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{section}] must be a table")
         kwargs[section] = _build(cls, table, f"{where} [{section}]")
-    return KestrelConfig(**kwargs)
+    given = {f"{section}.{key}" for section in _SECTIONS for key in raw.get(section, {})}
+    return KestrelConfig(**kwargs, given=frozenset(given | ({"model"} if "model" in raw else set())))
 
 
 # A setting's flat name (Model.open, Run.generate) -> its (section, field) in kestrel.toml.
@@ -275,7 +283,9 @@ def with_settings(base: KestrelConfig, settings: dict[str, Any], where: str = "s
             tables.setdefault(section, {})[field] = value
     raw = {"model": model, **{section: {**attrs.asdict(getattr(base, section)), **tables.get(section, {})}
                               for section in _SECTIONS}}
-    return config_from_dict(raw, where)
+    given = {f"{section}.{field}" for section, table in tables.items() for field in table}
+    given |= {"model"} if any(FLAT.get(key, ("",))[0] is None for key in settings) else set()
+    return attrs.evolve(config_from_dict(raw, where), given=base.given | frozenset(given))
 
 
 def load_config(path: str | Path | None) -> KestrelConfig:

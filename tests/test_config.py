@@ -124,3 +124,18 @@ def test_an_int_is_a_fine_float(tmp_path):
 def test_override_ignores_flags_not_given():
     cfg = KestrelConfig().override(residency__keep=3, residency__policy=None, model=None)
     assert cfg.residency.keep == 3 and cfg.residency.policy == "asymmetric" and cfg.model == ""
+
+
+def test_a_setting_given_its_default_value_is_given(tmp_path):
+    """Whether a setting was given is asked of the config, never read off a value that differs from the default."""
+    from kestrel_core.config import KestrelConfig, load_config, with_settings
+
+    assert not KestrelConfig().was_given("generation", "max_new_tokens")
+    assert KestrelConfig().override(generation__max_new_tokens=16).was_given("generation", "max_new_tokens")
+    assert not KestrelConfig().override(generation__max_new_tokens=None).was_given("generation", "max_new_tokens")
+    (tmp_path / "k.toml").write_text("[generation]\nseed = 0\n")
+    from_file = load_config(tmp_path / "k.toml")
+    assert from_file.was_given("generation", "seed") and not from_file.was_given("generation", "temperature")
+    opened = with_settings(from_file, {"temperature": 0.0, "keep": 2})
+    assert opened.was_given("generation", "temperature") and opened.was_given("residency", "keep")
+    assert opened.was_given("generation", "seed") and not opened.was_given("generation", "top_k")

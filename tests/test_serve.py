@@ -77,6 +77,14 @@ def single(model_dir):
 
 
 @pytest.fixture(scope="module")
+def solo_server(model_dir):
+    """The defaults: keyless, on loopback."""
+    s = Server(model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
 def solo(model_dir):
     """``solo(prompt_ids, n, **kw)``: the greedy ids of one sequence alone, by run.generate in this process."""
     with load(model_dir) as model, model.open(backend="cpu_ref") as run:
@@ -181,6 +189,24 @@ def test_a_chat_reply_without_max_tokens_runs_to_the_context(server, model_dir):
     assert got.usage.completion_tokens == 256 and got.choices[0].finish_reason == "length"
 
 
+def test_settings_given_their_default_values_are_taken(model_dir, tmp_path):
+    """--max-new-tokens 16 and a seed of 0 equal the defaults: they were ignored (chat ran to the context, and sampled
+    requests without a seed drew anew) because the server asked whether they differed from the default."""
+    (tmp_path / "kestrel.toml").write_text("[generation]\nseed = 0\n")
+    s = Server(model_dir, "--max-new-tokens", "16", "--config", str(tmp_path / "kestrel.toml"))
+    try:
+        client = s.client()
+        got = client.chat.completions.create(model=s.name, messages=[{"role": "user", "content": "hi"}],
+                                             extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 16 and got.choices[0].finish_reason == "length"
+        draws = [client.completions.create(model=s.name, prompt=[1, 2, 3], max_tokens=8, temperature=1.0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0].token_ids
+                 for _ in range(2)]
+        assert draws[0] == draws[1]  # the operator's seed, 0, makes a request without one repeatable
+    finally:
+        s.stop()
+
+
 def test_sixteen_concurrent_streams_each_equal_their_solo_run(server, solo):
     prompts = [prompt_of(i) for i in range(16)]
     want = [solo(p, 24) for p in prompts]
@@ -240,10 +266,61 @@ def test_a_stop_token_id_ends_the_generation_and_is_not_in_the_text(server, solo
     assert choice.text == text_of(model_dir, cut[:-1]) and got.usage.completion_tokens == len(cut)
 
 
+# --- who may reach it from a browser ---------------------------------------------------------------------
+
+def test_a_keyless_loopback_server_answers_only_loopback_host_names(solo_server):
+    """DNS rebinding: a page on attacker.example, its name pointed at 127.0.0.1, sends that Host and is refused."""
+    url = solo_server.url
+    for host in ("attacker.example", "attacker.example:8000", "192.168.1.9"):
+        response = httpx.get(f"{url}/v1/models", headers={"Host": host}, timeout=10)
+        error = assert_openai_error(response, 403, code="host_not_allowed")
+        assert "--allowed-hosts" in error["message"]
+    port = url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert httpx.get(f"{url}/v1/models", headers={"Host": host}, timeout=10).status_code == 200, host
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert client.models.list().data  # the official client, through 127.0.0.1
+
+
+def test_a_body_that_is_not_json_is_refused_and_no_cors_header_is_sent(solo_server):
+    """A page may POST text/plain to any site without a preflight: the server refuses it before reading it."""
+    body = json.dumps({"model": solo_server.name, "prompt": [1, 2], "max_tokens": 1})
+    for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Origin": "https://attacker.example", **({"Content-Type": media} if media else {})}
+        response = httpx.post(f"{solo_server.url}/v1/completions", content=body, headers=headers, timeout=30)
+        assert_openai_error(response, 415, code="unsupported_media_type")
+        assert "access-control-allow-origin" not in response.headers
+    ok = httpx.post(f"{solo_server.url}/v1/completions", content=body, timeout=30,
+                    headers={"Origin": "https://attacker.example", "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200 and "access-control-allow-origin" not in ok.headers
+    preflight = httpx.options(f"{solo_server.url}/v1/completions", timeout=10,
+                              headers={"Origin": "https://attacker.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_named_hosts_and_origins_are_answered(model_dir):
+    s = Server(model_dir, "--allowed-hosts", "kestrel.lan", "--allowed-origins", "https://app.example")
+    try:
+        body = json.dumps({"model": s.name, "prompt": [1, 2], "max_tokens": 1})
+        answer = httpx.post(f"{s.url}/v1/completions", content=body, timeout=30,
+                            headers={"Host": "kestrel.lan:8000", "Origin": "https://app.example",
+                                     "Content-Type": "application/json"})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://app.example"
+        preflight = httpx.options(f"{s.url}/v1/chat/completions", timeout=10,
+                                  headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                           "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 204 and "POST" in preflight.headers["access-control-allow-methods"]
+        other = httpx.get(f"{s.url}/v1/models", headers={"Origin": "https://other.example"}, timeout=10)
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+        assert_openai_error(httpx.get(f"{s.url}/health", headers={"Host": "evil.lan"}, timeout=10), 403)
+    finally:
+        s.stop()
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 
 def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(f"{server.url}{path}", content=data, headers=headers, timeout=30, **kw)
 
@@ -346,7 +423,7 @@ def test_a_body_over_the_limit_is_a_413(server):
             yield b"x" * 1024
         yield b'"}'
     response = httpx.post(f"{server.url}/v1/completions", content=chunked(), timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}"})
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert_openai_error(response, 413)
 
 
@@ -361,7 +438,7 @@ def test_a_body_that_stalls_is_a_408_not_a_connection_held_forever(model_dir):
     app = create_app(Service(KestrelConfig().override(model=str(model_dir)), "tiny", Limits()), body_timeout=0.2)
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"), (b"content-length", b"1000")],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
     parts = [{"type": "http.request", "body": b'{"model": "tiny", ', "more_body": True}]
     sent = []
@@ -439,7 +516,7 @@ def test_health_is_503_while_the_model_loads(model_dir):
     from kestrel_core.serve.service import Limits, Service
 
     service = Service(KestrelConfig().override(model=str(model_dir), backend__name="cpu_ref"), "tiny", Limits())
-    with TestClient(create_app(service), raise_server_exceptions=False) as http:
+    with TestClient(create_app(service), base_url="http://127.0.0.1", raise_server_exceptions=False) as http:
         assert http.get("/health").status_code == 503 and http.get("/health").json()["status"] == "loading"
         response = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
         assert_openai_error(response, 503, code="model_loading")
@@ -466,7 +543,7 @@ def test_a_server_error_is_a_500_without_its_traceback(model_dir, monkeypatch, c
 
     monkeypatch.setattr(service, "plan", broken)
     try:
-        with TestClient(create_app(service), raise_server_exceptions=False) as http:
+        with TestClient(create_app(service), base_url="http://127.0.0.1", raise_server_exceptions=False) as http:
             response = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
     finally:
         service.close()
@@ -492,7 +569,7 @@ def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, mon
     monkeypatch.setattr(Batch, "step", lambda self: (_ for _ in ()).throw(RuntimeError("the device fell off")))
     body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
     try:
-        with TestClient(create_app(service), raise_server_exceptions=False) as http:
+        with TestClient(create_app(service), base_url="http://127.0.0.1", raise_server_exceptions=False) as http:
             assert_openai_error(http.post("/v1/completions", json=body), 500, code="generation_failed")
             health = http.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "batch_failed"

@@ -12,7 +12,7 @@ from kestrel_core.io import progress
 
 from kestrel_core.formats import template_limits
 from kestrel_core.formats.chat_template import RESERVED, ChatTemplate, end_ids
-from kestrel_core.config import GenerationConfig, model_dir
+from kestrel_core.config import model_dir
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.engine.run import load
 from kestrel_core.engine.results import GenerationResult
@@ -44,7 +44,7 @@ def run(args) -> int:
                           "them in, one a line")
     variables = template_vars(args.template_var)
     cfg = config_from_args(args)
-    if args.max_new_tokens is None and cfg.generation.max_new_tokens == GenerationConfig().max_new_tokens:
+    if not cfg.was_given("generation", "max_new_tokens"):  # kestrel.toml's 16, given, is taken
         cfg = cfg.override(generation__max_new_tokens=REPLY_TOKENS)
     with progress.shown(not args.json), load(model_dir(cfg)) as model:
         if model.tokenizer is None:

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from kestrel_core.config import GenerationConfig, model_dir
+from kestrel_core.config import model_dir
 from kestrel_core.errors import ConfigError
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
@@ -47,6 +47,10 @@ def add_arguments(p):
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (also {KEY_ENV}, which keeps it out of "
                    "the process list)")
+    p.add_argument("--allowed-hosts", help="Host names the server answers besides loopback's, comma-separated ('*': "
+                   "any); on loopback only loopback names are answered unless named here (DNS rebinding)")
+    p.add_argument("--allowed-origins", help="browser origins given CORS headers, comma-separated ('*': any); "
+                   "default none")
     p.add_argument("--allow-insecure", action="store_true",
                    help="serve a non-loopback --host without an API key (anyone who reaches the port may use it)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
@@ -79,20 +83,22 @@ def run(args) -> int:
     import uvicorn
 
     from kestrel_core.serve.app import create_app
-    from kestrel_core.serve.server import Server, bind, check_bind, header_deadline, url_of
+    from kestrel_core.serve.origins import allowed_hosts, parse_list
+    from kestrel_core.serve.server import Server, bind, check_bind, header_deadline, is_loopback, url_of
     from kestrel_core.serve.service import FAILED, READY, Limits, Service
 
     check_bind(args.host, api_key, args.allow_insecure)
     if args.api_key is not None and not args.api_key:
         raise ConfigError("--api-key is empty; give a key, or leave the flag out")
     # A chat reply without max_tokens runs to the end of its turn, unless --max-new-tokens or kestrel.toml set a length.
-    chat_tokens = cfg.generation.max_new_tokens if cfg.generation.max_new_tokens != GenerationConfig().max_new_tokens \
-        else None
+    chat_tokens = cfg.generation.max_new_tokens if cfg.was_given("generation", "max_new_tokens") else None
     # A seed the operator chose makes requests without one repeatable; else each draws its own, as OpenAI's do.
-    seed = cfg.generation.seed if args.seed is not None or cfg.generation.seed != GenerationConfig().seed else None
+    seed = cfg.generation.seed if cfg.was_given("generation", "seed") else None
     log = _logger()
     service = Service(cfg, name, Limits(**settings), chat_tokens, seed)
-    app = create_app(service, api_key, int(args.max_body_mb * 2**20))
+    hosts = allowed_hosts(parse_list(args.allowed_hosts, "--allowed-hosts"), is_loopback(args.host))
+    app = create_app(service, api_key, int(args.max_body_mb * 2**20), hosts=hosts,
+                     origins=parse_list(args.allowed_origins, "--allowed-origins"))
     sock = bind(args.host, args.port)
     url = url_of(sock)
     log.info("listening on %s (the OpenAI API at %s/v1); loading %s", url, url, model_dir(cfg))

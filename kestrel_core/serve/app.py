@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from kestrel_core.serve import protocol
 from kestrel_core.serve.generation import Generation, GenerationFailed
+from kestrel_core.serve.origins import LOOPBACK_NAMES, OriginGuard
 from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest
 from kestrel_core.serve.service import READY, Service
 
@@ -35,8 +36,12 @@ BODY_TIMEOUT_S = 60.0  # the whole body must arrive within this: a client that s
 
 
 def create_app(service: Service, api_key: str | None = None, max_body: int = 4 * 2**20,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, hosts: frozenset[str] | None = LOOPBACK_NAMES,
+               origins: frozenset[str] | None = None) -> FastAPI:
+    """``hosts``: the Host names answered (None: any); ``origins``: the browser origins given CORS headers (None:
+    none); see ``origins.OriginGuard``."""
     app = FastAPI(title="kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(OriginGuard, hosts=hosts, origins=origins)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
