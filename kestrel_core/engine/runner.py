@@ -9,13 +9,14 @@ in once serves them all. The token loop over these passes is the batch's (``batc
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable, Iterable
 
 import attrs
 import torch
 
 from kestrel_core.engine.contracts import Backend
-from kestrel_core.errors import NonFiniteError
+from kestrel_core.errors import ConfigError, NonFiniteError
 from kestrel_core.engine.expert_schedule import ExpertSchedule, is_expert
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, route
@@ -115,6 +116,7 @@ class Slots:
 
     def __init__(self, runner: "Runner", slots: int, max_seq: int):
         backend, cfg = runner.backend, runner.cfg
+        self.runner = runner
         self.count, self.max_seq = slots, max_seq
         self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
         self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
@@ -130,6 +132,9 @@ class Slots:
         for graphs in self.graphs.values():
             graphs.close()
         self.graphs.clear()
+        if self.runner is not None:  # the run may step another batch now
+            self.runner, runner = None, self.runner
+            runner._busy.release()
 
 
 class Runner:
@@ -142,6 +147,7 @@ class Runner:
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
         self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
+        self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
 
     def reads_table(self, rows: int, spans=()) -> bool:
         """Whether a step reads its routed experts through the expert table: a decode step (rows, no spans) on a run
@@ -155,8 +161,18 @@ class Runner:
 
     # --- a step, as a batch asks for it ----------------------------------------------------------------
     def open_slots(self, slots: int, max_seq: int) -> Slots:
-        """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each."""
-        return Slots(self, slots, max_seq)
+        """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each. A run steps one
+        batch at a time (its window holds one token's plans): a second, from another thread or a scheduler's, is
+        refused at once, until the first closes its slots."""
+        if not self._busy.acquire(blocking=False):
+            raise ConfigError("this run is generating already (in another thread, or a Scheduler's batch): a run steps "
+                              "one batch at a time; open a second run with model.open(...), or submit the request to "
+                              "the Scheduler")
+        try:
+            return Slots(self, slots, max_seq)
+        except BaseException:
+            self._busy.release()
+            raise
 
     def step(self, s: Slots, request: StepRequest,
              sample: Callable[[int, torch.Tensor], int | None] | None = None) -> Launched:
