@@ -56,3 +56,14 @@ def test_a_direct_generate_beside_a_scheduler_on_its_run_is_refused(tiny_ckpt):
         finally:
             sched.stop(cancel=True)
         assert run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids == seq.tokens
+
+
+@pytest.mark.parametrize("stop_ids, needle", [("12", r"stop_ids must be a list of token ids \(ints\), got str"),
+                                              ([1, "2"], "stop_ids must hold ints, got a str"),
+                                              ([1, 512], r"stop_ids: token id 512 is outside the vocabulary \(0..511\)"),
+                                              ([-1], "stop_ids: token id -1 is outside the vocabulary")])
+def test_stop_ids_are_checked_as_the_server_checks_its_own(tiny_ckpt, stop_ids, needle):
+    """A string (its characters) or an id outside the vocabulary was taken and never matched."""
+    with load(tiny_ckpt) as model, model.open() as run:
+        with pytest.raises(ConfigError, match=needle):
+            run.generate(prompt_ids=PROMPT, max_new_tokens=2, stop_ids=stop_ids)

@@ -220,16 +220,15 @@ def load(model_dir: str | os.PathLike) -> Model:
     return Model(model_dir)
 
 
-def _prompt_ids(value: Any) -> list[int] | None:
-    """``prompt_ids`` as a list of ints, or a ConfigError naming what it was."""
+def _prompt_ids(value: Any, name: str = "prompt_ids", hint: str = "; pass text as prompt=") -> list[int] | None:
+    """``value`` (``prompt_ids``, ``stop_ids``) as a list of ints, or a ConfigError naming what it was."""
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ConfigError(f"prompt_ids must be a list of token ids (ints), got {type(value).__name__}; "
-                          "pass text as prompt=")
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ConfigError(f"{name} must be a list of token ids (ints), got {type(value).__name__}{hint}")
     for x in value:
         if isinstance(x, bool) or not isinstance(x, int):
-            raise ConfigError(f"prompt_ids must hold ints, got a {type(x).__name__} ({str(x)[:40]})")
+            raise ConfigError(f"{name} must hold ints, got a {type(x).__name__} ({str(x)[:40]})")
     return list(value)
 
 
@@ -304,7 +303,8 @@ class Run:
         else:
             ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
         check_prompt(self.model, ids, gen)
-        eos = self.model.eos_ids | frozenset(stop_ids)  # config.json's and generation_config.json's, and the caller's
+        stop = self.model.limits().ids(_prompt_ids(stop_ids, "stop_ids", ""), "stop_ids")  # as the server checks its own
+        eos = self.model.eos_ids | frozenset(stop)  # config.json's and generation_config.json's, and the caller's
         draft = self.config.speculative.draft_tokens if self.drafter is not None else 0
         return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=self.drafter,
                        draft_tokens=draft)
