@@ -296,7 +296,7 @@ def load_config(path: str | Path | None) -> KestrelConfig:
         raise ConfigError(f"config file {str(p)!r} does not exist")
     data = read_bounded(p, TOML_LIMIT, f"config file {str(p)!r}", "pass a kestrel.toml file")
     try:
-        raw = tomllib.loads(data.decode())
+        raw = tomllib.loads(data.decode("utf-8-sig"))  # a byte-order mark (Windows editors write one) is not TOML
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(p)!r} cannot be read (not UTF-8 text); pass a kestrel.toml file") from None
     except tomllib.TOMLDecodeError as exc:

@@ -80,6 +80,9 @@ def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | 
     if res.expert_prefetch and not model.config.is_moe:
         raise ConfigError(f"expert_prefetch is for Mixture-of-Experts models; {model.dir} ({model.config.model_type}) "
                           "has no experts: leave --expert-prefetch off")
+    if res.expert_fetch == "layer" and not model.config.is_moe:
+        raise ConfigError(f"expert_fetch = 'layer' is for Mixture-of-Experts models; {model.dir} "
+                          f"({model.config.model_type}) has no experts: leave --expert-fetch out")
     if res.expert_fetch == "layer" and (res.expert_policy or res.expert_prefetch):
         raise ConfigError("expert_fetch = 'layer' fetches every expert with its layer, so there is nothing for "
                           f"{'an expert policy' if res.expert_policy else 'expert_prefetch'} to choose; "

@@ -86,11 +86,11 @@ def run(args) -> int:
         return _list(args.json)
     if not args.name:
         raise ConfigError("name a gate (kestrel gate --list shows them), e.g. kestrel gate kv-paging --model DIR")
+    gate = make_gate(args.name)  # an unknown name first: "no gate named", not "no model given"
     if not args.model:
         raise ConfigError(f"no model given: kestrel gate {args.name} --model DIR (a directory with config.json)")
     if args.report:
         newfile.check_new(args.report, "--report")  # before the gate runs (--measure takes a while)
-    gate = make_gate(args.name)
     ctx = GateContext(args.model, options_from_args(args), gate.name)
     result = run_gate(gate, ctx)
     if args.report:
