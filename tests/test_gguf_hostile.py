@@ -87,18 +87,19 @@ class TookTooLong(BaseException):  # not caught as a parse error
 
 
 def _opened_within(path, seconds: float = 2.0):
-    """GGUFCheckpoint(path), stopped by an alarm after ``seconds`` (a reader that loops over a declared length would
-    otherwise run for hours)."""
+    """GGUFCheckpoint(path), stopped by an alarm after ``seconds`` of this process's own CPU time (a reader that
+    loops over a declared length would otherwise run for hours). CPU time, not the wall clock: a loaded machine does
+    not ring it."""
     def ring(*_):
-        raise TookTooLong(f"opening {path} took over {seconds} s")
+        raise TookTooLong(f"opening {path} took over {seconds} s of CPU")
 
-    old = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    old = signal.signal(signal.SIGPROF, ring)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         return GGUFCheckpoint(path)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
 
 
 HOSTILE = {
@@ -134,10 +135,10 @@ def test_a_hostile_header_is_refused_fast_and_small_in_one_line(kind, tmp_path):
     edit, want = HOSTILE[kind]
     path = _patched(tmp_path, edit)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(CheckpointError) as err:
         _opened_within(path)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
     message = str(err.value)
     assert "\n" not in message and message.startswith(str(path)), message
@@ -219,10 +220,10 @@ def test_a_chat_template_of_the_wrong_type_says_so_not_that_there_is_none(tmp_pa
 def test_a_huge_chat_template_is_refused_before_it_is_compiled(tmp_path, capsys):
     path, _ = write_model(tmp_path / "m.gguf", meta={"tokenizer.chat_template": "x" * (TEMPLATE_LIMIT + 1)})
     with load(path) as model:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         with pytest.raises(ConfigError) as err:
             model.chat_template()
-        assert time.perf_counter() - t0 < 0.5
+        assert time.process_time() - t0 < 0.5
     message = str(err.value)
     assert "\n" not in message and re.search(r"tokenizer.chat_template is 4.0 MiB, over the 4 MiB limit", message), message
     out = tmp_path / "q8"  # kestrel quantize would copy it into tokenizer_config.json: refused there too, before any weight
@@ -275,18 +276,27 @@ def _raw_gguf(path, key: str, itype: int, n: int, items: bytes):
 
 
 @pytest.mark.parametrize("itype,item", [(UINT8, b"\x01"), (STRING, struct.pack("<Q", 1) + b"a")], ids=["bytes", "strings"])
-def test_an_array_of_the_most_entries_kestrel_reads_is_read_fast_and_small(itype, item, tmp_path):
+def test_an_array_of_the_most_entries_kestrel_reads_is_read_small(itype, item, tmp_path):
+    """Its memory only: the CPU alarm is a minute, so no clock decides this test."""
     n = MAX_ARRAY
     path = _raw_gguf(tmp_path / "m.gguf", "junk.array", itype, n, item * n)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
     with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):  # read whole, then refused
-        _opened_within(path)
-    assert time.perf_counter() - t0 < 1.5
+        _opened_within(path, 60.0)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 160 * 1024  # KiB: was 0.9-1.6 GiB
     path = _raw_gguf(tmp_path / "m.gguf", "junk.array", itype, n + 1, item * (n + 1))
     with pytest.raises(CheckpointError, match=r"metadata junk.array declares 1,048,577 entries.*over the 1,048,576"):
+        _opened_within(path, 60.0)
+
+
+@pytest.mark.parametrize("itype,item", [(UINT8, b"\x01"), (STRING, struct.pack("<Q", 1) + b"a")], ids=["bytes", "strings"])
+def test_an_array_of_the_most_entries_kestrel_reads_is_read_fast(itype, item, tmp_path):
+    """Its time only, in this process's CPU seconds (a loaded machine does not move them)."""
+    path = _raw_gguf(tmp_path / "m.gguf", "junk.array", itype, MAX_ARRAY, item * MAX_ARRAY)
+    t0 = time.process_time()
+    with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):
         _opened_within(path)
+    assert time.process_time() - t0 < 1.5
 
 
 def test_a_string_that_is_not_utf8_names_its_key(tmp_path):
@@ -350,14 +360,20 @@ def _many_tensors(path, names: list[str]):
     return path
 
 
-def test_a_long_tensor_list_is_read_fast_and_small(tmp_path):
+def test_a_long_tensor_list_is_read_small(tmp_path):
     path = _many_tensors(tmp_path / "m.gguf", [f"t{i}" for i in range(2**16)])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
     with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):  # listed whole, then refused
-        _opened_within(path)
-    assert time.perf_counter() - t0 < 1.5  # was 5.4 s
+        _opened_within(path, 60.0)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 160 * 1024  # KiB: was 340 MiB
+
+
+def test_a_long_tensor_list_is_read_fast(tmp_path):
+    path = _many_tensors(tmp_path / "m.gguf", [f"t{i}" for i in range(2**16)])
+    t0 = time.process_time()
+    with pytest.raises(CheckpointError, match="metadata has no llama.embedding_length"):
+        _opened_within(path)
+    assert time.process_time() - t0 < 1.5  # CPU seconds; was 5.4 s
 
 
 def test_a_tensor_listed_twice_is_one_line(tmp_path):
@@ -372,10 +388,10 @@ def test_more_metadata_keys_than_kestrel_reads_are_refused_before_they_are_read(
     kvs += b"".join(string(f"k{i}".encode()) + struct.pack("<IB", UINT8, 1) for i in range(n - 1))
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n) + kvs)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(CheckpointError, match=rf"the header declares {n:,} metadata keys.*over the {MAX_KEYS:,} kestrel reads"):
         _opened_within(path)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
 
 
 def test_a_directory_of_gguf_files_names_them(tmp_path, capsys):
@@ -409,11 +425,11 @@ def test_more_special_tokens_than_kestrel_builds_are_refused_before_they_are_bui
     n = MAX_ADDED + 1
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": [f"<t{i}>" for i in range(n)],
             "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [3] * n}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(CheckpointError, match=rf"x.gguf: tokenizer.ggml.token_type marks {n:,} tokens control or "
                                               rf"user-defined, over the {MAX_ADDED:,} kestrel builds"):
         build_tokenizer(meta, "x.gguf")
-    assert time.perf_counter() - t0 < 0.5  # 2**20 of them took 6 s and 1 GiB in tokenizers
+    assert time.process_time() - t0 < 0.5  # 2**20 of them took 6 s and 1 GiB in tokenizers
 
 
 def test_a_vocabulary_without_its_pre_tokenizer_says_which_one_kestrel_uses(tmp_path):
