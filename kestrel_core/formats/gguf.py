@@ -428,11 +428,14 @@ class GGUFCheckpoint:
             raise self._fail(f"tensor {ROPE_FREQS!r} holds {float(stored.min()):g} to {float(stored.max()):g}, not the "
                              "finite positive factors of Llama 3 rope scaling; the file is corrupt: re-convert it")
         theta = self._get(f"{a}.rope.freq_base", "float", 10000.0)
-        scaling = {"rope_type": "llama3", "factor": float(stored.max()), **LLAMA3_ROPE}
+        original = self._get(f"{a}.rope.scaling.original_context_length", "int", 8192)  # kestrel's writer sets it
+        scaling = {"rope_type": "llama3", "factor": float(stored.max()), **LLAMA3_ROPE,
+                   "original_max_position_embeddings": original}
         want = _llama3_factors(theta, head_dim, scaling)
         if not np.allclose(stored, want, rtol=1e-5, atol=0):
             raise self._fail(f"tensor {ROPE_FREQS!r} is not Llama 3 rope scaling with factor {scaling['factor']:g}, "
-                             "low_freq_factor 1, high_freq_factor 4 and 8192 original positions; kestrel cannot compute it")
+                             f"low_freq_factor 1, high_freq_factor 4 and {original} original positions; kestrel cannot "
+                             "compute it")
         return scaling
 
     def _name_tensors(self) -> dict[str, GGUFTensorInfo]:

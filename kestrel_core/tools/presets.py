@@ -1,4 +1,5 @@
-"""``kestrel make-model``: real Hugging Face-format checkpoints with seeded random weights."""
+"""``kestrel make-model``: real Hugging Face-format checkpoints with seeded random weights, or (``--type``) the same
+weights as one GGUF file, quantized as ``kestrel quantize --type`` would quantize that checkpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kestrel_core.errors import ConfigError
 from kestrel_core.formats.tensor_table import all_specs
 from kestrel_core.formats.modelconfig import ModelConfig, parse_model_config
 from kestrel_core.io.outdir import model_output
+from kestrel_core.formats.gguf_writer import Source, write_gguf
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, attention_bias=False, bos_token_id=None)
 
@@ -222,11 +224,7 @@ def write_checkpoint(
         for fname, names in zip(files, plan):
             tensors = {}
             for name in names:
-                gen = torch.Generator(device=dev).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
-                t = _init(name, specs[name], cfg, gen, dev)
-                if router_skew:
-                    t = _apply_router_skew(name, t, cfg, seed, router_skew)
-                tensors[name] = t.to(dtype).cpu().contiguous()
+                tensors[name] = draw(name, specs[name], cfg, seed, dev, router_skew)
                 bar.update(tensors[name].numel() * tensors[name].element_size())
             bar.set_postfix_str(f"writing {fname}")
             _save(tensors, tmp / fname, metadata)
@@ -238,6 +236,33 @@ def write_checkpoint(
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_id, "do_sample": False}))
         (tmp / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg)))
     return out
+
+
+def draw(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, device, router_skew: float) -> torch.Tensor:
+    """The weights of tensor ``name``, as the checkpoint stores them (its own seeded generator, then the dtype)."""
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
+    t = _init(name, shape, cfg, gen, device)
+    if router_skew:
+        t = _apply_router_skew(name, t, cfg, seed, router_skew)
+    return t.to(DTYPES[cfg.torch_dtype]).cpu().contiguous()
+
+
+def write_preset_gguf(cfg: ModelConfig, out: Path, type_name: str, name: str, seed: int = 0, device: str = "cpu",
+                      router_skew: float = 0.0, flag: str = "--out") -> dict:
+    """Write the checkpoint ``write_checkpoint`` would write (same seed, dtype and router skew) as a new GGUF file
+    ``out`` of ``type_name`` (``gguf_types.TYPE_NAMES``), through the writer ``kestrel quantize --type`` uses, drawing
+    one tensor at a time: no directory is written first. Returns the writer's summary."""
+    if not 0 <= seed < 2**64:
+        raise ConfigError(f"--seed must be in 0..2**64-1, got {seed}")
+    router_skew = check_router_skew(cfg, router_skew)
+    dev = compute_device(device)
+    specs = all_specs(cfg)
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    source = Source(cfg, lambda tensor: draw(tensor, specs[tensor], cfg, seed, dev, router_skew), name, f"preset {name}",
+                    json.dumps(byte_level_tokenizer(cfg)), end_ids=frozenset(i for i in eos if i is not None))
+    summary = write_gguf(source, out, type_name, flag)
+    summary["source_bytes"] = sum(int(torch.Size(s).numel()) for s in specs.values()) * itemsize(DTYPES[cfg.torch_dtype])
+    return summary
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

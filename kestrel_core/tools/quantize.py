@@ -1,4 +1,5 @@
-"""``kestrel quantize``: write a q8 copy of a float checkpoint (the format: ``quant``), atomically.
+"""``kestrel quantize``: write a q8 copy of a float checkpoint (the format: ``quant``), atomically; or, with
+``--type``, a GGUF file of it (``quantize_to_gguf``; the format: ``formats.gguf_writer``).
 
 From a GGUF file (``--from x.gguf``) at group 32, a Q8_0 weight is copied as it is stored (Q8_0 is q8 with group 32:
 no rounding), and every other weight is quantized from its float32 dequantization; the config, tokenizer, chat
@@ -21,7 +22,14 @@ from kestrel_core.io import progress
 from kestrel_core.formats.checkpoint import DTYPES, TORCH_TO_ST, Checkpoint
 from kestrel_core.engine.devices import compute_device
 from kestrel_core.engine.run import Model
+from kestrel_core.formats.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG
+from kestrel_core.formats.gguf import SUFFIX as GGUF_SUFFIX
 from kestrel_core.formats.gguf_model import names_gguf
+from kestrel_core.formats.gguf_types import parse_type
+from kestrel_core.formats.gguf_writer import Source, write_gguf
+from kestrel_core.formats.tokenizer import TOKENIZER_LIMIT
+from kestrel_core.io.newfile import check_new
+from kestrel_core.io.readfile import read_bounded
 from kestrel_core.formats.gguf_quants import Q8_0_GROUP
 from kestrel_core.formats.modelconfig import read_json
 from kestrel_core.io.outdir import check_output, is_model_file, model_output
@@ -75,15 +83,7 @@ def quantize_checkpoint(
     if src.is_dir() and out.exists() and out.resolve() == src.resolve():
         raise QuantError("--out must be a different directory from --model")
     check_output(out, force)  # before any work
-    if src.is_dir() and any(src.glob("*.safetensors")):
-        probe = Checkpoint(src)
-        try:
-            if probe.metadata.get(META_QUANT) or looks_quantized(probe):
-                raise AlreadyQuantizedError(
-                    f"{src} is already quantized ({META_QUANT}={probe.metadata.get(META_QUANT, '?')}); quantize the original float checkpoint"
-                )
-        finally:
-            probe.close()
+    refuse_quantized(src)
     with Model(src) as model:
         cfg, ckpt = model.config, model.checkpoint
         if gguf:
@@ -162,6 +162,52 @@ def quantize_checkpoint(
         "source_bytes": src_bytes,
         "bytes": written,
     }
+
+
+def refuse_quantized(src: Path) -> None:
+    """A kestrel q8 directory is refused as a source: its weights are rounded already."""
+    if src.is_dir() and any(src.glob("*.safetensors")):
+        probe = Checkpoint(src)
+        try:
+            if probe.metadata.get(META_QUANT) or looks_quantized(probe):
+                raise AlreadyQuantizedError(
+                    f"{src} is already quantized ({META_QUANT}={probe.metadata.get(META_QUANT, '?')}); quantize the original float checkpoint"
+                )
+        finally:
+            probe.close()
+
+
+def quantize_to_gguf(model_dir: str | Path, out: str | Path, type_name: str) -> dict:
+    """Write a float Hugging Face directory (or a name in the Hugging Face cache) as a new GGUF file ``out`` of
+    ``type_name`` (``gguf_types.TYPE_NAMES``); returns ``write_gguf``'s summary and the source's bytes."""
+    type_name = parse_type(type_name)
+    if names_gguf(model_dir):
+        raise QuantError(f"--type writes a GGUF from a float Hugging Face directory, and {model_dir} is a GGUF already: "
+                         "re-quantizing its rounded weights adds error to error; pass the float model it came from "
+                         "with --model (--from FILE.gguf converts a GGUF to q8, without --type)")
+    src = hub.resolve(model_dir)
+    check_new(out, "--out", GGUF_SUFFIX)  # before any work
+    refuse_quantized(src)
+    with Model(src) as model:
+        summary = write_gguf(directory_source(model), out, type_name)
+        summary["source_bytes"] = sum(f.size for f in model.checkpoint.files.values())
+    return summary
+
+
+def directory_source(model: Model) -> Source:
+    """A Hugging Face directory as ``gguf_writer.Source``: its weights, tokenizer.json, tokenizer_config.json, chat
+    template and end-of-generation ids, as kestrel reads them."""
+    d, ckpt = Path(model.dir), model.checkpoint
+    tokenizer = d / "tokenizer.json"
+    text = None
+    if model.tokenizer is not None and tokenizer.exists():
+        text = read_bounded(tokenizer, TOKENIZER_LIMIT, str(tokenizer), "this is not a tokenizer.json").decode("utf-8")
+    config_path = d / TOKENIZER_CONFIG
+    config = read_json(config_path) if config_path.is_file() else {}
+    names_template = (d / TEMPLATE_FILE).exists() or (isinstance(config, dict) and "chat_template" in config)
+    template = model.chat_template().source if names_template else None  # one kestrel cannot read is an error here
+    return Source(model.config, ckpt.view, d.name, str(d), text, config if isinstance(config, dict) else {}, template,
+                  frozenset(model.eos_ids), ckpt.drop_pages)
 
 
 def write_gguf_side_files(model: Model, out: Path) -> None:
