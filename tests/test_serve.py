@@ -580,6 +580,17 @@ def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, mon
     assert failed.exc_info and str(failed.exc_info[1]) == "the device fell off"
 
 
+def test_the_smallest_context_starts(model_dir):
+    """--max-seq 2 passed the flag check, then failed at warm-up naming a prompt the user never sent."""
+    s = Server(model_dir, "--max-seq", "2")
+    try:
+        got = s.client().completions.create(model=s.name, prompt=[5], max_tokens=1,
+                                            extra_body={"return_token_ids": True})
+        assert len(got.choices[0].token_ids) == 1
+    finally:
+        s.stop()
+
+
 def test_a_context_past_the_models_positions_is_refused_not_cut(model_dir):
     """--max-seq 100000 on a model of 4096 positions served 4096 without a word."""
     from kestrel_core.config import KestrelConfig
@@ -608,7 +619,9 @@ def no_listening(*args):
     (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
     (["--prompt", "hi"], "--prompt"), (["--api-key", ""], "--api-key"),
     # each was a traceback (OverflowError), an "unrecognized arguments", or a server that could never be used
-    (["--max-body-mb", "inf"], "--max-body-mb must be a finite number above 0, got inf"),
+    (["--max-body-mb", "inf"], "--max-body-mb must be a number above 0 and at most 1,048,576 (1 TiB), got inf"),
+    (["--max-body-mb", "1e308"], "--max-body-mb must be a number above 0 and at most 1,048,576"),  # a traceback
+    (["--max-body-mb", "nan"], "--max-body-mb must be a number above 0"),
     (["--draft-tokens", "4"], "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
     (["--draft", ""], "--draft is empty"),
     (["--served-model-name", " "], "--served-model-name is empty"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
@@ -33,6 +32,9 @@ _RUN_FLAGS_HERE = {"--prompt": "refused: each request brings its prompt", "--pro
                    "--top-p": "top_p where a request gives none (default 1)",
                    "--ignore-eos": "generate max_tokens whatever end-of-sequence tokens come (a request may ask "
                                    "for it with ignore_eos)"}
+
+
+MAX_BODY_MB = 2**20  # a request body of a tebibyte: past any a client sends
 
 
 def add_arguments(p):
@@ -170,8 +172,9 @@ def _checked(args) -> dict:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_tokens_limit < 1:
         raise ConfigError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
-    if not (args.max_body_mb > 0 and math.isfinite(args.max_body_mb)):
-        raise ConfigError(f"--max-body-mb must be a finite number above 0, got {args.max_body_mb}")
+    if not (0 < args.max_body_mb <= MAX_BODY_MB):  # NaN fails too; past the bound, its bytes overflowed an int
+        raise ConfigError(f"--max-body-mb must be a number above 0 and at most {MAX_BODY_MB:,} (1 TiB), got "
+                          f"{args.max_body_mb}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     return {"max_batch": args.max_batch, "max_seq": args.max_seq, "prefill_chunk": args.prefill_chunk,

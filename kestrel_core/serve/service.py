@@ -101,7 +101,8 @@ class Service:
                                    self.limits.max_queue, on_error=self._batch_failed)
         self.scheduler.start()
         # One short generation: the window preloads and the memory figures printed at start are measured ones.
-        warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=2, stop_at_eos=False,
+        warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=min(2, self.max_seq - 1),
+                                                      stop_at_eos=False,
                                                       temperature=0.0))
         warm.finished.wait()
         if warm.error is not None:
