@@ -286,3 +286,24 @@ def test_a_text_line_far_past_the_context_is_refused_without_tokenizing_it_whole
         assert request.prompt_ids == model.tokenizer.encode("hello")
         with pytest.raises(ConfigError, match="^the model's context is 512 tokens \\(max_position_embeddings\\); the prompt takes over 511"):  # the Python API, the same way
             run.generate(prompt="ab " * 10**6)
+
+
+@pytest.mark.parametrize("content, needle", [('{"prompt_ids": [1\n', "line 1: not valid JSON"),
+                                             ('{"prompt": "a", "colour": 1}\n', "line 1: unknown key(s) colour"),
+                                             (None, "cannot read (No such file or directory)")])
+def test_the_prompts_file_is_read_and_checked_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch,
+                                                                       content, needle):
+    """It was read after the model loaded and the run opened (on cuda: after pinning every weight)."""
+    from cli_helpers import fails
+
+    import kestrel_core.commands.generate as generate
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(generate, "load", no_load)
+    src = tmp_path / "in.jsonl"
+    if content is not None:
+        src.write_text(content)
+    fails(["generate", "--model", str(tiny_ckpt), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl")], capsys,
+          needle)

@@ -127,15 +127,16 @@ def run_batch_job(args) -> int:
         raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
-    from kestrel_core.tools.batch_job import run_job
+    from kestrel_core.tools.batch_job import read_lines, run_job
     from kestrel_core.io.newfile import check_new
 
     check_new(args.out, "--out")  # before the model loads
     cfg = with_draft(config_from_args(args), args)
     max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
     check_batch_flags(max_batch, args.prefill_chunk, left_out="a whole prompt a step")
+    lines = read_lines(args.prompts)  # every line read and checked before the model loads (on cuda: pins its weights)
     with load(model_dir(cfg)) as model, model.open(cfg) as r:
-        summary = run_job(r, args.prompts, args.out, max_batch, args.prefill_chunk)
+        summary = run_job(r, args.prompts, lines, args.out, max_batch, args.prefill_chunk)
     if args.json:
         emit_json(summary)
     else:

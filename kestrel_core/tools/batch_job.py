@@ -23,9 +23,9 @@ MAX_LINES = 100_000
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
 
 
-def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
-    """Every line as a checked request (``run.request``), and its number and object as read; or the first bad line's
-    error, naming it."""
+def read_lines(path: str) -> list[tuple[int, dict]]:
+    """Every line's number and object, each checked as far as no model is needed (read before the model loads); or
+    the first bad line's error, naming it."""
     raw = read_bounded(path, INPUT_LIMIT, f"--prompts {path}", "split the prompts into several jobs")
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of the first line
@@ -39,7 +39,7 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
         raise ConfigError(f"--prompts {path}: no prompts; write one JSON object a line, e.g. {{\"prompt\": \"hello\"}}")
     if len(lines) > MAX_LINES:
         raise ConfigError(f"--prompts {path}: {len(lines):,} prompts, over the {MAX_LINES:,} a job takes; split it")
-    requests, objs = [], []
+    objs = []
     for n, line in lines:
         where = f"--prompts {path} line {n}"
         try:
@@ -61,20 +61,36 @@ def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
         if obj.get("prompt", "x") in (None, "") or obj.get("prompt_ids", [0]) in (None, []):
             # else the engine's hint, which names the --prompt and --prompt-ids flags
             raise ConfigError(f"{where}: the prompt is empty; give some text as prompt, or ids as prompt_ids")
+        objs.append((n, obj))
+    return objs
+
+
+def requests_of(run, path: str, lines: list[tuple[int, dict]]) -> list:
+    """Each line as a checked request (``run.request``: the model's vocabulary and context), or the first bad line's
+    error, naming it."""
+    requests = []
+    for n, obj in lines:
         try:
             requests.append(run.request(**obj))
         except KestrelError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        objs.append((n, obj))
-    return requests, objs
+            raise type(exc)(f"--prompts {path} line {n}: {exc}") from None
+    return requests
 
 
-def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | None) -> dict:
-    """Generate every line of ``prompts`` and write ``out``; a summary of the job."""
+def read_requests(run, path: str) -> tuple[list, list[tuple[int, dict]]]:
+    """``read_lines`` then ``requests_of``: every line as a checked request, and its number and object."""
+    lines = read_lines(path)
+    return requests_of(run, path, lines), lines
+
+
+def run_job(run, prompts: str, lines: list[tuple[int, dict]], out: str, max_batch: int,
+            prefill_chunk: int | None) -> dict:
+    """Generate every line of ``prompts`` (``read_lines``' answer, read before the model loaded) and write ``out``;
+    a summary of the job."""
     check_new(out, "--out")  # before any work
-    requests, lines = read_requests(run, prompts)
+    requests = requests_of(run, prompts, lines)
     done, tokens, t0 = 0, 0, time.perf_counter()
-    before = run.runner.counters.snapshot()
+    before = run.runner.snapshot()
     with progress.bar(len(requests), "batch", "seq") as bar:
         def on_done(i, result):
             nonlocal done, tokens
@@ -85,7 +101,7 @@ def run_job(run, prompts: str, out: str, max_batch: int, prefill_chunk: int | No
 
         results = run.generate_batch(requests, max_batch=max_batch, prefill_chunk=prefill_chunk, on_done=on_done)
     seconds = time.perf_counter() - t0
-    streamed = run.runner.counters.snapshot()["bytes_uploaded"] - before["bytes_uploaded"]
+    streamed = run.runner.snapshot()["bytes_uploaded"] - before["bytes_uploaded"]
     rows = []
     for (n, line), result in zip(lines, results):
         if isinstance(result, Exception):
