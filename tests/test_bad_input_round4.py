@@ -31,3 +31,16 @@ def test_a_kestrel_toml_with_a_byte_order_mark_is_read(tiny_ckpt, tmp_path, caps
     import json
 
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 3
+
+
+def test_a_gguf_whose_metadata_is_wrong_is_not_told_to_fix_config_json(tmp_path):
+    """A GGUF has no config.json: its metadata errors named one."""
+    from gguf_files import write_model
+
+    from kestrel_core.errors import CheckpointError
+
+    path, _ = write_model(tmp_path / "m.gguf", meta={"llama.block_count": 10**9})
+    with pytest.raises((ConfigError, CheckpointError)) as err:
+        load(path)
+    assert "config.json" not in str(err.value) and "the GGUF's metadata is wrong" in str(err.value)
+    assert "re-convert the model" in str(err.value)

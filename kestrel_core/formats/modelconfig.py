@@ -138,12 +138,23 @@ LIMITS = {"vocab_size": 2**24, "hidden_size": 2**17, "intermediate_size": 2**20,
 MAX_EXPERT_UNITS = 2**17  # num_hidden_layers x num_experts: one table entry (and its tensors' specs) each
 
 
+def _fix(where: str) -> str:
+    """What to do about a wrong field: config.json is the user's to fix; a GGUF's metadata is its converter's."""
+    if "GGUF metadata" in where:
+        return "the GGUF's metadata is wrong"  # the reader adds which key, and to re-convert
+    return "fix config.json"
+
+
+def _add(where: str) -> str:
+    return "the GGUF's metadata lacks it" if "GGUF metadata" in where else "add it to config.json"
+
+
 def _size(raw: dict, key: str, default: Any = _REQUIRED, where: str = "config.json", null_is_default: bool = False):
     """A positive integer field, at most its LIMITS bound."""
     value = _field(raw, key, POSITIVE_INT, default, where, null_is_default)
     if value is not None and value > LIMITS[key]:
         raise ConfigError(f"{where}: field {key!r} is {value:,}, over the {LIMITS[key]:,} kestrel allows (no model has "
-                          "that many); fix config.json")
+                          f"that many); {_fix(where)}")
     return value
 
 
@@ -152,11 +163,11 @@ def _field(raw: dict, key: str, kind: Kind, default: Any = _REQUIRED, where: str
     value = raw.get(key)
     if key not in raw or (value is None and null_is_default):
         if default is _REQUIRED:
-            raise ConfigError(f"{where}: missing field {key!r}; add it to config.json")
+            raise ConfigError(f"{where}: missing field {key!r}; {_add(where)}")
         return default
     check, want = kind
     if not check(value):
-        raise ConfigError(f"{where}: field {key!r} must be {want}, got {shown(value)}; fix config.json")
+        raise ConfigError(f"{where}: field {key!r} must be {want}, got {shown(value)}; {_fix(where)}")
     return value
 
 
@@ -176,7 +187,7 @@ def _check_rope_scaling(rs: Any, where: str) -> None:
         return
     name = f"{where}: rope_scaling"
     if not isinstance(rs, dict):
-        raise ConfigError(f"{name} must be an object or null, got {shown(rs)}; fix config.json")
+        raise ConfigError(f"{name} must be an object or null, got {shown(rs)}; {_fix(where)}")
     kind = _rope_type(rs)
     if kind not in ROPE_TYPES:  # also a missing, non-string or unhashable one
         raise ConfigError(f"{name}: rope_type {shown(kind)} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -185,7 +196,7 @@ def _check_rope_scaling(rs: Any, where: str) -> None:
             _field(rs, key, kind_of, where=f"{name} (llama3)")
         if not rs["low_freq_factor"] < rs["high_freq_factor"]:
             raise ConfigError(
-                f"{name}: low_freq_factor must be below high_freq_factor, got {rs['low_freq_factor']} and {rs['high_freq_factor']}; fix config.json"
+                f"{name}: low_freq_factor must be below high_freq_factor, got {rs['low_freq_factor']} and {rs['high_freq_factor']}; {_fix(where)}"
             )
 
 
@@ -207,15 +218,15 @@ def _moe_fields(raw: dict, where: str, n_layers: int) -> dict:
     experts = _size(raw, "num_experts", where=where)
     per_token = _size(raw, "num_experts_per_tok", where=where)
     if per_token > experts:
-        raise ConfigError(f"{where}: num_experts_per_tok={per_token} exceeds num_experts={experts}; fix config.json")
+        raise ConfigError(f"{where}: num_experts_per_tok={per_token} exceeds num_experts={experts}; {_fix(where)}")
     if n_layers * experts > MAX_EXPERT_UNITS:
         raise ConfigError(f"{where}: num_hidden_layers x num_experts = {n_layers:,} x {experts:,} expert units, over the "
-                          f"{MAX_EXPERT_UNITS:,} kestrel plans for; fix config.json")
+                          f"{MAX_EXPERT_UNITS:,} kestrel plans for; {_fix(where)}")
     dense = _field(raw, "mlp_only_layers", LAYER_LIST, [], where, null_is_default=True)
     outside = [layer for layer in dense if layer >= n_layers]
     if outside:
         raise ConfigError(f"{where}: mlp_only_layers names layer {outside[0]}, but the model has "
-                          f"num_hidden_layers={n_layers} (0..{n_layers - 1}); fix config.json")
+                          f"num_hidden_layers={n_layers} (0..{n_layers - 1}); {_fix(where)}")
     return dict(
         num_experts=experts,
         num_experts_per_tok=per_token,
@@ -234,7 +245,7 @@ def _newer_spellings(raw: dict, where: str) -> dict:
     params = raw.get("rope_parameters")
     if params is not None:
         if not isinstance(params, dict):
-            raise ConfigError(f"{where}: rope_parameters must be an object, got {shown(params)}; fix config.json")
+            raise ConfigError(f"{where}: rope_parameters must be an object, got {shown(params)}; {_fix(where)}")
         if "rope_theta" in params:
             if "rope_theta" in raw and raw["rope_theta"] != params["rope_theta"]:
                 raise ConfigError(f"{where}: rope_theta {shown(raw['rope_theta'])} and rope_parameters.rope_theta "
