@@ -44,3 +44,61 @@ def test_a_gguf_whose_metadata_is_wrong_is_not_told_to_fix_config_json(tmp_path)
         load(path)
     assert "config.json" not in str(err.value) and "the GGUF's metadata is wrong" in str(err.value)
     assert "re-convert the model" in str(err.value)
+
+
+def _weights(model_dir):
+    return sorted(model_dir.glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+def test_a_weights_file_changed_under_a_run_stops_it_with_an_error_not_sigbus(tiny_copy, change):
+    """cp over a model file truncates it first: the next touch of a mapped page past the new end killed the process
+    with SIGBUS, with nothing logged; a same-size rewrite gave other weights without a word."""
+    import os
+
+    from kestrel_core.errors import CheckpointError
+
+    with load(tiny_copy) as model, model.open(keep=1) as run:
+        run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)
+        path = _weights(tiny_copy)
+        size = path.stat().st_size
+        if change == "truncate":
+            os.truncate(path, size // 2)
+            needle = f"was cut from {size:,} to {size // 2:,} bytes while this run mapped it"
+        else:
+            with open(path, "r+b") as fh:  # the same bytes, written again: only the time moves
+                data = fh.read()
+                fh.seek(0)
+                fh.write(data)
+            os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+            needle = "was rewritten in place while this run mapped it"
+        with pytest.raises(CheckpointError, match=needle):
+            run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)
+
+
+def test_a_gguf_changed_under_a_run_stops_it(tmp_path):
+    import os
+
+    from gguf_files import write_model
+
+    from kestrel_core.errors import CheckpointError
+
+    path, _ = write_model(tmp_path / "m.gguf")
+    with load(path) as model, model.open(keep=1) as run:
+        run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)
+        os.truncate(path, path.stat().st_size - 4096)
+        with pytest.raises(CheckpointError, match="m.gguf was cut from"):
+            run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)
+
+
+def test_a_model_renamed_over_a_running_one_is_no_change(tiny_copy, tmp_path):
+    """Writing beside it and renaming over leaves the mapped file as it was: the run goes on."""
+    import os
+    import shutil
+
+    with load(tiny_copy) as model, model.open(keep=1) as run:
+        want = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, stop_at_eos=False).token_ids
+        path = _weights(tiny_copy)
+        shutil.copy(path, tmp_path / "new.safetensors")
+        os.replace(tmp_path / "new.safetensors", path)
+        assert run.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, stop_at_eos=False).token_ids == want

@@ -580,6 +580,30 @@ def test_a_batch_stopped_by_an_error_is_logged_and_health_says_so(model_dir, mon
     assert failed.exc_info and str(failed.exc_info[1]) == "the device fell off"
 
 
+def test_a_model_file_cut_under_a_running_server_is_a_503_and_a_line_on_stderr(model_dir, tmp_path):
+    """cp over a model file truncates it first: the server died of SIGBUS, logging nothing, its clients got empty
+    replies. Now the batch stops with the reason, /health and every request say 503, and the process lives."""
+    import os
+
+    d = Path(shutil.copytree(model_dir, tmp_path / "tiny"))
+    s = Server(d)
+    try:
+        client = s.client()
+        assert client.completions.create(model=s.name, prompt=[1, 2], max_tokens=2).choices
+        weights = sorted(d.glob("*.safetensors"))[0]
+        os.truncate(weights, weights.stat().st_size // 2)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=s.name, prompt=[1, 2], max_tokens=2)
+        assert err.value.status_code in (500, 503)
+        assert s.health()["status"] == "batch_failed"
+        assert_openai_error(httpx.post(f"{s.url}/v1/completions", timeout=30, headers={"Content-Type": "application/json"},
+                                       content=json.dumps({"model": s.name, "prompt": [1], "max_tokens": 1})), 503)
+        s.wait_for("was cut from")
+        assert s.proc.poll() is None  # alive: no SIGBUS
+    finally:
+        s.stop()
+
+
 def test_the_smallest_context_starts(model_dir):
     """--max-seq 2 passed the flag check, then failed at warm-up naming a prompt the user never sent."""
     s = Server(model_dir, "--max-seq", "2")

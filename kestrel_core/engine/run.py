@@ -274,7 +274,8 @@ class Run:
             raise
         self.runner = Runner(self.window, self.backend, model.config,
                              StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
-                                          expert_table=table))
+                                          expert_table=table),
+                             guard=getattr(model.checkpoint, "check_unchanged", lambda: None))
         self._open = True
         try:
             self.drafter = make_drafter(config.speculative, self)

@@ -141,8 +141,10 @@ class Runner:
     """Owns each step of a run on ``window`` and ``backend``: it plans through the window, executes every plan through
     the backend, and runs the layers."""
 
-    def __init__(self, window: Window, backend: Backend, cfg: ModelConfig, settings: StepSettings):
-        self.window, self.backend, self.cfg, self.settings = window, backend, cfg, settings
+    def __init__(self, window: Window, backend: Backend, cfg: ModelConfig, settings: StepSettings,
+                 guard: Callable[[], None] = lambda: None):
+        """``guard()``: raises where the files the run maps changed under it; asked before every step."""
+        self.window, self.backend, self.cfg, self.settings, self.guard = window, backend, cfg, settings, guard
         self.counters = window.counters
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
@@ -180,6 +182,7 @@ class Runner:
         captured or eager), then each sampled slot's token (``sample(slot, logits)``; None leaves the argmax), and
         the copy of the step's output row to the host, which ``read`` waits for."""
         window, backend, counters, state = self.window, self.backend, self.counters, s.state
+        self.guard()  # a file truncated under its mapping would fault the process (SIGBUS) at the next touch
         if s.t0 is None:
             self.preload()
             backend.synchronize()

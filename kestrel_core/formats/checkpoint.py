@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kestrel_core.formats.dtypes import BY_NAME, BY_ST, WEIGHT_NAMES
+from kestrel_core.io.watched import WatchedFile
 from kestrel_core.errors import CheckpointError
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, unique_keys
 from kestrel_core.formats.modelconfig import is_int, read_json, shown
@@ -92,6 +93,7 @@ class SafetensorsFile:
                 self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{self.path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
+            self.watched = WatchedFile(self.path, fd)
         finally:
             os.close(fd)
         self.metadata: dict[str, str] = {}
@@ -203,6 +205,7 @@ class SafetensorsFile:
                 self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
+        self.watched.close()
         try:
             self._mm.close()
         except BufferError:
@@ -413,6 +416,11 @@ class Checkpoint:
     def mapping_rss(self) -> int:
         """Resident bytes of this checkpoint's mappings, read from /proc/self/smaps."""
         return mapping_rss([str(f.path.resolve()) for f in self.files.values()])
+
+    def check_unchanged(self) -> None:
+        """A CheckpointError where a mapped file changed under the run (``io.watched``)."""
+        for f in self.files.values():
+            f.watched.check()
 
     def close(self) -> None:
         for f in self.files.values():

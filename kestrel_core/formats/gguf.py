@@ -80,6 +80,7 @@ from kestrel_core.formats.checkpoint import FAULT_GRANULE, PAGE, _subtract, mapp
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.formats.gguf_header import CORRUPT, HeaderProblem, Stored, read_header
 from kestrel_core.formats.modelconfig import ModelConfig, parse_model_config
+from kestrel_core.io.watched import WatchedFile
 from kestrel_core.formats.tensor_table import all_specs
 
 MAGIC = b"GGUF"
@@ -164,6 +165,7 @@ class GGUFFile:
         try:
             with open(path, "rb") as fh:
                 self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self.watched = WatchedFile(path, fh.fileno())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
 
@@ -180,6 +182,7 @@ class GGUFFile:
                 self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
+        self.watched.close()
         try:
             self._mm.close()
         except BufferError:
@@ -602,6 +605,10 @@ class GGUFCheckpoint:
 
     def mapping_rss(self) -> int:
         return mapping_rss([str(self.path.resolve())])
+
+    def check_unchanged(self) -> None:
+        """A CheckpointError where the file changed under the run (``io.watched``)."""
+        self._file.watched.check()
 
     def close(self) -> None:
         for f in self.files.values():
