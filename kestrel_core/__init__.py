@@ -7,7 +7,15 @@
     print(res.token_ids, res.text, res.ms_per_token, res.counters)
 """
 
-from kestrel_core.engine.run import Model, load
-
 __version__ = "0.1.0"
 __all__ = ["Model", "load"]
+
+
+def __getattr__(name: str):
+    """``load`` and ``Model``, imported on first use: ``import kestrel_core.cli`` stays light (no torch), so the
+    command's own Ctrl-C handling is in place before the heavy imports run."""
+    if name in __all__:
+        from kestrel_core.engine import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'kestrel_core' has no attribute {name!r}")

@@ -134,10 +134,13 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 2
     try:
-        parser = build_parser()  # plugins load here: they may add commands
+        parser = build_parser()  # plugins load here: they may add commands (and the commands import torch: seconds)
     except KestrelError as exc:
         print(f"kestrel: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the imports ran: nothing had started
+        print("kestrel: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a bad flag (one line, above), or --help and --version: a code to return, not raise

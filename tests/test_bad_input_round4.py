@@ -102,3 +102,28 @@ def test_a_model_renamed_over_a_running_one_is_no_change(tiny_copy, tmp_path):
         shutil.copy(path, tmp_path / "new.safetensors")
         os.replace(tmp_path / "new.safetensors", path)
         assert run.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, stop_at_eos=False).token_ids == want
+
+
+def test_ctrl_c_while_the_commands_import_is_one_line(monkeypatch, capsys):
+    """The first second of any command is its imports (torch): a Ctrl-C there printed a traceback."""
+    import sys
+
+    from kestrel_core import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    monkeypatch.setattr(sys, "argv", ["kestrel", "generate"])
+    assert cli.main() == 130
+    assert capsys.readouterr().err == "kestrel: interrupted\n"
+
+
+def test_the_command_module_imports_no_torch():
+    """So the command's handlers are in place before the heavy imports: ``kestrel_core`` loads ``load`` lazily."""
+    import subprocess
+    import sys
+
+    code = "import sys, kestrel_core.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
