@@ -127,3 +127,11 @@ def test_the_command_module_imports_no_torch():
     code = "import sys, kestrel_core.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_open_naming_another_model_is_refused(tiny_ckpt, tmp_path):
+    with load(tiny_ckpt) as model:
+        with pytest.raises(ConfigError, match=r"open\(model='/elsewhere'\) names another model than the one loaded"):
+            model.open(model="/elsewhere")
+        with model.open(model=str(tiny_ckpt)) as run:  # its own path: taken
+            assert run.generate(prompt_ids=[1, 2], max_new_tokens=1).token_ids

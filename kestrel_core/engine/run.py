@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import attrs
@@ -202,7 +203,16 @@ class Model:
             raise ConfigError(f"this model ({self.dir}) is closed; load it again")
         if config is not None and not isinstance(config, KestrelConfig):
             raise ConfigError(f"open() takes a KestrelConfig or settings by name, got {type(config).__name__}")
+        if "model" in settings and not self._names_me(settings["model"]):
+            raise ConfigError(f"open(model={settings['model']!r}) names another model than the one loaded ({self.dir}); "
+                              "a run runs the model it was opened on: load that one with kestrel_core.load(...)")
         return Run(self, with_settings(config or KestrelConfig(), settings), observers)
+
+    def _names_me(self, model: Any) -> bool:
+        try:
+            return isinstance(model, (str, os.PathLike)) and Path(model).resolve() == Path(self.dir).resolve()
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         self.closed = True
