@@ -135,3 +135,15 @@ def test_open_naming_another_model_is_refused(tiny_ckpt, tmp_path):
             model.open(model="/elsewhere")
         with model.open(model=str(tiny_ckpt)) as run:  # its own path: taken
             assert run.generate(prompt_ids=[1, 2], max_new_tokens=1).token_ids
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_cache_dir_that_is_a_file_is_named_as_one(tmp_path, capsys, monkeypatch, how):
+    """It said "File exists"."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    if how == "flag":
+        fails(["demo", "--cache-dir", str(f)], capsys, f"--cache-dir {f} is a file, not a directory")
+    else:
+        monkeypatch.setenv("KESTREL_CACHE", str(f))
+        fails(["demo"], capsys, f"KESTREL_CACHE {f} is a file, not a directory")

@@ -26,6 +26,17 @@ def default_cache() -> Path:
     return Path(root) / "demo-qwen3"
 
 
+def cache_path(given: str | None) -> Path:
+    """Where the demo checkpoint lives: ``--cache-dir``, else $KESTREL_CACHE's (a root that is a file is named as such,
+    not met with "File exists")."""
+    path = Path(given) / "demo-qwen3" if given else default_cache()
+    root = path.parent
+    if root.exists() and not root.is_dir():
+        where = "--cache-dir" if given else ("KESTREL_CACHE" if os.environ.get("KESTREL_CACHE") else "the cache root")
+        raise ConfigError(f"{where} {root} is a file, not a directory; name a directory (it is made where missing)")
+    return path
+
+
 def add_arguments(p):
     p.add_argument("--cache-dir", help="where the demo checkpoint lives (default: $KESTREL_CACHE or ~/.cache/kestrel)")
     p.add_argument("--config", help="kestrel.toml for generation settings")
@@ -57,7 +68,7 @@ def run(args) -> int:
         generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
     )
     with progress.shown(not args.json):
-        path = ensure_demo_model(Path(args.cache_dir) / "demo-qwen3" if args.cache_dir else default_cache())
+        path = ensure_demo_model(cache_path(args.cache_dir))
         backends = available_backends(None)
         progress.say(f"demo: model {path}, backends: {', '.join(backends)}")
         with Model(path) as model:
