@@ -147,3 +147,18 @@ def test_a_cache_dir_that_is_a_file_is_named_as_one(tmp_path, capsys, monkeypatc
     else:
         monkeypatch.setenv("KESTREL_CACHE", str(f))
         fails(["demo"], capsys, f"KESTREL_CACHE {f} is a file, not a directory")
+
+
+def test_an_index_naming_a_missing_shard_names_that_shard(tmp_path, capsys):
+    """A shard renamed in the index: the error named the real shard, still there, as a stray file."""
+    import json
+
+    from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+    d = write_checkpoint(preset_config("small-300m", layers=1), tmp_path / "m", shard_mb=30)
+    index = d / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    first = sorted(set(raw["weight_map"].values()))[0]
+    raw["weight_map"] = {t: ("model-09999-of-09999.safetensors" if f == first else f) for t, f in raw["weight_map"].items()}
+    index.write_text(json.dumps(raw))
+    fails(gen(d), capsys, "names model-09999-of-09999.safetensors but there is no such file")

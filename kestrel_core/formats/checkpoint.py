@@ -259,14 +259,15 @@ class Checkpoint:
             names = present
         else:
             names = sorted(set(weight_map.values()))
+            # A shard the index names and the directory lacks first: a stray file beside it is its consequence.
+            gone = [n for n in names if n not in listing]
+            if gone:
+                raise CheckpointError(f"{self.dir / INDEX}: names {gone[0]} but there is no such file; the shard set is incomplete")
             stray = [n for n in present if n not in names]
             if stray:
                 raise CheckpointError(
                     f"{self.dir}: {INDEX} does not name {', '.join(stray)}; remove the stray file(s) or add their tensors to the index"
                 )
-            gone = [n for n in names if n not in listing]
-            if gone:
-                raise CheckpointError(f"{self.dir / INDEX}: names {gone[0]} but there is no such file; the shard set is incomplete")
         if not names:
             raise CheckpointError(f"{self.dir}: no *.safetensors files (make one with: kestrel make-model --preset tiny --out DIR)")
         self.files = {n: SafetensorsFile(self.dir / n) for n in names}
