@@ -93,7 +93,7 @@ def test_lru_and_lfu_choose_different_victims():
 
 
 @pytest.mark.parametrize("settings, needle", [
-    (dict(expert_policy="expert_lru", expert_budget_mb=0.01), "below one token's routed experts (2 x 0.023 MiB)"),
+    (dict(expert_policy="expert_lru", expert_budget_mb=0.01), "below one token's routed experts: 2 x 24,576 bytes = 49,152 bytes (0.046875 MiB); raise --expert-budget-mb to at least 0.046875"),
     (dict(expert_policy="expert_lru"), "needs a budget: set --expert-budget-mb"),
     (dict(expert_budget_mb=1.0), "expert_budget_mb needs an expert policy"),
 ])

@@ -133,7 +133,7 @@ def test_the_expert_budget_counts_cpu_refs_float_buffers(moe_f32, moe_q8):
             unit = run.backend.units[(1, 0)]
             assert unit.nbytes == EXPERT_F32 and [e.name for e in unit.entries] == ["gate", "up", "down"]
             assert all(isinstance(e.source, quant.Q8Tensor) == (d == moe_q8) for e in unit.entries)
-        with load(d) as model, pytest.raises(ConfigError, match=r"below one token's routed experts \(2 x 0\.023 MiB\)"):
+        with load(d) as model, pytest.raises(ConfigError, match=r"expert budget 0.0445312 MiB \(46,694 bytes\) is below one token's routed experts: 2 x 24,576 bytes = 49,152 bytes"):
             model.open(expert_policy="expert_lru", expert_budget_mb=1.9 * EXPERT_F32 / 2**20)
         generate(d, 2, expert_policy="expert_lru", expert_budget_mb=2 * EXPERT_F32 / 2**20)  # exactly two fit
 

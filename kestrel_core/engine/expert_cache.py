@@ -53,6 +53,8 @@ def budget_bytes(budget_mb: float, per_token: int, largest: int) -> int:
                           "set --expert-budget-mb")
     budget = int(budget_mb * 2**20)
     if budget < per_token * largest:
-        raise ConfigError(f"expert budget {budget_mb:g} MiB is below one token's routed experts "
-                          f"({per_token} x {largest / 2**20:.3f} MiB); raise --expert-budget-mb")
+        need = per_token * largest
+        raise ConfigError(f"expert budget {budget_mb:g} MiB ({budget:,} bytes) is below one token's routed experts: "
+                          f"{per_token} x {largest:,} bytes = {need:,} bytes ({need / 2**20:.6g} MiB); raise "
+                          f"--expert-budget-mb to at least {need / 2**20:.6g}")
     return budget
