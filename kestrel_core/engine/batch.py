@@ -243,7 +243,7 @@ class Batch:
         """Each drafting sequence's drafts for this step (by slot), where it proposed any: it rides as a verify span.
         One that proposes none decodes as a row."""
         out = {}
-        for slot, seq in self.active.items():
+        for slot, seq in list(self.active.items()):  # a drafter's error ends its sequence: it leaves active
             if seq.drafting is None or seq.done or not seq.decoding:
                 continue
             gen = seq.request.gen

@@ -1,0 +1,201 @@
+"""What a mutation pass of the runner, the batch and the verify path found untested (each test names the bug it
+kills): sampled tokens as the logits say, token id 0, kept logits under drafts, step counts and timings of drafting
+sequences, free-slot order, the drafter checks, and a draft model's own cache over several rounds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from bench.scenarios.speculative import Oracle, OraclePlugin
+from kestrel_core import load
+from kestrel_core.config import GenerationConfig
+from kestrel_core.engine.batch import Batch, Request
+from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.speculative import begin_drafting, check_draft
+from kestrel_core.errors import KestrelError
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+PROMPT = [5, 17, 42, 99, 3, 5, 17, 42, 99, 3, 5, 17]
+
+
+def test_a_sampled_sequence_draws_each_token_from_its_own_logits(tiny_ckpt):
+    """Replaying the sampler over the kept logits draws exactly the ids (a copy of the step's row taken before the
+    drawn token was written would leave argmaxes, in solo and batch alike)."""
+    gen = dict(max_new_tokens=10, stop_at_eos=False, temperature=1.3, seed=7)
+    with load(tiny_ckpt) as model, model.open(keep=2) as run:
+        r = run.generate(prompt_ids=PROMPT, keep_logits=True, **gen)
+    sampler = Sampler(GenerationConfig(**gen))
+    assert [sampler(row) for row in r.logits] == r.token_ids
+    assert r.token_ids != [int(torch.argmax(row)) for row in r.logits]  # sampling changed something
+
+
+def test_a_first_token_of_id_0_is_the_next_steps_input(tiny_ckpt, monkeypatch):
+    """The prefill's token written into the device state even where it is 0 (a falsy id)."""
+    real = Sampler.__call__
+    calls = itertools.count()
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits: 0 if next(calls) == 0 else real(self, logits))
+    with load(tiny_ckpt) as model, model.open(keep=2) as run:
+        got = run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids
+        monkeypatch.setattr(Sampler, "__call__", real)
+        want = run.generate(prompt_ids=PROMPT + [0], max_new_tokens=5, stop_at_eos=False).token_ids
+    assert got == [0] + want
+
+
+def test_kept_logits_with_drafts_are_the_plain_runs_row_for_row(tiny_ckpt, register_plugin):
+    register_plugin(OraclePlugin(), "oracle")
+    with load(tiny_ckpt) as model:
+        with model.open(keep=1) as run:
+            plain = run.generate(prompt_ids=PROMPT, max_new_tokens=12, stop_at_eos=False, keep_logits=True)
+        Oracle.answer = plain.token_ids
+        with model.open(keep=1, draft="oracle", draft_tokens=4) as run:
+            spec = run.generate(prompt_ids=PROMPT, max_new_tokens=12, stop_at_eos=False, keep_logits=True)
+    assert spec.speculative["accepted"] > 0 and len(spec.logits) == len(plain.logits) == 12
+    assert all(torch.equal(a, b) for a, b in zip(spec.logits, plain.logits))
+
+
+def test_a_lone_drafting_sequences_steps_count_it_once_and_its_verify_time_is_its_passes(tiny_ckpt, register_plugin,
+                                                                                          monkeypatch):
+    from backends.cpu_ref.backend import CpuRefBackend
+
+    register_plugin(OraclePlugin(), "oracle")
+    with load(tiny_ckpt) as model:
+        with model.open(keep=1) as run:
+            Oracle.answer = run.generate(prompt_ids=PROMPT, max_new_tokens=12, stop_at_eos=False).token_ids
+        ticks = itertools.count()
+        monkeypatch.setattr(CpuRefBackend, "mark", lambda self: next(ticks))
+        monkeypatch.setattr(CpuRefBackend, "elapsed_ms", lambda self, a, b: float(b - a))
+        with model.open(keep=1, draft="oracle", draft_tokens=4) as run:
+            r = run.generate(prompt_ids=PROMPT, max_new_tokens=12, stop_at_eos=False)
+    assert r.token_ids == Oracle.answer
+    assert [p["sequences_in_step"] for p in r.per_token] == [1] * len(r.per_token)
+    assert r.speculative["verify_ms"] == sum(r.decode_ms) == len(r.decode_ms)
+
+
+def test_a_freed_slot_goes_to_the_next_sequence_lowest_first(tiny_ckpt):
+    with load(tiny_ckpt) as model, model.open(keep="off") as run, Batch(run.runner, slots=3, max_seq=64) as b:
+        seqs = [b.add(Request([1 + i, 2, 3], GenerationConfig(max_new_tokens=n, stop_at_eos=False)))
+                for i, n in enumerate((4, 9, 2))]  # slot 2 ends first, then slot 0
+        while not (seqs[0].done and seqs[2].done):
+            b.step()
+        late = b.add(Request([7, 8], GenerationConfig(max_new_tokens=3, stop_at_eos=False)))
+        b.run_until_done()
+    assert late.slot == 0 and b.free == sorted(b.free)
+
+
+@pytest.mark.parametrize("draft, probs, needle", [
+    ([1, 2, 3, 4, 5], None, r"proposed \[1, 2, 3, 4, 5\]: a draft is at most 4 token ids"),
+    ([1, 512], None, r"a draft is at most 4 token ids in 0..511"),
+    ([-1], None, "in 0..511"),
+    ([True], None, "in 0..511"),
+    ([1, 2], [None], "gave 1 distributions for 2 drafts"),
+])
+def test_a_drafters_bad_proposal_is_its_sequences_error_naming_it(draft, probs, needle):
+    class Named:
+        name = "shaky"
+
+    with pytest.raises(KestrelError, match=rf"the drafter 'shaky' {needle}" if "proposed" in needle or "gave" in needle
+                       else needle):
+        check_draft(Named(), draft, probs, 4, 512)
+    assert check_draft(Named(), [1, 2, 3, 4], None, 4, 512) == [1, 2, 3, 4]
+
+
+def test_a_drafter_whose_begin_returns_no_drafting_is_named():
+    class Lazy:
+        name = "lazy"
+
+        def begin(self, prompt_ids):
+            return "not a drafting"
+
+    with pytest.raises(KestrelError, match="the drafter 'lazy': begin\\(\\) returned str"):
+        begin_drafting(Lazy(), [1, 2])
+
+
+def test_a_drafters_error_ends_its_sequence_alone(tiny_ckpt, register_plugin):
+    from kestrel_core.hookspecs import hookimpl
+
+    class TooMany:
+        name = "too_many"
+
+        def __init__(self, arg=None, run=None):
+            pass
+
+        def begin(self, prompt_ids):
+            return self
+
+        def propose(self, context, k):
+            return [1] * (k + 1), None
+
+        def accepted(self, context):
+            pass
+
+        def close(self):
+            pass
+
+    class Plugin:
+        @hookimpl
+        def register_drafters(self, register):
+            register("too_many", TooMany)
+
+    register_plugin(Plugin(), "too-many")
+    with load(tiny_ckpt) as model, model.open(keep=2, draft="too_many", draft_tokens=3) as run:
+        got = run.generate_batch([dict(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)], max_batch=2)
+    assert isinstance(got[0], KestrelError) and "the drafter 'too_many' proposed" in str(got[0])
+
+
+def test_ngram_takes_the_latest_of_two_earlier_matches():
+    from plugins.drafters import NGram
+
+    assert NGram().propose([1, 2, 5, 1, 2, 6, 1, 2], 1) == ([6], None)
+
+
+@pytest.fixture(scope="module")
+def draft_ckpt(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny", layers=2), tmp_path_factory.mktemp("draft") / "tiny-2")
+
+
+def test_one_sequence_over_rounds_proposes_its_draft_models_own_continuation(tiny_ckpt, draft_ckpt):
+    """One sequence, round after round (every draft kept with the bonus; a partial rejection), so the draft model's
+    slot is extended and trimmed rather than fed anew: each proposal is the draft model's own greedy continuation."""
+    with load(draft_ckpt) as small, small.open(keep="off") as alone:
+        def own(context, k):
+            return alone.generate(prompt_ids=context, max_new_tokens=k, stop_at_eos=False).token_ids
+
+        with load(tiny_ckpt) as model, model.open(keep=1, draft=str(draft_ckpt), draft_tokens=4) as run:
+            context = list(PROMPT)
+            seq = run.drafter.begin(context)
+            for keep_n in (4, 4, 1, 4, 0, 2):
+                proposal, probs = seq.propose(context, 4)
+                assert proposal == own(context, 4) and probs is None
+                bonus = (proposal[keep_n] + 1) % 256 if keep_n < 4 else 7
+                context = context + proposal[:keep_n] + [bonus]
+                seq.accepted(context)
+                assert context[: len(seq.fed)] == seq.fed  # the slot holds a prefix of the kept sequence
+
+
+def test_a_sampled_draft_model_gives_each_drafts_distribution(tiny_ckpt, draft_ckpt):
+    with load(tiny_ckpt) as model, model.open(keep=1, draft=str(draft_ckpt), draft_tokens=4, temperature=0.9,
+                                              seed=3) as run:
+        seq = run.drafter.begin(PROMPT)
+        tokens, probs = seq.propose(list(PROMPT), 4)
+    assert probs is not None and len(probs) == len(tokens) == 4
+    assert all(abs(float(p.sum()) - 1) < 1e-5 and float(p[t]) > 0 for p, t in zip(probs, tokens))
+
+
+def test_a_late_chunked_prompts_prefill_time_spans_its_own_passes(tiny_ckpt, monkeypatch):
+    from backends.cpu_ref.backend import CpuRefBackend
+
+    ticks = itertools.count()
+    monkeypatch.setattr(CpuRefBackend, "mark", lambda self: next(ticks))  # one tick a mark: a step takes one
+    monkeypatch.setattr(CpuRefBackend, "elapsed_ms", lambda self, a, b: float(b - a))
+    with load(tiny_ckpt) as model, model.open(keep=2) as run, Batch(run.runner, slots=2, max_seq=64,
+                                                                     prefill_chunk=3) as b:
+        first = b.add(Request([1, 2], GenerationConfig(max_new_tokens=8, stop_at_eos=False)))
+        for _ in range(3):
+            b.step()
+        late = b.add(Request(list(range(1, 11)), GenerationConfig(max_new_tokens=2, stop_at_eos=False)))
+        b.run_until_done()
+    assert len(late.prefill_passes) == 4  # ten prompt tokens, three a step
+    assert late.result.prefill_ms == 4.0 and first.result.prefill_ms == 1.0
