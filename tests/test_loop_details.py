@@ -33,15 +33,27 @@ def test_a_sampled_sequence_draws_each_token_from_its_own_logits(tiny_ckpt):
 
 
 def test_a_first_token_of_id_0_is_the_next_steps_input(tiny_ckpt, monkeypatch):
-    """The prefill's token written into the device state even where it is 0 (a falsy id)."""
+    """The prefill's token is written into its slot's device state even where it is 0 (a falsy id): the slot's
+    previous sequence left another token there."""
     real = Sampler.__call__
-    calls = itertools.count()
-    monkeypatch.setattr(Sampler, "__call__", lambda self, logits: 0 if next(calls) == 0 else real(self, logits))
+    forced = []
     with load(tiny_ckpt) as model, model.open(keep=2) as run:
-        got = run.generate(prompt_ids=PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids
-        monkeypatch.setattr(Sampler, "__call__", real)
         want = run.generate(prompt_ids=PROMPT + [0], max_new_tokens=5, stop_at_eos=False).token_ids
-    assert got == [0] + want
+        with Batch(run.runner, slots=1, max_seq=64) as b:
+            before = b.add(Request([9, 9, 9], GenerationConfig(max_new_tokens=4, stop_at_eos=False)))
+            b.run_until_done()
+            assert before.tokens[-1] != 0  # the slot's state holds a token other than 0
+
+            def first_is_0(self, logits):
+                if not forced:
+                    forced.append(1)
+                    return 0
+                return real(self, logits)
+
+            monkeypatch.setattr(Sampler, "__call__", first_is_0)
+            seq = b.add(Request(PROMPT, GenerationConfig(max_new_tokens=6, stop_at_eos=False)))
+            b.run_until_done()
+    assert seq.tokens == [0] + want
 
 
 def test_kept_logits_with_drafts_are_the_plain_runs_row_for_row(tiny_ckpt, register_plugin):
@@ -91,6 +103,7 @@ def test_a_freed_slot_goes_to_the_next_sequence_lowest_first(tiny_ckpt):
     ([-1], None, "in 0..511"),
     ([True], None, "in 0..511"),
     ([1, 2], [None], "gave 1 distributions for 2 drafts"),
+    ([1, 2], [None, None, None], "gave 3 distributions for 2 drafts"),
 ])
 def test_a_drafters_bad_proposal_is_its_sequences_error_naming_it(draft, probs, needle):
     class Named:
@@ -199,3 +212,27 @@ def test_a_late_chunked_prompts_prefill_time_spans_its_own_passes(tiny_ckpt, mon
         b.run_until_done()
     assert len(late.prefill_passes) == 4  # ten prompt tokens, three a step
     assert late.result.prefill_ms == 4.0 and first.result.prefill_ms == 1.0
+
+
+def test_a_non_finite_logit_in_one_row_ends_that_sequence_alone(tiny_ckpt, monkeypatch):
+    """One inf in slot 1's row of one decode step: slot 1 ends with the error, slot 0 goes on with its solo ids."""
+    from backends.cpu_ref.backend import CpuRefBackend
+    from kestrel_core.errors import NonFiniteError
+
+    with load(tiny_ckpt) as model, model.open(keep="off") as run:
+        alone = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, stop_at_eos=False).token_ids
+        real, calls = CpuRefBackend.logits, itertools.count()
+
+        def one_inf(self, h):
+            out = real(self, h)
+            if out.shape[0] == 2 and next(calls) == 3:  # a later two-row decode step: one logit of row 1
+                out[1, 7] = float("inf")
+            return out
+
+        monkeypatch.setattr(CpuRefBackend, "logits", one_inf)
+        with Batch(run.runner, slots=2, max_seq=64) as b:
+            a = b.add(Request([1, 2, 3], GenerationConfig(max_new_tokens=8, stop_at_eos=False)))
+            c = b.add(Request([4, 5], GenerationConfig(max_new_tokens=8, stop_at_eos=False)))
+            b.run_until_done()
+    assert a.tokens == alone and a.error is None
+    assert c.finish_reason == "error" and isinstance(c.error, NonFiniteError)
