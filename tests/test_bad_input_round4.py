@@ -113,9 +113,18 @@ def test_ctrl_c_while_the_commands_import_is_one_line(monkeypatch, capsys):
     def interrupted():
         raise KeyboardInterrupt
 
+    import signal
+
+    from kestrel_core.io import signals
+
     monkeypatch.setattr(cli, "build_parser", interrupted)
     monkeypatch.setattr(sys, "argv", ["kestrel", "generate"])
-    assert cli.main() == 130
+    held = {s: signal.getsignal(s) for s in signals.SIGNALS}  # main() leaves them ignored, as a process exits
+    try:
+        assert cli.main() == 130
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
     assert capsys.readouterr().err == "kestrel: interrupted\n"
 
 

@@ -174,7 +174,7 @@ def test_out_that_cannot_be_written(where, a_file, capsys):
 
 
 def test_demo_cache_dir_that_is_a_file(a_file, capsys):
-    fails(["demo", "--cache-dir", str(a_file), "--max-new-tokens", "1"], capsys, "cannot write")
+    fails(["demo", "--cache-dir", str(a_file), "--max-new-tokens", "1"], capsys, f"--cache-dir {a_file} is a file")
 
 
 def test_demo_cache_that_holds_another_model(tmp_path, capsys):
