@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from kestrel_core import load
 
 from kestrel_core.formats import quant
-from kestrel_core.formats.checkpoint import PAGE, Checkpoint
+from kestrel_core.formats.checkpoint import Checkpoint
+from kestrel_core.io.mapped import PAGE
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_model import names_gguf, q8_info

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from kestrel_core.formats.checkpoint import PAGE, Checkpoint
+from kestrel_core.formats.checkpoint import Checkpoint
+from kestrel_core.io.mapped import PAGE
 from kestrel_core.config import KestrelConfig
 from kestrel_core.engine.run import Model
 from kestrel_core.hookspecs import hookimpl

@@ -35,7 +35,7 @@ import pytest
 
 from kestrel_core import load, plugins
 from bench.rss import ResidentRuns, fault_granule
-from kestrel_core.formats.checkpoint import PAGE
+from kestrel_core.io.mapped import PAGE
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.formats.tensor_table import all_specs
 from kestrel_core.tools.presets import preset_config, write_checkpoint

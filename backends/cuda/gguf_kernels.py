@@ -32,6 +32,7 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
+from backends.cuda.grouped_experts import available  # noqa: F401 - one rule for where Triton kernels can run
 from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType
@@ -44,17 +45,6 @@ MIN_PROGRAMS = 512  # K is sliced until about this many programs cover the weigh
 # qtype -> (G, L): a chunk is a [G, L] tile of values, G groups of L sharing a scale (one super-block for the K-types,
 # eight 32-value blocks for the others)
 _CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (16, 16)}
-
-
-@functools.cache
-def available() -> str | None:
-    """None where the kernels can run here, else why not (one line)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    return None
 
 
 @functools.cache

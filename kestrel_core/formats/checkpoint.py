@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import stat
@@ -21,12 +20,11 @@ import numpy as np
 import torch
 
 from kestrel_core.formats.dtypes import BY_NAME, BY_ST, WEIGHT_NAMES
-from kestrel_core.io.watched import WatchedFile
+from kestrel_core.io.mapped import PAGE, MappedFile
 from kestrel_core.errors import CheckpointError
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, unique_keys
 from kestrel_core.formats.modelconfig import is_int, read_json, shown
 
-PAGE = mmap.PAGESIZE
 FAULT_GRANULE = 2 * 2**20  # the most one read fault maps of a file: a PMD-sized page-cache folio
 # Largest header the reference implementation accepts (100 MB); bigger means a lying length.
 MAX_HEADER = 100_000_000
@@ -71,7 +69,7 @@ class TensorInfo:
         return True
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One mmap'd safetensors file, validated on open."""
 
     def __init__(self, path: Path):
@@ -89,11 +87,7 @@ class SafetensorsFile:
             if size < 8:
                 raise CheckpointError(f"{self.path}: truncated ({size} bytes, no header); re-download or re-create it")
             self.size = size
-            try:
-                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"{self.path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
-            self.watched = WatchedFile(self.path, fd)
+            super().__init__(self.path, fd)
         finally:
             os.close(fd)
         self.metadata: dict[str, str] = {}
@@ -194,22 +188,6 @@ class SafetensorsFile:
         if info.dtype == "BF16":
             t = t.view(torch.bfloat16)
         return t.reshape(info.shape)
-
-    def drop_pages(self, spans: list[tuple[int, int]]) -> None:
-        """madvise(MADV_DONTNEED) on whole pages inside each span; the next touch reads them back."""
-        size = len(self._mm)
-        for lo, hi in spans:
-            start = -(-lo // PAGE) * PAGE
-            stop = size if hi >= size else (hi // PAGE) * PAGE  # the file's last page may be partial
-            if stop > start:
-                self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
-
-    def close(self) -> None:
-        self.watched.close()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # views still alive; the mapping closes when they go
 
 
 def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -419,9 +397,9 @@ class Checkpoint:
         return mapping_rss([str(f.path.resolve()) for f in self.files.values()])
 
     def check_unchanged(self) -> None:
-        """A CheckpointError where a mapped file changed under the run (``io.watched``)."""
+        """A CheckpointError where a mapped file changed under the run (``io.mapped``)."""
         for f in self.files.values():
-            f.watched.check()
+            f.check()
 
     def close(self) -> None:
         for f in self.files.values():

@@ -63,7 +63,6 @@ scaling kestrel does not compute.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import re
 import stat
@@ -76,11 +75,11 @@ import numpy as np
 import torch
 
 from kestrel_core.formats import gguf_quants as gq
-from kestrel_core.formats.checkpoint import FAULT_GRANULE, PAGE, _subtract, mapping_rss, merge_spans
+from kestrel_core.formats.checkpoint import FAULT_GRANULE, _subtract, mapping_rss, merge_spans
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.formats.gguf_header import CORRUPT, HeaderProblem, Stored, read_header
 from kestrel_core.formats.modelconfig import ModelConfig, parse_model_config
-from kestrel_core.io.watched import WatchedFile
+from kestrel_core.io.mapped import PAGE, MappedFile
 from kestrel_core.formats.tensor_table import all_specs
 
 MAGIC = b"GGUF"
@@ -157,36 +156,19 @@ class GGUFTensorInfo:
         return self.ggml_type == self.dtype and not self.permuted
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """One mmap'd .gguf file: byte views and page drops."""
 
     def __init__(self, path: Path, size: int):
-        self.path, self.size = path, size
+        self.size = size
         try:
             with open(path, "rb") as fh:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                self.watched = WatchedFile(path, fh.fileno())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: cannot map ({getattr(exc, 'strerror', None) or exc})") from None
+                super().__init__(path, fh.fileno())
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open ({exc.strerror})") from None
 
     def bytes(self, start: int, end: int) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=np.uint8, count=end - start, offset=start)
-
-    def drop_pages(self, spans: list[tuple[int, int]]) -> None:
-        """madvise(MADV_DONTNEED) on whole pages inside each span; the next touch reads them back."""
-        size = len(self._mm)
-        for lo, hi in spans:
-            start = -(-lo // PAGE) * PAGE
-            stop = size if hi >= size else (hi // PAGE) * PAGE
-            if stop > start:
-                self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
-
-    def close(self) -> None:
-        self.watched.close()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # views still alive; the mapping closes when they go
 
 
 class GGUFCheckpoint:
@@ -607,8 +589,8 @@ class GGUFCheckpoint:
         return mapping_rss([str(self.path.resolve())])
 
     def check_unchanged(self) -> None:
-        """A CheckpointError where the file changed under the run (``io.watched``)."""
-        self._file.watched.check()
+        """A CheckpointError where the file changed under the run (``io.mapped``)."""
+        self._file.check()
 
     def close(self) -> None:
         for f in self.files.values():
