@@ -675,6 +675,21 @@ def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):
     assert "listening on" in done.stderr and done.stderr.strip().splitlines()[-1].startswith("kestrel: error:")
 
 
+def test_a_kv_cache_too_large_is_one_line_naming_the_servers_flags(model_dir, tmp_path):
+    """It was a traceback, "the batch stopped on an error; restart the server" (it never started), and a hint naming
+    --max-new-tokens, which is no server flag."""
+    d = Path(shutil.copytree(model_dir, tmp_path / "tiny"))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**9}))
+    done = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "serve", "--model", str(d), "--backend", "cpu_ref",
+                           "--port", "0", "--max-seq", str(10**9), "--max-batch", "256"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "restart the server" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kestrel: error: the KV cache for 256 x 1,000,000,000 positions needs") and \
+        last.endswith("lower the context or the slots (kestrel serve: --max-seq, --max-batch)")
+
+
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_running_streams_cleanly_and_exits_0(model_dir, how):
     s = Server(model_dir, "--shutdown-timeout", "0")

@@ -23,7 +23,7 @@ import torch
 
 from kestrel_core.config import GenerationConfig
 from kestrel_core.engine.contracts import Drafter, Drafting
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.engine.limits import RequestLimits
 from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
@@ -138,9 +138,14 @@ class Batch:
     The batch schedules (who joins, which rows and spans a step carries) and reads (each row's token to its sequence);
     the runner runs each step."""
 
-    def __init__(self, runner: Runner, slots: int, max_seq: int, prefill_chunk: int | None = None):
+    def __init__(self, runner: Runner, slots: int, max_seq: int, prefill_chunk: int | None = None,
+                 fix: str = "lower max_new_tokens (--max-new-tokens) or shorten the prompt"):
+        """``fix``: what the caller's user changes where the KV cache of ``slots`` x ``max_seq`` cannot be had."""
         self.runner, self.slots, self.max_seq, self.prefill_chunk = runner, slots, max_seq, prefill_chunk
-        self.dev = runner.open_slots(slots, max_seq + 1)  # and the parking position (``park``)
+        try:
+            self.dev = runner.open_slots(slots, max_seq)
+        except BudgetError as exc:
+            raise BudgetError(f"{exc}; {fix}") from None
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.waiting: deque[Sequence] = deque()
@@ -230,8 +235,9 @@ class Batch:
     @property
     def park(self) -> int:
         """The position a slot's decode row writes at while its sequence does not decode (a prompt in chunks, a verify
-        span): one past every sequence's positions, so its junk row never lands where a sequence reads or writes."""
-        return self.max_seq
+        span): the last, which no sequence reaches (``add`` holds prompt + max_new_tokens to max_seq, and a sequence's
+        last token is never fed back, so the highest position written is max_seq - 2)."""
+        return self.max_seq - 1
 
     def _wants_a_row(self, seq: Sequence) -> bool:
         """Whether a decoding sequence needs another token (a greedy row read a step late counts its step launched)."""

@@ -36,13 +36,14 @@ def kv_bytes(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, slots: int = 1)
 
 def allocate_cache(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device,
                    slots: int = 1) -> list[KVCache]:
-    """A run's static KV cache; one that cannot be had is a BudgetError, checked before touching host memory."""
+    """A run's static KV cache; one that cannot be had is a BudgetError (without the fix: the door that asked for
+    these sizes names its own settings), checked before touching host memory."""
     need = kv_bytes(cfg, max_seq, dtype, slots)
     avail = meminfo().get("MemAvailable") if device.type == "cpu" else None
     too_big = BudgetError(
-        f"the KV cache for {slots} x {max_seq} positions needs {need / 2**20:,.0f} MiB, more than {device} can give"
-        f"{f' ({avail / 2**20:,.0f} MiB available)' if avail is not None else ''}; lower --max-new-tokens or shorten the prompt"
-    )
+        f"the KV cache for {slots} x {max_seq:,} positions needs {need / 2**20:,.0f} MiB, more than {device} can give"
+        f"{f' ({avail / 2**20:,.0f} MiB available)' if avail is not None else ''}"
+    )  # the caller adds the fix, in its own words
     if avail is not None and need > avail:
         raise too_big  # zero-filling it would page the machine into the OOM killer
     try:

@@ -372,7 +372,9 @@ class Run:
         max_seq = max(len(r.prompt_ids) + r.gen.max_new_tokens for r in reqs)
         tok = self.model.tokenizer
         out: list = [None] * len(reqs)
-        with self._oom_is_a_budget_error(), Batch(self.runner, min(max_batch, len(reqs)), max_seq, prefill_chunk) as b:
+        with self._oom_is_a_budget_error(), Batch(self.runner, min(max_batch, len(reqs)), max_seq, prefill_chunk,
+                                                  fix="lower max_batch (--max-batch) or max_new_tokens, or shorten "
+                                                      "the longest prompt") as b:
             seqs = [b.add(r) for r in reqs]
             while b.busy:
                 b.step()

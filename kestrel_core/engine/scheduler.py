@@ -103,7 +103,8 @@ class Scheduler:
     # --- the batch's thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            with Batch(self.run.runner, self.max_batch, self.max_seq, self.prefill_chunk) as batch:
+            with Batch(self.run.runner, self.max_batch, self.max_seq, self.prefill_chunk,
+                       fix="lower the context or the slots (kestrel serve: --max-seq, --max-batch)") as batch:
                 self._batch = batch
                 self._ready.set()
                 while True:
@@ -122,7 +123,7 @@ class Scheduler:
         except BaseException as exc:  # the batch cannot go on: every sequence ends with the error
             self.error = exc
             self._fail_all(exc)
-            if self.on_error is not None:
+            if self.on_error is not None and self._batch is not None:  # before it started, start() raises it
                 self.on_error(exc)
         finally:
             self._stopped = True
