@@ -26,6 +26,7 @@ from pathlib import Path
 from bench import models
 from bench.errors import BenchError
 from bench.log import log
+from bench.options import names, numbers
 from bench.serve_process import ServeProcess
 from bench.stats import summary
 
@@ -37,12 +38,12 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="demo")
     p.add_argument("--backend", default="cpu_ref")
     p.add_argument("--keep", default="1")
-    p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--clients", default="1,8,32")
+    p.add_argument("--batches", type=numbers(int, 1), default=[1, 4, 16])
+    p.add_argument("--clients", type=numbers(int, 1), default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompts", type=int, default=16, help="prompts in each engine row")
     p.add_argument("--repeats", type=int, default=3, help="rounds of each server row")
-    p.add_argument("--rows", default="engine,server")
+    p.add_argument("--rows", type=names(("engine", "server")), default={"engine", "server"})
 
 
 def needs_gpu(args) -> str | None:
@@ -70,7 +71,7 @@ def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[i
         reqs = [dict(prompt_ids=prompt_of(i), max_new_tokens=args.tokens, stop_at_eos=False) for i in range(args.prompts)]
         run.generate_batch(reqs[:2], max_batch=2)  # warm-up
         solo = None
-        for b in [int(x) for x in args.batches.split(",") if x.strip()]:
+        for b in args.batches:
             before = run.runner.counters.snapshot()
             t0 = time.perf_counter()
             got = run.generate_batch(reqs, max_batch=b)
@@ -122,7 +123,7 @@ def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[in
         import openai
     except ImportError:
         raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
-    clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    clients = args.clients
     server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max(clients)),
                           "--max-seq", str(64 + args.tokens), env={"KESTREL_API_KEY": "bench"}, timeout=300)
     rows = []
@@ -179,7 +180,7 @@ def percentiles(xs: list[float]) -> dict:
 
 def run(args, record) -> dict:
     path = models.ensure_preset(args.models, args.preset)
-    wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
+    wanted = args.rows
     engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
     server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
     result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from bench.options import numbers
 from bench.errors import BenchError, cuda_missing
 from bench.log import log
 from bench.stats import summary
@@ -52,7 +53,7 @@ def add_arguments(p) -> None:
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b",
                    help="comma-separated: 'qwen3-8b', 'qwen3-30b-a3b' (its experts) or NxK")
-    p.add_argument("--rows", default="1,8,64", help="the M of each timed call (1 to 64)")
+    p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64], help="the M of each timed call (1 to 64)")
     p.add_argument("--plans", default="auto",
                    help="kernel plans to time, comma-separated: 'auto' (the launcher's) or BLOCK_N:SPLIT:WARPS")
     p.add_argument("--no-baseline", action="store_true", help="leave out dequant+linear and bf16 linear")
@@ -235,7 +236,7 @@ def run(args, record) -> dict:
         raise BenchError(f"--types: {exc} is not one of {', '.join(TYPES)}") from None
     if any(t not in gguf_kernels.TYPES for t in types):
         raise BenchError(f"--types: these run: {', '.join(TYPES)}")
-    rows_m = [int(m) for m in args.rows.split(",")]
+    rows_m = args.rows
     if not all(1 <= m <= gguf_kernels.MAX_ROWS for m in rows_m):
         raise BenchError(f"--rows: each M is 1 to {gguf_kernels.MAX_ROWS}")
     shapes = parse_shapes(args.shapes)

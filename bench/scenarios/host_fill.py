@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.options import numbers
 from bench import models
 from bench.errors import BenchError, cuda_missing
 from bench.log import log
@@ -39,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="small-300m")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", default="2", help="fill thread counts, comma-separated")
+    p.add_argument("--threads", type=numbers(int, 1), default=[2], help="fill thread counts, comma-separated")
     p.add_argument("--mapped", action="store_true", help="also copy from the mapping with its pages kept mapped")
     p.add_argument("--dma", action="store_true", help="pinned host-to-device copies beside each pass (needs CUDA)")
 
@@ -108,7 +109,7 @@ def run(args, record) -> dict:
 
     dtype = getattr(torch, DTYPE_NAME)
     hows = ("mapping", "pread") + (("mapped",) if args.mapped else ())
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = args.threads
     path = args.model or models.ensure_preset(args.models, args.preset, layers=args.layers)
     cfg = read_model_config(path)
     if cfg.torch_dtype != DTYPE_NAME:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.options import numbers
 from bench import models
 from bench.log import log
 from bench.observe import observing
@@ -38,7 +39,8 @@ def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--fractions", default="0.125,0.25,0.5", help="expert budgets, as fractions of one layer's experts")
+    p.add_argument("--fractions", type=numbers(float, 0), default=[0.125, 0.25, 0.5],
+                   help="expert budgets, as fractions of one layer's experts")
     p.add_argument("--tokens", type=int, default=12)
     p.add_argument("--model", type=Path, help="an existing qwen3_moe model directory (instead of the preset)")
 
@@ -133,7 +135,7 @@ def run(args, record) -> dict:
     from kestrel_core.formats.checkpoint import Checkpoint
     from kestrel_core.formats.tensor_table import unit_specs
 
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = args.fractions
     if args.model:
         path, write_s = args.model, None
     else:

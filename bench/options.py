@@ -1,0 +1,43 @@
+"""Comma-separated options, parsed by argparse before a scenario does any work: a bad value is one line then, not a
+traceback after rows have run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def numbers(kind: type, lowest: float | None = None):
+    """An argparse type: comma-separated ``kind`` values, each at least ``lowest`` where given."""
+
+    def parse(text: str) -> list:
+        out = []
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            try:
+                value = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a {kind.__name__}; give comma-separated "
+                                                 f"{kind.__name__}s, e.g. 1,4,16") from None
+            if lowest is not None and value < lowest:
+                raise argparse.ArgumentTypeError(f"{part} is below {lowest}")
+            out.append(value)
+        if not out:
+            raise argparse.ArgumentTypeError("no values; give comma-separated ones, e.g. 1,4,16")
+        return out
+
+    return parse
+
+
+def names(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of ``allowed``, at least one."""
+
+    def parse(text: str) -> set[str]:
+        got = {p.strip() for p in text.split(",") if p.strip()}
+        unknown = sorted(got - set(allowed))
+        if unknown or not got:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: give one or more of "
+                                             f"{', '.join(allowed)}, comma-separated")
+        return got
+
+    return parse
