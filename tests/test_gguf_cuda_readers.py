@@ -12,6 +12,7 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.cli import main
+from kestrel_core.errors import KestrelNote
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.tensor_table import unit_specs
 from backends.cuda import q8
@@ -111,12 +112,20 @@ def test_a_q8_0_gguf_streams_as_q8_on_cuda_as_its_quantized_copy_does(tmp_path, 
 
 
 @pytest.mark.cuda
-def test_a_quantized_gguf_streams_dequantized_in_bf16_on_cuda(tmp_path):
+def test_a_gguf_entry_that_mixes_blocks_and_floats_streams_dequantized_and_says_so(tmp_path):
+    """LLAMA_TYPES: q Q4_1, k Q4_0 beside a F16 v; gate Q8_0 beside a F32 up; down Q4_1 alone. qkv and gate_up are
+    served in bf16 (one note, and a count in memory_stats), down as its blocks."""
     path, _ = write_model(tmp_path / "m.gguf")
     ids = {}
     for keep in (1, "off"):
-        with load(path) as model, model.open(backend="cuda", keep=keep) as run:
-            dtypes = {e.geometry.dtype for u in run.backend.units.units.values() for e in u.entries}
-            assert dtypes == {str(torch.bfloat16)}
-            ids[keep] = run.generate(prompt_ids=[5, 40, 77], max_new_tokens=8, stop_at_eos=False).token_ids
+        with load(path) as model:
+            with pytest.warns(KestrelNote, match="only some are stored as quantized blocks"):
+                run = model.open(backend="cuda", keep=keep)
+            with run:
+                by_name = {e.name: e.geometry.dtype for u in run.backend.units.units.values() for e in u.entries}
+                assert by_name == {"qkv": str(torch.bfloat16), "o": str(torch.bfloat16),
+                                   "gate_up": str(torch.bfloat16), "down": "gguf-blocks"}
+                res = run.generate(prompt_ids=[5, 40, 77], max_new_tokens=8, stop_at_eos=False)
+                assert res.memory["gguf_dequantized_entries"] == 2 * DIMS["layers"]
+                ids[keep] = res.token_ids
     assert ids[1] == ids["off"]

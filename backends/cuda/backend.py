@@ -30,9 +30,10 @@ from backends.cuda.host.diskread import round_up
 from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
 from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from backends.cuda.host.staging import Filler, Stager
+from kestrel_core.formats.gguf_model import block_tensors
 from kestrel_core.formats.units import EntrySpec, Geometry
 
-from . import grouped_experts, q8
+from . import blocks, grouped_experts, q8
 from .expert_table import DeviceExpertTable
 from .layout import fusion, slot_entries
 from .rawcuda import RawBlock, raw_empty
@@ -86,6 +87,9 @@ class CudaBackend(Backend):
         self._q8 = self.quant.tensors if self.quant else {}
         if self.quant:
             q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
+        self._blocks = block_tensors(self.ckpt, self.cfg, blocks.TYPES, skip=self._q8)  # a GGUF's quantized linears
+        self._check_block_kernels()
+        self.dequantized_entries: list[str] = []  # block entries served as floats (a part of them is float)
         self.lay_out_units()
         self._check_budget(ctx)
         self._stager: Stager | None = None
@@ -100,17 +104,47 @@ class CudaBackend(Backend):
         except torch.cuda.OutOfMemoryError:
             raise self._oom("loading embeddings and lm_head") from None
 
+    def _check_block_kernels(self) -> None:
+        """A GGUF's quantized weights compute as blocks through Triton: where it cannot run, say so before any upload."""
+        if not self._blocks:
+            return
+        why = blocks.gguf_kernels.available()
+        if why is not None:
+            types = ", ".join(sorted({t.qtype.name for t in self._blocks.values()}))
+            raise ConfigError(f"this GGUF's {types} weights compute on cuda as their own blocks through Triton "
+                              f"kernels, which cannot run here ({why}); install triton, or use --backend cpu_ref")
+
+    def _block_parts(self, spec, name, roles):
+        """The entry's parts as blocks, or None where it is served as floats: a part not stored in blocks makes the
+        whole entry float (noted once a run, and counted in ``memory_stats``)."""
+        parts = [self._blocks.get(spec.tensors[r][0]) for r in roles]
+        if all(p is not None for p in parts):
+            return parts
+        if any(p is not None for p in parts):
+            entry = f"{spec.key} {name}"
+            if entry not in self.dequantized_entries:
+                self.dequantized_entries.append(entry)
+                if len(self.dequantized_entries) == 1:
+                    warnings.warn(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are stored "
+                                  f"as quantized blocks; such entries are dequantized to {self.dtype} on the host and "
+                                  "stream at its width (memory_stats' gguf_dequantized_entries counts them)",
+                                  KestrelNote, stacklevel=3)
+        return None
+
     # --- layout and budget -------------------------------------------------------
     def layout(self, spec):
         """The unit's fused entries (``fusion``): the layout the host staging holds and the math reads."""
         tensors = spec.tensors
         for name, roles in fusion(tensors):
             parts = [self._q8.get(tensors[r][0]) for r in roles]
+            block_parts = self._block_parts(spec, name, roles)
             if all(p is not None for p in parts):
                 geometry = q8.fused_geometry(parts, self.device)
             elif any(p is not None for p in parts):
                 raise ConfigError(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are q8; "
                                   "re-quantize the checkpoint with kestrel quantize")
+            elif block_parts is not None:
+                geometry = blocks.fused_geometry(block_parts, self.device)
             else:
                 shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
                 geometry = Geometry(shape, str(self.dtype), shape[0] * shape[1] * itemsize(self.dtype), str(self.device))
@@ -119,7 +153,7 @@ class CudaBackend(Backend):
     def _global_bytes(self) -> int:
         item = itemsize(self.dtype)
         vh = self.cfg.vocab_size * self.cfg.hidden_size
-        lm_head = self._q8.get("lm_head.weight")
+        lm_head = self._q8.get("lm_head.weight") or self._blocks.get("lm_head.weight")
         if lm_head is not None:
             return vh * item + lm_head.nbytes
         return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
@@ -184,18 +218,26 @@ class CudaBackend(Backend):
                                          "give the host budget every layer, or use expert_decode = 'host'")
             return None
         if self._grouped is None:
-            why = grouped_experts.available() or "an expert's entries are not gate_up and down"
-            self.expert_table_refusal = f"its grouped expert kernels cannot run here ({why})"
+            self.expert_table_refusal = f"its grouped expert kernels cannot run here ({self._grouped_refusal})"
             return None
         return DeviceExpertTable(self.units, self._host, self.cfg, self.device, self._grouped)
 
     def _set_up_grouped(self) -> grouped_experts.GroupedExperts | None:
         """The grouped expert kernels of a Mixture-of-Experts model, where Triton is here: a decode step's experts run
-        through them on either path (the table, or host-routed), so the path never changes a result."""
-        if not self.cfg.is_moe or grouped_experts.available() is not None:
+        through them on either path (the table, or host-routed), so the path never changes a result. Where they
+        cannot, ``_grouped_refusal`` says why and experts run one by one."""
+        self._grouped_refusal = "the model has no experts"
+        if not self.cfg.is_moe:
+            return None
+        self._grouped_refusal = grouped_experts.available()
+        if self._grouped_refusal is not None:
             return None
         experts = [u for key, u in self.units.units.items() if len(key) == 2]
         if {tuple(e.name for e in u.entries) for u in experts} != {("gate_up", "down")}:
+            self._grouped_refusal = "an expert's entries are not gate_up and down"
+            return None
+        if any(blocks.is_block_geometry(e.geometry) for u in experts for e in u.entries):
+            self._grouped_refusal = "its experts are GGUF blocks, which they read neither as bf16 nor as q8"
             return None
         q8_params = None
         gu, dn = (e.geometry for e in experts[0].entries)
@@ -221,7 +263,7 @@ class CudaBackend(Backend):
         """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
         self._slot_entries = {spec.key: slot_entries(spec.tensors) for spec in ctx.unit_specs}
         staged = arena_bytes(self._host_sizes())  # what pinning every unit locks (its blocks, not the bare sum)
-        key = ("cuda-pinned-staging", "q8" if self.quant else self.dtype)
+        key = ("cuda-pinned-staging", "q8" if self.quant else "", "blocks" if self._blocks else "", self.dtype)
         held = ctx.host.peek(key)  # an earlier run's staging of this model: this run reuses or frees it
         available = meminfo().get("MemAvailable", 0)
         if available and held is not None:
@@ -231,12 +273,12 @@ class CudaBackend(Backend):
             staging = ctx.host.get(key, self._stage_host)
             self.host_pinned_bytes = staging.pinned_bytes
             return staging.host
-        if self.quant:
+        if self.quant or self._blocks:
+            kind = "q8 checkpoint's" if self.quant else "GGUF's quantized blocks'"
             raise ConfigError(
-                f"the host ring stages float checkpoints; this q8 checkpoint's {staged / 2**20:,.0f} MiB are pinned whole, "
+                f"the host ring stages float checkpoints; this {kind} {staged / 2**20:,.0f} MiB are pinned whole, "
                 f"over the host budget of {self.host_budget.bytes // 2**20} MiB ({self.host_budget.source}): raise "
-                "--host-budget-mb or KESTREL_HOST_MB, or run a float checkpoint (for a GGUF with Q8_0 weights: "
-                "one of other types, or its weights written as safetensors)")
+                "--host-budget-mb or KESTREL_HOST_MB, or run a float checkpoint (its weights written as safetensors)")
         ctx.host.discard(key)  # an earlier run's full staging would pin more than this run's budget
         size = slot_bytes(self._slot_entries.values(), self.dtype)
         depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))
@@ -275,8 +317,11 @@ class CudaBackend(Backend):
         staged = {}
         for name, roles in fusion(tensors):
             parts = [self._q8.get(tensors[r][0]) for r in roles]
+            block_parts = self._block_parts(spec, name, roles)
             if parts[0] is not None:
                 staged[name] = q8.stage_q8(self.ckpt, parts, alloc=arena.take)
+            elif block_parts is not None:
+                staged[name] = blocks.stage_blocks(self.ckpt, block_parts, alloc=arena.take)
             else:  # a float checkpoint's entry, or a float entry of a q8 one (a router)
                 staged[name] = self._stage_float(roles, tensors, arena)
         if self.quant:
@@ -303,6 +348,10 @@ class CudaBackend(Backend):
                 if raw:
                     return q8.new_q8_buffer(geometry, self.device, empty=raw_empty)
                 buf = q8.new_q8_buffer(geometry, self.device)
+            elif blocks.is_block_geometry(geometry):  # one byte buffer: the segments' blocks
+                if raw:
+                    return blocks.new_block_buffer(geometry, self.device, empty=raw_empty)
+                buf = blocks.new_block_buffer(geometry, self.device)
             elif raw:
                 return raw_empty(geometry.shape, self.dtype, self.device)
             else:
@@ -471,6 +520,12 @@ class CudaBackend(Backend):
         return host.to(device=self.device, dtype=self.dtype)
 
     def _resident(self, name):
+        b = self._blocks.get(name)  # a quantized lm_head stays as its blocks on the device
+        if b is not None:
+            w = blocks.load_resident_blocks(self.ckpt, b, self.device)
+            self.ckpt.drop_pages([name])
+            self.counters.add_resident(w.nbytes)
+            return w
         t = self._q8.get(name)  # a q8 lm_head stays q8 on the device
         if t is None:
             w = super()._resident(name)
@@ -484,6 +539,8 @@ class CudaBackend(Backend):
     def linear(x, w):
         if isinstance(w, q8.Q8Weight):
             return q8.q8_linear(x, w)  # T == 1: the csrc kernel; T > 1: dequantize + matmul
+        if isinstance(w, blocks.BlockWeight):
+            return blocks.block_linear(x, w)
         return F.linear(x, w)
 
     def synchronize(self):
@@ -511,6 +568,7 @@ class CudaBackend(Backend):
             "budget_bytes": self.budget,
             "host_pinned_bytes": self.host_pinned_bytes,
             "host_budget_bytes": self.host_budget.bytes,
+            "gguf_dequantized_entries": len(self.dequantized_entries),
             **self._ring_stats(),
         }
 
@@ -550,4 +608,4 @@ class Staging:
 
 
 def _pinned(host) -> bool:
-    return (host.raw if isinstance(host, q8.Q8Weight) else host).is_pinned()
+    return (host.raw if isinstance(host, (q8.Q8Weight, blocks.BlockWeight)) else host).is_pinned()

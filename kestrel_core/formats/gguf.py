@@ -564,6 +564,27 @@ class GGUFCheckpoint:
         qweight, scales = gq.q8_0_to_kestrel(self._file.bytes(info.start, info.end), n, k, rows)
         return torch.from_numpy(qweight), torch.from_numpy(scales)
 
+    def blocks(self, name: str) -> torch.Tensor:
+        """A quantized 2-D weight [N, K] as its stored blocks: uint8 [N, bytes a row], each row K / block-size whole
+        blocks as ggml stores them, rows in Hugging Face order (llama's rotary permutation undone by moving whole
+        rows, which changes no byte of a block). A view of the mapping where nothing moves, else a copy."""
+        info = self.info(name)
+        stored = self._stored[info.gguf_name]
+        if stored.qtype in gq.FLOAT_TYPES or len(info.shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {info.gguf_name!r} is {info.ggml_type} {list(info.shape)}, "
+                                  "not a 2-D weight of quantized blocks")
+        n, k = info.shape
+        row = gq.row_nbytes(stored.qtype, k)
+        if row * n != info.nbytes:
+            raise CheckpointError(f"{self.path}: tensor {info.gguf_name!r} holds {info.nbytes} bytes, not the "
+                                  f"{row * n} of {n} rows of {k} {info.ggml_type} values; the file is damaged")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: nothing writes through it
+            t = torch.from_numpy(self._file.bytes(info.start, info.end)).view(n, row)
+        if info.permuted:
+            t = t[torch.from_numpy(self._unpermute(info))]
+        return t
+
     def _unpermute(self, info: GGUFTensorInfo) -> np.ndarray:
         """Row order that undoes llama.cpp's rotary permutation (LlamaModel.permute) of attn_q / attn_k."""
         role = _PERMUTED[info.gguf_name.split(".", 2)[2]]

@@ -5,7 +5,7 @@ The config, tokenizer, the ids that end a generation and the chat template come 
 (``GGUFCheckpoint``). A unit whose every linear is stored Q8_0 is kestrel's q8 with group 32 (``q8_info``): its
 bytes are repacked as they are read, never dequantized, so cuda streams it as q8. Any other tensor is served as
 floats (a quantized one dequantized to float32 when a backend reads it), so cuda streams it at its compute
-dtype's full width.
+dtype's full width, unless the backend holds the blocks themselves (``block_tensors``: cuda computes on them).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+
+import attrs
+from gguf import GGMLQuantizationType
 
 from kestrel_core.errors import CheckpointError, KestrelNote
 from kestrel_core.formats.gguf import SUFFIX, GGUFCheckpoint, is_gguf
@@ -94,3 +97,32 @@ def _packed(name: str, shape: tuple[int, int]) -> Q8Tensor:
     n, k = shape
     qweight, scales = q8_names(name)  # names only: the GGUF stores one tensor, repacked by GGUFCheckpoint.q8
     return Q8Tensor(name, qweight, scales, n, k, Q8_0_GROUP, pad_n(n), packed=True)
+
+
+@attrs.frozen
+class BlockTensor:
+    """A 2-D quantized weight W [n, k] held as the file's own blocks (``GGUFCheckpoint.blocks``)."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    n: int
+    k: int
+    nbytes: int
+
+
+def block_tensors(ckpt, cfg: ModelConfig, types, skip=()) -> dict[str, BlockTensor]:
+    """Every linear of the model's units (the router excepted, which stays float) and an untied lm_head that the GGUF
+    stores as one of ``types`` (the block types a backend computes on), less the names in ``skip`` (those it reads
+    another way, as q8); empty for any other checkpoint."""
+    if not isinstance(ckpt, GGUFCheckpoint):
+        return {}
+    names = [name for unit in unit_specs(cfg) for role, (name, _) in unit.tensors.items() if role not in FLOAT_ROLES]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    wanted = {t.name for t in types}
+    out = {}
+    for name in names:
+        info = ckpt.info(name)
+        if info.ggml_type in wanted and name not in skip and len(info.shape) == 2:
+            out[name] = BlockTensor(name, GGMLQuantizationType[info.ggml_type], *info.shape, info.nbytes)
+    return out

@@ -1,0 +1,181 @@
+"""GGUF block weights on cuda: a linear held as the file's own blocks, uploaded as stored and computed by the
+block kernels (``gguf_kernels``), never dequantized to the compute dtype.
+
+An entry is one or more parts stacked along N (q, k and v; gate and up), as the float and q8 entries are. A
+Q4_K_M file stores the parts of one entry in different types (attn_v or ffn_down at Q6_K in some layers, the
+rest Q4_K), so an entry is a run of *segments*: consecutive parts of one type merge into one segment, and each
+segment is that many rows of whole blocks of its type. Its bytes are the segments' stored bytes back to back in
+one uint8 buffer, so an upload is one DMA of exactly the file's bytes and the bytes counted a token are the
+stored ones. The geometry names every segment's type and rows, so a pooled buffer is reused only by an entry of
+the same layout.
+
+``block_linear`` runs one kernel launch a segment (up to 64 rows a launch; more rows run as further launches)
+and writes each segment's columns of the output. The kernel reduces each row in one order whatever the number of
+rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
+pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import attrs
+import torch
+from gguf import GGMLQuantizationType
+
+from kestrel_core.formats.gguf_model import BlockTensor
+from kestrel_core.formats.units import Geometry
+
+from . import gguf_kernels
+
+DTYPE = "gguf-blocks"
+TYPES = gguf_kernels.TYPES
+
+
+@attrs.frozen
+class Segment:
+    """``n`` rows of ``qtype`` blocks, starting ``start`` bytes into the entry."""
+
+    qtype: GGMLQuantizationType
+    n: int
+    start: int
+    nbytes: int
+
+
+def segments_of(layout: Sequence[tuple[str, int]], k: int) -> tuple[Segment, ...]:
+    """The segments of an entry of row width ``k`` whose layout is ((type name, rows), ...)."""
+    out, at = [], 0
+    for name, n in layout:
+        qtype = GGMLQuantizationType[name]
+        nbytes = gguf_kernels.stored_bytes(qtype, n, k)
+        out.append(Segment(qtype, n, at, nbytes))
+        at += nbytes
+    return tuple(out)
+
+
+def layout_of(parts: Sequence[BlockTensor]) -> tuple[tuple[str, int], ...]:
+    """((type name, rows), ...) of parts stacked along N, consecutive parts of one type merged."""
+    out: list[list] = []
+    for p in parts:
+        if out and out[-1][0] == p.qtype.name:
+            out[-1][1] += p.n
+        else:
+            out.append([p.qtype.name, p.n])
+    return tuple((name, n) for name, n in out)
+
+
+class BlockWeight:
+    """One entry ``W [n, k]`` as GGUF blocks: ``raw`` uint8 [nbytes], its segments back to back."""
+
+    __slots__ = ("raw", "k", "n", "segments", "layout")
+
+    def __init__(self, raw: torch.Tensor, k: int, layout: Sequence[tuple[str, int]]):
+        self.layout = tuple((str(name), int(n)) for name, n in layout)
+        self.segments = segments_of(self.layout, k)
+        nbytes = sum(s.nbytes for s in self.segments)
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() != nbytes:
+            raise ValueError(f"raw must be a uint8 vector of {nbytes} bytes")
+        self.raw, self.k, self.n = raw, k, sum(s.n for s in self.segments)
+
+    @classmethod
+    def empty(cls, k: int, layout, device="cpu", pin_memory: bool = False, empty: Callable = torch.empty):
+        nbytes = sum(s.nbytes for s in segments_of(layout, k))
+        if pin_memory:
+            raw = torch.empty((nbytes,), dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = empty((nbytes,), dtype=torch.uint8, device=device)
+        return cls(raw, k, layout)
+
+    def segment(self, s: Segment) -> torch.Tensor:
+        return self.raw[s.start:s.start + s.nbytes]
+
+    # the tensor-like surface the upload flow uses
+    def copy_(self, src: "BlockWeight", non_blocking: bool = False) -> "BlockWeight":
+        if (src.k, src.layout) != (self.k, self.layout):
+            raise ValueError(f"block layout mismatch: {src.layout} of k={src.k} into {self.layout} of k={self.k}")
+        self.raw.copy_(src.raw, non_blocking=non_blocking)
+        return self
+
+    def data_ptr(self) -> int:
+        return self.raw.data_ptr()
+
+    def record_stream(self, stream) -> None:
+        self.raw.record_stream(stream)
+
+    def is_pinned(self) -> bool:
+        return self.raw.is_pinned()
+
+    def to(self, device) -> "BlockWeight":
+        return BlockWeight(self.raw.to(device), self.k, self.layout)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def geometry(self, device) -> Geometry:
+        return block_geometry(self.k, self.layout, device)
+
+
+def block_geometry(k: int, layout, device) -> Geometry:
+    nbytes = sum(s.nbytes for s in segments_of(layout, k))
+    return Geometry((nbytes,), DTYPE, nbytes, str(device), (k, tuple(layout)))
+
+
+def fused_geometry(parts: Sequence[BlockTensor], device) -> Geometry:
+    """The device geometry of one entry of block parts stacked along N."""
+    check_parts(parts)
+    return block_geometry(parts[0].k, layout_of(parts), device)
+
+
+def check_parts(parts: Sequence[BlockTensor]) -> None:
+    if any(p.k != parts[0].k for p in parts):
+        raise ValueError("fused block parts must share K")
+
+
+def is_block_geometry(geometry: Geometry) -> bool:
+    return geometry.dtype == DTYPE
+
+
+def new_block_buffer(geometry: Geometry, device, empty: Callable = torch.empty) -> BlockWeight:
+    """A device buffer for a block geometry; ``empty`` may be rawcuda.raw_empty (the ``free`` allocator)."""
+    k, layout = geometry.layout
+    return BlockWeight.empty(k, layout, device=device, empty=empty)
+
+
+# --- host staging ----------------------------------------------------------------------------
+def stage_blocks(ckpt, parts: Sequence[BlockTensor], pin_memory: bool = True,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> BlockWeight:
+    """One host entry: the parts' stored blocks, rows in Hugging Face order, back to back. ``alloc(nbytes)``, where
+    given, supplies the bytes (a view of a ``PinnedArena``)."""
+    check_parts(parts)
+    layout = layout_of(parts)
+    if alloc is not None:
+        w = BlockWeight(alloc(sum(p.nbytes for p in parts)), parts[0].k, layout)
+    else:
+        w = BlockWeight.empty(parts[0].k, layout, pin_memory=pin_memory)
+    at = 0
+    for p in parts:
+        src = ckpt.blocks(p.name).reshape(-1)
+        w.raw[at:at + src.numel()].copy_(src)
+        at += src.numel()
+    return w
+
+
+def load_resident_blocks(ckpt, t: BlockTensor, device) -> BlockWeight:
+    """A never-evicted device copy (lm_head)."""
+    return stage_blocks(ckpt, [t], pin_memory=False).to(device)
+
+
+# --- the product -------------------------------------------------------------------------------
+def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """``x [..., k] -> [..., n]`` in x's dtype: each segment's columns by the block kernel, summed in float32."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    m = x2.shape[0]
+    top = gguf_kernels.MAX_ROWS
+    rows = (1 << (m - 1).bit_length() if m <= top else -(-m // top) * top) if m else 0
+    if rows != m:  # padding rows change no other row's bits; they bound the kernels compiled to 7 a type
+        x2 = torch.cat([x2, x2.new_zeros((rows - m, w.k))])
+    outs = [gguf_kernels.matmul(x2, w.segment(s), s.qtype, s.n, w.k) for s in w.segments]
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return y[:m].to(x.dtype).reshape(*lead, w.n)

@@ -1,0 +1,63 @@
+"""A GGUF's quantized weights on the GPU, held and computed as the file's own blocks (backends/cuda/blocks.py):
+every entry is blocks, a token streams the stored bytes, ids are the same at every keep and in a batch as alone,
+and the logits agree with cpu_ref's (which computes from the same blocks, dequantized to float32) within the
+stated tolerance (docs/backends.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel_core import load
+from tests.gguf_files import K_DIMS, K_TYPES, write_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = [[5, 40, 77], [99, 3], [7, 7, 7, 7], [200, 1], [11, 12, 13, 14, 15]]
+# the largest difference of a first-step logit, cuda (float32 activations) against cpu_ref, over the logits' scale
+LOGIT_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def k_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("blocks") / "k.gguf", dims=K_DIMS, types=K_TYPES)[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_entry_is_blocks_and_ids_do_not_move_with_keep(k_model, dtype):
+    ids, per_token = {}, {}
+    with load(k_model) as model:
+        stored = {spec.key: sum(model.checkpoint.info(n).nbytes for n, _ in spec.tensors.values())
+                  for spec in model.units}
+        for keep in ("off", 1, 2):
+            with model.open(backend={"name": "cuda", "dtype": dtype}, keep=keep) as run:
+                units = run.backend.units.units
+                assert {e.geometry.dtype for u in units.values() for e in u.entries} == {"gguf-blocks"}
+                assert {key: u.nbytes for key, u in units.items()} == stored  # the file's bytes, nothing added
+                res = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
+                assert res.memory["gguf_dequantized_entries"] == 0
+                ids[keep], per_token[keep] = res.token_ids, [p["bytes_uploaded"] for p in res.per_token[1:]]
+    assert ids[1] == ids[2] == ids["off"]
+    layer = next(iter(stored.values()))
+    assert all(b > 0 and b % layer == 0 for b in per_token[1])  # whole layers of stored bytes a token
+    assert per_token["off"] == [0] * len(per_token["off"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_batch_of_block_weights_is_its_solo_runs(k_model, dtype):
+    with load(k_model) as model, model.open(backend={"name": "cuda", "dtype": dtype}, keep=1) as run:
+        alone = [run.generate(prompt_ids=p, max_new_tokens=10, stop_at_eos=False).token_ids for p in PROMPTS]
+        got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=10, stop_at_eos=False) for p in PROMPTS],
+                                 max_batch=4)
+    assert [r.token_ids for r in got] == alone
+
+
+def test_cuda_logits_agree_with_cpu_ref_within_the_stated_tolerance(k_model):
+    logits = {}
+    with load(k_model) as model:
+        for backend in ({"name": "cuda", "dtype": "float32"}, "cpu_ref"):
+            with model.open(backend=backend, keep=1) as run:
+                res = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=1, keep_logits=True, stop_at_eos=False)
+                logits[str(backend)] = res.logits[0].float().cpu().reshape(-1)
+    cuda, ref = logits.values()
+    assert (cuda - ref).abs().max() <= LOGIT_TOLERANCE * ref.abs().max()
