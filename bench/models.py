@@ -63,6 +63,18 @@ def ensure_q8(src: Path, group: int, device: str | None = None) -> Path:
     return out
 
 
+def ensure_gguf(root: Path, preset: str, type_name: str, layers: int | None = None) -> Path:
+    """The preset as a GGUF of ``type_name`` with random valid blocks (``make-model --type T --random-blocks``) under
+    ``root``, written first where it is not there yet."""
+    from kestrel_core.tools.presets import preset_config, write_preset_gguf
+
+    path = Path(root) / f"{preset_dir_name(preset, layers=layers)}-{type_name}.gguf"
+    if not path.is_file():
+        log(f"writing {path} (random {type_name} blocks)")
+        write_preset_gguf(preset_config(preset, "bfloat16", layers), path, type_name, preset, random_blocks=True)
+    return path
+
+
 def weight_bytes(path: Path) -> int:
     """The bytes of a checkpoint's safetensors files."""
     return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))

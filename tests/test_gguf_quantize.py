@@ -505,6 +505,35 @@ def test_make_model_type_writes_what_quantize_type_writes(tmp_path, capsys):
     assert greedy(tmp_path / "m.gguf", 3) == greedy(tmp_path / "d.gguf", 3)
 
 
+
+def test_make_model_random_blocks_writes_the_same_tensors_types_and_bytes(tmp_path, capsys):
+    """--random-blocks: every tensor, type and byte count of the quantized file, the floats themselves, and blocks
+    that decode to finite weights within the stated span; the file runs."""
+    from kestrel_core.formats.gguf_quants import dequantize
+    from kestrel_core.tools.presets import WEIGHT_SPAN
+
+    for name, extra in (("q.gguf", []), ("r.gguf", ["--random-blocks"])):
+        assert main(["make-model", "--preset", "demo", "--layers", "2", "--out", str(tmp_path / name), "--type", "q4_k_m",
+                     "--seed", "2", *extra]) == 0
+    a, b = GGUFReader(tmp_path / "q.gguf"), GGUFReader(tmp_path / "r.gguf")
+    assert [(t.name, t.tensor_type, t.n_bytes) for t in a.tensors] == [(t.name, t.tensor_type, t.n_bytes) for t in b.tensors]
+    differ = 0
+    for x, y in zip(a.tensors, b.tensors):
+        if x.tensor_type.name in ("F32", "F16"):
+            assert np.array_equal(x.data, y.data), x.name
+            continue
+        differ += not np.array_equal(x.data, y.data)
+        w = dequantize(torch.from_numpy(np.ascontiguousarray(y.data).reshape(-1)), x.tensor_type,
+                       tuple(int(d) for d in reversed(y.shape)))
+        assert bool(torch.isfinite(w).all()) and float(w.abs().max()) <= 2 * WEIGHT_SPAN, x.name
+    assert differ > 0 and {t.tensor_type.name for t in b.tensors} >= {"Q4_K", "Q6_K"}
+    assert len(greedy(tmp_path / "r.gguf", 3)) == 3
+    capsys.readouterr()
+    assert main(["make-model", "--preset", "tiny", "--out", str(tmp_path / "d"), "--random-blocks"]) == 2
+    assert "--random-blocks draws a GGUF's quantized blocks; it needs --type" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
 # --- the command line -----------------------------------------------------------------------------
 
 def test_quantize_type_prints_a_summary_and_notes_fallbacks(chat_ckpt, tmp_path, capsys):

@@ -50,6 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--graphs", default=None, help="graphs modes, each row in each: auto,off (default on cuda), auto")
     p.add_argument("--compile", action="store_true", help="also off and keep=1 with torch.compile'd layers")
     p.add_argument("--q8-group", type=int, default=0, help="also the q8 rows, on a copy quantized with this group")
+    p.add_argument("--gguf", default="", metavar="TYPE",
+                   help="also the GGUF rows: the preset as a GGUF of TYPE (e.g. q4_k_m) with random valid blocks")
     p.add_argument("--interleave", type=int, default=None, help="rounds of off against keep=L (default 3 on cuda, 0)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, of {', '.join(peers.NAMES)} (default on cuda: "
@@ -254,6 +256,9 @@ def run(args, record) -> dict:
     if args.q8_group:
         result["q8"] = q8_section(path, args, pinned, bf16_off, result.get("ceilings"))
         record.save_partial(result)
+    if args.gguf:
+        result["gguf"] = gguf_section(args, pinned, bf16_off)
+        record.save_partial(result)
     if peer_names:
         result["peers"] = peer_rows(path, args, prompt, peer_names, rows.baselines.get("plain"))
     return result
@@ -286,6 +291,45 @@ def q8_section(path, args, pinned, bf16_off: dict, ceilings: dict | None) -> dic
         twin = bf16_off.get(r.get("graphs"))
         if twin is not None and "token_ids" in r:
             r["vs_bf16_off"] = compare_ids(r, twin)
+    return out
+
+
+def gguf_section(args, pinned, bf16_off: dict) -> dict:
+    """The preset as a GGUF of ``--gguf`` (random valid blocks; on cuda held and computed as its blocks): off and
+    asymmetric keep=1 with prefetch 1, each against bf16 off of the same run (target: off <= 0.40x) and keep=1 against
+    its bytes a token over the pinned copy rate (target <= 1.1x)."""
+    from kestrel_core import load
+    from kestrel_core.formats.gguf_types import parse_type
+
+    cuda = args.backend == "cuda"
+    type_name = parse_type(args.gguf)
+    gpath = models.ensure_gguf(args.models, args.preset, type_name, args.layers)
+    out: dict = {"type": type_name, "path": str(gpath), "file_bytes": gpath.stat().st_size}
+    modes = (args.graphs or ("auto,off" if cuda else "auto")).split(",")
+    with load(gpath) as gmodel:
+        warm_up(gmodel, args)
+        rows = Rows(gmodel, args, pinned, prefix=f"{type_name} ")
+        out["rows"] = rows.rows
+        rows.run([{"keep": "off"}, {"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0}], modes)
+    targets = []
+    for r in out["rows"]:
+        if "summary" not in r:
+            continue
+        p50 = r["summary"]["p50"]
+        twin = bf16_off.get(r.get("graphs"))
+        if r["settings"].get("keep") == "off" and twin is not None:
+            ratio = p50 / twin["summary"]["p50"]
+            targets.append({"row": r["label"], "graphs": r["graphs"], "statement": "off <= 0.40x bf16 off",
+                            "ratio": ratio, "met": ratio <= 0.40})
+        elif pinned and r["bytes_uploaded_per_token"]:
+            link_ms = r["bytes_uploaded_per_token"] / (pinned * 1e9) * 1e3
+            ratio = p50 / link_ms
+            targets.append({"row": r["label"], "graphs": r["graphs"], "link_ms": link_ms,
+                            "statement": "keep=1 <= 1.1x its bytes over the pinned copy rate", "ratio": ratio,
+                            "met": ratio <= 1.1})
+    out["targets"] = targets
+    for t in targets:
+        log(f"{t['row']:40} {t['graphs']:4} {t['statement']}: x{t['ratio']:.3f} met={t['met']}")
     return out
 
 

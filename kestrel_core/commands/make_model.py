@@ -31,6 +31,10 @@ def add_arguments(p):
     p.add_argument("--type", metavar="TYPE",
                    help=f"write the same weights as one GGUF file quantized to TYPE ({' | '.join(TYPE_NAMES)}; "
                         "case does not matter, e.g. Q4_K_M), as `kestrel quantize --type` would quantize the checkpoint")
+    p.add_argument("--random-blocks", action="store_true",
+                   help="with --type: draw each quantized tensor as random valid blocks of its type instead of quantizing "
+                        "the random weights (the same tensors, types and bytes, written at the disk's speed: for "
+                        "benchmarks of big presets)")
     p.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is much faster for big presets)")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
@@ -39,6 +43,8 @@ def run(args) -> int:
     cfg = preset_config(args.preset, args.dtype, args.layers)
     if args.type is not None:
         return _run_gguf(args, cfg)
+    if args.random_blocks:
+        raise ConfigError("--random-blocks draws a GGUF's quantized blocks; it needs --type (e.g. --type q4_k_m)")
     with progress.shown(not args.json):
         out = write_checkpoint(cfg, args.out, seed=args.seed, shard_mb=SHARD_MB if args.shard_mb is None else args.shard_mb,
                                device=args.device, force=args.force, router_skew=args.router_skew)
@@ -62,7 +68,7 @@ def _run_gguf(args, cfg) -> int:
         raise ConfigError(f"--shard-mb does not apply with --type {type_name}: a GGUF is one file; drop --shard-mb")
     with progress.shown(not args.json):
         summary = write_preset_gguf(cfg, args.out, type_name, args.preset, seed=args.seed, device=args.device,
-                                    router_skew=args.router_skew)
+                                    router_skew=args.router_skew, random_blocks=args.random_blocks)
     if args.json:
         emit_json({"preset": args.preset, "router_skew": args.router_skew, **summary})
         return 0

@@ -246,8 +246,11 @@ def _fallback_notes(planned: list[Planned]) -> list[str]:
     return notes
 
 
-def write_gguf(source: Source, out: str | Path, type_name: str, flag: str = "--out") -> dict:
+def write_gguf(source: Source, out: str | Path, type_name: str, flag: str = "--out",
+               blocks: Callable[[Planned], np.ndarray] | None = None) -> dict:
     """Write ``source`` as a new GGUF file ``out`` of ``type_name`` (a ``gguf_types.TYPE_NAMES``); returns a summary.
+    ``blocks(planned)``, where given, draws each quantized tensor's stored blocks (uint8 [rows, bytes a row]) in place
+    of quantizing its weights (``make-model --random-blocks``).
     Notes (fallbacks, a vocabulary that cannot be carried) are KestrelNote warnings. Under ``progress.shown`` a bar
     counts the tensors written."""
     out = check_new(out, flag, SUFFIX)  # before any work
@@ -281,7 +284,8 @@ def write_gguf(source: Source, out: str | Path, type_name: str, flag: str = "--o
         w.write_ti_data_to_file()
         with progress.bar(len(planned), "quantize", "tensor") as bar:
             for p in planned:
-                w.write_tensor_data(_encode(p, _values(p, source)))
+                quantized = p.kind.qtype not in (T.F32, T.F16)
+                w.write_tensor_data(blocks(p) if blocks is not None and quantized else _encode(p, _values(p, source)))
                 if source.done is not None and p.sources:
                     source.done(list(p.sources))  # keep the reader's RSS to about one tensor on big models
                 bar.update(1)
