@@ -87,11 +87,11 @@ def source_line(name: str, rec: dict) -> str:
 
 def stream_source(recs: Records, preset: str, sweep: bool = False) -> tuple[str, dict, dict]:
     """(record name, record, result) of the newest complete stream record of ``preset`` on cuda of the row set asked
-    for (``--rows sweep``: the keeps the picture draws; ``--rows headline``: the settings the headline names), else the
-    older harness's record of that shape, which has both."""
+    for (``--rows sweep``: the keeps the picture draws; ``--rows headline`` with its q8 rows: the settings the headline
+    names), else the older harness's record of that shape, which has both."""
     row_set = "sweep" if sweep else "headline"
     found = recs.newest("stream", lambda r: r["result"].get("preset") == preset and r["result"].get("backend") == "cuda"
-                        and r["result"].get("row_set") == row_set)
+                        and r["result"].get("row_set") == row_set and (sweep or bool(r["result"].get("q8"))))
     if found:
         return found[0], found[1], found[1]["result"]
     name = LEGACY_GRAPHS[preset]
@@ -516,6 +516,36 @@ def every_record(recs: Records) -> str:
     return table(["record", "command (as recorded)", "that script now", "commit (as recorded)", "device"], out)
 
 
+def gguf_stream(recs: Records) -> str:
+    """A 4-bit GGUF of the 8B shape on cuda beside bf16, from the newest stream record with GGUF rows."""
+    found = recs.newest("stream", lambda r: r["result"].get("preset") == "qwen3-8b" and r["result"].get("backend") == "cuda"
+                        and bool(r["result"].get("gguf")))
+    if not found:
+        return "No `python -m bench stream --gguf` record of the 8B shape on cuda is committed yet."
+    name, rec = found
+    result, g = rec["result"], rec["result"]["gguf"]
+    pinned = result["ceilings"]["pinned_h2d"]["GBps"]
+    intro = (f"From {source_line(name, rec)}: the Qwen3-8B shape in bf16 and as a {g['type'].upper()} GGUF of random "
+             f"valid blocks ({g['file_bytes'] / 1e9:.2f} GB), held and computed on cuda as its blocks; p50 ms a token "
+             f"over the replayed steps, the pinned copy at {pinned:.1f} GB/s in the same run. \"ids\": against `off` "
+             "of the same file.")
+    out = []
+    for label, rows in (("off", result["rows"]), ("asymmetric keep=1, prefetch 1", result["rows"]),
+                        (f"{g['type']} off", g["rows"]), (f"{g['type']} asymmetric keep=1, prefetch 1", g["rows"])):
+        r = find(rows, label, "auto") or find(rows, label)
+        if r is None:
+            continue
+        gb = r["bytes_uploaded_per_token"] / 1e9
+        out.append([label if label.startswith(g["type"]) else f"bf16 {label}", spread(r["summary"]),
+                    f"{gb:.2f}" if gb else "—", f"{r['effective_GBps']:.1f}" if r.get("effective_GBps") else "—",
+                    "the baseline" if r["settings"].get("keep") == "off" else ("= off's" if r.get("ids_match_baseline")
+                                                                              else "leave off's")])
+    parts = [intro, table(["setting", "ms/tok: p50 (p10–p90, n)", "GB uploaded/tok", "GB/s", "ids"], out)]
+    parts.append("Targets: " + "; ".join(f"{t['statement']}: {t['ratio']:.3f}x, {'met' if t['met'] else 'not met'}"
+                                          for t in g.get("targets", [])) + ".")
+    return "\n\n".join(parts)
+
+
 BLOCKS: dict[str, Callable[[Records], str]] = {
     "headline-picture": headline_picture,
     "headline": headline,
@@ -523,6 +553,7 @@ BLOCKS: dict[str, Callable[[Records], str]] = {
     "decode-graphs-1.7b": decode_graphs("qwen3-1.7b"),
     "stream-sweep-8b": sweep,
     "q8-stream-8b": q8_stream,
+    "gguf-stream-8b": gguf_stream,
     "q8-gemv": q8_gemv,
     "moe-summary": moe_summary,
     "moe-rows": moe_rows,
