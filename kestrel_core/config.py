@@ -20,6 +20,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OFF = "off"
+AUTO = "auto"  # keep: chosen from the backend's budget when a run opens
 # Environment variables that beat a setting of the config file (whole MiB).
 WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
@@ -38,15 +39,18 @@ def parse_ids(text: str) -> list[int]:
 
 
 def parse_keep(value: Any) -> int | str:
-    """``keep`` is a positive layer count or 'off' (no window: every layer stays resident)."""
+    """``keep`` is a positive layer count, 'off' (no window: every layer stays resident) or 'auto' (the backend's budget
+    picks: every layer resident where the model fits it, else the largest window that does; ``engine.fit``)."""
     if value is None or value == OFF:
         return OFF
+    if value == AUTO:
+        return AUTO
     if isinstance(value, (bool, float)):  # int(2.5) would quietly give 2
-        raise ConfigError(f"keep must be a layer count or 'off', got {value!r}")
+        raise ConfigError(f"keep must be a layer count, 'off' or 'auto', got {value!r}")
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"keep must be a layer count or 'off', got {value!r}") from None
+        raise ConfigError(f"keep must be a layer count, 'off' or 'auto', got {value!r}") from None
 
 
 MAX_MIB = 2**40  # MiB: a budget beyond an exabyte is a typo, and would overflow the byte counts built from it
@@ -129,7 +133,7 @@ class BackendConfig:
 @attrs.frozen
 class ResidencyConfig:
     policy: str = "asymmetric"
-    keep: int | str = attrs.field(default=OFF, converter=parse_keep)
+    keep: int | str = attrs.field(default=AUTO, converter=parse_keep)
     allocator: str = "pool"
     pool_slots: int = attrs.field(default=128, validator=_check(_int_in(0, 2**31), "a whole number >= 0"))
     # device weight-cache budget; 0 means the backend's default
@@ -156,7 +160,7 @@ class ResidencyConfig:
 
     @property
     def windowed(self) -> bool:
-        return self.keep != OFF and self.policy != OFF
+        return self.keep not in (OFF, AUTO) and self.policy != OFF
 
 
 @attrs.frozen

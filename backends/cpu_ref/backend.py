@@ -9,6 +9,7 @@ into the same [N, K] compute-dtype buffers, so the math after upload is the floa
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -18,6 +19,9 @@ import torch.nn.functional as F
 from kestrel_core.formats import quant
 from kestrel_core.engine.backend import Backend, BackendContext
 from kestrel_core.engine.devices import compute_device
+from kestrel_core.engine.fit import FitFacts
+from kestrel_core.engine.host import meminfo
+from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
@@ -52,6 +56,23 @@ class CpuRefBackend(Backend):
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
         self.load_globals()
+
+    @classmethod
+    def fit_facts(cls, ctx: BackendContext) -> FitFacts | None:
+        """Half of the host's available memory, against each layer in the compute dtype (a fetch dequantizes)."""
+        available = meminfo().get("MemAvailable", 0)
+        if not available:
+            return None
+        item = itemsize(compute_dtype(ctx.backend.dtype or "float32", DTYPES, cls.name))
+        layers: dict[int, int] = {}
+        for spec in ctx.unit_specs:
+            layers[spec.layer] = layers.get(spec.layer, 0) + sum(math.prod(s) for _, s in spec.tensors.values()) * item
+        cfg = ctx.model
+        fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * item
+        fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item
+        biggest = sorted(layers.values(), reverse=True)
+        return FitFacts(available // 2, "half of the host's available memory", "host budget for resident layers", fixed,
+                        cfg.num_hidden_layers, lambda n: sum(biggest[:max(0, n)]))
 
     def layout(self, spec):
         item = itemsize(self.dtype)

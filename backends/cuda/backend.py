@@ -30,12 +30,12 @@ from backends.cuda.host.diskread import round_up
 from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
 from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from backends.cuda.host.staging import Filler, Stager
-from kestrel_core.formats.gguf_model import block_tensors
-from kestrel_core.formats.units import EntrySpec, Geometry
+from kestrel_core.engine.fit import FitFacts
+from kestrel_core.formats.units import Unit, UnitTable
 
 from . import blocks, grouped_experts, q8
 from .expert_table import DeviceExpertTable
-from .layout import fusion, slot_entries
+from .layout import DeviceLayout, fusion, slot_entries, streamed_peak
 from .rawcuda import RawBlock, raw_empty
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -87,9 +87,9 @@ class CudaBackend(Backend):
         self._q8 = self.quant.tensors if self.quant else {}
         if self.quant:
             q8.kernel_available()  # build (or find cached) before any timing; a failure says so once, at first use
-        self._blocks = block_tensors(self.ckpt, self.cfg, blocks.TYPES, skip=self._q8)  # a GGUF's quantized linears
+        self._layout = DeviceLayout(self.ckpt, self.cfg, self.quant, self.dtype, self.device)
+        self._blocks = self._layout.blocks  # a GGUF's quantized linears, held as their blocks
         self._check_block_kernels()
-        self.dequantized_entries: list[str] = []  # block entries served as floats (a part of them is float)
         self.lay_out_units()
         self._check_budget(ctx)
         self._stager: Stager | None = None
@@ -114,62 +114,36 @@ class CudaBackend(Backend):
             raise ConfigError(f"this GGUF's {types} weights compute on cuda as their own blocks through Triton "
                               f"kernels, which cannot run here ({why}); install triton, or use --backend cpu_ref")
 
-    def _block_parts(self, spec, name, roles):
-        """The entry's parts as blocks, or None where it is served as floats: a part not stored in blocks makes the
-        whole entry float (noted once a run, and counted in ``memory_stats``)."""
-        parts = [self._blocks.get(spec.tensors[r][0]) for r in roles]
-        if all(p is not None for p in parts):
-            return parts
-        if any(p is not None for p in parts):
-            entry = f"{spec.key} {name}"
-            if entry not in self.dequantized_entries:
-                self.dequantized_entries.append(entry)
-                if len(self.dequantized_entries) == 1:
-                    warnings.warn(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are stored "
-                                  f"as quantized blocks; such entries are dequantized to {self.dtype} on the host and "
-                                  "stream at its width (memory_stats' gguf_dequantized_entries counts them)",
-                                  KestrelNote, stacklevel=3)
-        return None
-
     # --- layout and budget -------------------------------------------------------
     def layout(self, spec):
-        """The unit's fused entries (``fusion``): the layout the host staging holds and the math reads."""
-        tensors = spec.tensors
-        for name, roles in fusion(tensors):
-            parts = [self._q8.get(tensors[r][0]) for r in roles]
-            block_parts = self._block_parts(spec, name, roles)
-            if all(p is not None for p in parts):
-                geometry = q8.fused_geometry(parts, self.device)
-            elif any(p is not None for p in parts):
-                raise ConfigError(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are q8; "
-                                  "re-quantize the checkpoint with kestrel quantize")
-            elif block_parts is not None:
-                geometry = blocks.fused_geometry(block_parts, self.device)
-            else:
-                shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
-                geometry = Geometry(shape, str(self.dtype), shape[0] * shape[1] * itemsize(self.dtype), str(self.device))
-            yield EntrySpec(name, geometry, (spec.key, name))
+        """The unit's fused entries (``layout.DeviceLayout``): the layout the host staging holds and the math reads."""
+        return self._layout.entries(spec)
 
     def _global_bytes(self) -> int:
-        item = itemsize(self.dtype)
-        vh = self.cfg.vocab_size * self.cfg.hidden_size
-        lm_head = self._q8.get("lm_head.weight") or self._blocks.get("lm_head.weight")
-        if lm_head is not None:
-            return vh * item + lm_head.nbytes
-        return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
+        return self._layout.global_bytes()
 
     def _streamed_peak(self, layers: int) -> int:
-        """The most streamed bytes ``layers`` resident layers can hold. With an expert policy a sparse layer's
-        experts live in its budget (plus one layer's guesses where prefetch is speculative), not in the layer's."""
-        units, res = self.units, self.ctx.residency
-        experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
-        if not experts or not res.expert_policy:
-            return units.peak_bytes(layers)
-        own = sorted((u.nbytes for key, u in units.units.items() if len(key) == 1), reverse=True)
-        spare = int(res.expert_budget_mb * 2**20)
-        if res.expert_prefetch:
-            spare += self.cfg.num_experts_per_tok * max(experts)
-        return sum(own[:max(0, layers)]) + min(spare, sum(experts))
+        return streamed_peak(self.units, self.ctx.residency, self.cfg, layers)
+
+    @property
+    def dequantized_entries(self) -> list[str]:
+        return self._layout.dequantized_entries
+
+    @classmethod
+    def fit_facts(cls, ctx: BackendContext) -> FitFacts:
+        """The weight-cache budget (``--budget-mb``, default half of free device memory up to 24 GiB) against each
+        layer's bytes as this backend streams them (``DeviceLayout``), read before anything loads."""
+        if not torch.cuda.is_available():
+            raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
+        dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, cls.name)
+        device = compute_device(ctx.backend.device or "cuda")
+        if device.type != "cuda":
+            raise ConfigError(f"the cuda backend computes on a GPU, not on {device}; use --device cuda:N or --backend cpu_ref")
+        lay = DeviceLayout(ctx.checkpoint, ctx.model, ctx.quant, dtype, device, note=False)
+        units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
+        budget, source = resolve_budget(ctx.residency.budget_mb, torch.cuda.mem_get_info(device)[0])
+        return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
+                        lambda n: streamed_peak(units, ctx.residency, ctx.model, n))
 
     def _check_budget(self, ctx: BackendContext) -> None:
         """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""
@@ -317,7 +291,7 @@ class CudaBackend(Backend):
         staged = {}
         for name, roles in fusion(tensors):
             parts = [self._q8.get(tensors[r][0]) for r in roles]
-            block_parts = self._block_parts(spec, name, roles)
+            block_parts = self._layout.block_parts(spec, name, roles)
             if parts[0] is not None:
                 staged[name] = q8.stage_q8(self.ckpt, parts, alloc=arena.take)
             elif block_parts is not None:

@@ -1,10 +1,20 @@
-"""The cuda backend's device layout: a unit's roles fused into the entries the math reads.
+"""The cuda backend's device layout: a unit's roles fused into the entries the math reads, each entry's geometry
+(bf16, q8 or GGUF blocks), and what they weigh.
 
 A dense layer is qkv, o, gate_up, down; a sparse layer's own unit qkv, o, router; an expert
 gate_up, down. The window gate counts entries with the same function.
 """
 
 from __future__ import annotations
+
+import warnings
+
+from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.formats.dtypes import itemsize
+from kestrel_core.formats.gguf_model import block_tensors
+from kestrel_core.formats.units import EntrySpec, Geometry
+
+from . import blocks, q8
 
 FUSED = (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",)),
          ("router", ("router",)))
@@ -22,3 +32,72 @@ def slot_entries(tensors: dict) -> list:
 
     return [SlotEntry(name, (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1]),
                       tuple(tensors[r][0] for r in roles)) for name, roles in fusion(tensors)]
+
+
+class DeviceLayout:
+    """Each unit's entries as the cuda backend holds them, and what they weigh, computed from the checkpoint alone
+    (the backend lays its units out with it, and ``keep = "auto"`` sizes a window with it before anything loads): an
+    entry of q8 parts is q8, an entry of GGUF block parts is blocks (``blocks``), any other is the compute dtype. A
+    block entry with a float part is served as floats, noted once (``dequantized_entries`` counts them)."""
+
+    def __init__(self, ckpt, cfg, quant, dtype, device, note: bool = True):
+        self.cfg, self.dtype, self.device, self.note = cfg, dtype, device, note
+        self.q8 = quant.tensors if quant else {}
+        self.blocks = block_tensors(ckpt, cfg, blocks.TYPES, skip=self.q8)  # a GGUF's quantized linears
+        self.dequantized_entries: list[str] = []
+
+    def block_parts(self, spec, name, roles):
+        """The entry's parts as blocks, or None where it is served as floats."""
+        parts = [self.blocks.get(spec.tensors[r][0]) for r in roles]
+        if all(p is not None for p in parts):
+            return parts
+        if any(p is not None for p in parts):
+            entry = f"{spec.key} {name}"
+            if entry not in self.dequantized_entries:
+                self.dequantized_entries.append(entry)
+                if len(self.dequantized_entries) == 1 and self.note:
+                    warnings.warn(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are stored "
+                                  f"as quantized blocks; such entries are dequantized to {self.dtype} on the host and "
+                                  "stream at its width (memory_stats' gguf_dequantized_entries counts them)",
+                                  KestrelNote, stacklevel=4)
+        return None
+
+    def entries(self, spec):
+        """The unit's fused entries (``fusion``): the layout the host staging holds and the math reads."""
+        tensors = spec.tensors
+        for name, roles in fusion(tensors):
+            parts = [self.q8.get(tensors[r][0]) for r in roles]
+            block_parts = self.block_parts(spec, name, roles)
+            if all(p is not None for p in parts):
+                geometry = q8.fused_geometry(parts, self.device)
+            elif any(p is not None for p in parts):
+                raise ConfigError(f"unit {spec.key}: {name} fuses {', '.join(roles)}, of which only some are q8; "
+                                  "re-quantize the checkpoint with kestrel quantize")
+            elif block_parts is not None:
+                geometry = blocks.fused_geometry(block_parts, self.device)
+            else:
+                shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
+                geometry = Geometry(shape, str(self.dtype), shape[0] * shape[1] * itemsize(self.dtype), str(self.device))
+            yield EntrySpec(name, geometry, (spec.key, name))
+
+    def global_bytes(self) -> int:
+        """Embeddings and lm_head as the device holds them (a quantized lm_head stays quantized)."""
+        item = itemsize(self.dtype)
+        vh = self.cfg.vocab_size * self.cfg.hidden_size
+        lm_head = self.q8.get("lm_head.weight") or self.blocks.get("lm_head.weight")
+        if lm_head is not None:
+            return vh * item + lm_head.nbytes
+        return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
+
+
+def streamed_peak(units, residency, cfg, layers: int) -> int:
+    """The most streamed bytes ``layers`` resident layers can hold. With an expert policy a sparse layer's experts live
+    in its budget (plus one layer's guesses where prefetch is speculative), not in the layer's."""
+    experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
+    if not experts or not residency.expert_policy:
+        return units.peak_bytes(layers)
+    own = sorted((u.nbytes for key, u in units.units.items() if len(key) == 1), reverse=True)
+    spare = int(residency.expert_budget_mb * 2**20)
+    if residency.expert_prefetch:
+        spare += cfg.num_experts_per_tok * max(experts)
+    return sum(own[:max(0, layers)]) + min(spare, sum(experts))

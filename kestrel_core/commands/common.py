@@ -22,7 +22,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     many = " (comma-separated list)" if sweep else ""
     p.add_argument("--backend", help=f"backend name{many}: see `kestrel plugins`")
     p.add_argument("--policy", help=f"residency policy{many}")
-    p.add_argument("--keep", help=f"layers kept resident by the window, or 'off'{many}")
+    p.add_argument("--keep", help=f"layers kept resident by the window, 'off' (all resident) or 'auto' (the default: all "
+                   f"resident where the model fits the budget, else the largest window that does){many}")
     p.add_argument("--allocator", help=f"weight-buffer allocator{many}")
     p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
     p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")

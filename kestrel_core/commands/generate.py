@@ -56,6 +56,7 @@ def run(args) -> int:
                 finally:
                     echo.end()
             policy, expert_policy = r.policy.name, r.expert_policy.name if r.expert_policy else None
+            cfg, keep_choice = r.config, r.keep_choice  # keep = "auto" resolved
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe
@@ -63,6 +64,7 @@ def run(args) -> int:
     res = cfg.residency
     if args.json:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
+                   **({"keep_auto": keep_choice.to_json()} if keep_choice else {}),
                    "allocator": res.allocator, "prefetch": cfg.backend.prefetch, "graphs": cfg.backend.graphs,
                    "expert_policy": expert_policy, **result.to_json()})
         return 0

@@ -7,7 +7,7 @@ import sys
 from kestrel_core.io import newfile
 
 from kestrel_core.io import progress
-from kestrel_core.config import model_dir, parse_keep
+from kestrel_core.config import AUTO, model_dir, parse_keep
 from kestrel_core.engine.run import Model
 from kestrel_core.errors import ConfigError
 from kestrel_core.tools.sweep import (available_backends, equal_peak_comparison, format_table, format_verdict, invariance, plot, plotting,
@@ -34,6 +34,9 @@ def _list(value, default, flag=""):
 
 def sweep_lists(args, cfg):
     keeps = [parse_keep(k) for k in _list(args.keep, ["1", "2", "4", "off"], "--keep")]
+    if AUTO in keeps:
+        raise ConfigError("--keep auto picks one keep from the budget; a sweep compares the keeps it is given: list them "
+                          "(e.g. --keep 1,2,4,off)")
     if len(set(keeps)) < len(keeps):  # '2' and '02'
         raise ConfigError(f"--keep lists a value twice ({args.keep}); list each value once")
     policies = _list(args.policy, [cfg.residency.policy], "--policy")

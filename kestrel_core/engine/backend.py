@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.config import BackendConfig, ResidencyConfig
 from kestrel_core.errors import ConfigError
+from kestrel_core.engine.fit import FitFacts
 from kestrel_core.engine.host import HostStore
 from kestrel_core.engine.model import rms_norm, sparse_mlp
 from kestrel_core.formats.modelconfig import ModelConfig
@@ -84,6 +85,12 @@ class Backend:
     def weight_budget(cls, config_mb: int, free_bytes: int) -> tuple[int, str] | None:
         """(bytes, where it came from) of the weight cache a run would get with ``free_bytes`` free on the device, or
         None where the backend keeps no budgeted cache."""
+        return None
+
+    @classmethod
+    def fit_facts(cls, ctx: BackendContext) -> FitFacts | None:
+        """What ``keep = "auto"`` fits (``engine.fit``): this backend's budget and its layers' bytes in its layout, read
+        without loading anything; None where it states no budget (the run is then resident)."""
         return None
 
     # --- what a subclass provides -------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -25,7 +26,7 @@ from kestrel_core import plugins
 from kestrel_core.engine.backend import BackendContext
 from kestrel_core.engine.batch import Batch, Request, check_batch, generate_one
 from kestrel_core.engine.limits import RequestLimits
-from kestrel_core.config import OFF, KestrelConfig, check_environment, with_settings
+from kestrel_core.config import AUTO, OFF, KestrelConfig, check_environment, with_settings
 from kestrel_core.engine.contracts import (
     Allocator,
     Backend,
@@ -35,7 +36,8 @@ from kestrel_core.engine.contracts import (
     member,
     missing_members,
 )
-from kestrel_core.errors import BudgetError, ConfigError, KestrelError, PluginError
+from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
+from kestrel_core.engine.fit import KeepChoice, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_model import names_gguf, open_gguf
@@ -68,6 +70,27 @@ def make_policy(name: str, keep, n_layers: int) -> Policy:
     if not 1 <= keep <= n_layers:
         raise ConfigError(f"keep={keep} is out of range for a {n_layers}-layer model: use 1..{n_layers} or 'off'")
     return _checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
+
+
+def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters) -> tuple[KestrelConfig, KeepChoice]:
+    """``keep = "auto"`` resolved against the backend's budget (``engine.fit``): the config with the chosen keep (and no
+    prefetch where every layer is resident), and the choice. A window chosen is said on stderr as a note."""
+    res, n = config.residency, model.n_layers
+    if res.policy != OFF:
+        make_policy(res.policy, 1, n)  # an unknown policy is named before any budget is read
+    ctx = BackendContext(model.checkpoint, model.config, config.backend, res, counters, n, model.host, model.units,
+                         model.quant)
+    facts = getattr(factory, "fit_facts", lambda ctx: None)(ctx)
+    if facts is None or res.policy == OFF:
+        why = "the policy is off" if res.policy == OFF else f"the {config.backend.name} backend states no budget"
+        choice = KeepChoice(OFF, n, 0, 0, f"keep = auto: every layer resident ({why})")
+    else:
+        choice = choose_keep(facts, lambda k: make_policy(res.policy, k, n).peak_layers(), config.backend.prefetch,
+                             res.policy)
+    backend = config.backend if choice.keep != OFF else attrs.evolve(config.backend, prefetch=0)
+    if choice.keep != OFF:
+        warnings.warn(choice.line, KestrelNote, stacklevel=4)
+    return attrs.evolve(config, residency=attrs.evolve(res, keep=choice.keep), backend=backend), choice
 
 
 def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
@@ -250,16 +273,19 @@ class Run:
 
     def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = ()):
         check_environment()
+        self.counters = Counters()
+        backend_reg = plugins.lookup("backends", config.backend.name)
+        self.keep_choice: KeepChoice | None = None  # what keep = "auto" chose, and why
+        if config.residency.keep == AUTO:
+            config, self.keep_choice = _fit_keep(model, config, backend_reg.factory, self.counters)
         res = config.residency
         self.model, self.config = model, config
-        self.counters = Counters()
         self.policy = make_policy(res.policy, res.keep, model.n_layers)
         if config.backend.prefetch and not res.windowed:
             raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
                               "resident); set keep to a layer count, or prefetch = 0")
         self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
         watchers = Observers(**plugins.observers(observers))  # resolved once: a plugin registered later sees the next run
-        backend_reg = plugins.lookup("backends", config.backend.name)
         ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
                              self.policy.peak_layers(), model.host, model.units, model.quant)
         try:

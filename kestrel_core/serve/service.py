@@ -115,7 +115,7 @@ class Service:
 
     def describe(self) -> list[str]:
         """What the start prints once loaded: the model, its residency settings and the memory measured."""
-        cfg, run, model = self.cfg, self.run, self.model
+        cfg, run, model = self.run.config, self.run, self.model  # the run's: keep = "auto" resolved
         res = cfg.residency
         lines = [f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
                  f"residency: backend={cfg.backend.name} policy={run.policy.name} keep={res.keep} "

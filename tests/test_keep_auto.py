@@ -1,0 +1,133 @@
+"""``keep = "auto"`` (the default): every layer resident where the model fits the backend's budget, else the largest
+window whose peak fits, else a one-line refusal with the numbers; said on stderr when a window is chosen, carried by
+``--json``, and never changing an id."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+
+from backends.cpu_ref import backend as cpu_ref_backend
+from kestrel_core import load
+from kestrel_core.cli import main
+from kestrel_core.config import AUTO, KestrelConfig, parse_keep
+from kestrel_core.engine.fit import FitFacts, choose_keep
+from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
+from kestrel_core.formats.tensor_table import global_specs, small_specs
+
+MIB = 2**20
+
+
+def facts(budget_mib: float, fixed_mib: float = 10, layers=(100,) * 8) -> FitFacts:
+    biggest = sorted((int(b * MIB) for b in layers), reverse=True)
+    return FitFacts(int(budget_mib * MIB), "test", "device weight-cache budget", int(fixed_mib * MIB), len(layers),
+                    lambda n: sum(biggest[:n]))
+
+
+def asymmetric(k: int) -> int:
+    return min(8, 2 * k)
+
+
+def test_auto_is_the_default_and_parses():
+    assert KestrelConfig().residency.keep == AUTO and parse_keep("auto") == AUTO
+    with pytest.raises(ConfigError, match="a layer count, 'off' or 'auto'"):
+        parse_keep("most")
+
+
+def test_a_model_that_fits_is_resident():
+    c = choose_keep(facts(810), asymmetric, 0, "asymmetric")
+    assert (c.keep, c.peak_layers, c.need) == ("off", 8, 810 * MIB) and "every layer resident" in c.line
+
+
+@pytest.mark.parametrize("budget, prefetch, keep, peak", [
+    (809, 0, 3, 6),  # 8 layers do not fit; keep 3 peaks at 6 layers (610 MiB); keep 4 would peak at all 8
+    (610, 0, 3, 6), (609, 0, 2, 4), (609, 1, 2, 5), (510, 1, 2, 5), (509, 1, 1, 3), (210, 0, 1, 2)])
+def test_otherwise_the_largest_keep_whose_peak_fits(budget, prefetch, keep, peak):
+    c = choose_keep(facts(budget), asymmetric, prefetch, "asymmetric")
+    assert (c.keep, c.peak_layers) == (keep, peak) and c.need <= c.budget
+    assert f"keep = auto: keep = {keep} with asymmetric ({peak} layers resident at most" in c.line
+    assert "every layer would need 0.79 GiB" in c.line
+
+
+def test_the_largest_layers_count_first():
+    c = choose_keep(facts(259, layers=(50, 50, 200, 50)), lambda k: min(4, k), 0, "belady")
+    assert c.keep == 1 and c.need == 210 * MIB  # one layer: the 200 MiB one, whichever comes when
+
+
+def test_a_budget_below_one_layer_is_refused_with_the_numbers():
+    with pytest.raises(BudgetError) as exc:
+        choose_keep(facts(209), asymmetric, 0, "asymmetric")
+    msg = str(exc.value)
+    assert "even keep = 1 needs 210 MiB (10 MiB of it resident for good)" in msg and "over the 0.20 GiB" in msg
+    assert "\n" not in msg
+
+
+def _tiny_bytes(model) -> tuple[int, int]:
+    """(one layer, the fixed bytes) of the tiny preset in float32, as cpu_ref holds them."""
+    cfg = model.config
+    layer = sum(math.prod(s) for spec in model.units if spec.layer == 0 for _, s in spec.tensors.values()) * 4
+    fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * 4
+    fixed += sum(math.prod(s) for i in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, i).values()) * 4
+    return layer, fixed
+
+
+def test_cpu_ref_fits_half_the_available_memory_and_ids_do_not_move(tiny_ckpt, monkeypatch):
+    with load(tiny_ckpt) as model:
+        layer, fixed = _tiny_bytes(model)
+        with model.open(backend="cpu_ref", keep="off") as run:
+            want = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a model that fits says nothing
+            with model.open(backend="cpu_ref") as run:
+                assert run.config.residency.keep == "off" and run.keep_choice.keep == "off"
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (fixed + 4 * layer)})
+        with pytest.warns(KestrelNote, match=r"keep = auto: keep = 2 with asymmetric \(4 layers resident at most"):
+            run = model.open(backend="cpu_ref")
+        with run:
+            assert run.config.residency.keep == 2 and run.policy.peak_layers() == 4
+            res = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False)
+        assert res.token_ids == want and res.counters["peak_resident_entries"] > 0
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (fixed + layer)})
+        with pytest.raises(BudgetError, match="even keep = 1 needs"):
+            model.open(backend="cpu_ref")
+
+
+def test_generate_json_carries_the_choice_and_the_resolved_keep(tiny_ckpt, monkeypatch, capsys):
+    with load(tiny_ckpt) as model:
+        layer, fixed = _tiny_bytes(model)
+    monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (fixed + 5 * layer)})
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "5,17,42", "--max-new-tokens", "3",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    assert got["keep"] == 2 and got["keep_auto"]["keep"] == 2 and got["keep_auto"]["peak_layers"] == 4
+    assert "keep = auto: keep = 2" in out.err and got["keep_auto"]["why"] in out.err
+
+
+def test_a_sweep_lists_its_keeps(tiny_ckpt, capsys):
+    assert main(["sweep", "--model", str(tiny_ckpt), "--keep", "1,auto"]) == 2
+    assert "--keep auto picks one keep from the budget" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_cuda_fits_its_weight_cache_budget_and_ids_do_not_move(demo_ckpt):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with load(demo_ckpt) as model:
+        with model.open(backend="cuda", keep="off") as run:
+            want = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids
+            layer, fixed = max(run.backend.units.layer_bytes.values()), run.backend._global_bytes()
+        budget_mb = math.ceil((fixed + 4 * layer) / MIB)
+        assert budget_mb * MIB < fixed + 5 * layer  # the budget holds 4 layers and not 5
+        with pytest.warns(KestrelNote, match=r"keep = auto: keep = 2 with asymmetric \(4 layers resident at most"):
+            run = model.open(backend="cuda", budget_mb=budget_mb)
+        with run:
+            assert run.config.residency.keep == 2
+            assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
+        with model.open(backend="cuda") as run:  # the default budget holds the demo model whole
+            assert run.config.residency.keep == "off"
