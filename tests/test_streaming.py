@@ -142,7 +142,8 @@ def test_the_step_past_an_end_of_sequence_is_never_heard(tiny_ckpt, tmp_path, by
     result, ids, pieces, _ = hear(model_dir, temperature, generation__max_new_tokens=12, generation__seed=3,
                                   generation__stop_at_eos=True)
     assert result.token_ids == free.token_ids[: at + 1] and ids == result.token_ids
-    assert "".join(pieces) == result.text == byte_level.decode(free.token_ids[: at + 1])
+    # the end id ends the text without being part of it, as in the server's streams
+    assert "".join(pieces) == result.text == byte_level.decode(free.token_ids[:at])
     ran, kept = len(counted_steps), len(result.decode_ms)
     assert kept == at and ran == kept + (1 if temperature == 0 else 0)  # greedy read back late: one step dropped
 
@@ -153,6 +154,11 @@ def test_stop_ids_end_a_generation_as_eos_does(tiny_ckpt, counted_steps):
     result, ids, pieces, _ = hear(tiny_ckpt, stop_ids=[free.token_ids[at]], generation__max_new_tokens=12,
                                   generation__stop_at_eos=True)
     assert ids == result.token_ids == free.token_ids[: at + 1] and "".join(pieces) == result.text
+    with Model(tiny_ckpt) as model, model.open(run_config()) as run:  # a batch's texts follow the same rule
+        got = run.generate_batch([dict(prompt_ids=PROMPT, stop_ids=[free.token_ids[at]], max_new_tokens=12,
+                                       stop_at_eos=True), dict(prompt_ids=PROMPT, max_new_tokens=12)])
+    assert got[0].token_ids == result.token_ids and got[0].text == result.text == model.tokenizer.decode(ids[:-1])
+    assert got[1].text == model.tokenizer.decode(free.token_ids)  # ended by length: every id is text
     assert len(counted_steps) > len(result.decode_ms)  # a step past the stop ran and was dropped, unheard
     ignored, *_ = hear(tiny_ckpt, stop_ids=[free.token_ids[at]], generation__max_new_tokens=12)
     assert ignored.token_ids == free.token_ids  # stop_at_eos off (--ignore-eos): stop ids are ignored too

@@ -11,6 +11,19 @@ MODES = ("eager", "captured", "replayed")  # how a decode step ran: on its own, 
 
 
 @attrs.frozen
+class TokenLogprobs:
+    """A generated token's log-probability under the model (``sampling.token_logprobs``), and the ``top`` most likely
+    ids with theirs, most likely first (as many as the request asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+@attrs.frozen
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only
@@ -26,6 +39,7 @@ class GenerationResult:
     text: str | None = None  # the generated ids decoded, where the model has a tokenizer
     tokens_per_step: list[int] | None = None  # speculative decoding: the tokens each pass kept (else one a step)
     speculative: dict | None = None  # speculative decoding: passes, drafted, accepted, acceptance, tokens a pass, ms
+    logprobs: list[TokenLogprobs] | None = None  # each token's, where the request asked (``Request.logprobs``)
 
     @property
     def ms_per_token(self) -> float:
@@ -56,4 +70,12 @@ class GenerationResult:
             **({"speculative": self.speculative, "tokens_per_step": self.tokens_per_step} if self.speculative else {}),
             "memory": self.memory,
             **({"text": self.text} if self.text is not None else {}),
+            **({"logprobs": [lp.to_json() for lp in self.logprobs]} if self.logprobs is not None else {}),
         }
+
+
+def text_ids(token_ids: list[int], end_ids: frozenset[int]) -> list[int]:
+    """The generated ids a text shows: an end-of-sequence id that ended the generation ends the text without being
+    part of it (as the server's streams do)."""
+    return token_ids[:-1] if token_ids and token_ids[-1] in end_ids else token_ids
+

@@ -47,7 +47,7 @@ from kestrel_core.formats.hub import NotCachedError
 from kestrel_core.formats.modeldir import read_model_dir
 from kestrel_core.engine.plan import Counters, Observers
 from kestrel_core.engine.residency import Window
-from kestrel_core.engine.results import GenerationResult
+from kestrel_core.engine.results import GenerationResult, text_ids
 from kestrel_core.engine.runner import Runner, StepSettings
 from kestrel_core.formats.units import UnitTable
 
@@ -70,6 +70,11 @@ def make_policy(name: str, keep, n_layers: int) -> Policy:
     if not 1 <= keep <= n_layers:
         raise ConfigError(f"keep={keep} is out of range for a {n_layers}-layer model: use 1..{n_layers} or 'off'")
     return _checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
+
+
+def _ends(req: Request | None) -> frozenset[int]:
+    """The ids that end ``req``'s generation (none where it does not stop at one)."""
+    return req.eos_ids if req is not None and req.gen.stop_at_eos else frozenset()
 
 
 def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters) -> tuple[KestrelConfig, KeepChoice]:
@@ -361,11 +366,12 @@ class Run:
             raise ConfigError(f"on_text needs a tokenizer: {self.model.no_tokenizer()}; "
                               "take the ids with on_token instead")
         stream = tok.stream() if on_text is not None else None
+        req = None
 
         def each(token: int) -> None:
             if on_token is not None:
                 on_token(token)
-            if stream is not None and (piece := stream.push(token)):
+            if stream is not None and token not in _ends(req) and (piece := stream.push(token)):
                 on_text(piece)
 
         hear = each if on_token is not None or stream is not None else None
@@ -374,7 +380,7 @@ class Run:
             result = generate_one(self.runner, req)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
-        return attrs.evolve(result, text=tok.decode(result.token_ids) if tok else None)
+        return attrs.evolve(result, text=tok.decode(text_ids(result.token_ids, _ends(req))) if tok else None)
 
     def generate_batch(self, requests: Iterable[dict], max_batch: int = 8, prefill_chunk: int | None = None,
                        on_done: Callable[[int, GenerationResult | Exception], None] | None = None) -> list:
@@ -406,8 +412,8 @@ class Run:
                 b.step()
                 for i, seq in enumerate(seqs):
                     if seq.done and out[i] is None:
-                        out[i] = seq.error or attrs.evolve(seq.result, text=tok.decode(seq.result.token_ids)
-                                                           if tok else None)
+                        ids = text_ids(seq.result.token_ids, _ends(seq.request)) if seq.error is None else []
+                        out[i] = seq.error or attrs.evolve(seq.result, text=tok.decode(ids) if tok else None)
                         if on_done is not None:
                             on_done(i, out[i])
         return out
