@@ -123,6 +123,8 @@ class BackendConfig:
     compile: bool = False  # run the decode step's layer math through torch.compile (fused kernels; the first step compiles)
     # pinned host MiB for streamed weights (cuda; fractions allowed); 0: all where half the RAM holds them, else a ring
     host_budget_mb: float = attrs.field(default=0.0, validator=_check(_real_in(0), _MIB_OR_DEFAULT))
+    # cpu_ref: the torch threads a run computes on; 0: the cores this process may use (os.sched_getaffinity)
+    threads: int = attrs.field(default=0, validator=_check(_int_in(0, 4096), "a whole number of threads, 0..4096 (0: the cores this process may use)"))
 
     @graphs.validator
     def _check_graphs(self, _, value: str) -> None:

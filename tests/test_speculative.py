@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import json
 from pathlib import Path
 
@@ -212,3 +213,18 @@ def test_a_draft_with_fewer_positions_says_so_and_the_target_decodes_on_undrafte
     s = spec.speculative
     assert s["drafted"] <= 16 - len(REPEATING) - 1  # drafts only where the draft's positions reach
     assert s["passes"] > (12 - 1) - s["drafted"] - 1  # the rest one plain token a pass
+
+
+def test_the_summary_line_says_what_its_figure_is(tiny_ckpt, capsys):
+    """A speculative run's ms/token is its passes' time over the tokens they kept (a mean), a plain run's the median of
+    its decode steps: each line says which."""
+    from kestrel_core.cli import main
+
+    ids = "5,17,42,99,3,5,17,42,99,3"
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", ids, "--max-new-tokens", "8", "--ignore-eos",
+                 "--draft", "ngram:1", "--draft-tokens", "3"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
+    assert re.search(r"ms/token \(the \d+ passes' time over the 7 tokens they kept\)", line), line
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", ids, "--max-new-tokens", "8", "--ignore-eos"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
+    assert "ms/token (median of 7 decode steps)" in line, line

@@ -56,6 +56,12 @@ class CpuRefBackend(Backend):
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
         self.load_globals()
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(ctx.backend.threads or usable_cores())  # for this run; close() gives the old count back
+
+    def close(self):
+        super().close()
+        torch.set_num_threads(self._threads_before)
 
     @classmethod
     def fit_facts(cls, ctx: BackendContext) -> FitFacts | None:
@@ -170,3 +176,12 @@ class CpuRefBackend(Backend):
 def _names(unit) -> list[str]:
     """The checkpoint tensors behind a unit's entries."""
     return [n for e in unit.entries for n in (e.source.stored if isinstance(e.source, quant.Q8Tensor) else (e.source,))]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; a container's CPU set), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+

@@ -73,6 +73,9 @@ class CudaBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
+        if ctx.backend.threads:
+            warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
+                          "effect here", KestrelNote, stacklevel=2)
         # Compute runs on whatever stream is current (the default one, or a graph's capture stream);
         # prefetched uploads run on a side stream, ordered against it by events.
         # (speculative expert prefetch uploads there too).

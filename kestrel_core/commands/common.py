@@ -27,6 +27,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--allocator", help=f"weight-buffer allocator{many}")
     p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
     p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")
+    p.add_argument("--threads", type=int, help="cpu_ref: the torch threads it computes on (default: the cores this "
+                   "process may use; on a busy machine fewer are faster)")
     p.add_argument("--pool-slots", type=int, help="buffers the pool may hold (default 128)")
     p.add_argument("--host-budget-mb", type=float, help="cuda: MiB of pinned host memory for streamed weights "
                    "(also KESTREL_HOST_MB); default: every layer where half the available RAM holds them, else a ring")
@@ -94,6 +96,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         backend__graphs=args.graphs,
         backend__compile=args.compile,
         backend__host_budget_mb=args.host_budget_mb,
+        backend__threads=args.threads,
         backend__prefetch=single(_int(args.prefetch, "--prefetch")),
         residency__policy=single(args.policy),
         residency__keep=None if sweep or args.keep is None else parse_keep(args.keep),  # a sweep parses its list

@@ -74,8 +74,13 @@ def run(args) -> int:
         print(f"token ids: {' '.join(map(str, result.token_ids))}")
     print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} "
           f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
-    decode = (f"{result.ms_per_token:.2f} ms/token (median of {steps})" if steps
-              else "no decode steps (the first token comes from the prefill)")
+    if not steps:
+        decode = "no decode steps (the first token comes from the prefill)"
+    elif result.tokens_per_step:  # speculative: a mean over tokens, not a median over steps
+        decode = (f"{result.ms_per_token:.2f} ms/token (the {steps} passes' time over the "
+                  f"{sum(result.tokens_per_step)} tokens they kept)")
+    else:
+        decode = f"{result.ms_per_token:.2f} ms/token (median of {steps} decode steps)"
     print(f"prefill: {result.prefill_ms:.2f} ms for {len(prompt)} prompt tokens; decode: {decode}")
     if steps:
         how = result.steps
