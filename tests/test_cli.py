@@ -200,3 +200,23 @@ def test_demo_reuses_its_cached_checkpoint(tmp_path, capsys, monkeypatch):
         assert ensure_demo_model(path) == path
         assert capsys.readouterr().err == ""
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_run_help_groups_its_flags_and_names_each_choice_and_default(register_plugin, capsys):
+    class Extra:
+        @hookimpl
+        def register_policies(self, register):
+            register("every_other_test", lambda n_layers, keep: None)
+
+    register_plugin(Extra(), name="help-extra")
+    assert main(["generate", "--help"]) == 0
+    raw = capsys.readouterr().out
+    titles = [line for line in raw.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["options:", "model:", "residency:", "cuda:", "cpu_ref:", "Mixture-of-Experts:", "generation:",
+                      "speculative decoding:"]
+    out = " ".join(raw.split())
+    assert "--policy POLICY residency policy: asymmetric, belady, every_other_test, future_evicting, off, pinned_set " \
+           "(default asymmetric)" in out
+    assert "--backend BACKEND backend: cpu_ref, cuda (default cpu_ref)" in out
+    assert "--allocator ALLOCATOR weight-buffer allocator: free, pool (default pool)" in out
+    assert "the expert policy: expert_lfu, expert_lru" in out and "'auto' (the default" in out

@@ -6,60 +6,80 @@ import argparse
 
 
 from kestrel_core.engine.batch import check_batch
-from kestrel_core.config import KestrelConfig, load_config, parse_ids, parse_keep
-from kestrel_core.errors import ConfigError
+from kestrel_core import plugins
+from kestrel_core.config import BackendConfig, KestrelConfig, ResidencyConfig, load_config, parse_ids, parse_keep
+from kestrel_core.errors import ConfigError, PluginError
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors), a GGUF file (x.gguf), "
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors), a GGUF file (x.gguf), "
                    "or a name in the local Hugging Face cache such as Qwen/Qwen3-8B (never downloaded)")
-    p.add_argument("--config", help="kestrel.toml; flags override it")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--config", help="kestrel.toml; flags override it")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _names(kind: str) -> str:
+    """The registered names of one kind of plugin, for a flag's help (the built-ins and any installed plugin's)."""
+    try:
+        return ", ".join(sorted(plugins.registry(kind)))
+    except (PluginError, ImportError) as exc:  # `kestrel plugins` says what is wrong; the help still shows
+        return f"see `kestrel plugins` ({exc})"
 
 
 def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     add_model_flags(p)
     many = " (comma-separated list)" if sweep else ""
-    p.add_argument("--backend", help=f"backend name{many}: see `kestrel plugins`")
-    p.add_argument("--policy", help=f"residency policy{many}")
-    p.add_argument("--keep", help=f"layers kept resident by the window, 'off' (all resident) or 'auto' (the default: all "
+    b, r = BackendConfig(), ResidencyConfig()
+    g = p.add_argument_group("residency")
+    g.add_argument("--backend", help=f"backend{many}: {_names('backends')} (default {b.name})")
+    g.add_argument("--policy", help=f"residency policy{many}: {_names('policies')} (default {r.policy})")
+    g.add_argument("--keep", help=f"layers kept resident by the window, 'off' (all resident) or 'auto' (the default: all "
                    f"resident where the model fits the budget, else the largest window that does){many}")
-    p.add_argument("--allocator", help=f"weight-buffer allocator{many}")
-    p.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many}")
-    p.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB)")
-    p.add_argument("--threads", type=int, help="cpu_ref: the torch threads it computes on (default: the cores this "
-                   "process may use; on a busy machine fewer are faster)")
-    p.add_argument("--pool-slots", type=int, help="buffers the pool may hold (default 128)")
-    p.add_argument("--host-budget-mb", type=float, help="cuda: MiB of pinned host memory for streamed weights "
+    g.add_argument("--allocator", help=f"weight-buffer allocator{many}: {_names('allocators')} (default {r.allocator})")
+    g.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many} (default {b.prefetch}; cuda)")
+    g.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB; default "
+                   "half of free device memory, 256 MiB..24 GiB)")
+    g.add_argument("--pool-slots", type=int, help=f"buffers the pool may hold (default {r.pool_slots})")
+    g = p.add_argument_group("cuda")
+    g.add_argument("--host-budget-mb", type=float, help="MiB of pinned host memory for streamed weights "
                    "(also KESTREL_HOST_MB); default: every layer where half the available RAM holds them, else a ring")
-    p.add_argument("--expert-policy", help="Mixture-of-Experts: the expert policy (expert_lru, expert_lfu, or a plugin's)")
-    p.add_argument("--expert-budget-mb", type=float, help="Mixture-of-Experts: MiB the expert policy keeps experts in")
-    p.add_argument("--expert-prefetch", action="store_true", default=None,
-                   help="Mixture-of-Experts: guess the next layer's experts with its router and upload them ahead (decode)")
-    p.add_argument("--expert-fetch", help="Mixture-of-Experts: routed (default): fetch the experts routed to; "
+    g.add_argument("--dtype", help="compute dtype (cpu_ref: float32 (default) | float64; cuda: bfloat16 (default) | "
+                   "float16 | float32)")
+    g.add_argument("--device", help="device, e.g. cuda:1 (default: the current one)")
+    g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
+    g = p.add_argument_group("cpu_ref")
+    g.add_argument("--threads", type=int, help="the torch threads it computes on (default: the cores this process may "
+                   "use; on a busy machine fewer are faster)")
+    g = p.add_argument_group("Mixture-of-Experts")
+    g.add_argument("--expert-policy", help=f"the expert policy: {_names('expert_policies')} (default: none, an expert "
+                   "stays until its layer goes)")
+    g.add_argument("--expert-budget-mb", type=float, help="MiB the expert policy keeps experts in")
+    g.add_argument("--expert-prefetch", action="store_true", default=None,
+                   help="guess the next layer's experts with its router and upload them ahead (decode)")
+    g.add_argument("--expert-fetch", help="routed (default): fetch the experts routed to; "
                    "layer: every expert with its layer (whole-layer streaming, the naive baseline)")
-    p.add_argument("--expert-decode", help="Mixture-of-Experts decode: auto (default): the table where the backend has "
+    g.add_argument("--expert-decode", help="auto (default): the table where the backend has "
                    "one; table: routed experts read through the device's expert table (the step stays one graph); "
                    "host: routed on the host at each sparse layer")
-    p.add_argument("--dtype", help="compute dtype (cpu_ref: float32|float64; cuda: bfloat16|float16|float32)")
-    p.add_argument("--device", help="device, e.g. cuda:1")
-    p.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
-    p.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
-    p.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, help="tokens to generate, at least 1 (default 16)")
-    p.add_argument("--temperature", type=float, help="0 (the default) is greedy")
-    p.add_argument("--top-k", type=int, help="sampling: draw from the k likeliest tokens (0, the default: no cut)")
-    p.add_argument("--top-p", type=float, help="sampling: draw from the likeliest tokens whose probabilities reach p, in (0, 1] (default 1)")
-    p.add_argument("--seed", type=int, help="seed of the sampling generator, 0..2**64-1 (default 0)")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
+    g.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=int, help="tokens to generate, at least 1 (default 16)")
+    g.add_argument("--temperature", type=float, help="0 (the default) is greedy")
+    g.add_argument("--top-k", type=int, help="sampling: draw from the k likeliest tokens (0, the default: no cut)")
+    g.add_argument("--top-p", type=float, help="sampling: draw from the likeliest tokens whose probabilities reach p, in (0, 1] (default 1)")
+    g.add_argument("--seed", type=int, help="seed of the sampling generator, 0..2**64-1 (default 0)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", help="speculative decoding: ngram, ngram:N (match the last N..2 tokens), a drafter plugin's "
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", help="ngram, ngram:N (match the last N..2 tokens), a drafter plugin's "
                    "name, or a small model with the same vocabulary (see docs/speculative.md)")
-    p.add_argument("--draft-tokens", type=int, help="speculative decoding: tokens drafted a pass, 1..64 (default 8)")
+    g.add_argument("--draft-tokens", type=int, help="tokens drafted a pass, 1..64 (default 8)")
 
 
 def with_draft(cfg: KestrelConfig, args: argparse.Namespace) -> KestrelConfig:
