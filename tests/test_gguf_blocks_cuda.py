@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kestrel_core import load
-from tests.gguf_files import K_DIMS, K_TYPES, write_model
+from tests.gguf_files import DIMS, K_DIMS, K_TYPES, T, write_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -52,11 +52,22 @@ def test_a_batch_of_block_weights_is_its_solo_runs(k_model, dtype):
     assert [r.token_ids for r in got] == alone
 
 
-def test_cuda_logits_agree_with_cpu_ref_within_the_stated_tolerance(k_model):
+# one model a type: every linear stored in it (rows of 256 for the k-quants, 64 for the 32-value types)
+TYPE_MODELS = {t: ({k: (T.F32 if k in ("token_embd", "output") else getattr(T, t)) for k in K_TYPES},
+                   K_DIMS if t.endswith("_K") else DIMS)
+               for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPE_MODELS))
+def test_cuda_logits_agree_with_cpu_ref_within_the_stated_tolerance(qtype, tmp_path):
+    types, dims = TYPE_MODELS[qtype]
+    path = write_model(tmp_path / f"{qtype}.gguf", dims=dims, types=types)[0]
     logits = {}
-    with load(k_model) as model:
+    with load(path) as model:
         for backend in ({"name": "cuda", "dtype": "float32"}, "cpu_ref"):
             with model.open(backend=backend, keep=1) as run:
+                if backend != "cpu_ref" and qtype != "Q8_0":  # a layer all Q8_0 streams as kestrel's q8
+                    assert {e.geometry.dtype for u in run.backend.units.units.values() for e in u.entries} == {"gguf-blocks"}
                 res = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=1, keep_logits=True, stop_at_eos=False)
                 logits[str(backend)] = res.logits[0].float().cpu().reshape(-1)
     cuda, ref = logits.values()
