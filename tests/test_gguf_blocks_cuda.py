@@ -72,3 +72,16 @@ def test_cuda_logits_agree_with_cpu_ref_within_the_stated_tolerance(qtype, tmp_p
                 logits[str(backend)] = res.logits[0].float().cpu().reshape(-1)
     cuda, ref = logits.values()
     assert (cuda - ref).abs().max() <= LOGIT_TOLERANCE * ref.abs().max()
+
+
+def test_a_host_ring_stages_the_blocks_and_ids_do_not_move(k_model):
+    """A host budget below the model: the ring stages each unit's blocks as stored (not floats), eagerly."""
+    with load(k_model) as model:
+        with model.open(backend="cuda", keep=1) as run:
+            want = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False)
+        with model.open(backend="cuda", keep=1, host_budget_mb=1) as run:
+            assert run.backend.host_budget.mode == "ring"
+            got = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False)
+    assert got.token_ids == want.token_ids
+    assert [p["bytes_uploaded"] for p in got.per_token] == [p["bytes_uploaded"] for p in want.per_token]
+    assert got.memory["host_ring_hot_bytes"] + got.memory["host_ring_cold_bytes"] > 0

@@ -94,6 +94,56 @@ class _Done:
         pass
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o_direct"])
+def test_the_host_ring_stages_gguf_blocks_as_stored(tmp_path, direct):
+    """A unit of block entries (every part a quantized type: K_TYPES, q and k permuted) is staged as the same bytes the
+    all-pinned tier pins (``blocks.stage_blocks``), hot and cold, counted by the file's bytes, never dequantized."""
+    from backends.cuda import blocks
+    from kestrel_core.formats.gguf_model import block_tensors
+    from tests.gguf_files import K_DIMS, K_TYPES
+
+    if direct and not direct_io_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    path, _ = write_model(tmp_path / "k.gguf", dims=K_DIMS, types=K_TYPES)
+    ckpt = GGUFCheckpoint(path)
+    cfg = ckpt.model_config()
+    held = block_tensors(ckpt, cfg, blocks.TYPES)
+    entries = {spec.key: slot_entries(spec.tensors, held) for spec in unit_specs(cfg)}
+    assert all(e.blocks is not None for es in entries.values() for e in es)
+    ring = PinnedRing(2, slot_bytes(entries.values(), torch.bfloat16), torch.bfloat16, threads=2, pin=False)
+    filler = Filler(ckpt, direct=direct)
+    stager = Stager(ring, filler, entries.__getitem__, lookahead=1)
+    real_view = GGUFCheckpoint.view
+    try:
+        GGUFCheckpoint.view = lambda self, name: pytest.fail(f"{name} was dequantized")
+        for cold in (True, False):
+            if cold:
+                drop_checkpoint(ckpt, sync=True)
+            for key in entries:
+                slot, views = stager.take(key)
+                for e in entries[key]:
+                    want = blocks.stage_blocks(ckpt, [held[n] for n in e.parts], pin_memory=False)
+                    got = views[e.name]
+                    assert isinstance(got, blocks.BlockWeight) and got.layout == want.layout, (key, e.name)
+                    assert torch.equal(got.raw, want.raw), (key, e.name)
+                stager.give_back(slot, _Done())
+        assert filler.cold_bytes > 0 and filler.hot_bytes > 0
+        fresh = Filler(ckpt, direct=direct)
+        try:
+            got = fresh.sources(entries[(0,)], torch.bfloat16)
+            parts = [n for e in entries[(0,)] for n in e.parts]
+            assert all(got[n].dtype == torch.uint8 for n in parts)
+            assert fresh.hot_bytes + fresh.cold_bytes == sum(ckpt.info(n).nbytes for n in parts)  # the file's bytes
+        finally:
+            fresh.close()
+    finally:
+        GGUFCheckpoint.view = real_view
+        stager.close()
+        ring.close()
+        filler.close()
+        ckpt.close()
+
+
 # --- on a GPU ----------------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_a_q8_0_gguf_streams_as_q8_on_cuda_as_its_quantized_copy_does(tmp_path, capsys):

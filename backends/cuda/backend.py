@@ -238,7 +238,7 @@ class CudaBackend(Backend):
     # --- host staging --------------------------------------------------------------
     def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:
         """The host tier: every unit pinned once where the host budget holds them all, else a ring of slots."""
-        self._slot_entries = {spec.key: slot_entries(spec.tensors) for spec in ctx.unit_specs}
+        self._slot_entries = {spec.key: slot_entries(spec.tensors, self._blocks) for spec in ctx.unit_specs}
         staged = arena_bytes(self._host_sizes())  # what pinning every unit locks (its blocks, not the bare sum)
         key = ("cuda-pinned-staging", "q8" if self.quant else "", "blocks" if self._blocks else "", self.dtype)
         held = ctx.host.peek(key)  # an earlier run's staging of this model: this run reuses or frees it
@@ -250,12 +250,12 @@ class CudaBackend(Backend):
             staging = ctx.host.get(key, self._stage_host)
             self.host_pinned_bytes = staging.pinned_bytes
             return staging.host
-        if self.quant or self._blocks:
-            kind = "q8 checkpoint's" if self.quant else "GGUF's quantized blocks'"
+        if self.quant:
             raise ConfigError(
-                f"the host ring stages float checkpoints; this {kind} {staged / 2**20:,.0f} MiB are pinned whole, "
+                f"the host ring stages float checkpoints; this q8 checkpoint's {staged / 2**20:,.0f} MiB are pinned whole, "
                 f"over the host budget of {self.host_budget.bytes // 2**20} MiB ({self.host_budget.source}): raise "
-                "--host-budget-mb or KESTREL_HOST_MB, or run a float checkpoint (its weights written as safetensors)")
+                "--host-budget-mb or KESTREL_HOST_MB, or run a float checkpoint (for a GGUF with Q8_0 weights: "
+                "one of other types, or its weights written as safetensors)")
         ctx.host.discard(key)  # an earlier run's full staging would pin more than this run's budget
         size = slot_bytes(self._slot_entries.values(), self.dtype)
         depth = max(self.prefetch_depth, int(ctx.residency.expert_prefetch))

@@ -55,12 +55,17 @@ def segments_of(layout: Sequence[tuple[str, int]], k: int) -> tuple[Segment, ...
 
 def layout_of(parts: Sequence[BlockTensor]) -> tuple[tuple[str, int], ...]:
     """((type name, rows), ...) of parts stacked along N, consecutive parts of one type merged."""
+    return layout_of_rows([(p.qtype.name, p.n) for p in parts])
+
+
+def layout_of_rows(parts: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """``layout_of`` from each part's (type name, rows)."""
     out: list[list] = []
-    for p in parts:
-        if out and out[-1][0] == p.qtype.name:
-            out[-1][1] += p.n
+    for name, n in parts:
+        if out and out[-1][0] == name:
+            out[-1][1] += n
         else:
-            out.append([p.qtype.name, p.n])
+            out.append([name, n])
     return tuple((name, n) for name, n in out)
 
 

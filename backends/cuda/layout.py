@@ -25,13 +25,21 @@ def fusion(tensors: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple((name, roles) for name, roles in FUSED if all(r in tensors for r in roles))
 
 
-def slot_entries(tensors: dict) -> list:
+def slot_entries(tensors: dict, held: dict | None = None) -> list:
     """The unit's entries as the host tier stages them (``SlotEntry``): each fused entry's shape and the
-    checkpoint tensors stacked into it, in ``fusion`` order."""
+    checkpoint tensors stacked into it, in ``fusion`` order; an entry whose every part is in ``held`` (name ->
+    ``BlockTensor``: the GGUF blocks the device holds) is staged as those blocks."""
     from backends.cuda.host.tier import SlotEntry
 
-    return [SlotEntry(name, (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1]),
-                      tuple(tensors[r][0] for r in roles)) for name, roles in fusion(tensors)]
+    held = held or {}
+    out = []
+    for name, roles in fusion(tensors):
+        names = tuple(tensors[r][0] for r in roles)
+        shape = (sum(tensors[r][1][0] for r in roles), tensors[roles[0]][1][1])
+        parts = [held.get(n) for n in names]
+        blocks = tuple((b.qtype.name, b.n) for b in parts) if all(b is not None for b in parts) else None
+        out.append(SlotEntry(name, shape, names, blocks))
+    return out
 
 
 class DeviceLayout:

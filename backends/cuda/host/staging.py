@@ -129,11 +129,19 @@ class Filler:
         (and counts it); else the mapping's view where all its pages are cached, which the ring converts as it
         copies, or a tensor of its stored dtype and shape read from disk. A part whose stored bytes are not its view's (a
         GGUF's quantized or permuted tensor, ``info.raw`` False) is its view, made from the mapping (dequantized to float32),
-        hot or cold by its stored bytes."""
+        hot or cold by its stored bytes; a part of a block entry (``SlotEntry.blocks``) is its stored blocks, read
+        through the mapping (never O_DIRECT), hot or cold the same way."""
         views: dict[str, Any] = {}
         made: set[str] = set()  # parts made in memory from their stored bytes (a GGUF's quantized or permuted tensor)
         for e in entries:
             for n in e.parts:
+                if e.blocks is not None:  # the blocks as stored (whole rows moved where permuted), never dequantized
+                    info = self.ckpt.info(n)
+                    hot = range_cached(self._fd(self.ckpt.file_of(n).path), info.start, info.nbytes)
+                    views[n] = self.ckpt.blocks(n)
+                    made.add(n)
+                    self.count(**{"hot" if hot else "cold": info.nbytes})
+                    continue
                 part = self._parts.get((n, dtype))
                 if part is None:
                     info = self.ckpt.info(n)

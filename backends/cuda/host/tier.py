@@ -74,13 +74,24 @@ def ring_slots(budget: HostBudget, slot_bytes: int, depth: int) -> int:
 
 @attrs.frozen
 class SlotEntry:
-    """One entry of a unit as a slot holds it: ``parts`` (checkpoint tensor names) stacked along dim 0."""
+    """One entry of a unit as a slot holds it: ``parts`` (checkpoint tensor names) stacked along dim 0, converted to the
+    slot's dtype; or, where ``blocks`` ((type name, rows) of each part) is set, each part's GGUF blocks as stored, back
+    to back (``backends.cuda.blocks``)."""
 
     name: str
     shape: tuple[int, int]
     parts: tuple[str, ...]
+    blocks: tuple[tuple[str, int], ...] | None = None
+
+    def part_bytes(self) -> list[int]:
+        """A block entry's parts' stored bytes, in order."""
+        from backends.cuda.blocks import segments_of
+
+        return [seg.nbytes for seg in segments_of(self.blocks, self.shape[1])]
 
     def nbytes(self, dtype: torch.dtype) -> int:
+        if self.blocks is not None:
+            return sum(self.part_bytes())
         return self.shape[0] * self.shape[1] * dtype.itemsize
 
 
@@ -235,6 +246,18 @@ class PinnedRing:
                 raise ConfigError(f"entry {entry.name} does not fit the ring's slot of {self.nbytes} bytes")
             if sum(part_rows) != entry.shape[0]:
                 raise ConfigError(f"entry {entry.name}: its parts have {sum(part_rows)} rows, the entry {entry.shape[0]}")
+            if entry.blocks is not None:  # each part's blocks as stored, back to back
+                from backends.cuda.blocks import BlockWeight, layout_of_rows
+
+                raw, parts, off = slot.raw[at : at + n], [], 0
+                for r, nb in zip(part_rows, entry.part_bytes()):
+                    part = raw[off : off + nb].view(r, nb // r)
+                    parts.append((part, raw[off : off + nb]))
+                    off += nb
+                out[entry.name] = BlockWeight(raw, entry.shape[1], layout_of_rows(entry.blocks))
+                dsts.append(parts)
+                at = round_up(at + n)
+                continue
             dst = slot.raw[at : at + n].view(self.dtype).view(entry.shape)
             parts, row = [], 0
             for r in part_rows:
