@@ -85,3 +85,24 @@ def test_a_host_ring_stages_the_blocks_and_ids_do_not_move(k_model):
     assert got.token_ids == want.token_ids
     assert [p["bytes_uploaded"] for p in got.per_token] == [p["bytes_uploaded"] for p in want.per_token]
     assert got.memory["host_ring_hot_bytes"] + got.memory["host_ring_cold_bytes"] > 0
+
+
+def test_block_experts_run_through_the_expert_table_with_the_ids_of_every_path(tmp_path):
+    """A Qwen3-MoE GGUF whose experts are blocks (gate Q5_K beside up Q6_K, down Q4_K): the grouped kernels read them
+    through the expert table and on the host path, and the ids equal every expert resident's."""
+    path = write_model(tmp_path / "moe.gguf", arch="qwen3moe", dims={**K_DIMS, "expert_ff": 256}, types=K_TYPES)[0]
+    ids = {}
+    with load(path) as model:
+        with model.open(backend="cuda", keep="off") as run:
+            assert run.backend.expert_table, run.backend.expert_table_refusal
+            experts = [u.nbytes for key, u in run.backend.units.units.items() if len(key) == 2]
+            ids["off"] = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=10, stop_at_eos=False).token_ids
+        budget = 3 * max(experts) / 2**20  # three of a layer's four experts
+        for decode in ("table", "host"):
+            with model.open(backend="cuda", keep=1, expert_policy="expert_lru", expert_budget_mb=budget,
+                            expert_decode=decode) as run:
+                res = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=10, stop_at_eos=False)
+                ids[decode] = res.token_ids
+                assert {e.geometry.dtype for u in run.backend.units.units.values() for e in u.entries
+                        if e.name != "router"} == {"gguf-blocks"}
+    assert ids["table"] == ids["host"] == ids["off"]

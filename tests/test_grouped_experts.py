@@ -33,7 +33,7 @@ def q8_entry(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tens
 
 
 def reference(x, weights, ids, experts, dtype):
-    out = torch.zeros(1, H, dtype=torch.float64)
+    out = torch.zeros(1, experts[0][1].shape[0], dtype=torch.float64)  # [1, H]: down's rows
     for slot, e in enumerate(ids[0].tolist()):
         gu, dn = (t.double() for t in experts[e])
         gate, up = F.linear(x.double(), gu).chunk(2, dim=-1)
@@ -91,3 +91,53 @@ def test_fetched_experts_are_the_tables_result():
     if DEVICE.type == "cpu":
         pytest.skip("fetched() stages its table in pinned memory, which needs a GPU")
     assert torch.equal(by_table, run.fetched(x, weights, [on_device[e] for e in (2, 5, 1)]))
+
+
+def _block_entry(qtypes_rows, k, g):
+    """A GGUF block entry of parts (type, rows) of row width ``k`` (random valid blocks), its layout and its
+    dequantized weight [sum rows, k]."""
+    import numpy as np
+
+    from kestrel_core.formats.gguf_quants import dequantize
+    from kestrel_core.tools.presets import random_blocks_of
+
+    raws, deqs = [], []
+    for qtype, rows in qtypes_rows:
+        raw = torch.from_numpy(random_blocks_of(qtype, rows, k, np.random.default_rng(int(g.seed()) % 2**32)))
+        raws.append(raw.reshape(-1))
+        deqs.append(dequantize(raw.reshape(-1), qtype, (rows, k)))
+    layout = tuple((q.name, r) for q, r in qtypes_rows)
+    return torch.cat(raws).to(DEVICE), layout, torch.cat(deqs)
+
+
+@pytest.mark.parametrize("kind", ["one type", "gate and up apart"])
+def test_gguf_block_experts_match_their_dequantized_math_and_the_fetched_path(kind):
+    """Experts held as GGUF blocks (Q4_K gate and up, or Q4_K gate beside Q6_K up; Q6_K down), read through the table:
+    the per-expert math on their dequantized weights, and bitwise what the fetched path gives on the same bytes."""
+    from gguf import GGMLQuantizationType as T
+
+    from backends.cuda.blocks import BlockWeight, layout_of_rows
+
+    h, i = 512, 256  # whole 256-value super-blocks: two chunks of H (two slices), one of I
+    g = torch.Generator().manual_seed(3)
+    gu_parts = [(T.Q4_K, 2 * i)] if kind == "one type" else [(T.Q4_K, i), (T.Q6_K, i)]
+    entries, deq = [], []
+    for _ in range(E):
+        gu, gu_layout, gu_deq = _block_entry(gu_parts, h, g)
+        dn, dn_layout, dn_deq = _block_entry([(T.Q6_K, h)], i, g)
+        entries.append((gu, dn))
+        deq.append((gu_deq, dn_deq))
+    table = torch.tensor([[gu.data_ptr(), dn.data_ptr()] for gu, dn in entries], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(1, h, generator=g).to(DEVICE)
+    ids = torch.tensor([[5, 1, 3]], device=DEVICE)
+    weights = torch.tensor([[0.2, 0.5, 0.3]], device=DEVICE)
+    run = grouped_experts.GroupedExperts(h, i, K, torch.float32, DEVICE, blocks=True)
+    layouts = (layout_of_rows([(q.name, r) for q, r in gu_parts]), dn_layout)
+    got = run(x, weights, ids, table, layouts)
+    want = reference(x.cpu(), weights.cpu(), ids.cpu(), deq, torch.float32)
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-5
+    buffers = [(BlockWeight(entries[e][0], h, layouts[0]), BlockWeight(entries[e][1], i, layouts[1]))
+               for e in ids[0].tolist()]
+    slots = torch.arange(K, device=DEVICE).view(1, K)
+    fetched = torch.tensor([b.data_ptr() for pair in buffers for b in pair], dtype=torch.int64, device=DEVICE).view(K, 2)
+    assert torch.equal(run(x, weights, slots, fetched, layouts), got)

@@ -213,8 +213,9 @@ class CudaBackend(Backend):
         if {tuple(e.name for e in u.entries) for u in experts} != {("gate_up", "down")}:
             self._grouped_refusal = "an expert's entries are not gate_up and down"
             return None
-        if any(blocks.is_block_geometry(e.geometry) for u in experts for e in u.entries):
-            self._grouped_refusal = "its experts are GGUF blocks, which they read neither as bf16 nor as q8"
+        held = {blocks.is_block_geometry(e.geometry) for u in experts for e in u.entries}
+        if held == {True, False}:
+            self._grouped_refusal = "some of its expert entries are GGUF blocks and others floats"
             return None
         q8_params = None
         gu, dn = (e.geometry for e in experts[0].entries)
@@ -222,7 +223,7 @@ class CudaBackend(Backend):
             q8_params = (gu.shape[0] // gu.layout[2], gu.shape[1], dn.shape[1])  # group, gate_up n_pad, down n_pad
         cfg = self.cfg
         return grouped_experts.GroupedExperts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                                              self.dtype, self.device, q8_params)
+                                              self.dtype, self.device, q8_params, blocks=held == {True})
 
     def fetched_experts(self, x, weights, chosen, used, weights_of):
         if self._grouped is None or x.shape[0] != 1:

@@ -25,6 +25,9 @@ class DeviceExpertTable:
                 for j, entry in enumerate(unit.entries):  # gate_up, then down (layout.FUSED's order)
                     ptrs[key[0], key[1], j] = host[entry.source].data_ptr()
         self.host_ptrs = ptrs  # what a host copy's address is, kept for pointing back to it
+        # GGUF block experts: each layer's (gate_up, down) layouts, which its grouped kernels are told
+        self.layouts = {key[0]: tuple(e.geometry.layout[1] for e in unit.entries)
+                        for key, unit in units.units.items() if len(key) == 2 and grouped.blocks}
         self.table = ptrs.to(device)
         self.stream = torch.cuda.Stream(device)  # admissions heard a step behind: no replay waits for them
         self.ready: dict[tuple, torch.cuda.Event] = {}  # expert unit -> its admission's upload event
@@ -79,7 +82,8 @@ class DeviceExpertTable:
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each row's routed experts through the table, row by row with the one-row kernels: a row's result is its
         result alone (a batched step's ids are its sequences' solo ids)."""
-        table = self.table[layer]
+        table, layouts = self.table[layer], self.layouts.get(layer)
         if x.shape[0] == 1:
-            return self.grouped(x, weights, chosen, table)
-        return torch.cat([self.grouped(x[r:r + 1], weights[r:r + 1], chosen[r:r + 1], table) for r in range(x.shape[0])])
+            return self.grouped(x, weights, chosen, table, layouts)
+        return torch.cat([self.grouped(x[r:r + 1], weights[r:r + 1], chosen[r:r + 1], table, layouts)
+                          for r in range(x.shape[0])])

@@ -157,6 +157,36 @@ def _kernels():
         tl.store(dst, acc, mask=(rows[:, None] < N) & (mcol < M))
 
     @triton.jit
+    def expert_rows(x, ids, table, part, WHICH: tl.constexpr, BYTE_AT, N, K, ROW_BYTES, NB, NCH, CPS,
+                    X_PER_SLOT: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """part[s, slot, n] = sum over the chunks of slice s of W[n, chunk] . x[chunk] (x [slots, K] where
+        X_PER_SLOT, else one x [K] for every slot): W's rows are blocks at byte BYTE_AT of the entry the expert
+        table holds at column WHICH for the slot's expert (``ids[slot]``). The one-row ``gguf_rows``, its weight's
+        address read from the table."""
+        slot, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        base = tl.load(table + tl.load(ids + slot) * 2 + WHICH)
+        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
+        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = rows[:, None, None]
+        rows_ok = r3 < N
+        wrow = w + r3.to(tl.int64) * ROW_BYTES
+        g2 = tl.arange(0, G)[:, None]
+        xoff = g2 * L + tl.arange(0, L)[None, :]
+        xs = x + slot * K if X_PER_SLOT else x
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCH)):
+            wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
+            if EVEN:
+                xok = g2 < G
+            else:
+                xok = (c * G + g2) < NB
+            xv = tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1)
+        nslots = tl.num_programs(0)
+        tl.store(part + (s * nslots + slot) * N + rows, acc, mask=rows < N)
+
+    @triton.jit
     def add_slices(part, out, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         """out[i] = part[0, i] + part[1, i] + ... in slice order."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -166,7 +196,7 @@ def _kernels():
             acc = acc + tl.load(part + s * TOTAL + i, mask=ok, other=0.0)
         tl.store(out + i, acc, mask=ok)
 
-    return gguf_rows, add_slices
+    return gguf_rows, add_slices, expert_rows
 
 
 def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None,
@@ -204,7 +234,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     """y [M, n] float32 = x [M, k] @ W.T, W [n, k] held in ``weight`` as GGUF ``qtype`` blocks (uint8, n rows of
     whole blocks, ggml's layout). Row m of y is bitwise the result for x[m] alone, for any M. ``block_n``, ``split``
     and ``num_warps`` override the plan (for measuring: a row's bits depend on them, so keep them fixed across M)."""
-    rows, add_slices = _kernels()
+    rows, add_slices, _ = _kernels()
     _check(x, weight, qtype, n, k)
     x = x.contiguous()
     m_all = x.shape[0]
@@ -226,6 +256,36 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         if slices > 1:
             add_slices[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
     return y
+
+
+def expert_slices(qtype: GGMLQuantizationType, k: int, want: int) -> int:
+    """The most slices, at most ``want``, that cut a row of ``k`` values into equal runs of whole chunks (1 where ``k``
+    is not whole chunks): what ``expert_matmul``'s ``part`` is laid out by."""
+    values, _ = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nch, per = -(-(k // values) // (g * l // values)), g * l
+    if k % per:
+        return 1
+    return max(s for s in range(1, min(want, nch) + 1) if nch % s == 0)
+
+
+def expert_matmul(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, part: torch.Tensor, which: int, byte_at: int,
+                  qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool, block_n: int = BLOCK_N) -> None:
+    """part [S, slots, n] float32 = each slot's expert's W [n, k] (``qtype`` blocks at byte ``byte_at`` of its entry
+    ``which`` in ``table`` [experts, 2] int64 addresses) times x ([slots, k] where ``x_per_slot``, else [1, k]), summed
+    over S slices of k (``expert_slices``); the caller adds the slices in order. One row a slot: as ``gemv`` reads."""
+    _, _, expert_rows = _kernels()
+    values, nbytes = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nb, per_chunk = k // values, g * l // values
+    nch = -(-nb // per_chunk)
+    slices, slots = part.shape[0], ids.numel()
+    if nch % slices or part.shape[1:] != (slots, n) or part.dtype != torch.float32:
+        raise ValueError(f"part must be float32 [{slices} slices dividing {nch} chunks, {slots}, {n}]")
+    expert_rows[(slots, -(-n // block_n), slices)](
+        x, ids, table, part, WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb, NCH=nch,
+        CPS=nch // slices, X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0, BLOCK_N=block_n,
+        num_warps=NUM_WARPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, **kw) -> torch.Tensor:

@@ -2,7 +2,8 @@
 host copy (a mapped pinned address: the kernel reads it over the link, and no step waits for the host).
 
 The table holds, for every expert of every sparse layer, two addresses: its ``gate_up`` entry ([2I, H] float, or q8
-[H, 2I padded] with its scales after) and its ``down`` entry ([H, I], or q8 [I, H padded]). Two kernels each split
+[H, 2I padded] with its scales after, or GGUF blocks: ``gguf_kernels.expert_matmul``) and its ``down`` entry ([H, I],
+or q8 [I, H padded], or blocks). Two kernels each split
 their reduction over a grid of (expert, block of outputs, slice of the inputs) and write float32 partial sums; a
 short epilogue adds the slices and the experts in a fixed order, rounding where ``F.linear`` rounds. Nothing is
 atomic, so the same kernel on the same bytes gives bitwise the same result whichever memory it read.
@@ -96,13 +97,33 @@ def _block_k(k: int) -> int:
     return next(b for b in (64, 32, 16, 8, 4, 2, 1) if k % b == 0)
 
 
+def _row_at(layout, row: int, n: int, k: int):
+    """(type, byte offset) of rows ``row .. row + n`` of a block entry of row width ``k`` laid out as ``layout``
+    ((type name, rows), ...): they lie in one segment."""
+    from gguf import GGMLQuantizationType
+
+    from . import gguf_kernels
+
+    at, first = 0, 0
+    for name, rows in layout:
+        qtype = GGMLQuantizationType[name]
+        if first <= row and row + n <= first + rows:
+            return qtype, at + gguf_kernels.stored_bytes(qtype, row - first, k)
+        at += gguf_kernels.stored_bytes(qtype, rows, k)
+        first += rows
+    raise ValueError(f"rows {row}..{row + n} cross a segment of {layout}")
+
+
 class GroupedExperts:
     """The launcher for one model's experts: ``hidden`` H, ``inter`` an expert's intermediate size I, ``k`` routed a
-    token; ``q8`` = (group, gate_up n_pad, down n_pad) for a q8 checkpoint."""
+    token; ``q8`` = (group, gate_up n_pad, down n_pad) for a q8 checkpoint; ``blocks``: the experts are GGUF blocks
+    (``backends.cuda.blocks``), each call told its layer's layouts."""
 
     def __init__(self, hidden: int, inter: int, k: int, dtype: torch.dtype, device: torch.device,
-                 q8: tuple[int, int, int] | None = None, block_n: int | None = None, split: tuple[int, int] | None = None):
-        self.H, self.I, self.k, self.dtype, self.q8 = hidden, inter, k, dtype, q8
+                 q8: tuple[int, int, int] | None = None, block_n: int | None = None, split: tuple[int, int] | None = None,
+                 blocks: bool = False):
+        self.H, self.I, self.k, self.dtype, self.q8, self.blocks = hidden, inter, k, dtype, q8, blocks
+        self.device, self._parts = device, {}
         self.bk_gu, self.bk_d = _block_k(hidden), _block_k(inter)
         want = split or ((8, 4) if q8 else (2, 3))
         # a slice is whole groups of a q8 entry, whole K blocks of a float one
@@ -116,8 +137,41 @@ class GroupedExperts:
         self.h = torch.empty((k, inter), dtype=dtype, device=device)  # each expert's SwiGLU output
         self.slots = torch.arange(k, device=device).view(1, k)  # ids for a table of the k routed experts, in order
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """x [1, H], weights [1, k], ids [1, k] (int64), table [E, 2] int64 addresses -> [1, H]."""
+    def _block_parts(self, qtype, k: int, n: int, want: int) -> torch.Tensor:
+        """A fixed float32 [slices, k routed, n] buffer of block partial sums (a captured step keeps its address)."""
+        from . import gguf_kernels
+
+        slices = gguf_kernels.expert_slices(qtype, k, want)
+        key = (slices, n)
+        if key not in self._parts:
+            self._parts[key] = torch.empty((slices, self.k, n), dtype=torch.float32, device=self.device)
+        return self._parts[key]
+
+    def _blocks(self, x, weights, ids, table, layouts) -> torch.Tensor:
+        """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry."""
+        from . import gguf_kernels
+
+        H, I, k = self.H, self.I, self.k  # noqa: E741
+        gu, dn = layouts
+        halves = []
+        for row in (0, I):
+            qtype, at = _row_at(gu, row, I, H)
+            part = self._block_parts(qtype, H, I, 8)
+            gguf_kernels.expert_matmul(x, ids, table, part, 0, at, qtype, I, H, x_per_slot=False)
+            halves.append(part.sum(0).to(self.dtype))
+        self.h.copy_(F.silu(halves[0]) * halves[1])
+        qtype, at = _row_at(dn, 0, H, I)
+        part = self._block_parts(qtype, I, H, 4)
+        gguf_kernels.expert_matmul(self.h, ids, table, part, 1, at, qtype, H, I, x_per_slot=True)
+        y = part.sum(0).to(self.dtype)
+        return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
+                 layouts: tuple | None = None) -> torch.Tensor:
+        """x [1, H], weights [1, k], ids [1, k] (int64), table [E, 2] int64 addresses -> [1, H]; ``layouts``: the
+        (gate_up, down) block layouts of these experts, for a model of GGUF blocks."""
+        if self.blocks:
+            return self._blocks(x.contiguous(), weights, ids.contiguous(), table, layouts)
         float_rows, q8_cols = _kernels()
         H, I, k, bn = self.H, self.I, self.k, self.block_n  # noqa: E741
         x, ids = x.contiguous(), ids.contiguous()
@@ -154,4 +208,5 @@ class GroupedExperts:
         table of their addresses."""
         addrs = [b.data_ptr() for pair in buffers for b in pair]
         table = torch.tensor(addrs, dtype=torch.int64).pin_memory().to(x.device, non_blocking=True).view(self.k, 2)
-        return self(x, weights, self.slots, table)
+        layouts = (buffers[0][0].layout, buffers[0][1].layout) if self.blocks else None  # one layer: one layout
+        return self(x, weights, self.slots, table, layouts)
