@@ -35,6 +35,18 @@ def parser_for(name: str, mod) -> argparse.ArgumentParser:
     return p
 
 
+def below_one(parser: argparse.ArgumentParser, args) -> str | None:
+    """Why a count was refused, or None: an int option whose default is a positive count (tokens, repeats, layers, ...)
+    and whose help gives 0 no meaning must be at least 1 (0 would run rows of nothing, or be read as "not given")."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.type is not int or not isinstance(action.default, int) or action.default < 1 or value is None:
+            continue
+        if "0:" not in (action.help or "") and value < 1:
+            return f"{'/'.join(action.option_strings)} must be at least 1, got {value}"
+    return None
+
+
 def _stop(signum, frame):  # a SIGTERM (a timeout) ends the run as Ctrl-C does, so its record is still written
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -49,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench: unknown scenario {name!r}; `python -m bench --help` lists them", file=sys.stderr)
         return 2
     mod = module(name)
-    args = parser_for(name, mod).parse_args(argv[1:])
+    parser = parser_for(name, mod)
+    args = parser.parse_args(argv[1:])
+    bad = below_one(parser, args)
+    if bad:
+        parser.error(bad)
     why = mod.needs_gpu(args) if hasattr(mod, "needs_gpu") else None
     if why:
         print(f"python -m bench {name}: {why}", file=sys.stderr)

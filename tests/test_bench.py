@@ -309,3 +309,32 @@ def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
     assert r["bytes_uploaded_per_token"] == 5 and r["per_mode"]["replayed"]["max"] == 9.0
     eager = from_result(types.SimpleNamespace(**{**vars(res), "step_modes": ["eager"] * 5}), "off", {})
     assert eager["steady_mode"] == "eager" and eager["summary"]["n"] == 4 and eager["captured_ms"] == []
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["batch", "--clients", "1,x"], "argument --clients: 'x' is not a int"),
+    (["batch", "--rows", "engine,nope"], "nope: give one or more of engine, server"),
+    (["batch", "--batches", "0,4"], "argument --batches: 0 is below 1"),
+    (["stream", "--backend", "cpu_ref", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+    (["speculative", "--repeats", "-2"], "--repeats must be at least 1, got -2"),
+    (["moe", "--backend", "cpu_ref", "--layers", "0"], "--layers must be at least 1, got 0"),
+])
+def test_a_bad_option_is_one_line_before_any_work(argv, says, capsys, tmp_path):
+    """Counts below one and comma-separated values are refused as argparse refuses, before a checkpoint is written or a
+    row runs, and no record is left (a record of rows of nothing would read as complete)."""
+    with pytest.raises(SystemExit) as exc:
+        bench([*argv, "--out", str(tmp_path), "--models", str(tmp_path / "models")]
+              if argv[0] in ("batch", "stream", "moe") else [*argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_count_whose_zero_means_something_takes_it():
+    from bench.__main__ import below_one, parser_for
+    from bench.scenarios import module
+
+    p = parser_for("moe", module("moe"))
+    assert below_one(p, p.parse_args(["--warmup", "0", "--q8-group", "0"])) is None
+    assert below_one(p, p.parse_args(["--tokens", "0"])) == "--tokens must be at least 1, got 0"

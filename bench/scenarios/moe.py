@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=41, help="new tokens of each kestrel row")
-    p.add_argument("--warmup", type=int, default=12, help="decode steps left out of the steady-state figures")
+    p.add_argument("--warmup", type=int, default=12, help="decode steps left out of the steady-state figures (0: none)")
     p.add_argument("--slow-tokens", type=int, default=18, help="new tokens of the slow rows (whole layers, peers)")
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")

@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=28)
-    p.add_argument("--warmup", type=int, default=8, help="decode steps left out of a row's figure")
+    p.add_argument("--warmup", type=int, default=8, help="decode steps left out of a row's figure (0: none)")
     p.add_argument("--profile-tokens", type=int, default=12, help="new tokens of each profiled generate")
     p.add_argument("--skew", type=float, default=1.2)
 
