@@ -5,6 +5,11 @@ each), and beside them a chunk of a new sequence's prompt, so that a long prompt
 serves every row with the same plans, so the bytes a step streams are shared by its rows. A step whose rows are all
 decode rows and whose plan repeats is replayed as a captured graph, one a batch size (``BUCKETS``).
 
+A sequence whose request asks for ``logprobs`` gets each token's log-probability (and its top alternatives) computed
+where the token is chosen: from the step's logits of its row, on the device, in the same step (a greedy row's are read
+back with its token, a step late). ``on_logprobs`` hears them just before ``on_token`` hears the token; other
+sequences pay nothing.
+
 Greedy rows never make the host wait before the next step: each step's tokens (and non-finite flags, and where the
 step read the expert table, its routing) are copied to host memory without a wait and read one step later, so a
 step may run past a sequence's end. That row is dropped, with its counters, and ``on_token`` hears of a token only
@@ -27,9 +32,9 @@ from kestrel_core.errors import BudgetError, ConfigError
 from kestrel_core.engine.limits import RequestLimits
 from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
-from kestrel_core.engine.results import MODES, GenerationResult
+from kestrel_core.engine.results import MODES, GenerationResult, TokenLogprobs
 from kestrel_core.engine.runner import Launched, Runner, StepRequest
-from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.sampling import Sampler, check_logprobs, token_logprobs
 from kestrel_core.engine.speculative import SpecStats, accept, begin_drafting, check_draft
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
@@ -63,6 +68,8 @@ class Request:
     on_finish: Callable[["Sequence"], None] | None = None  # once done (result or error set), on the batch's thread
     drafter: Drafter | None = None  # speculative decoding: proposes up to ``draft_tokens`` a step, verified in the step
     draft_tokens: int = 0
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (0..20); None: not computed
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None  # a token's, just before ``on_token`` hears it
 
 
 @attrs.define(eq=False)
@@ -74,6 +81,7 @@ class _Pass:
     rows: dict[int, "Sequence"]  # slot -> the sequence whose token the step made there (a decode row)
     verified: dict[int, "Sequence"] = attrs.Factory(dict)  # slot -> the sequence whose drafts it verified (a span)
     heard: dict[str, int] = attrs.Factory(dict)
+    logprobs: dict[int, tuple] = attrs.Factory(dict)  # slot -> its row's log-probabilities, on the device (asked for)
 
     @property
     def mode(self) -> str:
@@ -103,6 +111,7 @@ class Sequence:
     prefill_passes: list[int] = attrs.Factory(list)
     prefill_ms: float = 0.0
     logits: list[torch.Tensor] = attrs.Factory(list)
+    logprobs: list[TokenLogprobs] = attrs.Factory(list)  # each token's, where its request asks
     drafting: Drafting | None = None  # what drafts for it (its request's drafter, begun on its prompt)
     spec: SpecStats | None = None
     kept: list[int] = attrs.Factory(list)  # tokens each of its passes kept (speculative decoding)
@@ -158,6 +167,7 @@ class Batch:
         """Queue a sequence (``seq``, where another thread made it for ``request`` and holds it); it joins at a step
         that has a free slot for it."""
         RequestLimits(self.max_seq, "this batch").budget(request.gen.max_new_tokens, len(request.prompt_ids))
+        check_logprobs(request.logprobs)
         if seq is None:
             seq = Sequence(request)
         seq.id, seq.sampler = self.ids, Sampler(request.gen)
@@ -218,7 +228,8 @@ class Batch:
         for seq in rows_live.values():
             seq.launched += 1
         k = len(self.passes)
-        self.passes.append(_Pass(launched, dict(rows_live), {slot: self.active[slot] for slot in verify}))
+        self.passes.append(_Pass(launched, dict(rows_live), {slot: self.active[slot] for slot in verify},
+                                 logprobs=self._row_logprobs(rows_live)))
         for seq in rows_live.values():
             if seq.request.keep_logits and not seq.done:
                 seq.logits.append(self.runner.decode_logits(self.dev, seq.slot).clone())
@@ -291,10 +302,11 @@ class Batch:
         kept = kept[:ends]  # an end inside the pass: what follows it is dropped
         seq.passes.append(k)
         seq.kept.append(len(kept))
+        lps = self._logprobs(seq, logits[: len(kept)], kept)
         for i, token in enumerate(kept):
             if seq.request.keep_logits:
                 seq.logits.append(logits[i].clone())
-            self._hear_token(seq, token)
+            self._hear_token(seq, token, lps[i] if lps else None)
         if not seq.done:
             seq.drafting.accepted(list(seq.request.prompt_ids) + seq.tokens)
             self.runner.place(self.dev, seq.slot, len(seq.request.prompt_ids) + len(seq.tokens) - 1, seq.tokens[-1])
@@ -327,8 +339,9 @@ class Batch:
         seq.prefill_ms = self.runner.elapsed_ms(since, self.passes[k].launched.mark)
         if seq.request.keep_logits:
             seq.logits.insert(0, logits.clone())
+        lps = self._logprobs(seq, logits.view(1, -1), [token])
         self.runner.place(self.dev, seq.slot, len(prompt), token)
-        self._hear_token(seq, token)
+        self._hear_token(seq, token, lps[0] if lps else None)
 
     def _take(self, k: int) -> None:
         """Read step k back: each of its rows' tokens goes to its sequence (and its routing to the window)."""
@@ -344,9 +357,39 @@ class Batch:
                 continue
             seq.passes.append(k)
             seq.kept.append(1)
-            self._hear_token(seq, back.tokens[slot])
-    def _hear_token(self, seq: Sequence, token: int) -> None:
+            lp = p.logprobs.pop(slot, None)
+            self._hear_token(seq, back.tokens[slot], _on_host(back.tokens[slot], *lp) if lp else None)
+
+    # --- log-probabilities, where a request asks ---------------------------------------------------------
+    def _row_logprobs(self, rows: dict[int, Sequence]) -> dict[int, tuple]:
+        """The log-probabilities of the tokens this step chose for the decode rows whose requests ask, from the step's
+        logits of each row and its chosen token (a greedy row's argmax, a sampled row's draw), on the device: nothing
+        waits here; ``_take`` reads them with the rows' tokens."""
+        asking = sorted(slot for slot, seq in rows.items() if seq.request.logprobs is not None and not seq.done)
+        if not asking:
+            return {}
+        logits = torch.stack([self.runner.decode_logits(self.dev, slot) for slot in asking])
+        tokens = torch.stack([self.runner.decode_token(self.dev, slot) for slot in asking])
+        chosen, values, ids = token_logprobs(logits, tokens, max(rows[slot].request.logprobs for slot in asking))
+        return {slot: (chosen[i], values[i, :rows[slot].request.logprobs], ids[i, :rows[slot].request.logprobs])
+                for i, slot in enumerate(asking)}
+
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprobs] | None:
+        """The log-probabilities of ``tokens`` chosen at the rows of ``logits`` [len(tokens), vocab], where the
+        sequence's request asks (a prompt's first token, a verify pass's kept tokens: on the host now)."""
+        k = seq.request.logprobs
+        if k is None or not tokens:
+            return None
+        chosen, values, ids = token_logprobs(logits, torch.tensor(tokens), k)
+        return [_on_host(token, chosen[i], values[i], ids[i]) for i, token in enumerate(tokens)]
+
+    def _hear_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         seq.tokens.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            if seq.request.on_logprobs:
+                seq.request.on_logprobs(logprobs)
         if seq.request.on_token:
             seq.request.on_token(token)
         reason = self._ends(seq, token, len(seq.tokens))
@@ -419,6 +462,7 @@ class Batch:
             steps={m: sum(p.mode == m for p in kept) for m in MODES},
             step_modes=[p.mode for p in kept],
             **self._speculative(seq, decode_ms),
+            logprobs=list(seq.logprobs) if seq.request.logprobs is not None else None,
         )
 
     def _speculative(self, seq: Sequence, decode_ms: list[float]) -> dict:
@@ -438,6 +482,10 @@ class Batch:
     def __exit__(self, *exc) -> None:
         self.dev.close()
         self._torch_mode.__exit__(*exc)
+
+
+def _on_host(token: int, chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> TokenLogprobs:
+    return TokenLogprobs(token, float(chosen), tuple(zip(ids.tolist(), values.tolist())))
 
 
 def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:

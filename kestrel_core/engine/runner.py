@@ -238,6 +238,11 @@ class Runner:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
         return s.state.logits[slot]
 
+    def decode_token(self, s: Slots, slot: int) -> torch.Tensor:
+        """The token the last step chose for ``slot``'s decode row (its argmax, or the host's draw), a 0-d long tensor
+        on the device: read it before the next step or ``place`` writes the slot's token."""
+        return s.state.tokens[slot]
+
     def elapsed_ms(self, start, stop) -> float:
         return self.backend.elapsed_ms(start, stop)
 

@@ -1,4 +1,5 @@
-"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator."""
+"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator. Beside it, the
+log-probabilities a request may ask for of the token chosen (``token_logprobs``)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,27 @@ class Sampler:
     def uniform(self) -> float:
         """A number in [0, 1) from the same generator (speculative sampling's acceptance test)."""
         return float(torch.rand(1, generator=self.rng))
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's bound for chat)
+
+
+def check_logprobs(k: int | None) -> None:
+    """``k``: the alternatives each token's log-probabilities list (None: none asked)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+        raise ConfigError(f"logprobs must be a whole number in 0..{MAX_TOP_LOGPROBS} (the alternatives listed beside "
+                          f"each token), or None for none, got {k!r}")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """The model's log-probabilities at ``logits`` [rows, vocab]: each row's chosen token's (``tokens`` [rows]), and
+    its ``k`` most likely ids with theirs, most likely first: ([rows], [rows, k] values, [rows, k] ids), on the
+    logits' device, without a wait.
+
+    The distribution is the model's own: log_softmax over the whole vocabulary in float32 of the logits as the model
+    gave them, before temperature, top-k and top-p (vLLM's default, ``logprobs_mode="raw_logprobs"``), so a token's
+    log-probability is the same whatever the request's sampling settings."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens.view(-1, 1).to(logprobs.device)).squeeze(-1)
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # k = 0: empty
+    return chosen, values, ids

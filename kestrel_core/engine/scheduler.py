@@ -19,6 +19,7 @@ from typing import Callable
 from kestrel_core.engine.batch import Batch, Request, Sequence, check_batch
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.limits import RequestLimits
+from kestrel_core.engine.sampling import check_logprobs
 
 
 class QueueFull(KestrelError):
@@ -62,21 +63,33 @@ class Scheduler:
     def submit(self, request: Request) -> Sequence:
         """Queue a request (checked by ``run.request``); ``QueueFull`` where every slot is taken and ``max_queue``
         wait already."""
-        self.limits.budget(request.gen.max_new_tokens, len(request.prompt_ids))
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Sequence]:
+        """Queue several requests together (a server's ``n`` choices of one prompt), all or none: ``QueueFull`` where
+        the slots and the queue have no room for every one."""
+        for request in requests:
+            self.limits.budget(request.gen.max_new_tokens, len(request.prompt_ids))
+            check_logprobs(request.logprobs)
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is shutting down and takes no new request")
             # Counted from what was submitted and is not done, not from the deques, which the batch's thread moves
             # sequences between: the bound holds whenever the batch takes them.
             self._unfinished = [s for s in self._unfinished if not s.done]
-            if len(self._unfinished) >= self.max_batch + self.max_queue:
-                raise QueueFull(f"all {self.max_batch} slots are taken and {len(self._unfinished) - self.max_batch} "
+            if len(self._unfinished) + len(requests) > self.max_batch + self.max_queue:
+                busy = len(self._unfinished)
+                if len(requests) > 1:
+                    raise QueueFull(f"{len(requests)} sequences do not fit: {busy} run or wait, and the "
+                                    f"{self.max_batch} slots and the queue of {self.max_queue} hold "
+                                    f"{self.max_batch + self.max_queue}; try again shortly")
+                raise QueueFull(f"all {self.max_batch} slots are taken and {busy - self.max_batch} "
                                 f"requests wait (the queue holds {self.max_queue}); try again shortly")
-            seq = Sequence(request)
-            self._incoming.append(seq)
-            self._unfinished.append(seq)
+            seqs = [Sequence(request) for request in requests]
+            self._incoming.extend(seqs)
+            self._unfinished.extend(seqs)
             self._lock.notify()
-        return seq
+        return seqs
 
     def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop admitting; let every queued and running sequence finish (or cancel them), then end the thread."""

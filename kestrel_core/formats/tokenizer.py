@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.io.readfile import read_bounded
@@ -59,6 +62,19 @@ class Tokenizer:
 
     def stream(self) -> "TextStream":
         return TextStream(self)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprobs ``bytes``): a byte-level token's (maybe part of a character), a
+        byte-fallback piece's (``<0xE2>``) one byte, else the UTF-8 of the token decoded alone."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None:
+            if isinstance(self._tok.decoder, decoders.ByteLevel):
+                table = _byte_decoder()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+            elif m := _BYTE_PIECE.fullmatch(piece):
+                return bytes([int(m[1], 16)])
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 class TextStream:
@@ -124,6 +140,23 @@ class TextStream:
         rest = full[len(self.text):]
         self.text = full
         return rest
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte table, which ByteLevel tokenizers spell their tokens in."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]  # the printable bytes stand for themselves; the others take U+0100 on, in order
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def check_utf8(text: str) -> None:

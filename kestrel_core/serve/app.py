@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from kestrel_core.serve import protocol
-from kestrel_core.serve.generation import Generation, GenerationFailed
+from kestrel_core.serve.generation import Generation, GenerationFailed, Piece, merged
+from kestrel_core.serve.logprobs import LogprobText
 from kestrel_core.serve.origins import LOOPBACK_NAMES, OriginGuard
 from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest
 from kestrel_core.serve.service import READY, Service
@@ -125,8 +126,8 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         service.check_model(req.model)
         service.check_ready()
         plan = await asyncio.to_thread(service.plan, req)
-        gen = service.start(plan)
-        answer = Answer(service, req, gen, request.url.path)
+        gens = service.start(plan)
+        answer = Answer(service, req, gens, request.url.path)
         if req.stream:
             return EventStream(answer)
         return JSONResponse(await answer.whole(request))
@@ -140,53 +141,83 @@ def _internal() -> APIError:
 
 
 class Answer:
-    """One request's answer: whole, or as server-sent events; either logs one line when it ends."""
+    """One request's answer, of its ``n`` choices (a generation each): whole, or as server-sent events; either logs one
+    line when it ends."""
 
-    def __init__(self, service: Service, req, gen: Generation, path: str):
-        self.service, self.req, self.gen, self.path = service, req, gen, path
+    def __init__(self, service: Service, req, gens: list[Generation], path: str):
+        self.service, self.req, self.gens, self.path = service, req, gens, path
         self.chat = isinstance(req, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.t0 = time.monotonic()
         self.ended = False
+        self.logprobs = LogprobText(service.model.tokenizer) if req.top_count is not None else None
 
     def usage(self) -> dict:
-        return protocol.usage(self.gen.prompt_tokens, len(self.gen.tokens))
+        """The prompt once, and every choice's tokens (as OpenAI counts ``n``)."""
+        return protocol.usage(self.gens[0].prompt_tokens, sum(len(gen.tokens) for gen in self.gens))
+
+    def cut(self, why: str) -> None:
+        for gen in self.gens:
+            gen.cut(why)
+
+    def _logprobs(self, gen: Generation, first: int = 0, count: int | None = None) -> dict | None:
+        """The OpenAI logprobs of ``count`` of ``gen``'s tokens from ``first`` (None: to the end), where asked."""
+        if self.logprobs is None:
+            return None
+        last = len(gen.tokens) if count is None else first + count
+        if self.chat:
+            return self.logprobs.chat(gen.logprobs[first:last])
+        return self.logprobs.completion(gen.logprobs[first:last], gen.offsets[first:last])
 
     async def whole(self, request: Request) -> dict:
-        """Every piece, then the answer; a client gone before it is ready cancels the sequence."""
-        watch = asyncio.create_task(_on_disconnect(request, lambda: self.gen.cut("the client disconnected")))
-        text = []
+        """Every piece of every choice, then the answer; a client gone before it is ready cancels the sequences."""
+        watch = asyncio.create_task(_on_disconnect(request, lambda: self.cut("the client disconnected")))
+
+        async def text(gen: Generation) -> str:
+            return "".join([piece.text async for piece in gen.pieces()])
+
         try:
-            async for piece in self.gen.pieces():
-                text.append(piece.text)
-        except GenerationFailed as exc:
-            raise APIError(500, f"generation failed: {exc}", "server_error", code="generation_failed") from None
+            texts = await asyncio.gather(*(text(gen) for gen in self.gens), return_exceptions=True)
+            failed = next((t for t in texts if isinstance(t, BaseException)), None)
+            if isinstance(failed, GenerationFailed):
+                raise APIError(500, f"generation failed: {failed}", "server_error", code="generation_failed")
+            if failed is not None:
+                raise failed
         finally:
             watch.cancel()
             self.end()
-        gen, ids = self.gen, self.req.return_token_ids
-        args = (self.id, self.created, self.service.name, "".join(text), gen.finish_reason, self.usage(),
-                list(gen.tokens) if ids else None, list(gen.seq.request.prompt_ids) if ids else None)
-        return protocol.chat(*args) if self.chat else protocol.completion(*args)
+        ids, key = self.req.return_token_ids, "message" if self.chat else "text"
+        choices = [protocol.choice(i, key, protocol.message(t) if self.chat else t, gen.finish_reason,
+                                   list(gen.tokens) if ids else None,
+                                   list(gen.seq.request.prompt_ids) if ids else None, self._logprobs(gen))
+                   for i, (gen, t) in enumerate(zip(self.gens, texts))]
+        make = protocol.chat if self.chat else protocol.completion
+        return make(self.id, self.created, self.service.name, choices, self.usage())
 
     async def stream(self):
-        """``data: {chunk}`` events, the last with the finish reason (and a usage chunk where asked), then
-        ``data: [DONE]``. A client that goes away cancels the generator here, and with it the sequence."""
+        """``data: {chunk}`` events, each of one choice (tagged with its index), each choice's last with its finish
+        reason (and a usage chunk where asked), then ``data: [DONE]``. A client that goes away cancels the generator
+        here, and with it the sequences."""
         usage_field, ids = self.req.include_usage, self.req.return_token_ids
-        if self.chat:
-            chunk = lambda delta, reason=None, tok=None: protocol.chat_chunk(  # noqa: E731
-                self.id, self.created, self.service.name, delta, reason, tok, usage_field)
-        else:
-            chunk = lambda text, reason=None, tok=None: protocol.completion_chunk(  # noqa: E731
-                self.id, self.created, self.service.name, text, reason, tok, usage_field)
+        make = protocol.chat_chunk if self.chat else protocol.completion_chunk
+        key = "delta" if self.chat else "text"
+
+        def chunk(index: int, value, reason: str | None = None, piece: Piece | None = None) -> str:
+            logprobs = self._logprobs(self.gens[index], piece.first, len(piece.token_ids)) if piece else None
+            one = protocol.choice(index, key, value, reason, piece.token_ids if piece and ids else None,
+                                  logprobs=logprobs)
+            return _event(make(self.id, self.created, self.service.name, one, usage_field))
+
         try:
             if self.chat:
-                yield _event(chunk({"role": "assistant", "content": ""}))
-            async for piece in self.gen.pieces(every_id=bool(ids)):
-                text = {"content": piece.text} if self.chat else piece.text
-                yield _event(chunk(text, None, piece.token_ids if ids else None))
-            yield _event(chunk({} if self.chat else "", self.gen.finish_reason))
+                for i in range(len(self.gens)):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, piece in merged(self.gens, every_id=bool(ids)):
+                if piece is None:
+                    yield chunk(i, {} if self.chat else "", self.gens[i].finish_reason)
+                else:
+                    yield chunk(i, {"content": piece.text} if self.chat else piece.text, None, piece)
             if usage_field:
                 obj = "chat.completion.chunk" if self.chat else "text_completion"
                 yield _event(protocol.usage_chunk(self.id, self.created, self.service.name, obj, self.usage()))
@@ -201,16 +232,22 @@ class Answer:
             self.end()
 
     def end(self) -> None:
-        """Cancel the sequence where it still runs (its client went away), forget it, and log its line: tokens,
-        ms/token, bytes streamed per token. Once."""
+        """Cancel the sequences where they still run (the client went away), forget them, and log the request's line:
+        tokens, ms/token, bytes streamed per token. Once."""
         if self.ended:
             return
         self.ended = True
-        self.gen.cut("the client disconnected")  # a no-op when it is done
-        self.service.done(self.gen)
-        gen, res = self.gen, self.gen.result
-        how = f"cut: {gen.why_cut}" if gen.why_cut else gen.finish_reason or "ended"
-        line = f"{self.path}: {gen.prompt_tokens} prompt + {len(gen.tokens)} completion tokens ({how})"
+        self.cut("the client disconnected")  # a no-op for those that are done
+        for gen in self.gens:
+            self.service.done(gen)
+        gens, first = self.gens, self.gens[0]
+        cut = next((gen.why_cut for gen in gens if gen.why_cut), None)
+        reasons = sorted({gen.finish_reason or "ended" for gen in gens})
+        how = f"cut: {cut}" if cut else "/".join(reasons)
+        choices = f" in {len(gens)} choices" if len(gens) > 1 else ""
+        line = (f"{self.path}: {first.prompt_tokens} prompt + {sum(len(gen.tokens) for gen in gens)} completion tokens"
+                f"{choices} ({how})")
+        res = first.result
         if res is not None and res.decode_ms:
             streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
             line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"

@@ -4,6 +4,10 @@ loop, and ``pieces()`` turns them into text, cut at a stop string, until the seq
     gen = Generation(loop, tokenizer, stop_strings, end_ids)
     gen.seq = scheduler.submit(attrs.evolve(request, on_token=gen.on_token, on_finish=gen.on_finish))
     async for piece in gen.pieces(): ...      # then gen.finish_reason, gen.tokens, gen.result
+
+A request whose ``on_logprobs`` is ``gen.on_logprobs`` has each token's log-probabilities in ``gen.logprobs`` and
+each token's character offset in the text in ``gen.offsets``, both beside ``gen.tokens``. ``merged(gens)`` interleaves
+the pieces of a request's several choices as they come.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import attrs
 
 from kestrel_core.engine.batch import Sequence
-from kestrel_core.engine.results import GenerationResult
+from kestrel_core.engine.results import GenerationResult, TokenLogprobs
 from kestrel_core.formats.tokenizer import Tokenizer
 from kestrel_core.serve.stops import TextOutput
 
@@ -28,6 +32,7 @@ class GenerationFailed(Exception):
 class Piece:
     text: str
     token_ids: list[int]
+    first: int = 0  # the index in ``Generation.tokens`` of its first id
 
 
 class Generation:
@@ -37,6 +42,8 @@ class Generation:
         self.output = TextOutput(tokenizer, stop)
         self.seq: Sequence | None = None  # set by whoever submits it, before the loop runs again
         self.tokens: list[int] = []  # what the request generated: up to the stop string or end id, inclusive
+        self.logprobs: list[TokenLogprobs] = []  # each token's, where the request asked
+        self.offsets: list[int] = []  # where each token's text begins in the text (characters)
         self.finish_reason: str | None = None  # "stop" or "length", once pieces() ended
         self.why_cut: str | None = None  # why it was cancelled from outside (a disconnect, the shutdown)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -44,6 +51,9 @@ class Generation:
     # --- the scheduler's thread -------------------------------------------------------------------------
     def on_token(self, token: int) -> None:
         self._post(token)
+
+    def on_logprobs(self, logprobs: TokenLogprobs) -> None:
+        self._post(logprobs)  # just before its token
 
     def on_finish(self, seq: Sequence) -> None:
         self._post(_FINISHED)
@@ -65,13 +75,21 @@ class Generation:
         """The text as it becomes safe to send, each piece with the ids read since the last; then the rest.
         ``every_id``: a piece for each id as it comes, its text empty while held back (a stream asking for ids)."""
         pending: list[int] = []
+        logprobs = None
         while True:
             item = await self._queue.get()
             if item is _FINISHED:
                 break
+            if isinstance(item, TokenLogprobs):
+                logprobs = item  # its token comes next
+                continue
             if self.output.stopped:
                 continue  # read back after the stop string, before the sequence left: not the request's
             self.tokens.append(item)
+            self.offsets.append(len(self.output.text))
+            if logprobs is not None:
+                self.logprobs.append(logprobs)
+                logprobs = None
             pending.append(item)
             if item in self.end_ids:
                 continue  # an end-of-sequence id ends the text without being part of it
@@ -79,17 +97,44 @@ class Generation:
             if self.output.stopped:
                 self.seq.cancel()  # then wait for it to leave, so that its result is there
             if text or self.output.stopped or every_id:
-                yield Piece(text, pending)
+                yield Piece(text, pending, len(self.tokens) - len(pending))
                 pending = []
         seq = self.seq
         if seq.finish_reason == "error":
             raise GenerationFailed(str(seq.error) or type(seq.error).__name__) from seq.error
         rest = self.output.finish()
         if rest or pending:
-            yield Piece(rest, pending)
+            yield Piece(rest, pending, len(self.tokens) - len(pending))
         # A cancel from outside cut the text short, as a length limit would; OpenAI has no other reason for it.
         self.finish_reason = "stop" if self.output.stopped or seq.finish_reason == "stop" else "length"
 
     @property
     def result(self) -> GenerationResult | None:
         return self.seq.result if self.seq is not None else None
+
+
+async def merged(gens: list[Generation], every_id: bool = False):
+    """``(index, piece)`` for the pieces of every one of ``gens`` as they come (each's in order), and ``(index, None)``
+    once that one has ended; the first error of any ends it all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces(every_id):
+                queue.put_nowait((index, piece, None))
+            queue.put_nowait((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - raised where the pieces are read
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        running = len(gens)
+        while running:
+            index, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            running -= piece is None
+            yield index, piece
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -2,8 +2,8 @@
 does), the JSON it answers, and the error object.
 
 Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement (``n`` other than 1,
-``logprobs``, ``echo``, penalties, ``logit_bias``, tools) are refused with a 400 that says so, never ignored.
+``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement (``echo``, penalties,
+``logit_bias``, tools) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kestrel_core.engine.sampling import MAX_TOP_LOGPROBS  # chat's top_logprobs, as OpenAI bounds it
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
 
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each
 MAX_STOP_IDS = 256
 SEED_RANGE = 2**64  # the sampler's generator takes 0..2**64-1
+MAX_N = 8  # choices a request may ask for: each is a sequence of the batch
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's bound)
 
 
 class APIError(Exception):
@@ -72,9 +75,8 @@ class _Sampling(_Strict):
 
     def check(self) -> None:
         """Values in range, and refusals for what kestrel does not do."""
-        if self.n not in (None, 1):
-            raise bad_request(f"n={self.n}: kestrel serve generates one choice a request; send n=1 (or leave it out) "
-                              "and send the request again for another choice", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in 1..{MAX_N} (the choices, each a sequence of the batch), got {self.n}", "n")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
@@ -110,6 +112,15 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def top_count(self) -> int | None:
+        """The alternatives each token's log-probabilities list, where the request asks for log-probabilities."""
+        return None
+
     def generation(self) -> dict[str, Any]:
         """The kestrel [generation] keys the request sets (the rest are the server's defaults; what ends it, the
         service's)."""
@@ -134,9 +145,9 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs is not None:
-            raise bad_request("logprobs is not supported by kestrel serve (keeping each token's logits costs a "
-                              "vocabulary's worth of device memory a token); leave it out", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS} (the alternatives listed beside each "
+                              f"token), got {self.logprobs}", "logprobs")
         if self.echo:
             raise bad_request("echo is not supported by kestrel serve; leave it out", "echo")
         if self.best_of not in (None, 1):
@@ -147,6 +158,10 @@ class CompletionRequest(_Sampling):
             if len(self.prompt) != 1:
                 raise bad_request(f"prompt holds {len(self.prompt)} prompts; kestrel serve takes one a request "
                                   "(a string, or a list of token ids)", "prompt")
+
+    @property
+    def top_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -183,13 +198,21 @@ class ChatRequest(_Sampling):
         super().check()
         if not self.messages:
             raise bad_request("messages is empty; send at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs is not supported by kestrel serve (keeping each token's logits costs a "
-                              "vocabulary's worth of device memory a token); leave it out", "logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                                  "top_logprobs")
+            if not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs: true; send both, or leave top_logprobs out",
+                                  "top_logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             raise bad_request("tools are not supported by kestrel serve; leave tools and tool_choice out", "tools")
         if self.response_format not in (None, {"type": "text"}):
             raise bad_request("response_format other than text is not supported by kestrel serve", "response_format")
+
+    @property
+    def top_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them (OpenAI's developer role is the templates' system)."""
@@ -263,46 +286,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice(key: str, value, finish_reason: str | None, token_ids: list[int] | None,
-            prompt_ids: list[int] | None = None) -> dict:
-    """The one choice of an answer or a chunk: its ``key`` (text, message or delta) and the ids where asked for."""
-    choice = {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, key: str, value, finish_reason: str | None, token_ids: list[int] | None = None,
+           prompt_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    """One choice of an answer or a chunk: its ``key`` (text, message or delta), its logprobs and the ids where asked
+    for."""
+    out = {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
+        out["token_ids"] = token_ids
     if prompt_ids is not None:
-        choice["prompt_token_ids"] = prompt_ids
-    return choice
+        out["prompt_token_ids"] = prompt_ids
+    return out
 
 
-def _answer(obj: str, id: str, created: int, model: str, choice: dict, **usage) -> dict:
-    return {"id": id, "object": obj, "created": created, "model": model, "choices": [choice], **usage}
+def message(text: str) -> dict:
+    return {"role": "assistant", "content": text}
 
 
-def completion(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
-               token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
-    return _answer("text_completion", id, created, model, _choice("text", text, finish_reason, token_ids, prompt_ids),
-                   usage=use)
+def _answer(obj: str, id: str, created: int, model: str, choices: list[dict], **usage) -> dict:
+    return {"id": id, "object": obj, "created": created, "model": model, "choices": choices, **usage}
 
 
-def completion_chunk(id: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
-    """One chunk of a completions stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
-    return _answer("text_completion", id, created, model, _choice("text", text, finish_reason, token_ids),
-                   **({"usage": None} if usage_field else {}))
+def completion(id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    """A whole completion: its ``choices`` (``choice(i, "text", ...)``) and the usage of all of them."""
+    return _answer("text_completion", id, created, model, choices, usage=use)
 
 
-def chat(id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
-         token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
-    return _answer("chat.completion", id, created, model, _choice("message", message, finish_reason, token_ids,
-                                                                   prompt_ids), usage=use)
+def completion_chunk(id: str, created: int, model: str, one: dict, usage_field: bool = False) -> dict:
+    """One chunk of a completions stream, of ``one`` choice; ``usage_field``: the request asked for usage, so every
+    chunk has it (null)."""
+    return _answer("text_completion", id, created, model, [one], **({"usage": None} if usage_field else {}))
 
 
-def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               token_ids: list[int] | None = None, usage_field: bool = False) -> dict:
-    """One chunk of a chat stream; ``usage_field``: the request asked for usage, so every chunk has it (null)."""
-    return _answer("chat.completion.chunk", id, created, model, _choice("delta", delta, finish_reason, token_ids),
-                   **({"usage": None} if usage_field else {}))
+def chat(id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    """A whole chat answer: its ``choices`` (``choice(i, "message", message(text), ...)``) and their usage."""
+    return _answer("chat.completion", id, created, model, choices, usage=use)
+
+
+def chat_chunk(id: str, created: int, model: str, one: dict, usage_field: bool = False) -> dict:
+    """One chunk of a chat stream, of ``one`` choice (``choice(i, "delta", ...)``); ``usage_field``: the request asked
+    for usage, so every chunk has it (null)."""
+    return _answer("chat.completion.chunk", id, created, model, [one], **({"usage": None} if usage_field else {}))
 
 
 def usage_chunk(id: str, created: int, model: str, obj: str, use: dict) -> dict:

@@ -25,7 +25,7 @@ from kestrel_core.engine.limits import LimitError, RequestLimits
 from kestrel_core.engine.scheduler import QueueFull, Scheduler
 from kestrel_core.serve import prompts
 from kestrel_core.serve.generation import Generation
-from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request
+from kestrel_core.serve.protocol import SEED_RANGE, APIError, ChatRequest, CompletionRequest, bad_request
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
 
@@ -187,27 +187,36 @@ class Service:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), **generation)
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
-        return {"request": attrs.evolve(request, eos_ids=frozenset(ends)), "stop": req.stop_strings}
+        request = attrs.evolve(request, eos_ids=frozenset(ends), logprobs=req.top_count)
+        return {"request": request, "stop": req.stop_strings, "n": req.choices}
 
-    def start(self, plan: dict[str, Any]) -> Generation:
-        """Join the batch, or a 429 where it and its queue are full."""
+    def start(self, plan: dict[str, Any]) -> list[Generation]:
+        """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and
+        its queue have no room for them). Sampled choices draw with seeds seed, seed + 1, ...; greedy ones are equal."""
         self.check_ready()
         request = plan["request"]
         ends = request.eos_ids if request.gen.stop_at_eos else frozenset()
-        gen = Generation(asyncio.get_running_loop(), self.model.tokenizer, plan["stop"], ends,
-                         len(request.prompt_ids))
+        loop = asyncio.get_running_loop()
+        gens = [Generation(loop, self.model.tokenizer, plan["stop"], ends, len(request.prompt_ids))
+                for _ in range(plan["n"])]
         if self.scheduler.error is not None:
             raise APIError(503, "the batch stopped on an error (logged by the server); restart the server",
                            "server_error", code="batch_failed")
+        requests = [attrs.evolve(request, gen=attrs.evolve(request.gen, seed=(request.gen.seed + i) % SEED_RANGE),
+                                 on_token=gen.on_token, on_finish=gen.on_finish,
+                                 on_logprobs=gen.on_logprobs if request.logprobs is not None else None)
+                    for i, gen in enumerate(gens)]
         try:
-            gen.seq = self.scheduler.submit(attrs.evolve(request, on_token=gen.on_token, on_finish=gen.on_finish))
+            seqs = self.scheduler.submit_all(requests)
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except LimitError as exc:  # the context, checked again by the scheduler
             raise bad_request(str(exc), exc.param, exc.code) from None
-        self.live.add(gen)
-        return gen
+        for gen, seq in zip(gens, seqs):
+            gen.seq = seq
+            self.live.add(gen)
+        return gens
 
     def done(self, gen: Generation) -> None:
         self.live.discard(gen)
