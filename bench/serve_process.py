@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServeProcess:
     def __init__(self, model: Path | str, *flags: str, env: dict | None = None, timeout: float = 60):
         """Start ``kestrel serve --model MODEL --port 0 FLAGS`` and wait until it has loaded (``timeout`` seconds)."""
-        self.name = str(model)
-        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", self.name, "--port", "0", *flags]
+        self.path = str(model)
+        named = [f for i, f in enumerate(flags) if i and flags[i - 1] == "--served-model-name"]
+        self.name = named[0].split(",")[0].strip() if named else Path(model).resolve().name  # the name answers carry
+        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", self.path, "--port", "0", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []

@@ -648,7 +648,8 @@ def no_listening(*args):
     (["--max-body-mb", "nan"], "--max-body-mb must be a number above 0"),
     (["--draft-tokens", "4"], "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
     (["--draft", ""], "--draft is empty"),
-    (["--served-model-name", " "], "--served-model-name is empty"),
+    (["--served-model-name", " "], "--served-model-name ' ' holds an empty name"),
+    (["--served-model-name", "a,,b"], "--served-model-name 'a,,b' holds an empty name"),
     (["--api-key", " key"], "--api-key: the API key must be printable ASCII with no space at either end"),
     (["--api-key", "clé"], "--api-key: the API key must be printable ASCII"),
 ])
@@ -700,7 +701,7 @@ def test_a_signal_ends_running_streams_cleanly_and_exits_0(model_dir, how):
         s.proc.send_signal(how)
         rest = list(stream)  # ends with its last chunk and [DONE]: no error
         tokens = ids_of([first, *rest])
-        assert rest[-1].choices[0].finish_reason == "length" and 0 < len(tokens) < LONG
+        assert rest[-1].choices[0].finish_reason == "abort" and 0 < len(tokens) < LONG
         assert s.proc.wait(30) == 0
         s.wait_for(f"{how.name}: taking no new requests")
         assert "Traceback" not in "\n".join(s.lines)
@@ -751,7 +752,7 @@ def test_a_stream_running_at_sigterm_finishes_within_the_grace_period(model_dir)
         with pytest.raises(httpx.HTTPError):  # 503, or no longer listening
             httpx.get(f"{s.url}/health", timeout=5).raise_for_status()
         chunks = list(stream)
-        assert chunks[-1].choices[0].finish_reason == "length"
+        assert chunks[-1].choices[0].finish_reason == "length"  # finished in the grace period: its own reason
         assert s.proc.wait(30) == 0
         assert any("3 prompt + 200 completion tokens (length)" in line for line in s.lines)
     finally:
@@ -834,3 +835,26 @@ def test_headers_that_never_finish_lose_their_connection(slow_app_server):
         assert answer.startswith(b"HTTP/1.1 200 OK")
     kept.sendall(b"GET / HTTP/1.1\r\n")  # then a request that stops mid-headers
     assert _closed_after(kept) < 3
+
+
+def test_the_served_name_is_the_models_own_and_its_path_is_accepted(solo_server, model_dir):
+    """The default name is the directory's base name (a full path in /v1/models told a page the user's files); a
+    request may still name the model by the path it was given, and gets answers named by the served name."""
+    client = solo_server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"] == [solo_server.name]
+    got = client.completions.create(model=str(model_dir), prompt="hi", max_tokens=2)
+    assert got.model == "tiny"
+    assert client.models.retrieve(str(model_dir)).id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="this server serves 'tiny'"):
+        client.completions.create(model="tiny-other", prompt="hi", max_tokens=2)
+
+
+def test_served_names_take_aliases(tmp_path):
+    from kestrel_core.commands.serve import served_names
+
+    d = tmp_path / "Qwen3-8B"
+    d.mkdir()
+    assert served_names(None, str(d)) == ("Qwen3-8B", frozenset({str(d), str(d.resolve())}))
+    assert served_names("qwen, my-model", str(d)) == ("qwen", frozenset({"my-model", str(d), str(d.resolve())}))
+    assert served_names(None, "Qwen/Qwen3-8B-not-here") == ("Qwen/Qwen3-8B-not-here", frozenset({"Qwen/Qwen3-8B-not-here"}))
+

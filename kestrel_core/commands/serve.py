@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 import signal
 import sys
 import threading
@@ -46,7 +47,9 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other than "
                    "loopback needs an API key or --allow-insecure)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
+    p.add_argument("--served-model-name", help="the model's name in the API, and other names for it, comma-separated "
+                   "(default: the model's own, a directory's or file's base name); --model as given and its full path "
+                   "are accepted too")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (also {KEY_ENV}, which keeps it out of "
                    "the process list)")
     p.add_argument("--allowed-hosts", help="Host names the server answers besides loopback's, comma-separated ('*': "
@@ -74,7 +77,7 @@ def add_arguments(p):
 def run(args) -> int:
     settings = _checked(args)
     cfg = with_draft(config_from_args(args), args)
-    name = args.served_model_name or model_dir(cfg)
+    name, aliases = served_names(args.served_model_name, model_dir(cfg))
     api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
     if api_key and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
         where = "--api-key" if args.api_key is not None else KEY_ENV
@@ -97,7 +100,7 @@ def run(args) -> int:
     # A seed the operator chose makes requests without one repeatable; else each draws its own, as OpenAI's do.
     seed = cfg.generation.seed if cfg.was_given("generation", "seed") else None
     log = _logger()
-    service = Service(cfg, name, Limits(**settings), chat_tokens, seed)
+    service = Service(cfg, name, Limits(**settings), chat_tokens, seed, aliases)
     hosts = allowed_hosts(parse_list(args.allowed_hosts, "--allowed-hosts"), is_loopback(args.host))
     app = create_app(service, api_key, int(args.max_body_mb * 2**20), hosts=hosts,
                      origins=parse_list(args.allowed_origins, "--allowed-origins"))
@@ -154,15 +157,30 @@ def run(args) -> int:
     return 0
 
 
+def served_names(given: str | None, model: str) -> tuple[str, frozenset[str]]:
+    """The model's name in the API and the other names a request may give for it. By default its own: a directory's or
+    a file's base name (a Hugging Face name as given); ``--served-model-name a,b`` names it a, also b. The model as
+    given to --model, and its full path, are accepted either way."""
+    names = [n.strip() for n in given.split(",")] if given is not None else []
+    if given is not None and not all(names):
+        raise ConfigError(f"--served-model-name {given!r} holds an empty name; give the names clients send as model, "
+                          "comma-separated, or leave the flag out (the name is then the model's own)")
+    path = Path(model)
+    own = path.resolve().name if path.exists() else model
+    aliases = {model, *names[1:]}
+    if path.exists():
+        aliases.add(str(path.resolve()))
+    return (names[0] if names else own), frozenset(aliases)
+
+
 def _checked(args) -> dict:
     """The batch's settings from the flags, each in range."""
     if args.prompt is not None or args.prompt_ids is not None:
         raise ConfigError("kestrel serve takes its prompts from requests; drop --prompt/--prompt-ids")
     if args.json:
         raise ConfigError("kestrel serve logs lines on stderr and answers in JSON over HTTP; drop --json")
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise ConfigError("--served-model-name is empty; give the name clients send as model, or leave the flag out "
-                          "(the name is then --model as given)")
+    if args.served_model_name is not None:
+        served_names(args.served_model_name, "")  # an empty name is refused before anything loads
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     check_batch_flags(args.max_batch, args.prefill_chunk)

@@ -44,7 +44,7 @@ class Generation:
         self.tokens: list[int] = []  # what the request generated: up to the stop string or end id, inclusive
         self.logprobs: list[TokenLogprobs] = []  # each token's, where the request asked
         self.offsets: list[int] = []  # where each token's text begins in the text (characters)
-        self.finish_reason: str | None = None  # "stop" or "length", once pieces() ended
+        self.finish_reason: str | None = None  # "stop", "length" or "abort" (cut from outside), once pieces() ended
         self.why_cut: str | None = None  # why it was cancelled from outside (a disconnect, the shutdown)
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -105,8 +105,11 @@ class Generation:
         rest = self.output.finish()
         if rest or pending:
             yield Piece(rest, pending, len(self.tokens) - len(pending))
-        # A cancel from outside cut the text short, as a length limit would; OpenAI has no other reason for it.
-        self.finish_reason = "stop" if self.output.stopped or seq.finish_reason == "stop" else "length"
+        # A cut from outside (the shutdown's) is "abort", as vLLM says it: not the length limit the client set.
+        if self.output.stopped or seq.finish_reason == "stop":
+            self.finish_reason = "stop"
+        else:
+            self.finish_reason = "abort" if self.why_cut else "length"
 
     @property
     def result(self) -> GenerationResult | None:

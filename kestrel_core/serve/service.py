@@ -46,11 +46,13 @@ DEFAULT_CONTEXT = 4096
 
 class Service:
     def __init__(self, cfg: KestrelConfig, name: str, limits: Limits, chat_max_tokens: int | None = None,
-                 seed: int | None = None):
-        """``name``: the model's name in the API; ``chat_max_tokens``: a chat reply's length where the request gives
-        none (None: what the context leaves, up to the limit); ``seed``: a request's where it gives none (None: a new
-        one each request)."""
+                 seed: int | None = None, aliases: frozenset[str] = frozenset()):
+        """``name``: the model's name in the API (what answers carry and /v1/models lists); ``aliases``: other names a
+        request may give for it; ``chat_max_tokens``: a chat reply's length where the request gives none (None: what
+        the context leaves, up to the limit); ``seed``: a request's where it gives none (None: a new one each
+        request)."""
         self.cfg, self.name, self.limits, self.chat_max_tokens = cfg, name, limits, chat_max_tokens
+        self.aliases = frozenset(aliases) | {name}
         self.seed = seed
         self.state = LOADING
         self.created = int(time.time())
@@ -139,7 +141,7 @@ class Service:
 
     # --- requests (the event loop) ----------------------------------------------------------------------
     def check_model(self, name: str) -> None:
-        if name != self.name:
+        if name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
