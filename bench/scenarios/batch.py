@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=16, help="prompts in each engine row")
     p.add_argument("--repeats", type=int, default=3, help="rounds of each server row")
     p.add_argument("--rows", type=names(("engine", "server")), default={"engine", "server"})
+    p.add_argument("--max-seqs", type=numbers(int, 2), default=None,
+                   help="the server rows at each of these --max-seq (default: 64 + --tokens), one server a value, in "
+                        "one run: what a context a request does not use costs")
 
 
 def needs_gpu(args) -> str | None:
@@ -118,14 +121,23 @@ def one_stream(client, name: str, i: int, tokens: int, start: threading.Barrier)
 
 
 def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[int]]) -> list[dict]:
-    """``solo``: the engine's one-at-a-time ids of the first prompts, which the clients of those prompts must equal."""
+    """``solo``: the engine's one-at-a-time ids of the first prompts, which the clients of those prompts must equal.
+    One server a ``--max-seqs`` value, each row saying its ``max_seq``."""
+    rows: list[dict] = []
+    for max_seq in args.max_seqs or [64 + args.tokens]:
+        rows += server_rows_at(args, path, record, engine, solo, max_seq, rows)
+    return rows
+
+
+def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list[int]], max_seq: int,
+                   before: list[dict]) -> list[dict]:
     try:
         import openai
     except ImportError:
         raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
     clients = args.clients
     server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max(clients)),
-                          "--max-seq", str(64 + args.tokens), env={"KESTREL_API_KEY": "bench"}, timeout=300)
+                          "--max-seq", str(max_seq), env={"KESTREL_API_KEY": "bench"}, timeout=300)
     rows = []
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
@@ -155,16 +167,16 @@ def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[in
                                "ids_equal_engine": [o["ids"] == solo[i] for i, o in enumerate(out) if i < len(solo)]})
             ttft = [c["ttft_ms"] for r in rounds for c in r["clients"] if c["ttft_ms"] is not None]
             gaps = [g for r in rounds for c in r["clients"] for g in c["gaps_ms"]]
-            row = {"clients": n, "rounds": rounds, "tokens_per_s_runs": [r["tokens_per_s"] for r in rounds],
+            row = {"clients": n, "max_seq": max_seq, "rounds": rounds, "tokens_per_s_runs": [r["tokens_per_s"] for r in rounds],
                    "tokens_per_s_p50": statistics.median(r["tokens_per_s"] for r in rounds),
                    "ttft_ms": percentiles(ttft), "between_tokens_ms": percentiles(gaps),
                    "ids_compared": sum(len(r["ids_equal_engine"]) for r in rounds),
                    "ids_equal_engine": all(all(r["ids_equal_engine"]) for r in rounds)}
             rows.append(row)
-            log(f"server {n:3} clients: {row['tokens_per_s_p50']:8.1f} tokens/s, first token p50 "
+            log(f"server {n:3} clients, max_seq {max_seq}: {row['tokens_per_s_p50']:8.1f} tokens/s, first token p50 "
                 f"{row['ttft_ms']['p50']:.1f} p99 {row['ttft_ms']['p99']:.1f} ms, between p50 "
                 f"{row['between_tokens_ms']['p50']:.2f} p99 {row['between_tokens_ms']['p99']:.2f} ms")
-            record.save_partial({"engine": engine, "server": rows})
+            record.save_partial({"engine": engine, "server": before + rows})
     finally:
         server.stop()
     return rows
@@ -185,6 +197,19 @@ def run(args, record) -> dict:
     server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
     result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,
               "engine": engine, "engine_one_request": base, "server": server}
+    seqs = sorted({r["max_seq"] for r in server})
+    if len(seqs) > 1:  # the longest context against the shortest, client count by client count: target <= 1.1x
+        lo, hi = seqs[0], seqs[-1]
+        result["max_seq_cost"] = [
+            {"clients": n, "max_seq": [lo, hi], "tokens_per_s": [a["tokens_per_s_p50"], b["tokens_per_s_p50"]],
+             "short_over_long": a["tokens_per_s_p50"] / b["tokens_per_s_p50"],
+             "met": a["tokens_per_s_p50"] / b["tokens_per_s_p50"] <= 1.1}
+            for n in args.clients
+            for a in [next(r for r in server if r["clients"] == n and r["max_seq"] == lo)]
+            for b in [next(r for r in server if r["clients"] == n and r["max_seq"] == hi)]]
+        for c in result["max_seq_cost"]:
+            log(f"{c['clients']} clients: max_seq {lo} gives {c['short_over_long']:.3f}x the tokens/s of {hi} "
+                f"(target <= 1.1x: {'met' if c['met'] else 'not met'})")
     one = next((r for r in server if r["clients"] == 1), None)
     if one and base:
         result["server_over_engine_at_one_client"] = one["between_tokens_ms"]["p50"] / base["summary"]["p50"]

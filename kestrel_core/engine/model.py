@@ -61,9 +61,12 @@ class Attend:
     decode_rows: int = 0
     decode_mask: torch.Tensor | None = None  # bool [decode_rows, max_seq]: the keys each decode row sees
     spans: tuple[Span, ...] = ()
-    # Row-exact (a backend's ``row_exact``): a span's rows attend one at a time, each as a decode row does, so a token
-    # gets bitwise the same attention whether its pass carried it alone, in a prompt, or in a drafted run.
+    # Row-exact (a backend's ``row_exact``): every row attends alone over exactly the keys it sees, 0..its position (a
+    # decode row, and each row of a span alike), so a token gets bitwise the same attention whether its pass carried
+    # it alone, beside other sequences, in a prompt or in a drafted run, and reads only the positions in use, not
+    # the whole static cache. ``live``: which decode rows move on; a parked one attends nothing (its row is dropped).
     key_positions: torch.Tensor | None = None
+    live: tuple[bool, ...] | None = None
 
     @classmethod
     def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0,
@@ -76,14 +79,27 @@ class Attend:
     @classmethod
     def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
                spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
-               span_slots: torch.Tensor | None = None, row_exact: bool = False) -> "Attend":
+               span_slots: torch.Tensor | None = None, row_exact: bool = False,
+               live: torch.Tensor | None = None) -> "Attend":
         """Decode rows (row b: slot ``slots[b]`` = b, at ``positions[b]``, long tensors on the device: nothing here reads
-        the host), then optionally ``spans`` at ``span_positions`` of ``span_slots``."""
-        mask = key_positions[None, :] <= positions[:, None]
+        the host, unless ``row_exact``, whose rows attend one at a time over their own keys), then optionally ``spans``
+        at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags (row-exact: a parked row is
+        skipped)."""
+        mask = None if row_exact else key_positions[None, :] <= positions[:, None]
+        rows = positions.shape[0]
         if spans:
             positions, slots = torch.cat((positions, span_positions)), torch.cat((slots, span_slots))
-        return cls(slots, positions, *rope.at(positions), decode_rows=mask.shape[0], decode_mask=mask, spans=spans,
-                   key_positions=key_positions if row_exact else None)
+        return cls(slots, positions, *rope.at(positions), decode_rows=rows, decode_mask=mask, spans=spans,
+                   key_positions=key_positions if row_exact else None,
+                   live=tuple(bool(x) for x in live.tolist()) if row_exact and live is not None else None)
+
+    @staticmethod
+    def _alone(q_row: torch.Tensor, cache: KVCache, slot: int, upto: int, cfg: ModelConfig, scale: float) -> torch.Tensor:
+        """One row's attention over keys 0..upto-1 of ``slot``: [1, q_dim]."""
+        out = F.scaled_dot_product_attention(q_row[None, :, None, :], cache.k[slot : slot + 1, :upto].transpose(1, 2),
+                                             cache.v[slot : slot + 1, :upto].transpose(1, 2), scale=scale,
+                                             enable_gqa=True)
+        return out.reshape(1, cfg.q_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
         """Write the rows' K and V into their slots, and return each row's attention: [rows, q_dim]."""
@@ -92,7 +108,13 @@ class Attend:
         scale = cfg.head_dim**-0.5
         outs = []
         B = self.decode_rows
-        if B:
+        if B and self.key_positions is not None:  # row-exact: each decode row alone, over its keys 0..its position
+            for b, pos in enumerate(self.positions[:B].tolist()):
+                if self.live is not None and not self.live[b]:
+                    outs.append(q.new_zeros((1, cfg.q_dim)))
+                    continue
+                outs.append(self._alone(q[b], cache, b, pos + 1, cfg, scale))
+        elif B:
             out = F.scaled_dot_product_attention(
                 q[:B, :, None, :],  # [B, heads, 1, hd]
                 cache.k[:B].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads, nothing is repeated
@@ -104,12 +126,7 @@ class Attend:
             outs.append(out.reshape(B, cfg.q_dim))
         for s in self.spans:
             if self.key_positions is not None:  # row-exact: each row as a decode row of its slot
-                k_s, v_s = cache.k[s.slot : s.slot + 1].transpose(1, 2), cache.v[s.slot : s.slot + 1].transpose(1, 2)
-                for r in range(s.T):
-                    seen = (self.key_positions <= s.start + r)[None, None, None, :]
-                    out = F.scaled_dot_product_attention(q[s.row + r][None, :, None, :], k_s, v_s, attn_mask=seen,
-                                                         scale=scale, enable_gqa=True)
-                    outs.append(out.reshape(1, cfg.q_dim))
+                outs += [self._alone(q[s.row + r], cache, s.slot, s.start + r + 1, cfg, scale) for r in range(s.T)]
                 continue
             kv_len = s.start + s.T
             out = F.scaled_dot_product_attention(

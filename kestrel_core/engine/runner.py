@@ -416,15 +416,16 @@ class Runner:
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
+        live = state.live[:rows] if backend.row_exact else None  # a row-exact backend skips a parked row's attention
         if not spans:
-            at = Attend.static(state.rope, positions, slots, state.key_positions)
+            at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live)
             h = backend.embed(state.tokens[:rows])
         else:
             device = backend.device
             span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
             span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
             at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
-                               span_positions, span_slots, row_exact=backend.row_exact)
+                               span_positions, span_slots, row_exact=backend.row_exact, live=live)
             ids = [t for _, chunk in spans for t in chunk]
             h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
