@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 
 from bench import stamp as stamping
+from kestrel_core.errors import ConfigError
+from kestrel_core.io import newfile, signals
 
 FORMAT = 2
 
@@ -37,22 +39,19 @@ def jsonable(value):
 
 
 def write_new(path: Path, content: dict) -> Path:
-    """Write ``content`` to ``path`` atomically (a temp file in the same directory, fsynced, then linked into place),
-    refusing a path that exists: a record is never overwritten."""
+    """Write ``content`` to ``path`` through kestrel's writer (a temp file, fsynced, then linked into place; never
+    over an existing file), with SIGINT and SIGTERM held while it writes: a signal that comes then (a timeout's
+    SIGTERM) acts once the record is whole, so neither the record nor a temp file of it is left half-way."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        raise FileExistsError(f"{path} exists: a record is never overwritten")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "x") as fh:
-        json.dump(jsonable(content), fh, indent=1)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    text = json.dumps(jsonable(content), indent=1) + "\n"
     try:
-        os.link(tmp, path)  # fails if path exists, unlike a rename
-    finally:
-        tmp.unlink()
+        with signals.deferred():
+            newfile.write_text_new(path, text, "the record")
+    except ConfigError as exc:
+        if path.exists():
+            raise FileExistsError(f"{path} exists: a record is never overwritten") from None
+        raise OSError(str(exc)) from None
     _fsync_dir(path.parent)
     return path
 
@@ -87,8 +86,13 @@ class Record:
         self.last_partial = result
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.partial.with_name(f".{self.partial.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(jsonable(self.content(result, False, "the run has not finished")), indent=1))
-        os.replace(tmp, self.partial)
+        text = json.dumps(jsonable(self.content(result, False, "the run has not finished")), indent=1)
+        with signals.deferred():  # a signal acts once the partial is whole and no temp file is left
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.partial)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def finish(self, result: dict, complete: bool = True, error: str | None = None) -> Path:
         path = write_new(self.path, self.content(result, complete, error))

@@ -338,3 +338,33 @@ def test_a_count_whose_zero_means_something_takes_it():
     p = parser_for("moe", module("moe"))
     assert below_one(p, p.parse_args(["--warmup", "0", "--q8-group", "0"])) is None
     assert below_one(p, p.parse_args(["--tokens", "0"])) == "--tokens must be at least 1, got 0"
+
+
+def test_a_signal_while_a_record_is_written_acts_after_it_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A timeout's SIGTERM (raised by ``python -m bench`` as an interrupt) in the middle of writing a record: the record
+    is written whole, then the interrupt acts; no temp file of it is left in the results."""
+    import signal
+
+    from bench import record
+    from kestrel_core.io import newfile
+
+    real = newfile.write_text_new
+
+    def interrupted(path, text, flag, suffix=None):
+        signal.raise_signal(signal.SIGTERM)  # arrives while the record is being written
+        return real(path, text, flag, suffix)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    monkeypatch.setattr(newfile, "write_text_new", interrupted)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            record.write_new(tmp_path / "r.json", {"rows": [1, 2]})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"rows": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    with pytest.raises(FileExistsError, match="a record is never overwritten"):
+        record.write_new(tmp_path / "r.json", {"rows": []})
