@@ -47,7 +47,9 @@ class ServeProcess:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.02)
-        raise BenchError(f"no {text!r} from kestrel serve in {timeout:g} s; its stderr:\n" + "\n".join(self.lines))
+        code = self.proc.poll()
+        when = f"before it exited with code {code}" if code is not None else f"in {timeout:g} s"
+        raise BenchError(f"no {text!r} from kestrel serve {when}; its stderr:\n" + "\n".join(self.lines))
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM, and kill where it has not exited within ``timeout`` seconds."""
