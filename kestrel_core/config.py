@@ -53,6 +53,36 @@ def parse_keep(value: Any) -> int | str:
         raise ConfigError(f"keep must be a layer count, 'off' or 'auto', got {value!r}") from None
 
 
+LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
+LOGIT_BIAS_IDS = 300  # OpenAI's bound on how many ids a logit_bias names
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: token id -> a bias in -100..100 (a dict, its keys ids or their decimal strings as JSON and TOML
+    give them; or (id, bias) pairs), as sorted (id, bias) pairs; ids in the vocabulary are checked by the run."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"logit_bias must map token ids to biases, e.g. {{\"50256\": -100}}, got {value!r}"[:200]) from None
+    if len(pairs) > LOGIT_BIAS_IDS:
+        raise ConfigError(f"logit_bias names {len(pairs)} token ids; at most {LOGIT_BIAS_IDS}")
+    out = {}
+    for k, v in pairs:
+        try:
+            tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        except ValueError:
+            tid = k
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ConfigError(f"logit_bias: {k!r} is not a token id (a whole number >= 0)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > LOGIT_BIAS_MAX:
+            raise ConfigError(f"logit_bias: the bias of token {tid} must be a number in -100..100, got {v!r}")
+        out[tid] = float(v)
+    return tuple(sorted(out.items()))
+
+
 MAX_MIB = 2**40  # MiB: a budget beyond an exabyte is a typo, and would overflow the byte counts built from it
 
 
@@ -175,6 +205,13 @@ class GenerationConfig:
     stop_at_eos: bool = True
     prompt: str = ""
     prompt_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # OpenAI's and vLLM's logit processors (``sampling.Processing``): each token's logit less presence_penalty where it
+    # was generated, less frequency_penalty times how often; repetition_penalty (1: off) divides a positive logit of a
+    # token seen in the prompt or generated, and multiplies a negative one; logit_bias adds to a token id's logit
+    presence_penalty: float = attrs.field(default=0.0, validator=_check(_real_in(-2, 2), "in -2..2 (0: off)"))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check(_real_in(-2, 2), "in -2..2 (0: off)"))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check(_real_in(0, 10, lo_open=True), "in (0, 10] (1: off)"))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: parse_logit_bias(v))
 
     def __attrs_post_init__(self) -> None:
         if self.prompt and self.prompt_ids:
@@ -231,8 +268,8 @@ def _build(cls: type, table: dict, where: str):
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(fields)}")
     for key, value in table.items():
         default = fields[key].default
-        if key == "keep":
-            continue  # its converter checks it
+        if key in ("keep", "logit_bias"):
+            continue  # their converters check them
         if isinstance(default, tuple):
             if not (isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
                 raise ConfigError(f"{where}: {key} must be a list of integers, got {value!r}")

@@ -340,6 +340,12 @@ def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response
     ({"model": "M", "prompt": [1, 2], "n": 9}, "n", None),
     ({"model": "M", "prompt": [1, 2], "logprobs": 6}, "logprobs", None),
     ({"model": "M", "prompt": [1, 2], "echo": True}, "echo", None),
+    ({"model": "M", "prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", None),
+    ({"model": "M", "prompt": [1, 2], "frequency_penalty": -3}, "frequency_penalty", None),
+    ({"model": "M", "prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", None),
+    ({"model": "M", "prompt": [1, 2], "logit_bias": {"5": 101}}, "logit_bias", None),
+    ({"model": "M", "prompt": [1, 2], "logit_bias": {"five": 1}}, "logit_bias", None),
+    ({"model": "M", "prompt": [1, 2], "logit_bias": {"99999": 1}}, "logit_bias", None),  # past the vocabulary
     ({"model": "M", "prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options", None),
     ({"model": "M", "prompt": ["a", "b"]}, "prompt", None),
     ({"model": "M", "prompt": 7}, "prompt", None),
@@ -857,4 +863,19 @@ def test_served_names_take_aliases(tmp_path):
     assert served_names(None, str(d)) == ("Qwen3-8B", frozenset({str(d), str(d.resolve())}))
     assert served_names("qwen, my-model", str(d)) == ("qwen", frozenset({"my-model", str(d), str(d.resolve())}))
     assert served_names(None, "Qwen/Qwen3-8B-not-here") == ("Qwen/Qwen3-8B-not-here", frozenset({"Qwen/Qwen3-8B-not-here"}))
+
+
+def test_penalties_and_logit_bias_reach_the_generation(server, solo):
+    """The OpenAI penalties, vLLM's repetition_penalty and logit_bias are applied as the engine applies them (each
+    request's ids equal a run's with the same [generation] settings), and a +100 bias forces its token."""
+    client = server.client(KEY)
+    prompt = [5, 17, 42, 5, 17]
+    asks = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    got = client.completions.create(model=server.name, prompt=prompt, max_tokens=12, **asks,
+                                    extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True})
+    want = solo(prompt, 12, stop_at_eos=False, repetition_penalty=1.3, **asks)
+    assert got.choices[0].token_ids == want != solo(prompt, 12, stop_at_eos=False)
+    forced = client.completions.create(model=server.name, prompt=prompt, max_tokens=4, logit_bias={"77": 100},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.choices[0].token_ids == [77] * 4
 

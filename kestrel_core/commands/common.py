@@ -73,6 +73,13 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--top-p", type=float, help="sampling: draw from the likeliest tokens whose probabilities reach p, in (0, 1] (default 1)")
     g.add_argument("--seed", type=int, help="seed of the sampling generator, 0..2**64-1 (default 0)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+    g.add_argument("--presence-penalty", type=float, help="subtract this from the logit of every token generated so "
+                   "far, -2..2 (default 0)")
+    g.add_argument("--frequency-penalty", type=float, help="subtract this times its count from the logit of every "
+                   "token generated so far, -2..2 (default 0)")
+    g.add_argument("--repetition-penalty", type=float, help="divide the positive logits (multiply the negative ones) "
+                   "of tokens in the prompt or generated, in (0, 10] (default 1: off)")
+    g.add_argument("--logit-bias", help="add a bias in -100..100 to token ids' logits: ID:BIAS,ID:BIAS (e.g. 50256:-100)")
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
@@ -92,6 +99,22 @@ def with_draft(cfg: KestrelConfig, args: argparse.Namespace) -> KestrelConfig:
         raise ConfigError("--draft-tokens sets how many tokens a drafter proposes, and no draft is set: add --draft "
                           "(or [speculative] draft in kestrel.toml), or drop --draft-tokens")
     return cfg
+
+
+def _logit_bias(text: str | None) -> list | None:
+    """--logit-bias ID:BIAS,ID:BIAS as (id, bias) pairs (their ranges are the config's to check)."""
+    if text is None:
+        return None
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        tid, sep, bias = part.partition(":")
+        try:
+            pairs.append((int(tid), float(bias)))
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}") from None
+        if not sep:
+            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}")
+    return pairs
 
 
 def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelConfig:
@@ -136,6 +159,10 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         generation__top_p=args.top_p,
         generation__seed=args.seed,
         generation__stop_at_eos=False if args.ignore_eos else None,
+        generation__presence_penalty=args.presence_penalty,
+        generation__frequency_penalty=args.frequency_penalty,
+        generation__repetition_penalty=args.repetition_penalty,
+        generation__logit_bias=_logit_bias(args.logit_bias),
     )
 
 

@@ -221,7 +221,7 @@ class Batch:
             spans.append((seq, Span(seq.slot, row, seq.prefilled, n), tuple(prompt[seq.prefilled:seq.prefilled + n])))
             row += n
             budget = None if budget is None else budget - n
-        sampled = tuple(slot for slot, seq in rows_live.items() if seq.request.gen.temperature > 0)
+        sampled = tuple(slot for slot, seq in rows_live.items() if seq.sampler.on_host)
         request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans),
                               frozenset(range(len(verify))), sampled)
         launched = self.runner.step(self.dev, request, self._sample_row)
@@ -417,7 +417,7 @@ class Batch:
         """The sequence's next token; None where its sampler failed: that sequence ends with the error, the batch
         (a server's every other request) goes on."""
         try:
-            return seq.sampler(logits)
+            return seq.sampler(logits, seq.request.prompt_ids, seq.tokens)
         except Exception as exc:  # noqa: BLE001 - one sequence's settings, not the batch's state
             self._fail(seq, exc)
             return None

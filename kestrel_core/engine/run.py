@@ -48,6 +48,7 @@ from kestrel_core.formats.modeldir import read_model_dir
 from kestrel_core.engine.plan import Counters, Observers
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.results import GenerationResult, text_ids
+from kestrel_core.engine.sampling import processes
 from kestrel_core.engine.runner import Runner, StepSettings
 from kestrel_core.formats.units import UnitTable
 
@@ -349,10 +350,11 @@ class Run:
             ids = self.model.prompt_ids(list(gen.prompt_ids), gen.prompt)
         check_prompt(self.model, ids, gen)
         stop = self.model.limits().ids(_prompt_ids(stop_ids, "stop_ids", ""), "stop_ids")  # as the server checks its own
+        self.model.limits().ids([i for i, _ in gen.logit_bias], "logit_bias")
         eos = self.model.eos_ids | frozenset(stop)  # config.json's and generation_config.json's, and the caller's
-        draft = self.config.speculative.draft_tokens if self.drafter is not None else 0
-        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=self.drafter,
-                       draft_tokens=draft)
+        drafter = self.drafter if not processes(gen) else None  # a verify pass keeps argmax drafts, which a penalty moves
+        draft = self.config.speculative.draft_tokens if drafter is not None else 0
+        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=drafter, draft_tokens=draft)
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,

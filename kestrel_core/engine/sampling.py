@@ -22,14 +22,43 @@ def check_sampling(gen: GenerationConfig) -> None:
         raise ConfigError(f"top_p must be in (0, 1], got {gen.top_p}")
 
 
+def processes(gen: GenerationConfig) -> bool:
+    """Whether ``gen`` changes the logits before a token is chosen (a penalty or a bias): its rows choose on the host."""
+    return bool(gen.presence_penalty or gen.frequency_penalty or gen.repetition_penalty != 1 or gen.logit_bias)
+
+
+def process(logits: torch.Tensor, gen: GenerationConfig, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """The logits a token is chosen from (a new [vocab] float32 tensor on the CPU), as vLLM orders its processors:
+    ``logit_bias`` added; ``repetition_penalty`` on every token of the prompt and the generation (a positive logit
+    divided by it, a negative one multiplied); then ``frequency_penalty`` times each token's count in the generation,
+    and ``presence_penalty`` once for each token in it, subtracted."""
+    out = logits.float().cpu().clone()
+    if gen.logit_bias:
+        ids = torch.tensor([i for i, _ in gen.logit_bias])
+        out.index_add_(0, ids, torch.tensor([b for _, b in gen.logit_bias], dtype=out.dtype))
+    if gen.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
+        if seen.numel():
+            v = out[seen]
+            out[seen] = torch.where(v > 0, v / gen.repetition_penalty, v * gen.repetition_penalty)
+    if generated and (gen.frequency_penalty or gen.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=out.numel())[: out.numel()]
+        out -= gen.frequency_penalty * counts.to(out.dtype) + gen.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
 class Sampler:
     def __init__(self, gen: GenerationConfig):
         check_sampling(gen)
         self.gen = gen
         self.rng = torch.Generator().manual_seed(gen.seed)
+        self.on_host = gen.temperature > 0 or processes(gen)  # else the step's own argmax is the token
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] float32 (any device)."""
+    def __call__(self, logits: torch.Tensor, prompt: list[int] = (), generated: list[int] = ()) -> int:
+        """logits: [vocab] float32 (any device); ``prompt`` and ``generated``: the sequence's ids so far, which its
+        penalties read."""
+        if processes(self.gen):
+            logits = process(logits, self.gen, list(prompt), list(generated))
         if self.gen.temperature == 0:
             return int(torch.argmax(logits))
         return self.draw(self.probs(logits))

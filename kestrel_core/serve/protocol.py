@@ -1,9 +1,9 @@
 """OpenAI's shapes for kestrel serve: the request bodies it takes (checked, every error naming the parameter as OpenAI
 does), the JSON it answers, and the error object.
 
-Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement (``echo``, penalties,
-``logit_bias``, tools) are refused with a 400 that says so, never ignored.
+Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``, ``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement
+(``echo``, tools) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kestrel_core.config import parse_logit_bias
 from kestrel_core.engine.sampling import MAX_TOP_LOGPROBS  # chat's top_logprobs, as OpenAI bounds it
+from kestrel_core.errors import ConfigError
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
 
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
@@ -70,6 +72,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's abuse-monitoring tag: taken, not used
 
@@ -88,10 +91,17 @@ class _Sampling(_Strict):
         if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             raise bad_request(f"seed must be in 0..2**64-1, got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by kestrel serve; leave it out or send 0", name)
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                raise bad_request(f"{name} must be in -2..2, got {value}", name)
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 10:
+            raise bad_request(f"repetition_penalty must be in (0, 10] (1: off), got {self.repetition_penalty}",
+                              "repetition_penalty")
         if self.logit_bias:
-            raise bad_request("logit_bias is not supported by kestrel serve; leave it out", "logit_bias")
+            try:
+                parse_logit_bias(self.logit_bias)
+            except ConfigError as exc:
+                raise bad_request(str(exc), "logit_bias") from None
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         stops = self.stop_strings
@@ -133,6 +143,11 @@ class _Sampling(_Strict):
             out["top_k"] = max(self.top_k, 0)  # vLLM's -1 is kestrel's 0: no cut
         if self.seed is not None:
             out["seed"] = self.seed
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
         return out
 
 

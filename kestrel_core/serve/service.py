@@ -187,6 +187,8 @@ class Service:
             generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
         try:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), **generation)
+        except LimitError:
+            raise  # a logit_bias id past the vocabulary: a 400 naming the parameter, above
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
         request = attrs.evolve(request, eos_ids=frozenset(ends), logprobs=req.top_count)
