@@ -131,3 +131,45 @@ def test_cuda_fits_its_weight_cache_budget_and_ids_do_not_move(demo_ckpt):
             assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
         with model.open(backend="cuda") as run:  # the default budget holds the demo model whole
             assert run.config.residency.keep == "off"
+
+
+def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_path, monkeypatch):
+    """tiny-moe on cpu_ref: a budget that holds every layer's own units and a third of the experts keeps the own units
+    resident and caches the experts (expert_lru, the rest of the budget); one that holds only part of the own units
+    windows them too; ids equal every layer resident."""
+    from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+    path = write_checkpoint(preset_config("tiny-moe"), tmp_path / "moe")
+    with load(path) as model:
+        cfg = model.config
+        size = lambda spec: sum(math.prod(s) for _, s in spec.tensors.values()) * 4  # noqa: E731 - float32 bytes
+        own = [size(s) for s in model.units if len(s.key) == 1]
+        experts = [size(s) for s in model.units if len(s.key) == 2]
+        fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * 4
+        fixed += sum(math.prod(s) for i in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, i).values()) * 4
+        with model.open(backend="cpu_ref", keep="off") as run:
+            want = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids
+        budget = fixed + sum(own) + sum(experts) // 3
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * budget})
+        with pytest.warns(KestrelNote, match="every layer's own units resident and an expert_lru expert cache of"):
+            run = model.open(backend="cpu_ref")
+        with run:
+            res = run.config.residency
+            assert (res.keep, res.expert_policy) == ("off", "expert_lru")
+            assert res.expert_budget_mb * 2**20 == budget - fixed - sum(own)
+            assert run.keep_choice.to_json()["expert_budget_bytes"] == budget - fixed - sum(own)
+            assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
+        two = sum(sorted(own)[-2:])  # keep = 1 peaks at two layers: the largest two own units
+        assert two < sum(own)
+        tight = fixed + two + cfg.num_experts_per_tok * max(experts)
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * tight})
+        with pytest.warns(KestrelNote, match=r"keep = 1 with asymmetric \(2 layers' own units resident at most\)"):
+            run = model.open(backend="cpu_ref")
+        with run:
+            assert run.config.residency.keep == 1 and run.config.residency.expert_policy == "expert_lru"
+            assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (tight - 1)})
+        with pytest.raises(BudgetError, match="even keep = 1 with one token's routed experts needs"):
+            model.open(backend="cpu_ref")
+        with model.open(backend="cpu_ref", expert_policy="expert_lfu", expert_budget_mb=1.0, keep=2) as run:
+            assert run.config.residency.expert_policy == "expert_lfu"  # a policy given is the user's: not replaced

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kestrel_core.formats import quant
 from kestrel_core.engine.backend import Backend, BackendContext
 from kestrel_core.engine.devices import compute_device
-from kestrel_core.engine.fit import FitFacts
+from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.host import meminfo
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
@@ -71,14 +71,18 @@ class CpuRefBackend(Backend):
             return None
         item = itemsize(compute_dtype(ctx.backend.dtype or "float32", DTYPES, cls.name))
         layers: dict[int, int] = {}
+        own, experts = [], []
         for spec in ctx.unit_specs:
-            layers[spec.layer] = layers.get(spec.layer, 0) + sum(math.prod(s) for _, s in spec.tensors.values()) * item
+            nbytes = sum(math.prod(s) for _, s in spec.tensors.values()) * item
+            layers[spec.layer] = layers.get(spec.layer, 0) + nbytes
+            (experts if len(spec.key) == 2 else own).append(nbytes)
         cfg = ctx.model
         fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * item
         fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item
         biggest = sorted(layers.values(), reverse=True)
         return FitFacts(available // 2, "half of the host's available memory", "host budget for resident layers", fixed,
-                        cfg.num_hidden_layers, lambda n: sum(biggest[:max(0, n)]))
+                        cfg.num_hidden_layers, lambda n: sum(biggest[:max(0, n)]),
+                        **moe_facts(ctx.residency, cfg, own, experts))
 
     def layout(self, spec):
         item = itemsize(self.dtype)

@@ -30,7 +30,7 @@ from backends.cuda.host.diskread import round_up
 from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
 from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from backends.cuda.host.staging import Filler, Stager
-from kestrel_core.engine.fit import FitFacts
+from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.formats.units import Unit, UnitTable
 
 from . import blocks, grouped_experts, q8
@@ -145,8 +145,11 @@ class CudaBackend(Backend):
         lay = DeviceLayout(ctx.checkpoint, ctx.model, ctx.quant, dtype, device, note=False)
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
         budget, source = resolve_budget(ctx.residency.budget_mb, torch.cuda.mem_get_info(device)[0])
+        own = [u.nbytes for key, u in units.units.items() if len(key) == 1]
+        experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
-                        lambda n: streamed_peak(units, ctx.residency, ctx.model, n))
+                        lambda n: streamed_peak(units, ctx.residency, ctx.model, n),
+                        **moe_facts(ctx.residency, ctx.model, own, experts))
 
     def _check_budget(self, ctx: BackendContext) -> None:
         """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""

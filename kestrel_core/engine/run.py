@@ -37,7 +37,7 @@ from kestrel_core.engine.contracts import (
     missing_members,
 )
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
-from kestrel_core.engine.fit import KeepChoice, choose_keep
+from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_model import names_gguf, open_gguf
@@ -94,9 +94,12 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
         choice = choose_keep(facts, lambda k: make_policy(res.policy, k, n).peak_layers(), config.backend.prefetch,
                              res.policy)
     backend = config.backend if choice.keep != OFF else attrs.evolve(config.backend, prefetch=0)
-    if choice.keep != OFF:
+    residency = attrs.evolve(res, keep=choice.keep)
+    if choice.expert_budget:
+        residency = attrs.evolve(residency, expert_policy=EXPERT_POLICY, expert_budget_mb=choice.expert_budget / 2**20)
+    if choice.keep != OFF or choice.expert_budget:
         warnings.warn(choice.line, KestrelNote, stacklevel=4)
-    return attrs.evolve(config, residency=attrs.evolve(res, keep=choice.keep), backend=backend), choice
+    return attrs.evolve(config, residency=residency, backend=backend), choice
 
 
 def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
