@@ -33,9 +33,11 @@ class Tokenizer:
         except Exception as exc:  # the library raises a bare Exception on a bad file
             raise ConfigError(f"{path}: cannot be read as a tokenizer ({' '.join(str(exc).split())})") from None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text`` as ids, as kestrel prefills it; ``add_special_tokens``: with what the tokenizer's post-processor
+        adds (a BOS, for some models), which kestrel's own prompts never are."""
         check_utf8(text)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_at_most(self, text: str, limit: int) -> list[int] | None:
         """``encode(text)``, or None where it is certainly more than ``limit`` ids, found by encoding prefixes of

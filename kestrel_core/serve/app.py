@@ -1,5 +1,6 @@
 """The HTTP routes of kestrel serve (FastAPI): /health, /v1/models, /v1/completions and /v1/chat/completions, each
-answer and stream in OpenAI's shapes, every error as OpenAI's error object.
+answer and stream in OpenAI's shapes, vLLM's /tokenize and /detokenize, and Prometheus' /metrics; every error as
+OpenAI's error object. Every route but /health needs the API key, where one is set.
 
 A request is checked in this order: its key (401), its size (413), its body (400), its model (404), the server's
 state (503 while loading or stopping), its prompt and limits (400), room in the batch (429). A client that goes away
@@ -17,13 +18,14 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from kestrel_core.serve import protocol
+from kestrel_core.serve import protocol, tokens
 from kestrel_core.serve.generation import Generation, GenerationFailed, Piece, merged
 from kestrel_core.serve.logprobs import LogprobText
+from kestrel_core.serve.metrics import CountResponses
 from kestrel_core.serve.origins import LOOPBACK_NAMES, OriginGuard
 from kestrel_core.serve.protocol import APIError, ChatRequest, CompletionRequest
 from kestrel_core.serve.service import READY, Service
@@ -43,6 +45,7 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
     none); see ``origins.OriginGuard``."""
     app = FastAPI(title="kestrel", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(OriginGuard, hosts=hosts, origins=origins)
+    app.add_middleware(CountResponses, metrics=service.metrics)  # outermost: the guard's refusals are counted too
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -51,8 +54,9 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):  # an unknown route, a wrong method
-        message = {404: f"no route {request.url.path}; the routes are /health, /v1/models, /v1/completions and "
-                        "/v1/chat/completions", 405: f"{request.method} is not allowed on {request.url.path}"}
+        message = {404: f"no route {request.url.path}; the routes are /health, /v1/models, /v1/completions, "
+                        "/v1/chat/completions, /tokenize, /detokenize and /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path}"}
         body = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body()
         return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -112,6 +116,38 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         service.check_model(name)
         return protocol.model_card(service.name, service.created)
 
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        authorize(request)
+        body, media_type = service.metrics.exposition()
+        return Response(body, media_type=media_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await token_request(request, tokens.TokenizeRequest)
+        if req.chat:
+            service.check_chat()
+        return await asyncio.to_thread(tokens.tokenize, req, service.model.tokenizer, service.template,
+                                       service.max_seq)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await token_request(request, tokens.DetokenizeRequest)
+        return await asyncio.to_thread(tokens.detokenize, req, service.model.tokenizer,
+                                       service.model.config.vocab_size)
+
+    async def token_request(request: Request, kind):
+        """A /tokenize or /detokenize body, checked as a generation's is, for a ready model with a tokenizer."""
+        authorize(request)
+        req = tokens.parse(await read_body(request), kind)
+        if req.model is not None:
+            service.check_model(req.model)
+        service.check_ready()
+        if service.model.tokenizer is None:  # a server does not load such a model; kept should that change
+            raise APIError(501, f"{service.model.no_tokenizer()}, so this server cannot tokenize or detokenize",
+                           "server_error", code="no_tokenizer")
+        return req
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, CompletionRequest)
@@ -121,13 +157,14 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         return await generate(request, ChatRequest)
 
     async def generate(request: Request, kind):
+        arrived = time.monotonic()
         authorize(request)
         req = protocol.parse(await read_body(request), kind)
         service.check_model(req.model)
         service.check_ready()
         plan = await asyncio.to_thread(service.plan, req)
         gens = service.start(plan)
-        answer = Answer(service, req, gens, request.url.path)
+        answer = Answer(service, req, gens, request.url.path, arrived)
         if req.stream:
             return EventStream(answer)
         return JSONResponse(await answer.whole(request))
@@ -144,12 +181,14 @@ class Answer:
     """One request's answer, of its ``n`` choices (a generation each): whole, or as server-sent events; either logs one
     line when it ends."""
 
-    def __init__(self, service: Service, req, gens: list[Generation], path: str):
+    def __init__(self, service: Service, req, gens: list[Generation], path: str, arrived: float | None = None):
+        """``arrived``: when the request came (``time.monotonic``; None: now), where its time and its first token's
+        are measured from."""
         self.service, self.req, self.gens, self.path = service, req, gens, path
         self.chat = isinstance(req, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() if arrived is None else arrived
         self.ended = False
         self.logprobs = LogprobText(service.model.tokenizer) if req.top_count is not None else None
 
@@ -232,8 +271,8 @@ class Answer:
             self.end()
 
     def end(self) -> None:
-        """Cancel the sequences where they still run (the client went away), forget them, and log the request's line:
-        tokens, ms/token, bytes streamed per token. Once."""
+        """Cancel the sequences where they still run (the client went away), forget them, count the request in the
+        metrics and log its line: tokens, ms/token, bytes streamed per token. Once."""
         if self.ended:
             return
         self.ended = True
@@ -247,10 +286,12 @@ class Answer:
         choices = f" in {len(gens)} choices" if len(gens) > 1 else ""
         line = (f"{self.path}: {first.prompt_tokens} prompt + {sum(len(gen.tokens) for gen in gens)} completion tokens"
                 f"{choices} ({how})")
-        res = first.result
+        res, streamed = first.result, None
         if res is not None and res.decode_ms:
             streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
             line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"
+        self.service.metrics.ended(first.prompt_tokens, [gen.token_times[:len(gen.tokens)] for gen in gens], self.t0,
+                                   streamed)
         log.info("%s, %.2f s", line, time.monotonic() - self.t0)
 
 

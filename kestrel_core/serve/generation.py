@@ -5,14 +5,15 @@ loop, and ``pieces()`` turns them into text, cut at a stop string, until the seq
     gen.seq = scheduler.submit(attrs.evolve(request, on_token=gen.on_token, on_finish=gen.on_finish))
     async for piece in gen.pieces(): ...      # then gen.finish_reason, gen.tokens, gen.result
 
-A request whose ``on_logprobs`` is ``gen.on_logprobs`` has each token's log-probabilities in ``gen.logprobs`` and
-each token's character offset in the text in ``gen.offsets``, both beside ``gen.tokens``. ``merged(gens)`` interleaves
-the pieces of a request's several choices as they come.
+Each token heard is timed (``gen.token_times``, for /metrics). A request whose ``on_logprobs`` is ``gen.on_logprobs``
+has each token's log-probabilities in ``gen.logprobs`` and each token's character offset in the text in ``gen.offsets``,
+both beside ``gen.tokens``. ``merged(gens)`` interleaves the pieces of a request's several choices as they come.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import attrs
 
@@ -44,12 +45,14 @@ class Generation:
         self.tokens: list[int] = []  # what the request generated: up to the stop string or end id, inclusive
         self.logprobs: list[TokenLogprobs] = []  # each token's, where the request asked
         self.offsets: list[int] = []  # where each token's text begins in the text (characters)
+        self.token_times: list[float] = []  # when each token was heard (monotonic); the first len(tokens) are tokens'
         self.finish_reason: str | None = None  # "stop", "length" or "abort" (cut from outside), once pieces() ended
         self.why_cut: str | None = None  # why it was cancelled from outside (a disconnect, the shutdown)
         self._queue: asyncio.Queue = asyncio.Queue()
 
     # --- the scheduler's thread -------------------------------------------------------------------------
     def on_token(self, token: int) -> None:
+        self.token_times.append(time.monotonic())
         self._post(token)
 
     def on_logprobs(self, logprobs: TokenLogprobs) -> None:

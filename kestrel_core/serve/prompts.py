@@ -32,18 +32,28 @@ def completion_ids(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | li
 def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, conversation: list[dict], variables: dict[str, Any] | None,
              limits: RequestLimits) -> list[int]:
     """The conversation rendered through the model's chat template, ready for the assistant's reply, as ids."""
-    variables = dict(variables or {})
-    for name in variables:
-        if not name.isidentifier() or name in RESERVED:
-            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable ({', '.join(RESERVED)} "
-                              "are the server's; names are identifiers)", "chat_template_kwargs")
+    text = render_chat(template, conversation, variables)
     try:
-        text = template.render(conversation, add_generation_prompt=True, **variables)
         ids = tokenizer.encode_at_most(text, limits.context)
-    except ConfigError as exc:  # the template refused the conversation, or went past a bound
+    except ConfigError as exc:  # text that is not UTF-8
         raise bad_request(f"messages: {exc}", "messages") from None
     if ids is None:
         raise limits.too_long(None, "messages")
     if not ids:
         raise bad_request("the chat template rendered the conversation as nothing; send some messages", "messages")
     return ids
+
+
+def render_chat(template: ChatTemplate, conversation: list[dict], variables: dict[str, Any] | None,
+                add_generation_prompt: bool = True) -> str:
+    """The conversation as the chat template lays it out (``add_generation_prompt``: ready for the assistant's reply),
+    with the request's ``chat_template_kwargs``; a 400 where the template or a variable refuses it."""
+    variables = dict(variables or {})
+    for name in variables:
+        if not name.isidentifier() or name in RESERVED:
+            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable ({', '.join(RESERVED)} "
+                              "are the server's; names are identifiers)", "chat_template_kwargs")
+    try:
+        return template.render(conversation, add_generation_prompt=add_generation_prompt, **variables)
+    except ConfigError as exc:  # the template refused the conversation, or went past a bound
+        raise bad_request(f"messages: {exc}", "messages") from None

@@ -25,6 +25,7 @@ from kestrel_core.engine.limits import LimitError, RequestLimits
 from kestrel_core.engine.scheduler import QueueFull, Scheduler
 from kestrel_core.serve import prompts
 from kestrel_core.serve.generation import Generation
+from kestrel_core.serve.metrics import ServeMetrics
 from kestrel_core.serve.protocol import SEED_RANGE, APIError, ChatRequest, CompletionRequest, bad_request
 
 LOADING, READY, STOPPING, FAILED = "loading", "ready", "stopping", "failed"
@@ -65,6 +66,7 @@ class Service:
         self.chat_ends: frozenset[int] = frozenset()
         self.max_seq = 0
         self.live: set[Generation] = set()
+        self.metrics = ServeMetrics(self.figures)  # its own registry: two servers in one process keep theirs apart
         self._lock = threading.Lock()
 
     # --- loading (a thread of its own) --------------------------------------------------------------
@@ -153,6 +155,12 @@ class Service:
             raise APIError(503, "the server is shutting down and takes no new request", "server_error",
                            code="shutting_down")
 
+    def check_chat(self) -> None:
+        if self.template is None:  # the reason in full is in the server's start lines
+            raise APIError(400, "this model cannot chat: it has no usable chat template (chat_template.jinja, or "
+                           "chat_template in tokenizer_config.json); send a prompt to /v1/completions instead",
+                           param="messages", code="no_chat_template")
+
     def plan(self, req: CompletionRequest | ChatRequest) -> dict[str, Any]:
         """The request as kestrel's: prompt ids and generation settings, every limit checked (a worker thread's job:
         tokenizing and rendering take time)."""
@@ -168,10 +176,7 @@ class Service:
     def _plan(self, req, chat: bool, limits: RequestLimits) -> dict[str, Any]:
         model = self.model
         if chat:
-            if self.template is None:  # the reason in full is in the server's start lines
-                raise APIError(400, "this model cannot chat: it has no usable chat template (chat_template.jinja, or "
-                               "chat_template in tokenizer_config.json); send a prompt to /v1/completions instead",
-                               param="messages", code="no_chat_template")
+            self.check_chat()
             ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits)
         else:
             ids = prompts.completion_ids(model.tokenizer, limits, req.prompt)
@@ -228,6 +233,16 @@ class Service:
     def stats(self) -> dict[str, int]:
         s = self.scheduler
         return {"running": s.running, "waiting": s.waiting} if s is not None else {}
+
+    def figures(self) -> dict[str, float]:
+        """What /metrics reads at a scrape: the batch's sequences and the bytes the run has streamed (none while the
+        model loads)."""
+        s, run = self.scheduler, self.run
+        if s is None or run is None:
+            return {}
+        running = s.running
+        return {"running": running, "waiting": s.waiting, "occupancy": running / s.max_batch,
+                "bytes_streamed": run.counters.bytes_uploaded}
 
     @property
     def health(self) -> str:
