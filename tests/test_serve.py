@@ -379,7 +379,7 @@ def test_a_number_past_pythons_4300_digits_is_a_400_that_names_it():
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
 ])

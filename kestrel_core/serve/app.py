@@ -17,12 +17,14 @@ import statistics
 import time
 import uuid
 
+import attrs
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from kestrel_core.serve import protocol, tokens
+from kestrel_core.serve import protocol, tokens, tool_calls
 from kestrel_core.serve.generation import Generation, GenerationFailed, Piece, merged
 from kestrel_core.serve.logprobs import LogprobText
 from kestrel_core.serve.metrics import CountResponses
@@ -191,6 +193,7 @@ class Answer:
         self.t0 = time.monotonic() if arrived is None else arrived
         self.ended = False
         self.logprobs = LogprobText(service.model.tokenizer) if req.top_count is not None else None
+        self.tools = self.chat and req.tool_defs is not None  # a reply may hold tool calls: read them from its text
 
     def usage(self) -> dict:
         """The prompt once, and every choice's tokens (as OpenAI counts ``n``)."""
@@ -227,10 +230,14 @@ class Answer:
             watch.cancel()
             self.end()
         ids, key = self.req.return_token_ids, "message" if self.chat else "text"
-        choices = [protocol.choice(i, key, protocol.message(t) if self.chat else t, gen.finish_reason,
-                                   list(gen.tokens) if ids else None,
-                                   list(gen.seq.request.prompt_ids) if ids else None, self._logprobs(gen))
-                   for i, (gen, t) in enumerate(zip(self.gens, texts))]
+        choices = []
+        for i, (gen, t) in enumerate(zip(self.gens, texts)):
+            value, reason = t, gen.finish_reason
+            if self.chat:
+                content, calls = tool_calls.parse(t) if self.tools else (t, [])
+                value, reason = protocol.message(content, calls), ("tool_calls" if calls else reason)
+            choices.append(protocol.choice(i, key, value, reason, list(gen.tokens) if ids else None,
+                                           list(gen.seq.request.prompt_ids) if ids else None, self._logprobs(gen)))
         make = protocol.chat if self.chat else protocol.completion
         return make(self.id, self.created, self.service.name, choices, self.usage())
 
@@ -252,8 +259,20 @@ class Answer:
             if self.chat:
                 for i in range(len(self.gens)):
                     yield chunk(i, {"role": "assistant", "content": ""})
+            held: dict[int, list[Piece]] = {i: [] for i in range(len(self.gens))}  # with tools: a reply, whole
             async for i, piece in merged(self.gens, every_id=bool(ids)):
-                if piece is None:
+                if piece is not None and self.tools:
+                    held[i].append(piece)
+                elif piece is None and self.tools:  # the reply is whole: its content, then its calls, in two chunks
+                    content, calls = tool_calls.parse("".join(p.text for p in held[i]))
+                    whole = _joined(held[i])
+                    if content:
+                        yield chunk(i, {"content": content}, None, whole)
+                    if calls:
+                        yield chunk(i, {"tool_calls": [{"index": n, **c} for n, c in enumerate(calls)]}, None,
+                                    None if content else whole)
+                    yield chunk(i, {}, "tool_calls" if calls else self.gens[i].finish_reason)
+                elif piece is None:
                     yield chunk(i, {} if self.chat else "", self.gens[i].finish_reason)
                 else:
                     yield chunk(i, {"content": piece.text} if self.chat else piece.text, None, piece)
@@ -293,6 +312,14 @@ class Answer:
         self.service.metrics.ended(first.prompt_tokens, [gen.token_times[:len(gen.tokens)] for gen in gens], self.t0,
                                    streamed)
         log.info("%s, %.2f s", line, time.monotonic() - self.t0)
+
+
+def _joined(pieces: list[Piece]) -> Piece | None:
+    """Held pieces as one (their text, their ids from the first's), or None where there are none."""
+    if not pieces:
+        return None
+    return attrs.evolve(pieces[0], text="".join(p.text for p in pieces),
+                        token_ids=[t for p in pieces for t in p.token_ids])
 
 
 class EventStream(StreamingResponse):

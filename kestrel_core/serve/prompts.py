@@ -30,9 +30,10 @@ def completion_ids(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | li
 
 
 def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, conversation: list[dict], variables: dict[str, Any] | None,
-             limits: RequestLimits) -> list[int]:
-    """The conversation rendered through the model's chat template, ready for the assistant's reply, as ids."""
-    text = render_chat(template, conversation, variables)
+             limits: RequestLimits, tools: list[dict] | None = None) -> list[int]:
+    """The conversation rendered through the model's chat template, ready for the assistant's reply, as ids; ``tools``:
+    the functions the reply may call, as the template lays them out."""
+    text = render_chat(template, conversation, variables, tools=tools)
     try:
         ids = tokenizer.encode_at_most(text, limits.context)
     except ConfigError as exc:  # text that is not UTF-8
@@ -45,14 +46,16 @@ def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, conversation: list[di
 
 
 def render_chat(template: ChatTemplate, conversation: list[dict], variables: dict[str, Any] | None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """The conversation as the chat template lays it out (``add_generation_prompt``: ready for the assistant's reply),
     with the request's ``chat_template_kwargs``; a 400 where the template or a variable refuses it."""
     variables = dict(variables or {})
     for name in variables:
-        if not name.isidentifier() or name in RESERVED:
-            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable ({', '.join(RESERVED)} "
-                              "are the server's; names are identifiers)", "chat_template_kwargs")
+        if not name.isidentifier() or name in RESERVED or name == "tools":
+            raise bad_request(f"chat_template_kwargs: {name!r} cannot be a template variable ({', '.join(RESERVED)} and "
+                              "tools are the server's; names are identifiers)", "chat_template_kwargs")
+    if tools is not None:
+        variables["tools"] = tools
     try:
         return template.render(conversation, add_generation_prompt=add_generation_prompt, **variables)
     except ConfigError as exc:  # the template refused the conversation, or went past a bound

@@ -3,7 +3,7 @@ does), the JSON it answers, and the error object.
 
 Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement
-(``echo``, tools) are refused with a 400 that says so, never ignored.
+(``echo``, a ``tool_choice`` that forces a call) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kestrel_core.engine.sampling import MAX_TOP_LOGPROBS  # chat's top_logprobs
 from kestrel_core.errors import ConfigError
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, past_int_limit, unique_keys
 
+MAX_TOOLS = 128  # functions a request may offer
 MAX_STOP = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters of one stop string: the text held back per token is checked against each
 MAX_STOP_IDS = 256
@@ -184,10 +185,35 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Function(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -201,8 +227,8 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
@@ -220,8 +246,22 @@ class ChatRequest(_Sampling):
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs: true; send both, or leave top_logprobs out",
                                   "top_logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise bad_request("tools are not supported by kestrel serve; leave tools and tool_choice out", "tools")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise bad_request("tool_choice may be 'auto' or 'none': 'required' and a named function need decoding "
+                              "constrained to a call, which kestrel serve does not do yet", "tool_choice")
+        if self.tool_choice == "auto" and not self.tools:
+            raise bad_request("tool_choice 'auto' needs tools; send tools, or leave tool_choice out", "tool_choice")
+        if self.tools is not None and len(self.tools) > MAX_TOOLS:
+            raise bad_request(f"tools holds {len(self.tools)} functions; at most {MAX_TOOLS}", "tools")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names) or not all(names):
+            raise bad_request("each tool needs a name of its own", "tools")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise bad_request("a tool message needs the tool_call_id of the call it answers",
+                                  f"messages.{i}.tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request("only an assistant message carries tool_calls", f"messages.{i}.tool_calls")
         if self.response_format not in (None, {"type": "text"}):
             raise bad_request("response_format other than text is not supported by kestrel serve", "response_format")
 
@@ -229,15 +269,38 @@ class ChatRequest(_Sampling):
     def top_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them (OpenAI's developer role is the templates' system)."""
+    @property
+    def tool_defs(self) -> list[dict] | None:
+        """The tools as a chat template takes them (OpenAI's shape), or None: none given, or tool_choice 'none'."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them (OpenAI's developer role is the templates' system; an assistant's
+        earlier calls with their arguments as objects, as the Hugging Face templates read them)."""
         out = []
         for m in self.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                     for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
+
+
+def _arguments(text: str):
+    """A call's arguments as an object where they are JSON of one (what templates render), else the text as sent."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 # Parameters whose error would otherwise list every branch of their union.
@@ -313,8 +376,11 @@ def choice(index: int, key: str, value, finish_reason: str | None, token_ids: li
     return out
 
 
-def message(text: str) -> dict:
-    return {"role": "assistant", "content": text}
+def message(text: str | None, tool_calls: list[dict] | None = None) -> dict:
+    out = {"role": "assistant", "content": text}
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    return out
 
 
 def _answer(obj: str, id: str, created: int, model: str, choices: list[dict], **usage) -> dict:

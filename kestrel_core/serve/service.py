@@ -177,7 +177,8 @@ class Service:
         model = self.model
         if chat:
             self.check_chat()
-            ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits)
+            ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits,
+                                   req.tool_defs)
         else:
             ids = prompts.completion_ids(model.tokenizer, limits, req.prompt)
         default = self.chat_max_tokens if chat else self.cfg.generation.max_new_tokens

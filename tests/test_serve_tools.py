@@ -1,0 +1,164 @@
+"""Tools in kestrel serve's chat route: the functions reach the chat template, a reply's tool calls come back as
+OpenAI's ``tool_calls`` (whole and streamed), earlier calls and tool answers go back into the template, and what
+kestrel cannot do (a forced call) is a 400 that says so.
+
+The tiny test model never writes a tool call of its own accord, so the answer tests give the server a reply's text
+where the generation would (``Generation.pieces``): what they test is the server's reading of a reply, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kestrel_core.serve import tool_calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+            "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# --- reading a reply ----------------------------------------------------------------------------
+def test_qwen_calls_are_read_and_the_rest_is_the_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    content, calls = tool_calls.parse(text)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+
+
+def test_llama_json_and_the_python_tag_are_read():
+    for text in ('{"name": "get_weather", "parameters": {"city": "Rome"}}',
+                 '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Rome"}}'):
+        content, calls = tool_calls.parse(text)
+        assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+
+
+@pytest.mark.parametrize("text", [
+    "The weather is fine.",
+    "<tool_call>not json</tool_call> and more",  # a block that is no call stays in the content
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '{"temperature": 20}',  # a JSON reply that is no call
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut off: not a call
+])
+def test_what_is_not_a_call_stays_the_content(text):
+    assert tool_calls.parse(text) == (text, [])
+
+
+def test_arguments_written_as_a_string_are_kept_as_written():
+    _, calls = tool_calls.parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+# --- through the server ---------------------------------------------------------------------------
+@pytest.fixture
+def chat_service(tmp_path, tiny_ckpt):
+    import shutil
+
+    from starlette.testclient import TestClient
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.app import create_app
+    from kestrel_core.serve.service import Limits, Service
+
+    d = shutil.copytree(tiny_ckpt, tmp_path / "tiny")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    service = Service(KestrelConfig().override(model=str(d), backend__name="cpu_ref"), "tiny", Limits())
+    service.load()
+    try:
+        with TestClient(create_app(service), base_url="http://127.0.0.1") as http:
+            yield service, http
+    finally:
+        service.close()
+
+
+def ask(http, **body):
+    return http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "weather?"}], **body})
+
+
+def test_the_tools_reach_the_template_and_tool_choice_none_keeps_them_out(chat_service):
+    service, http = chat_service
+    with_tools = ask(http, tools=[WEATHER], return_token_ids=True).json()
+    without = ask(http, tools=[WEATHER], tool_choice="none", return_token_ids=True).json()
+    tok = service.model.tokenizer
+    assert "<tools>get_weather;</tools>" in tok.decode(with_tools["choices"][0]["prompt_token_ids"])
+    assert "<tools>" not in tok.decode(without["choices"][0]["prompt_token_ids"])
+
+
+def test_earlier_calls_and_tool_answers_go_back_into_the_template(chat_service):
+    service, http = chat_service
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    got = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": messages,
+                                                  "tools": [WEATHER], "return_token_ids": True}).json()
+    prompt = service.model.tokenizer.decode(got["choices"][0]["prompt_token_ids"])
+    call_text = prompt[prompt.index("<tool_call>"):prompt.index("</tool_call>")]
+    assert json.loads(call_text.removeprefix("<tool_call>")) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert "<|im_start|>tool\nsunny, 21 C<|im_end|>" in prompt
+
+
+REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture
+def replies(monkeypatch):
+    """The generation's text replaced by ``REPLY``, in three pieces, ending as a stop."""
+    from kestrel_core.serve.generation import Generation, Piece
+
+    async def pieces(self, every_id=False):
+        for i, part in enumerate((REPLY[:5], REPLY[5:30], REPLY[30:])):
+            yield Piece(part, [i], i)
+        self.finish_reason = "stop"
+
+    monkeypatch.setattr(Generation, "pieces", pieces)
+
+
+def test_a_reply_with_a_call_is_answered_with_tool_calls(chat_service, replies):
+    _, http = chat_service
+    got = ask(http, tools=[WEATHER]).json()["choices"][0]
+    assert got["finish_reason"] == "tool_calls" and got["message"]["content"] == "Checking."
+    (call,) = got["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    plain = ask(http).json()["choices"][0]  # no tools: the text is the text
+    assert plain["message"]["content"] == REPLY and "tool_calls" not in plain["message"]
+
+
+def test_a_streamed_reply_with_a_call_sends_its_content_then_its_calls(chat_service, replies):
+    _, http = chat_service
+    lines = ask(http, tools=[WEATHER], stream=True).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert {"content": "Checking."} in deltas
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and "data: [DONE]" in lines
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "'required' and a named function"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "need decoding constrained to a call"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "a name of its own"),
+    ({"tools": [{"type": "retrieval"}]}, None, None),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", "tool_call_id"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "the server's"),
+])
+def test_what_kestrel_cannot_do_with_tools_is_a_400_that_says_so(chat_service, body, param, says):
+    _, http = chat_service
+    response = ask(http, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if param is not None:
+        assert error["param"] == param and says in error["message"]
