@@ -148,8 +148,8 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 
 
 @functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable character -> byte table, which ByteLevel tokenizers spell their tokens in."""
+def byte_chars() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table, which ByteLevel tokenizers spell their tokens in."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]  # the printable bytes stand for themselves; the others take U+0100 on, in order
     n = 0
@@ -158,7 +158,13 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """``byte_chars`` the other way: a character of a ByteLevel token -> its byte."""
+    return {c: b for b, c in byte_chars().items()}
 
 
 def check_utf8(text: str) -> None:

@@ -25,6 +25,7 @@ from kestrel_core.formats.tensor_table import all_specs
 from kestrel_core.formats.modelconfig import ModelConfig, parse_model_config
 from kestrel_core.io.outdir import model_output
 from kestrel_core.formats.gguf_writer import Source, write_gguf
+from kestrel_core.formats.tokenizer import byte_chars
 
 _QWEN3 = dict(model_type="qwen3", rms_norm_eps=1e-6, attention_bias=False, bos_token_id=None)
 
@@ -305,22 +306,9 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
         raise OSError(int(m[2]), os.strerror(int(m[2])), str(path)) from None
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what ByteLevel pre-tokenizers use)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def byte_level_tokenizer(cfg: ModelConfig) -> dict:
     """A Hugging Face tokenizer.json: ids 0..255 are bytes, 256 is <|endoftext|>; no merges."""
-    table = _bytes_to_unicode()
+    table = byte_chars()
     vocab = {table[b]: b for b in range(256)}
     special = [{"id": 256, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
                 "rstrip": False, "normalized": False, "special": True}]
