@@ -97,7 +97,10 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
     residency = attrs.evolve(res, keep=choice.keep)
     if choice.expert_budget:
         residency = attrs.evolve(residency, expert_policy=EXPERT_POLICY, expert_budget_mb=choice.expert_budget / 2**20)
-    if choice.keep != OFF or choice.expert_budget:
+    if choice.keep == OFF and config.backend.prefetch:  # the user's prefetch is not dropped without a word
+        warnings.warn(f"{choice.line}, so prefetch = {config.backend.prefetch} has nothing to fetch ahead and is off",
+                      KestrelNote, stacklevel=4)
+    elif choice.keep != OFF or choice.expert_budget:
         warnings.warn(choice.line, KestrelNote, stacklevel=4)
     return attrs.evolve(config, residency=residency, backend=backend), choice
 
