@@ -1,0 +1,57 @@
+"""``Attend``'s row-exact path (cpu_ref's) on its own: a decode row attends over keys 0..its position of its own slot
+and nothing past it, a parked row attends nothing (its row is zeros), and a span's rows are causal, each over keys
+0..start+r; all against the attention written out in float64."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kestrel_core.engine.kvcache import KVCache
+from kestrel_core.engine.model import Attend
+
+HEADS, KV_HEADS, HD, SLOTS, MAX_SEQ = 4, 2, 8, 3, 10
+CFG = SimpleNamespace(head_dim=HD, q_dim=HEADS * HD)
+
+
+class _Rope:
+    def at(self, positions):
+        zeros = torch.zeros((positions.shape[0], HD))
+        return zeros, zeros
+
+
+def _setup(rows: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache(torch.randn(SLOTS, MAX_SEQ, KV_HEADS, HD, generator=gen),
+                    torch.randn(SLOTS, MAX_SEQ, KV_HEADS, HD, generator=gen))  # stale keys past every position
+    q, k, v = (torch.randn(rows, h, HD, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    return cache, q, k, v
+
+
+def _want(q_row, cache, slot, upto):
+    keys = cache.k[slot, :upto].double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [upto, heads, hd]
+    values = cache.v[slot, :upto].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    p = torch.softmax(torch.einsum("hd,thd->ht", q_row.double(), keys) * HD**-0.5, dim=-1)
+    return torch.einsum("ht,thd->hd", p, values).reshape(-1)
+
+
+def test_decode_rows_attend_over_their_own_keys_and_a_parked_row_attends_nothing():
+    cache, q, k, v = _setup(3, 0)
+    positions = torch.tensor([3, 6, 0])
+    at = Attend.static(_Rope(), positions, torch.arange(3), torch.arange(MAX_SEQ), row_exact=True,
+                       live=torch.tensor([True, False, True]))
+    out = at.attend(q, k, v, cache, CFG)
+    assert out.shape == (3, CFG.q_dim)
+    for b in (0, 2):
+        assert torch.allclose(out[b].double(), _want(q[b], cache, b, int(positions[b]) + 1), atol=1e-5), b
+    assert torch.equal(out[1], torch.zeros(CFG.q_dim))  # parked: no attention
+    assert torch.equal(cache.k[1, 6], k[1])  # its key is written all the same
+
+
+def test_a_spans_rows_are_causal_each_over_keys_to_its_own_position():
+    cache, q, k, v = _setup(4, 1)
+    at = Attend.prefill(_Rope(), 2, 4, "cpu", slot=1, key_positions=torch.arange(MAX_SEQ))
+    out = at.attend(q, k, v, cache, CFG)
+    for r in range(4):
+        assert torch.allclose(out[r].double(), _want(q[r], cache, 1, 2 + r + 1), atol=1e-5), r
