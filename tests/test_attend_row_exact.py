@@ -40,7 +40,7 @@ def test_decode_rows_attend_over_their_own_keys_and_a_parked_row_attends_nothing
     cache, q, k, v = _setup(3, 0)
     positions = torch.tensor([3, 6, 0])
     at = Attend.static(_Rope(), positions, torch.arange(3), torch.arange(MAX_SEQ), row_exact=True,
-                       live=torch.tensor([True, False, True]))
+                       live=torch.tensor([True, False, True]), sliced=True)
     out = at.attend(q, k, v, cache, CFG)
     assert out.shape == (3, CFG.q_dim)
     for b in (0, 2):
@@ -51,7 +51,32 @@ def test_decode_rows_attend_over_their_own_keys_and_a_parked_row_attends_nothing
 
 def test_a_spans_rows_are_causal_each_over_keys_to_its_own_position():
     cache, q, k, v = _setup(4, 1)
-    at = Attend.prefill(_Rope(), 2, 4, "cpu", slot=1, key_positions=torch.arange(MAX_SEQ))
+    at = Attend.prefill(_Rope(), 2, 4, "cpu", slot=1, key_positions=torch.arange(MAX_SEQ), sliced=True)
     out = at.attend(q, k, v, cache, CFG)
     for r in range(4):
         assert torch.allclose(out[r].double(), _want(q[r], cache, 1, 2 + r + 1), atol=1e-5), r
+
+
+def test_a_step_that_may_be_captured_reads_no_position_on_the_host():
+    """Unsliced (a row-exact backend that captures): every decode row over the whole cache under the device's mask,
+    the same values, and a parked row is not skipped (a replay could not know it)."""
+    cache, q, k, v = _setup(3, 0)
+    positions = torch.tensor([3, 6, 0])
+    at = Attend.static(_Rope(), positions, torch.arange(3), torch.arange(MAX_SEQ), row_exact=True,
+                       live=torch.tensor([True, False, True]), sliced=False)
+    assert at.live is None and at.decode_mask is not None
+    out = at.attend(q, k, v, cache, CFG)
+    for b in range(3):
+        assert torch.allclose(out[b].double(), _want(q[b], cache, b, int(positions[b]) + 1), atol=1e-5), b
+
+
+
+def test_a_nan_key_makes_the_rows_attention_nan():
+    """A non-finite weight must reach the logits, where the run stops naming the layer: a row attending alone over a NaN
+    key gives NaN (torch's unmasked CPU kernel would give a finite number)."""
+    cache, q, k, v = _setup(1, 0)
+    cache.k[0, 1, 0, 0] = float("nan")
+    at = Attend.static(_Rope(), torch.tensor([3]), torch.arange(1), torch.arange(MAX_SEQ), row_exact=True,
+                       live=torch.tensor([True]), sliced=True)
+    out = at.attend(q, k, v, cache, CFG)
+    assert not bool(torch.isfinite(out).all())

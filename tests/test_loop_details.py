@@ -44,11 +44,11 @@ def test_a_first_token_of_id_0_is_the_next_steps_input(tiny_ckpt, monkeypatch):
             b.run_until_done()
             assert before.tokens[-1] != 0  # the slot's state holds a token other than 0
 
-            def first_is_0(self, logits):
+            def first_is_0(self, logits, *history):
                 if not forced:
                     forced.append(1)
                     return 0
-                return real(self, logits)
+                return real(self, logits, *history)
 
             monkeypatch.setattr(Sampler, "__call__", first_is_0)
             seq = b.add(Request(PROMPT, GenerationConfig(max_new_tokens=6, stop_at_eos=False)))

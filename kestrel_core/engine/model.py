@@ -67,38 +67,46 @@ class Attend:
     # the whole static cache. ``live``: which decode rows move on; a parked one attends nothing (its row is dropped).
     key_positions: torch.Tensor | None = None
     live: tuple[bool, ...] | None = None
+    # Row-exact rows read their positions on the host to slice the cache (``sliced``), unless the step may be captured:
+    # then each reads the whole cache under a mask made on the device, in one formula for decode rows and spans alike.
+    sliced: bool = False
 
     @classmethod
     def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0,
-                key_positions: torch.Tensor | None = None) -> "Attend":
+                key_positions: torch.Tensor | None = None, sliced: bool = False) -> "Attend":
         """One sequence's ``T`` tokens at ``start`` of ``slot`` (row by row where ``key_positions`` is given)."""
         positions = torch.arange(start, start + T, device=device)
         slots = torch.full((T,), slot, dtype=torch.long, device=device)
-        return cls(slots, positions, *rope.at(positions), spans=(Span(slot, 0, start, T),), key_positions=key_positions)
+        return cls(slots, positions, *rope.at(positions), spans=(Span(slot, 0, start, T),), key_positions=key_positions,
+                   sliced=sliced)
 
     @classmethod
     def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
                spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
                span_slots: torch.Tensor | None = None, row_exact: bool = False,
-               live: torch.Tensor | None = None) -> "Attend":
+               live: torch.Tensor | None = None, sliced: bool = False) -> "Attend":
         """Decode rows (row b: slot ``slots[b]`` = b, at ``positions[b]``, long tensors on the device: nothing here reads
         the host, unless ``row_exact``, whose rows attend one at a time over their own keys), then optionally ``spans``
         at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags (row-exact: a parked row is
         skipped)."""
-        mask = None if row_exact else key_positions[None, :] <= positions[:, None]
+        sliced = row_exact and sliced
+        mask = None if sliced else key_positions[None, :] <= positions[:, None]
         rows = positions.shape[0]
         if spans:
             positions, slots = torch.cat((positions, span_positions)), torch.cat((slots, span_slots))
         return cls(slots, positions, *rope.at(positions), decode_rows=rows, decode_mask=mask, spans=spans,
                    key_positions=key_positions if row_exact else None,
-                   live=tuple(bool(x) for x in live.tolist()) if row_exact and live is not None else None)
+                   live=tuple(bool(x) for x in live.tolist()) if sliced and live is not None else None, sliced=sliced)
 
     @staticmethod
     def _alone(q_row: torch.Tensor, cache: KVCache, slot: int, upto: int, cfg: ModelConfig, scale: float) -> torch.Tensor:
-        """One row's attention over keys 0..upto-1 of ``slot``: [1, q_dim]."""
+        """One row's attention over keys 0..upto-1 of ``slot``: [1, q_dim]. Under a mask that hides nothing: without one,
+        torch's CPU kernel takes a path that turns a NaN key into a finite output, and a poisoned weight would pass
+        the non-finite check unseen."""
+        seen = torch.ones((1, 1, 1, upto), dtype=torch.bool, device=q_row.device)
         out = F.scaled_dot_product_attention(q_row[None, :, None, :], cache.k[slot : slot + 1, :upto].transpose(1, 2),
-                                             cache.v[slot : slot + 1, :upto].transpose(1, 2), scale=scale,
-                                             enable_gqa=True)
+                                             cache.v[slot : slot + 1, :upto].transpose(1, 2), attn_mask=seen,
+                                             scale=scale, enable_gqa=True)
         return out.reshape(1, cfg.q_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
@@ -108,7 +116,7 @@ class Attend:
         scale = cfg.head_dim**-0.5
         outs = []
         B = self.decode_rows
-        if B and self.key_positions is not None:  # row-exact: each decode row alone, over its keys 0..its position
+        if B and self.sliced:  # row-exact: each decode row alone, over its keys 0..its position
             for b, pos in enumerate(self.positions[:B].tolist()):
                 if self.live is not None and not self.live[b]:
                     outs.append(q.new_zeros((1, cfg.q_dim)))
@@ -125,8 +133,16 @@ class Attend:
             )
             outs.append(out.reshape(B, cfg.q_dim))
         for s in self.spans:
-            if self.key_positions is not None:  # row-exact: each row as a decode row of its slot
+            if self.key_positions is not None and self.sliced:  # row-exact: each row as a decode row of its slot
                 outs += [self._alone(q[s.row + r], cache, s.slot, s.start + r + 1, cfg, scale) for r in range(s.T)]
+                continue
+            if self.key_positions is not None:  # row-exact in a step that may be captured: the whole cache, masked
+                k_s, v_s = cache.k[s.slot : s.slot + 1].transpose(1, 2), cache.v[s.slot : s.slot + 1].transpose(1, 2)
+                for r in range(s.T):
+                    seen = (self.key_positions <= s.start + r)[None, None, None, :]
+                    out = F.scaled_dot_product_attention(q[s.row + r][None, :, None, :], k_s, v_s, attn_mask=seen,
+                                                         scale=scale, enable_gqa=True)
+                    outs.append(out.reshape(1, cfg.q_dim))
                 continue
             kv_len = s.start + s.T
             out = F.scaled_dot_product_attention(

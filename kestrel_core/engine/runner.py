@@ -401,7 +401,7 @@ class Runner:
         after each layer."""
         backend = self.backend
         keys = torch.arange(cache[0].k.shape[1], device=backend.device) if backend.row_exact else None
-        at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys)
+        at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys, sliced=_sliced(backend))
         h = backend.embed(torch.tensor(ids))
         if probe:
             probe("the embedding", h)
@@ -416,16 +416,18 @@ class Runner:
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
-        live = state.live[:rows] if backend.row_exact else None  # a row-exact backend skips a parked row's attention
+        sliced = _sliced(backend)
+        live = state.live[:rows] if sliced else None  # a row-exact backend skips a parked row's attention
         if not spans:
-            at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live)
+            at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live,
+                               sliced=sliced)
             h = backend.embed(state.tokens[:rows])
         else:
             device = backend.device
             span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
             span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
             at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
-                               span_positions, span_slots, row_exact=backend.row_exact, live=live)
+                               span_positions, span_slots, row_exact=backend.row_exact, live=live, sliced=sliced)
             ids = [t for _, chunk in spans for t in chunk]
             h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
@@ -466,3 +468,10 @@ class Runner:
             f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
             f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
         )
+
+
+def _sliced(backend) -> bool:
+    """Whether a row-exact backend's rows read their positions on the host to attend over the keys in use: where its
+    steps are never captured (a captured step replays whatever the host read when it was captured)."""
+    return backend.row_exact and not backend.captures
+
