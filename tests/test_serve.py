@@ -22,13 +22,12 @@ import openai
 import pytest
 
 from bench.serve_process import ServeProcess
+from serve_helpers import assert_openai_error, chat_model
 from kestrel_core import cli
 from kestrel_core.formats.chat_template import end_ids, load_chat_template
 from kestrel_core.engine.run import load
 
 KEY = "test-key-123"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 POSITIONS = 4096  # the tiny preset's 512, raised: room for a generation long enough to interrupt
 LONG = 3000  # tokens: seconds of work, far longer than any step of a test that cuts it
 
@@ -36,11 +35,7 @@ LONG = 3000  # tokens: seconds of work, far longer than any step of a test that 
 @pytest.fixture(scope="module")
 def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny preset with a chat template (its <|endoftext|> ends a turn) and 4096 positions."""
-    d = Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("serve") / "tiny"))
-    config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": POSITIONS}))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
-    return d
+    return chat_model(tiny_ckpt, tmp_path_factory.mktemp("serve") / "tiny", POSITIONS)
 
 
 class Server(ServeProcess):
@@ -103,18 +98,6 @@ def text_of(model_dir: Path, ids: list[int]) -> str:
 def ids_of(chunks) -> list[int]:
     """The ids a stream's chunks carried (``return_token_ids``; the last chunk has none)."""
     return sum((getattr(c.choices[0], "token_ids", None) or [] for c in chunks if c.choices), [])
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "Traceback" not in response.text
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 # --- completions and chat ---------------------------------------------------------------------------------

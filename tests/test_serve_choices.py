@@ -5,8 +5,6 @@ batch, each its solo run with its own seed."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -15,19 +13,16 @@ import pytest
 import torch
 
 from bench.serve_process import ServeProcess
+from serve_helpers import chat_model
 from kestrel_core.engine.run import load
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPT = [5, 17, 42, 99, 3]
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
-    d = Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("choices") / "tiny"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
-    return d
+    return chat_model(tiny_ckpt, tmp_path_factory.mktemp("choices") / "tiny")
 
 
 class Server(ServeProcess):

@@ -3,8 +3,6 @@ text format, each metric with its HELP, behind the API key; its counters move by
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 
@@ -13,11 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve_process import ServeProcess
+from serve_helpers import chat_model
 from kestrel_core.serve.metrics import ServeMetrics, route_of
 
 KEY = "metrics-key-1"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MAX_BATCH = 4
 FAMILIES = {  # name: type
     "kestrel_requests": "counter", "kestrel_prompt_tokens": "counter", "kestrel_generation_tokens": "counter",
@@ -29,11 +26,7 @@ FAMILIES = {  # name: type
 @pytest.fixture(scope="module")
 def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny preset with a chat template and 4096 positions (room for a stream long enough to scrape during)."""
-    d = Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("metrics") / "tiny"))
-    config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
-    return d
+    return chat_model(tiny_ckpt, tmp_path_factory.mktemp("metrics") / "tiny", 4096)
 
 
 class Server(ServeProcess):

@@ -4,8 +4,6 @@ OpenAI's error object behind the same key and Host rules as the /v1 routes."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from bench.serve_process import ServeProcess
+from serve_helpers import assert_openai_error, chat_model
 from kestrel_core.engine.run import load
 from kestrel_core.formats.chat_template import load_chat_template
 from kestrel_core.serve.app import create_app
@@ -21,8 +20,6 @@ from kestrel_core.serve.metrics import ServeMetrics
 from kestrel_core.serve.protocol import APIError
 
 KEY = "tokens-key-1"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, café ☕"}]
 TEXTS = ["The capital of France is", "", "naïve café ☕ 東京\n\ttabs  and  spaces", "<|endoftext|> special"]
 CONTEXT = 256
@@ -31,9 +28,7 @@ CONTEXT = 256
 @pytest.fixture(scope="module")
 def model_dir(tiny_ckpt, tmp_path_factory) -> Path:
     """The tiny preset with a chat template (its <|endoftext|> ends a turn)."""
-    d = Path(shutil.copytree(tiny_ckpt, tmp_path_factory.mktemp("tokens") / "tiny"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
-    return d
+    return chat_model(tiny_ckpt, tmp_path_factory.mktemp("tokens") / "tiny")
 
 
 class Server(ServeProcess):
@@ -62,18 +57,6 @@ def server(model_dir):
 def tokenizer(model_dir):
     with load(model_dir) as model:
         yield model.tokenizer, model.config.vocab_size
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "\n" not in error["message"] and "Traceback" not in response.text
-    if param is not None:
-        assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
 
 
 # --- what they answer -------------------------------------------------------------------------------------------
