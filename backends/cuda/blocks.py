@@ -53,6 +53,17 @@ def segments_of(layout: Sequence[tuple[str, int]], k: int) -> tuple[Segment, ...
     return tuple(out)
 
 
+def rows_at(layout: Sequence[tuple[str, int]], row: int, n: int, k: int) -> tuple[GGMLQuantizationType, int]:
+    """(type, byte offset) of rows ``row .. row + n`` of an entry of row width ``k`` laid out as ``layout``: rows that
+    lie in one segment (a ValueError where they cross one)."""
+    first = 0
+    for seg in segments_of(layout, k):
+        if first <= row and row + n <= first + seg.n:
+            return seg.qtype, seg.start + gguf_kernels.stored_bytes(seg.qtype, row - first, k)
+        first += seg.n
+    raise ValueError(f"rows {row}..{row + n} cross a segment of {tuple(layout)}")
+
+
 def layout_of(parts: Sequence[BlockTensor]) -> tuple[tuple[str, int], ...]:
     """((type name, rows), ...) of parts stacked along N, consecutive parts of one type merged."""
     return layout_of_rows([(p.qtype.name, p.n) for p in parts])

@@ -32,7 +32,7 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
-from backends.cuda.grouped_experts import available  # noqa: F401 - one rule for where Triton kernels can run
+from backends.cuda.triton_check import available  # noqa: F401 - one rule for where Triton kernels can run
 from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType

@@ -18,16 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-
-@functools.cache
-def available() -> str | None:
-    """None where the kernels can run here, else why not (one line)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    return None
+from . import blocks, gguf_kernels
+from .triton_check import available  # noqa: F401 - where the kernels run, as the backend asks
 
 
 @functools.cache
@@ -97,23 +89,6 @@ def _block_k(k: int) -> int:
     return next(b for b in (64, 32, 16, 8, 4, 2, 1) if k % b == 0)
 
 
-def _row_at(layout, row: int, n: int, k: int):
-    """(type, byte offset) of rows ``row .. row + n`` of a block entry of row width ``k`` laid out as ``layout``
-    ((type name, rows), ...): they lie in one segment."""
-    from gguf import GGMLQuantizationType
-
-    from . import gguf_kernels
-
-    at, first = 0, 0
-    for name, rows in layout:
-        qtype = GGMLQuantizationType[name]
-        if first <= row and row + n <= first + rows:
-            return qtype, at + gguf_kernels.stored_bytes(qtype, row - first, k)
-        at += gguf_kernels.stored_bytes(qtype, rows, k)
-        first += rows
-    raise ValueError(f"rows {row}..{row + n} cross a segment of {layout}")
-
-
 class GroupedExperts:
     """The launcher for one model's experts: ``hidden`` H, ``inter`` an expert's intermediate size I, ``k`` routed a
     token; ``q8`` = (group, gate_up n_pad, down n_pad) for a q8 checkpoint; ``blocks``: the experts are GGUF blocks
@@ -139,8 +114,6 @@ class GroupedExperts:
 
     def _block_parts(self, qtype, k: int, n: int, want: int) -> torch.Tensor:
         """A fixed float32 [slices, k routed, n] buffer of block partial sums (a captured step keeps its address)."""
-        from . import gguf_kernels
-
         slices = gguf_kernels.expert_slices(qtype, k, want)
         key = (slices, n)
         if key not in self._parts:
@@ -149,18 +122,16 @@ class GroupedExperts:
 
     def _blocks(self, x, weights, ids, table, layouts) -> torch.Tensor:
         """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry."""
-        from . import gguf_kernels
-
         H, I, k = self.H, self.I, self.k  # noqa: E741
         gu, dn = layouts
         halves = []
         for row in (0, I):
-            qtype, at = _row_at(gu, row, I, H)
+            qtype, at = blocks.rows_at(gu, row, I, H)
             part = self._block_parts(qtype, H, I, 8)
             gguf_kernels.expert_matmul(x, ids, table, part, 0, at, qtype, I, H, x_per_slot=False)
             halves.append(part.sum(0).to(self.dtype))
         self.h.copy_(F.silu(halves[0]) * halves[1])
-        qtype, at = _row_at(dn, 0, H, I)
+        qtype, at = blocks.rows_at(dn, 0, H, I)
         part = self._block_parts(qtype, I, H, 4)
         gguf_kernels.expert_matmul(self.h, ids, table, part, 1, at, qtype, H, I, x_per_slot=True)
         y = part.sum(0).to(self.dtype)

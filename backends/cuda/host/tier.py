@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import attrs
 import torch
 
+from backends.cuda.blocks import BlockWeight, layout_of_rows, segments_of
 from kestrel_core.config import HOST_ENV, env_mib
 from kestrel_core.errors import BudgetError, ConfigError
 
@@ -85,8 +86,6 @@ class SlotEntry:
 
     def part_bytes(self) -> list[int]:
         """A block entry's parts' stored bytes, in order."""
-        from backends.cuda.blocks import segments_of
-
         return [seg.nbytes for seg in segments_of(self.blocks, self.shape[1])]
 
     def nbytes(self, dtype: torch.dtype) -> int:
@@ -247,8 +246,6 @@ class PinnedRing:
             if sum(part_rows) != entry.shape[0]:
                 raise ConfigError(f"entry {entry.name}: its parts have {sum(part_rows)} rows, the entry {entry.shape[0]}")
             if entry.blocks is not None:  # each part's blocks as stored, back to back
-                from backends.cuda.blocks import BlockWeight, layout_of_rows
-
                 raw, parts, off = slot.raw[at : at + n], [], 0
                 for r, nb in zip(part_rows, entry.part_bytes()):
                     part = raw[off : off + nb].view(r, nb // r)
