@@ -43,15 +43,6 @@ TARGET_K, TARGET_RATIO = 16, 1.15
 DRAFT_KS = (4, 16)
 
 # Shapes the presets table lacks, written the same way (random weights, the byte-level tokenizer).
-EXTRA_SHAPES: dict[str, dict] = {
-    # Qwen3-0.6B: the 8B's vocabulary, so it drafts for it.
-    "qwen3-0.6b": dict(model_type="qwen3", rms_norm_eps=1e-6, attention_bias=False, vocab_size=151936,
-                       hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
-                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
-}
-
-
 def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="qwen3-8b")
@@ -62,7 +53,7 @@ def add_arguments(p) -> None:
     p.add_argument("--passes", type=int, default=3, help="full verify passes each K makes at least")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--draft-preset", default="qwen3-0.6b",
-                   help=f"the draft model's shape (a preset, or {', '.join(EXTRA_SHAPES)}); '' skips its row")
+                   help="the draft model's shape, a preset (e.g. qwen3-0.6b); '' skips its row")
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft preset")
     p.add_argument("--draft-proposals", type=int, default=8, help="timed proposals at each K (after 2 warm-up ones)")
 
@@ -84,25 +75,12 @@ def keep_of(text: str):
 
 
 def ensure_draft(args) -> Path:
-    """The draft model's checkpoint: a preset's, or one of EXTRA_SHAPES written the way a preset is."""
+    """The draft model's checkpoint: its preset's, written first where it is not there yet."""
     from kestrel_core.tools.presets import PRESETS
 
-    if args.draft_preset in PRESETS:
-        return models.ensure_preset(args.models, args.draft_preset, layers=args.draft_layers)
-    if args.draft_preset not in EXTRA_SHAPES:
-        raise BenchError(f"--draft-preset {args.draft_preset!r}: no such preset "
-                         f"({', '.join([*PRESETS, *EXTRA_SHAPES])}), or '' for none")
-    from kestrel_core.formats.modelconfig import parse_model_config
-    from kestrel_core.tools.presets import write_checkpoint
-
-    raw = dict(EXTRA_SHAPES[args.draft_preset], torch_dtype="bfloat16")
-    if args.draft_layers:
-        raw["num_hidden_layers"] = args.draft_layers
-    path = Path(args.models) / models.preset_dir_name(args.draft_preset, layers=args.draft_layers)
-    if not (path / "config.json").is_file():
-        log(f"writing {path}")
-        write_checkpoint(parse_model_config(raw, f"shape {args.draft_preset}"), path, device=models._device(None))
-    return path
+    if args.draft_preset not in PRESETS:
+        raise BenchError(f"--draft-preset {args.draft_preset!r}: no such preset ({', '.join(PRESETS)}), or '' for none")
+    return models.ensure_preset(args.models, args.draft_preset, layers=args.draft_layers)
 
 
 def lengths(args) -> dict[int, int]:

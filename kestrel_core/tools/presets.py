@@ -50,6 +50,10 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
                        rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=256),
     # Real shapes (for the GPU machine).
+    # Qwen3-0.6B: the 8B's vocabulary, so it drafts for it (bench verify's draft model).
+    "qwen3-0.6b": dict(_QWEN3, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
     "qwen3-1.7b": dict(_QWEN3, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
