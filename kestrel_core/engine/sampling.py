@@ -52,12 +52,13 @@ class Sampler:
         check_sampling(gen)
         self.gen = gen
         self.rng = torch.Generator().manual_seed(gen.seed)
-        self.on_host = gen.temperature > 0 or processes(gen)  # else the step's own argmax is the token
+        self.processes = processes(gen)
+        self.on_host = gen.temperature > 0 or self.processes  # else the step's own argmax is the token
 
     def __call__(self, logits: torch.Tensor, prompt: list[int] = (), generated: list[int] = ()) -> int:
         """logits: [vocab] float32 (any device); ``prompt`` and ``generated``: the sequence's ids so far, which its
         penalties read."""
-        if processes(self.gen):
+        if self.processes:
             logits = process(logits, self.gen, list(prompt), list(generated))
         if self.gen.temperature == 0:
             return int(torch.argmax(logits))
