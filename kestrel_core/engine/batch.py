@@ -34,7 +34,7 @@ from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
 from kestrel_core.engine.results import MODES, GenerationResult, TokenLogprobs
 from kestrel_core.engine.runner import Launched, Runner, StepRequest
-from kestrel_core.engine.sampling import Sampler, check_logprobs, token_logprobs
+from kestrel_core.engine.sampling import Constraint, Sampler, check_logprobs, token_logprobs
 from kestrel_core.engine.speculative import SpecStats, accept, begin_drafting, check_draft
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
@@ -70,6 +70,7 @@ class Request:
     draft_tokens: int = 0
     logprobs: int | None = None  # each token's log-probability and this many alternatives (0..20); None: not computed
     on_logprobs: Callable[[TokenLogprobs], None] | None = None  # a token's, just before ``on_token`` hears it
+    constraint: Callable[[], Constraint] | None = None  # makes each sequence's constraint (a grammar's state)
 
 
 @attrs.define(eq=False)
@@ -170,7 +171,7 @@ class Batch:
         check_logprobs(request.logprobs)
         if seq is None:
             seq = Sequence(request)
-        seq.id, seq.sampler = self.ids, Sampler(request.gen)
+        seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None)
         if request.drafter is not None:
             seq.drafting, seq.spec = begin_drafting(request.drafter, request.prompt_ids), SpecStats()
         self.ids += 1

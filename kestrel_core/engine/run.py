@@ -37,6 +37,7 @@ from kestrel_core.engine.contracts import (
     missing_members,
 )
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
+from kestrel_core.engine.grammar import Grammars
 from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
@@ -188,6 +189,7 @@ class Model:
         self._chat_template = files.chat_template
         self.host = HostStore()  # backend host staging, reused by every run on this model
         self.closed = False
+        self._grammars: Grammars | None = None
 
     def no_tokenizer(self) -> str:
         """Why the model has no tokenizer, as an error's subject: a directory's missing tokenizer.json, or what kept
@@ -223,6 +225,14 @@ class Model:
         """What one request may ask of this model: its vocabulary and positions."""
         return RequestLimits(self.config.max_position_embeddings, "the model", self.config.vocab_size,
                       tokens="max_new_tokens (--max-new-tokens)", source="max_position_embeddings")
+
+    def grammars(self) -> Grammars:
+        """Its vocabulary as constrained output reads it (made at the first request that asks)."""
+        if self.tokenizer is None:
+            raise ConfigError(f"output held to a JSON schema needs the model's tokenizer: {self.no_tokenizer()}")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.config.vocab_size)
+        return self._grammars
 
     def chat_template(self):
         """The model's chat template (``chat_template.ChatTemplate``): its directory's, or its GGUF metadata's; a
@@ -333,10 +343,11 @@ class Run:
 
     def request(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                 on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = (),
-                **generation: Any) -> Request:
+                json_schema: dict[str, Any] | None = None, **generation: Any) -> Request:
         """One sequence to generate, checked: ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer), and
         kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos). ``stop_ids``
-        end it as config.json's eos_token_id does (with stop_at_eos)."""
+        end it as config.json's eos_token_id does (with stop_at_eos). ``json_schema``: the output is a JSON value
+        the schema accepts (``{}``: any JSON value), then an end id, by constrained decoding (``grammar``)."""
         if not self._open or self.model.closed:
             what = "run" if not self._open else f"model ({self.model.dir})"
             raise ConfigError(f"this {what} is closed; open a new run with model.open(...)")
@@ -358,13 +369,22 @@ class Run:
         stop = self.model.limits().ids(_prompt_ids(stop_ids, "stop_ids", ""), "stop_ids")  # as the server checks its own
         self.model.limits().ids([i for i, _ in gen.logit_bias], "logit_bias")
         eos = self.model.eos_ids | frozenset(stop)  # config.json's and generation_config.json's, and the caller's
-        drafter = self.drafter if not processes(gen) else None  # a verify pass keeps argmax drafts, which a penalty moves
+        constraint = None
+        if json_schema is not None:
+            if not gen.stop_at_eos:
+                raise ConfigError("output held to a JSON schema ends at an end id once the value is whole; "
+                                  "leave stop_at_eos on")
+            constraint = self.model.grammars().json(json_schema, eos).start
+        # A verify pass keeps argmax drafts, which a penalty or a grammar moves.
+        drafter = self.drafter if not processes(gen) and constraint is None else None
         draft = self.config.speculative.draft_tokens if drafter is not None else 0
-        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=drafter, draft_tokens=draft)
+        return Request(ids, gen, eos, keep_logits=keep_logits, on_token=on_token, drafter=drafter, draft_tokens=draft,
+                       constraint=constraint)
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
-                 stop_ids: Iterable[int] = (), **generation: Any) -> GenerationResult:
+                 stop_ids: Iterable[int] = (), json_schema: dict[str, Any] | None = None,
+                 **generation: Any) -> GenerationResult:
         """Generate from ``prompt_ids`` or ``prompt`` (see ``request``).
 
         As it runs, ``on_token(id)`` hears each generated id, and ``on_text(piece)`` (the model's tokenizer
@@ -383,7 +403,7 @@ class Run:
                 on_text(piece)
 
         hear = each if on_token is not None or stream is not None else None
-        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, **generation)
+        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, json_schema, **generation)
         with self._oom_is_a_budget_error():
             result = generate_one(self.runner, req)
         if stream is not None and (rest := stream.finish()):

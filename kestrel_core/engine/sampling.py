@@ -1,9 +1,11 @@
-"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator. Beside it, the
-log-probabilities a request may ask for of the token chosen (``token_logprobs``)."""
+"""Next-token choice: greedy by default; temperature, top-k and top-p draw from a seeded generator; a constraint (a
+grammar's, ``grammar.Constraint``) leaves only the ids it allows. Beside it, the log-probabilities a request may ask
+for of the token chosen (``token_logprobs``)."""
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -47,22 +49,47 @@ def process(logits: torch.Tensor, gen: GenerationConfig, prompt: list[int], gene
     return out
 
 
+class Constraint(Protocol):
+    """Which ids may come next (a grammar's state for one sequence)."""
+
+    def allowed(self) -> torch.Tensor: ...  # [vocab] bool, on the CPU
+
+    def accept(self, token: int) -> None: ...  # the id chosen
+
+
 class Sampler:
-    def __init__(self, gen: GenerationConfig):
+    def __init__(self, gen: GenerationConfig, constraint: Constraint | None = None):
         check_sampling(gen)
-        self.gen = gen
+        self.gen, self.constraint = gen, constraint
         self.rng = torch.Generator().manual_seed(gen.seed)
         self.processes = processes(gen)
-        self.on_host = gen.temperature > 0 or self.processes  # else the step's own argmax is the token
+        # else the step's own argmax is the token
+        self.on_host = gen.temperature > 0 or self.processes or constraint is not None
 
     def __call__(self, logits: torch.Tensor, prompt: list[int] = (), generated: list[int] = ()) -> int:
         """logits: [vocab] float32 (any device); ``prompt`` and ``generated``: the sequence's ids so far, which its
         penalties read."""
         if self.processes:
             logits = process(logits, self.gen, list(prompt), list(generated))
+        if self.constraint is not None:
+            logits = self._masked(logits)
         if self.gen.temperature == 0:
-            return int(torch.argmax(logits))
-        return self.draw(self.probs(logits))
+            token = int(torch.argmax(logits))
+        else:
+            token = self.draw(self.probs(logits))
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with every id the constraint forbids at -inf (a new CPU tensor: the step's stay as they are)."""
+        allowed = self.constraint.allowed()
+        n = logits.shape[-1]
+        if allowed.numel() != n:
+            raise ValueError(f"the constraint covers {allowed.numel()} ids and the logits {n}")
+        if not bool(allowed.any()):
+            raise ValueError("the constraint allows no id here")
+        return logits.float().cpu().masked_fill(~allowed, float("-inf"))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sampled token is drawn from: temperature, then top-k, then top-p ([vocab] float32, CPU)."""

@@ -147,7 +147,10 @@ class Scheduler:
         if seq.cancelled.is_set():
             seq.end("cancelled")
             return
-        batch.add(seq.request, seq)
+        try:
+            batch.add(seq.request, seq)
+        except KestrelError as exc:  # this request's own (its grammar could not start): the batch goes on
+            seq.end("error", exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         seqs = list(self._incoming)

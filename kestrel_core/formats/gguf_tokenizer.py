@@ -61,10 +61,6 @@ class GGUFTokenizer(Tokenizer):
     def __init__(self, hf: HFTokenizer):  # noqa: super().__init__ reads a file; this one has none
         self._tok = hf
 
-    @property
-    def hf(self) -> HFTokenizer:
-        return self._tok
-
 
 def build_tokenizer(meta: Mapping[str, Any], where: str) -> HFTokenizer:
     """The ``tokenizers.Tokenizer`` a GGUF's metadata describes; anything kestrel cannot build is a CheckpointError

@@ -52,6 +52,11 @@ class Tokenizer:
         ids = self.encode(text)
         return ids if len(ids) <= limit else None
 
+    @property
+    def hf(self) -> HFTokenizer:
+        """The ``tokenizers`` library's tokenizer (a library that reads a vocabulary whole takes its JSON)."""
+        return self._tok
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 

@@ -9,9 +9,10 @@ Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``r
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kestrel_core.config import parse_logit_bias
 from kestrel_core.engine.sampling import MAX_TOP_LOGPROBS  # chat's top_logprobs, as OpenAI bounds it
@@ -25,6 +26,7 @@ MAX_STOP_IDS = 256
 SEED_RANGE = 2**64  # the sampler's generator takes 0..2**64-1
 MAX_N = 8  # choices a request may ask for: each is a sequence of the batch
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's bound)
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # response_format.json_schema.name, as OpenAI bounds it
 
 
 class APIError(Exception):
@@ -55,6 +57,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchema(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class _Sampling(_Strict):
     """What completions and chat share."""
 
@@ -75,6 +89,7 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None  # OpenAI's abuse-monitoring tag: taken, not used
 
     def check(self) -> None:
@@ -114,6 +129,31 @@ class _Sampling(_Strict):
         if len(self.stop_token_ids or ()) > MAX_STOP_IDS:
             raise bad_request(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_IDS}",
                               "stop_token_ids")
+        self._check_format()
+
+    def _check_format(self) -> None:
+        fmt = self.response_format
+        if fmt is None:
+            return
+        if (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise bad_request("response_format: json_schema ({\"name\", \"schema\"}) goes with type "
+                              "\"json_schema\" and only with it", "response_format.json_schema")
+        if fmt.json_schema is not None and not _SCHEMA_NAME.fullmatch(fmt.json_schema.name):
+            raise bad_request("response_format.json_schema.name must be 1..64 letters, digits, _ or -",
+                              "response_format.json_schema.name")
+        if fmt.type != "text" and self.ignore_eos:
+            raise bad_request("response_format ends the reply once its JSON value is whole, at an end-of-sequence "
+                              "token; leave out ignore_eos", "ignore_eos")
+
+    @property
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output is held to (``{}``: any JSON value), or None: free text."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        return fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -229,7 +269,6 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         if self.max_completion_tokens is not None:
@@ -262,8 +301,6 @@ class ChatRequest(_Sampling):
                                   f"messages.{i}.tool_call_id")
             if m.tool_calls and m.role != "assistant":
                 raise bad_request("only an assistant message carries tool_calls", f"messages.{i}.tool_calls")
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request("response_format other than text is not supported by kestrel serve", "response_format")
 
     @property
     def top_count(self) -> int | None:

@@ -21,6 +21,7 @@ from kestrel_core.config import KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.kvcache import kv_bytes
+from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
 from kestrel_core.engine.scheduler import QueueFull, Scheduler
 from kestrel_core.serve import prompts
@@ -192,9 +193,12 @@ class Service:
         if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
             generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
         try:
-            request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), **generation)
+            request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), stop_ids=ends,
+                                       json_schema=req.output_schema, **generation)
         except LimitError:
             raise  # a logit_bias id past the vocabulary: a 400 naming the parameter, above
+        except GrammarError as exc:
+            raise bad_request(f"response_format: {exc}", "response_format") from None
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
         request = attrs.evolve(request, eos_ids=frozenset(ends), logprobs=req.top_count)

@@ -1,0 +1,218 @@
+"""Output held to a JSON schema (``json_schema=`` in the Python API; ``response_format`` in kestrel serve): the sampler
+chooses only among the ids the grammar allows, the value ends with an end id, a schema kestrel cannot use is a
+one-line error naming it, and a constrained sequence leaves its batch companions' ids as they are.
+
+The tiny presets' random weights would write anything: what they write under a schema is the grammar's doing. The
+real model (SmolLM2-135M-Instruct) shows a schema's value filled in sensibly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from bench.serve_process import ServeProcess
+from kestrel_core.config import GenerationConfig
+from kestrel_core.engine.grammar import MAX_SCHEMA_CHARS, GrammarError
+from kestrel_core.engine.run import load
+from kestrel_core.engine.sampling import Sampler
+from kestrel_core.errors import ConfigError
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+from serve_helpers import assert_openai_error, chat_model
+from tests.real_model import smollm2_gguf  # noqa: F401 - a fixture
+
+YES_NO = {"enum": ["yes", "no"]}
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}
+PROMPTS = [[5, 17, 42], [9, 9, 9, 100], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+class Only:
+    """A constraint that allows one id, and records what it heard."""
+
+    def __init__(self, allowed: int, vocab: int):
+        self.mask = torch.zeros(vocab, dtype=torch.bool)
+        self.mask[allowed] = True
+        self.heard: list[int] = []
+
+    def allowed(self) -> torch.Tensor:
+        return self.mask
+
+    def accept(self, token: int) -> None:
+        self.heard.append(token)
+
+
+# --- the sampler ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_the_sampler_chooses_only_what_the_constraint_allows(temperature):
+    logits = torch.arange(10, dtype=torch.float32)  # 9 is the argmax
+    only = Only(3, 10)
+    sampler = Sampler(GenerationConfig(temperature=temperature), only)
+    assert sampler.on_host  # a constrained row is chosen on the host, even greedy
+    assert [sampler(logits) for _ in range(5)] == [3] * 5
+    assert only.heard == [3] * 5
+    assert torch.equal(logits, torch.arange(10, dtype=torch.float32))  # the step's logits are not written
+
+
+def test_a_constraint_that_allows_nothing_or_covers_another_vocabulary_is_an_error():
+    empty = Only(0, 10)
+    empty.mask[:] = False
+    with pytest.raises(ValueError, match="allows no id"):
+        Sampler(GenerationConfig(), empty)(torch.zeros(10))
+    with pytest.raises(ValueError, match="covers 12 ids and the logits 10"):
+        Sampler(GenerationConfig(), Only(0, 12))(torch.zeros(10))
+
+
+# --- the engine on the tiny presets --------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def model_dir(request, tmp_path_factory) -> Path:
+    return write_checkpoint(preset_config(request.param), tmp_path_factory.mktemp("json") / request.param)
+
+
+@pytest.fixture(scope="module")
+def run(model_dir):
+    with load(model_dir) as model, model.open(backend="cpu_ref") as r:
+        yield r
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_a_schema_holds_random_weights_to_its_values_and_the_value_ends_the_sequence(run, prompt):
+    free = run.generate(prompt_ids=prompt, max_new_tokens=12, stop_at_eos=False)
+    assert free.text not in ('"yes"', '"no"')  # the weights alone write something else
+    for schema, check in ((YES_NO, lambda v: v in ("yes", "no")), (FLAG, lambda v: isinstance(v["ok"], bool))):
+        r = run.generate(prompt_ids=prompt, max_new_tokens=60, json_schema=schema)
+        assert check(json.loads(r.text)), r.text
+        assert r.token_ids[-1] in run.model.eos_ids  # ended at an end id once whole, not at max_new_tokens
+
+
+def test_sampled_constrained_output_is_valid_and_reproducible(run):
+    kw = dict(prompt_ids=PROMPTS[0], max_new_tokens=60, json_schema=FLAG, temperature=1.0, seed=7)
+    a, b = run.generate(**kw), run.generate(**kw)
+    assert a.token_ids == b.token_ids and isinstance(json.loads(a.text)["ok"], bool)
+
+
+def test_a_constrained_sequence_leaves_its_batch_companions_ids_as_they_are(run):
+    solo = [run.generate(prompt_ids=p, max_new_tokens=10, stop_at_eos=False).token_ids for p in PROMPTS[1:]]
+    batch = run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=YES_NO)]
+                               + [dict(prompt_ids=p, max_new_tokens=10, stop_at_eos=False) for p in PROMPTS[1:]])
+    assert json.loads(run.model.tokenizer.decode(batch[0].token_ids[:-1])) in ("yes", "no")
+    assert [r.token_ids for r in batch[1:]] == solo
+
+
+def test_a_constrained_request_is_not_drafted(tmp_path):
+    d = write_checkpoint(preset_config("tiny"), tmp_path / "tiny")
+    with load(d) as model, model.open(backend="cpu_ref", draft="ngram", draft_tokens=3) as run:
+        assert run.request(prompt_ids=PROMPTS[0]).drafter is not None
+        req = run.request(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=YES_NO)
+        assert req.drafter is None and req.draft_tokens == 0  # a verify pass keeps argmax drafts the grammar forbids
+        assert json.loads(run.generate(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=YES_NO).text) in ("yes",
+                                                                                                          "no")
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "foo"}, "foo"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+    ([1, 2], "is an object"),
+    ({"enum": ["x" * 1000] * (MAX_SCHEMA_CHARS // 1000 + 1)}, "characters; at most"),
+])
+def test_a_schema_kestrel_cannot_use_is_a_one_line_error_naming_it(run, schema, words):
+    with pytest.raises(GrammarError) as err:
+        run.request(prompt_ids=PROMPTS[0], json_schema=schema)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_schema_without_an_end_is_refused(run):
+    with pytest.raises(ConfigError, match="leave stop_at_eos on"):
+        run.request(prompt_ids=PROMPTS[0], json_schema=YES_NO, stop_at_eos=False)
+
+
+# --- the real model -----------------------------------------------------------------------------------------------
+def test_the_real_model_fills_a_schema_in(smollm2_gguf):  # noqa: F811
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt = "Describe a person named Bob who is 42 years old, as JSON:\n"
+    with load(smollm2_gguf) as model, model.open(backend="cpu_ref") as run:
+        free = run.generate(prompt=prompt, max_new_tokens=24)
+        held = run.generate(prompt=prompt, max_new_tokens=24, json_schema=person)
+    with pytest.raises(ValueError):
+        json.loads(free.text)  # left alone it wraps its JSON in prose and a fence
+    assert json.loads(held.text) == {"name": "Bob", "age": 42}
+
+
+# --- kestrel serve -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tiny = write_checkpoint(preset_config("tiny"), tmp_path_factory.mktemp("json-serve") / "tiny")
+    s = ServeProcess(chat_model(tiny, tiny.parent / "chat"), "--backend", "cpu_ref", "--max-seq", "256")
+    yield s
+    s.stop(30)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_chat_answers_in_the_schema_whole_and_streamed(server):
+    client = _client(server)
+    kw = dict(model=server.name, messages=[{"role": "user", "content": "Is it?"}], max_tokens=60, temperature=0,
+              response_format=_schema_format(FLAG))
+    whole = client.chat.completions.create(**kw)
+    assert isinstance(json.loads(whole.choices[0].message.content)["ok"], bool)
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_completions_take_a_response_format_and_each_of_n_choices_keeps_it(server):
+    reply = _client(server).completions.create(model=server.name, prompt="Answer:", max_tokens=40, n=3,
+                                               temperature=1.0, seed=3,
+                                               extra_body={"response_format": _schema_format(YES_NO)})
+    assert len(reply.choices) == 3
+    assert all(json.loads(c.text) in ("yes", "no") and c.finish_reason == "stop" for c in reply.choices)
+
+
+def test_json_object_is_an_object(server):
+    reply = _client(server).chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": "JSON please"}], max_tokens=150, temperature=0,
+        response_format={"type": "json_object"})
+    text = reply.choices[0].message.content
+    assert text.startswith("{")
+    if reply.choices[0].finish_reason == "stop":  # random weights may write one long string to the limit
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("fmt, param, words", [
+    ({"type": "json_schema"}, "response_format.json_schema", "goes with type"),
+    ({"type": "json_object", "json_schema": {"name": "a", "schema": {}}}, "response_format.json_schema",
+     "goes with type"),
+    ({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}}, "response_format.json_schema.name",
+     "letters"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}, "response_format", "foo"),
+    ({"type": "xml"}, "response_format.type", None),
+    ({"type": "json_object", "extra": 1}, "response_format.extra", "unrecognized"),
+])
+def test_a_response_format_kestrel_cannot_use_is_a_400_naming_it(server, fmt, param, words):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": server.name, "messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+    error = assert_openai_error(r, 400, param)
+    if words:
+        assert words in error["message"]
+
+
+def test_a_response_format_with_ignore_eos_is_a_400(server):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"model": server.name, "prompt": "x", "ignore_eos": True,
+                         "response_format": {"type": "json_object"}})
+    assert "leave out ignore_eos" in assert_openai_error(r, 400, "ignore_eos")["message"]
