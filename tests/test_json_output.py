@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import openai
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kestrel_core.config import GenerationConfig
 from kestrel_core.engine.grammar import MAX_SCHEMA_CHARS, GrammarError
 from kestrel_core.engine.run import load
 from kestrel_core.engine.sampling import Sampler
+from kestrel_core.engine.scheduler import Scheduler
 from kestrel_core.errors import ConfigError
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 from serve_helpers import assert_openai_error, chat_model
@@ -100,6 +102,23 @@ def test_a_constrained_sequence_leaves_its_batch_companions_ids_as_they_are(run)
                                + [dict(prompt_ids=p, max_new_tokens=10, stop_at_eos=False) for p in PROMPTS[1:]])
     assert json.loads(run.model.tokenizer.decode(batch[0].token_ids[:-1])) in ("yes", "no")
     assert [r.token_ids for r in batch[1:]] == solo
+
+
+def test_a_grammar_that_fails_to_start_ends_its_request_and_the_scheduler_goes_on(run):
+    def broken():
+        raise GrammarError("the JSON schema cannot be used: broken")
+
+    sched = Scheduler(run, max_batch=2, max_queue=4)
+    sched.start()
+    try:
+        bad = sched.submit(attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=4), constraint=broken))
+        good = sched.submit(run.request(prompt_ids=PROMPTS[1], max_new_tokens=4, stop_at_eos=False))
+        assert bad.finished.wait(60) and good.finished.wait(60)
+    finally:
+        sched.stop(cancel=True)
+    assert bad.finish_reason == "error" and "broken" in str(bad.error)
+    assert sched.error is None and good.error is None
+    assert good.tokens == run.generate(prompt_ids=PROMPTS[1], max_new_tokens=4, stop_at_eos=False).token_ids
 
 
 def test_a_constrained_request_is_not_drafted(tmp_path):
