@@ -79,5 +79,9 @@ def test_greedy_agreement_names_the_first_position_that_differs(result):
             assert len(g["ids"]) == 8 and g["equal"] == (g["ids"] == want)
             first = g["first_difference"]
             assert (first is None) == g["equal"]
-            if first is not None:
+            if first is not None:  # float32 took its argmax there: its logit is above the other id's
                 assert g["ids"][:first] == want[:first] and g["ids"][first] != want[first]
+                assert g["float32_logit_gap"] > 0
+            else:
+                assert g["float32_logit_gap"] is None
+    assert any(g["first_difference"] is not None for g in rows(result)["q4_0"]["greedy"].values())

@@ -14,7 +14,8 @@ over the quantized tensors alone), the tensor types written, and for every quant
 kestrel's GGUF reader, dequantized) its RMSE against the float32 tensor, that weight's RMS and their ratio (relative
 RMSE), summed up as the median, the max and the mean weighted by values; where a tensor has the source file's type,
 the share of its blocks whose bytes equal the file's. Then greedy ids (``--tokens`` new tokens, not stopped at the end
-of a turn) on four chat prompts, keep off, against float32's: equal or not, and the first position that differs.
+of a turn) on four chat prompts, keep off, against float32's: equal or not, the first position that differs, and
+there the gap between float32's logits of its id and of the id the quantized model took (a near tie, or not).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def measure(reference: Path, source: Path | None, types: list[str], prompts: dic
     from kestrel_core import load
     from kestrel_core.tools.quantize import quantize_to_gguf
 
-    ref_ids = greedy(reference, prompts, tokens)
+    ref_ids, ref_logits = greedy(reference, prompts, tokens, keep_logits=True)
     with load(reference) as model:
         texts = {name: model.tokenizer.decode(ids) for name, ids in ref_ids.items()} if model.tokenizer else {}
         eos = model.eos_ids
@@ -91,7 +92,8 @@ def measure(reference: Path, source: Path | None, types: list[str], prompts: dic
     for label, type_name, path in files:
         summary = quantize_to_gguf(reference, path, type_name) if type_name else {}
         row = {"label": label, "type": type_name, "file": path.name, "fallbacks": summary.get("fallbacks"),
-               **weights_against(reference, path, source), "greedy": agreement(ref_ids, greedy(path, prompts, tokens))}
+               **weights_against(reference, path, source),
+               "greedy": agreement(ref_ids, ref_logits, greedy(path, prompts, tokens)[0])}
         row["greedy_all_equal"] = all(g["equal"] for g in row["greedy"].values())
         out["rows"].append(row)
         s = row["rmse_summary"]
@@ -103,22 +105,32 @@ def measure(reference: Path, source: Path | None, types: list[str], prompts: dic
     return out
 
 
-def greedy(path: Path, prompts: dict[str, list[int]], tokens: int) -> dict[str, list[int]]:
+def greedy(path: Path, prompts: dict[str, list[int]], tokens: int, keep_logits: bool = False) -> tuple[dict, dict]:
+    """Each prompt's greedy ids from ``path`` (cpu_ref, keep off), and where asked its logits a token."""
     from kestrel_core import load
 
+    ids, logits = {}, {}
     with load(path) as model, model.open(backend="cpu_ref", keep="off") as run:
-        return {name: run.generate(prompt_ids=ids, max_new_tokens=tokens, stop_at_eos=False).token_ids
-                for name, ids in prompts.items()}
+        for name, prompt in prompts.items():
+            res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False, keep_logits=keep_logits)
+            ids[name], logits[name] = res.token_ids, res.logits
+    return ids, logits
 
 
-def agreement(ref: dict[str, list[int]], got: dict[str, list[int]]) -> dict[str, dict]:
+def agreement(ref: dict[str, list[int]], ref_logits: dict[str, list], got: dict[str, list[int]]) -> dict[str, dict]:
+    """Per prompt: the ids equal or not, the first position that differs, and there how far float32's logit of its own
+    id is above its logit of the id the quantized model took (small: a near tie that any rounding may flip)."""
     out = {}
     for name, want in ref.items():
         ids = got[name]
         first = next((i for i, (a, b) in enumerate(zip(want, ids)) if a != b), None)
         if first is None and len(want) != len(ids):
             first = min(len(want), len(ids))
-        out[name] = {"equal": first is None, "first_difference": first, "ids": ids}
+        gap = None
+        if first is not None and first < min(len(want), len(ids)) and ref_logits.get(name):
+            logits = ref_logits[name][first]
+            gap = (logits[want[first]] - logits[ids[first]]).item()
+        out[name] = {"equal": first is None, "first_difference": first, "float32_logit_gap": gap, "ids": ids}
     return out
 
 
