@@ -110,3 +110,34 @@ def test_a_cuda_batchs_logprobs_come_from_its_replayed_steps(tiny_ckpt, keep):
         r = attrs.evolve(r, logits=alone.logits)
         assert_logprobs_of_logits(r, 5, tol=1e-4)
     assert_logprobs_of_logits(got[-1], 5, tol=1e-4)
+
+
+# --- the prompt's log-probabilities (completions' echo) ----------------------------------------------------------
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_prompts_logprobs_are_those_of_each_prefix_next_token(tiny_ckpt, chunk):
+    """Each prompt token after the first: its log-probability given the tokens before it, as a run of that prefix
+    gives for its first generated position; in one prompt chunk or several, beside a sequence that does not ask, whose
+    ids stay its solo ones."""
+    prompt = PROMPTS[2]
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref", keep=2) as run:
+        ask = attrs.evolve(run.request(prompt_ids=prompt, max_new_tokens=3, stop_at_eos=False), prompt_logprobs=4)
+        other = run.request(prompt_ids=PROMPTS[0], max_new_tokens=5, stop_at_eos=False)
+        got, beside = run.generate_batch([ask, other], max_batch=2, prefill_chunk=chunk)
+        prefixes = [run.generate(prompt_ids=prompt[:i], max_new_tokens=1, keep_logits=True).logits[0]
+                    for i in range(1, len(prompt))]
+        solo = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=5, stop_at_eos=False)
+        plain = run.generate(prompt_ids=prompt, max_new_tokens=3, stop_at_eos=False)
+    assert beside.prompt_logprobs is None and beside.token_ids == solo.token_ids
+    assert got.token_ids == plain.token_ids  # asking changes no token
+    assert len(got.prompt_logprobs) == len(prompt) - 1
+    for token, lp, logits in zip(prompt[1:], got.prompt_logprobs, prefixes):
+        want = torch.log_softmax(logits.float(), dim=-1)
+        assert lp.token == token and lp.logprob == pytest.approx(float(want[token]), abs=1e-5)
+        assert [t for t, _ in lp.top] == torch.topk(want, 4).indices.tolist()
+
+
+def test_prompt_logprobs_out_of_range_are_refused(tiny_ckpt):
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref") as run:
+        bad = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=2), prompt_logprobs=21)
+        with pytest.raises(ConfigError, match="logprobs must be a whole number in 0..20"):
+            run.generate_batch([bad])

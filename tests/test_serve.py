@@ -322,7 +322,7 @@ def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response
     ({"model": "M", "prompt": [1, 2], "seed": -1}, "seed", None),
     ({"model": "M", "prompt": [1, 2], "n": 9}, "n", None),
     ({"model": "M", "prompt": [1, 2], "logprobs": 6}, "logprobs", None),
-    ({"model": "M", "prompt": [1, 2], "echo": True}, "echo", None),
+    ({"model": "M", "prompt": [1, 2], "echo": "yes"}, "echo", None),
     ({"model": "M", "prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", None),
     ({"model": "M", "prompt": [1, 2], "frequency_penalty": -3}, "frequency_penalty", None),
     ({"model": "M", "prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", None),

@@ -107,6 +107,39 @@ def test_completion_logprobs_in_the_completions_shape(server, reference, token_b
     assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[-1] <= len(choice.text)
 
 
+def test_echo_lays_the_prompt_before_the_completion_with_its_tokens_logprobs(server, reference, token_bytes):
+    client = server.client()
+    plain = client.completions.create(model=server.name, prompt=PROMPT, max_tokens=6, logprobs=2)
+    echoed = client.completions.create(model=server.name, prompt=PROMPT, max_tokens=6, logprobs=2, echo=True)
+    prompt_text = echoed.choices[0].text[: len(echoed.choices[0].text) - len(plain.choices[0].text)]
+    assert echoed.choices[0].text == prompt_text + plain.choices[0].text and prompt_text
+    lps, tail = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    n = len(PROMPT)
+    assert lps.tokens[:n] == [token_bytes(t).decode("utf-8", errors="replace") for t in PROMPT]
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None  # nothing comes before the first
+    for i in range(1, n):  # the prompt's token i given the i before it: a run of that prefix, its first position
+        lp = log_softmax(reference(PROMPT[:i], 1).logits[0])
+        assert lps.token_logprobs[i] == pytest.approx(float(lp[PROMPT[i]]), abs=1e-5)
+        assert max(lps.top_logprobs[i].values()) == pytest.approx(float(lp.max()), abs=1e-5)
+    assert lps.tokens[n:] == tail.tokens and lps.token_logprobs[n:] == tail.token_logprobs
+    assert lps.text_offset[0] == 0 and lps.text_offset == sorted(lps.text_offset)
+    assert lps.text_offset[n:] == [o + len(prompt_text) for o in tail.text_offset]  # moved past the prompt's text
+    assert echoed.usage == plain.usage  # the prompt is counted once, as a prompt
+
+
+def test_an_echoed_stream_joins_to_the_whole_answer(server):
+    client = server.client()
+    args = dict(model=server.name, prompt=PROMPT, max_tokens=8, logprobs=1, echo=True, n=2)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, **args))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == whole.choices[i].text
+        parts = {k: sum((c.logprobs.model_dump()[k] for c in mine if c.logprobs), []) for k in
+                 ("tokens", "token_logprobs", "text_offset")}
+        assert parts == {k: whole.choices[i].logprobs.model_dump()[k] for k in parts}
+
+
 def test_sampled_logprobs_are_the_models_before_temperature(server, reference):
     """vLLM's default: the model's own distribution, not the one the token was drawn from."""
     settings = {"temperature": 0.7, "seed": 11}

@@ -71,6 +71,8 @@ class Request:
     logprobs: int | None = None  # each token's log-probability and this many alternatives (0..20); None: not computed
     on_logprobs: Callable[[TokenLogprobs], None] | None = None  # a token's, just before ``on_token`` hears it
     constraint: Callable[[], Constraint] | None = None  # makes each sequence's constraint (a grammar's state)
+    # each prompt token's log-probability after the first, and this many alternatives (0..20); None: not computed
+    prompt_logprobs: int | None = None
 
 
 @attrs.define(eq=False)
@@ -113,6 +115,7 @@ class Sequence:
     prefill_ms: float = 0.0
     logits: list[torch.Tensor] = attrs.Factory(list)
     logprobs: list[TokenLogprobs] = attrs.Factory(list)  # each token's, where its request asks
+    prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)  # its prompt's tokens' after the first, where asked
     drafting: Drafting | None = None  # what drafts for it (its request's drafter, begun on its prompt)
     spec: SpecStats | None = None
     kept: list[int] = attrs.Factory(list)  # tokens each of its passes kept (speculative decoding)
@@ -169,6 +172,7 @@ class Batch:
         that has a free slot for it."""
         RequestLimits(self.max_seq, "this batch").budget(request.gen.max_new_tokens, len(request.prompt_ids))
         check_logprobs(request.logprobs)
+        check_logprobs(request.prompt_logprobs)
         if seq is None:
             seq = Sequence(request)
         seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None)
@@ -223,8 +227,10 @@ class Batch:
             row += n
             budget = None if budget is None else budget - n
         sampled = tuple(slot for slot, seq in rows_live.items() if seq.sampler.on_host)
-        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans),
-                              frozenset(range(len(verify))), sampled)
+        # A verify span's rows all come back, and a prompt chunk's where its request asks for the prompt's logprobs.
+        every_row = frozenset(i for i, (seq, _, _) in enumerate(spans)
+                              if i < len(verify) or seq.request.prompt_logprobs is not None)
+        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), every_row, sampled)
         launched = self.runner.step(self.dev, request, self._sample_row)
         for seq in rows_live.values():
             seq.launched += 1
@@ -238,7 +244,7 @@ class Batch:
             if i < len(verify):
                 self._verified(seq, sp, ids, verify[seq.slot][1], launched.span_logits[i], k)
             else:
-                self._prefilled(seq, sp, launched.span_logits[i][-1], k)
+                self._prefilled(seq, sp, launched.span_logits[i], k)
         self.unread.append(k)
         lag = 0 if sampled or any(seq.drafting is not None for seq in rows_live.values()) else 1
         while len(self.unread) > lag:
@@ -321,13 +327,21 @@ class Batch:
             return None
         return self._sample(seq, logits)
 
-    def _prefilled(self, seq: Sequence, span: Span, logits: torch.Tensor, k: int) -> None:
-        """A prompt chunk went through: where it was the last, its logits give the first token, on the host now."""
+    def _prefilled(self, seq: Sequence, span: Span, rows: torch.Tensor, k: int) -> None:
+        """A prompt chunk went through (``rows``: its last row's logits, or every row's where its request asks for
+        the prompt's log-probabilities): where it was the last, its last row gives the first token, on the host now."""
         seq.prefilled += span.T
         seq.prefill_passes.append(k)
-        if seq.prefilled < len(seq.request.prompt_ids):
-            return
         prompt = seq.request.prompt_ids
+        if seq.request.prompt_logprobs is not None:
+            # row j predicts the prompt's token at span.start + j + 1; the last row of the last chunk, the first token
+            nxt = list(prompt[span.start + 1: span.start + span.T + 1])
+            if nxt:
+                chosen, values, ids = token_logprobs(rows[: len(nxt)], torch.tensor(nxt), seq.request.prompt_logprobs)
+                seq.prompt_logprobs += [_on_host(t, chosen[i], values[i], ids[i]) for i, t in enumerate(nxt)]
+        logits = rows[-1]
+        if seq.prefilled < len(prompt):
+            return
         if not bool(torch.isfinite(logits).all()):
             start = span.start
             self._fail(seq, self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot))
@@ -464,6 +478,7 @@ class Batch:
             step_modes=[p.mode for p in kept],
             **self._speculative(seq, decode_ms),
             logprobs=list(seq.logprobs) if seq.request.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.request.prompt_logprobs is not None else None,
         )
 
     def _speculative(self, seq: Sequence, decode_ms: list[float]) -> dict:

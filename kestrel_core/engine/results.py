@@ -40,6 +40,8 @@ class GenerationResult:
     tokens_per_step: list[int] | None = None  # speculative decoding: the tokens each pass kept (else one a step)
     speculative: dict | None = None  # speculative decoding: passes, drafted, accepted, acceptance, tokens a pass, ms
     logprobs: list[TokenLogprobs] | None = None  # each token's, where the request asked (``Request.logprobs``)
+    # each prompt token's after the first (the first has no context), where the request asked (``prompt_logprobs``)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def ms_per_token(self) -> float:
@@ -71,6 +73,8 @@ class GenerationResult:
             "memory": self.memory,
             **({"text": self.text} if self.text is not None else {}),
             **({"logprobs": [lp.to_json() for lp in self.logprobs]} if self.logprobs is not None else {}),
+            **({"prompt_logprobs": [lp.to_json() for lp in self.prompt_logprobs]}
+               if self.prompt_logprobs is not None else {}),
         }
 
 

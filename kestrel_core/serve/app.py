@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from kestrel_core.serve import protocol, tokens, tool_calls
+from kestrel_core.serve.echo import Echo, joined
 from kestrel_core.serve.generation import Generation, GenerationFailed, Piece, merged
 from kestrel_core.serve.logprobs import LogprobText
 from kestrel_core.serve.metrics import CountResponses
@@ -166,7 +167,7 @@ def create_app(service: Service, api_key: str | None = None, max_body: int = 4 *
         service.check_ready()
         plan = await asyncio.to_thread(service.plan, req)
         gens = service.start(plan)
-        answer = Answer(service, req, gens, request.url.path, arrived)
+        answer = Answer(service, req, gens, request.url.path, arrived, plan["echo"])
         if req.stream:
             return EventStream(answer)
         return JSONResponse(await answer.whole(request))
@@ -183,10 +184,11 @@ class Answer:
     """One request's answer, of its ``n`` choices (a generation each): whole, or as server-sent events; either logs one
     line when it ends."""
 
-    def __init__(self, service: Service, req, gens: list[Generation], path: str, arrived: float | None = None):
+    def __init__(self, service: Service, req, gens: list[Generation], path: str, arrived: float | None = None,
+                 echo: Echo | None = None):
         """``arrived``: when the request came (``time.monotonic``; None: now), where its time and its first token's
-        are measured from."""
-        self.service, self.req, self.gens, self.path = service, req, gens, path
+        are measured from; ``echo``: the prompt, laid before each choice's text (completions' ``echo``)."""
+        self.service, self.req, self.gens, self.path, self.echo = service, req, gens, path, echo
         self.chat = isinstance(req, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -210,7 +212,14 @@ class Answer:
         last = len(gen.tokens) if count is None else first + count
         if self.chat:
             return self.logprobs.chat(gen.logprobs[first:last])
-        return self.logprobs.completion(gen.logprobs[first:last], gen.offsets[first:last])
+        out = self.logprobs.completion(gen.logprobs[first:last], gen.offsets[first:last])
+        return self.echo.before(out) if self.echo is not None else out
+
+    def _echoed(self, gen: Generation) -> tuple[str, dict | None]:
+        """The prompt's text and its tokens' logprobs (where asked), once the sequence is past its prompt."""
+        if self.logprobs is None:
+            return self.echo.text, None
+        return self.echo.text, self.echo.logprobs(self.logprobs, gen.seq.prompt_logprobs)
 
     async def whole(self, request: Request) -> dict:
         """Every piece of every choice, then the answer; a client gone before it is ready cancels the sequences."""
@@ -232,12 +241,16 @@ class Answer:
         ids, key = self.req.return_token_ids, "message" if self.chat else "text"
         choices = []
         for i, (gen, t) in enumerate(zip(self.gens, texts)):
-            value, reason = t, gen.finish_reason
+            value, reason, logprobs = t, gen.finish_reason, self._logprobs(gen)
             if self.chat:
                 content, calls = tool_calls.parse(t) if self.tools else (t, [])
                 value, reason = protocol.message(content, calls), ("tool_calls" if calls else reason)
+            elif self.echo is not None:
+                text, prompt_logprobs = self._echoed(gen)
+                value = text + value
+                logprobs = joined(prompt_logprobs, logprobs) if logprobs is not None else None
             choices.append(protocol.choice(i, key, value, reason, list(gen.tokens) if ids else None,
-                                           list(gen.seq.request.prompt_ids) if ids else None, self._logprobs(gen)))
+                                           list(gen.seq.request.prompt_ids) if ids else None, logprobs))
         make = protocol.chat if self.chat else protocol.completion
         return make(self.id, self.created, self.service.name, choices, self.usage())
 
@@ -260,7 +273,13 @@ class Answer:
                 for i in range(len(self.gens)):
                     yield chunk(i, {"role": "assistant", "content": ""})
             held: dict[int, list[Piece]] = {i: [] for i in range(len(self.gens))}  # with tools: a reply, whole
+            echoed: set[int] = set()
             async for i, piece in merged(self.gens, every_id=bool(ids)):
+                if self.echo is not None and i not in echoed:  # its prompt went through: the prompt first
+                    echoed.add(i)
+                    text, prompt_logprobs = self._echoed(self.gens[i])
+                    one = protocol.choice(i, key, text, None, [] if ids else None, logprobs=prompt_logprobs)
+                    yield _event(make(self.id, self.created, self.service.name, one, usage_field))
                 if piece is not None and self.tools:
                     held[i].append(piece)
                 elif piece is None and self.tools:  # the reply is whole: its content, then its calls, in two chunks

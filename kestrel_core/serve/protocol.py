@@ -3,7 +3,7 @@ does), the JSON it answers, and the error object.
 
 Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement
-(``echo``, a ``tool_choice`` that forces a call) are refused with a 400 that says so, never ignored.
+(``best_of`` above 1, ``suffix``, a ``tool_choice`` that forces a call) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -204,8 +204,6 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request(f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS} (the alternatives listed beside each "
                               f"token), got {self.logprobs}", "logprobs")
-        if self.echo:
-            raise bad_request("echo is not supported by kestrel serve; leave it out", "echo")
         if self.best_of not in (None, 1):
             raise bad_request(f"best_of={self.best_of}: kestrel serve generates one sequence a request", "best_of")
         if self.suffix:

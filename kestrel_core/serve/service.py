@@ -25,6 +25,7 @@ from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
 from kestrel_core.engine.scheduler import QueueFull, Scheduler
 from kestrel_core.serve import prompts
+from kestrel_core.serve.echo import Echo
 from kestrel_core.serve.generation import Generation
 from kestrel_core.serve.metrics import ServeMetrics
 from kestrel_core.serve.protocol import SEED_RANGE, APIError, ChatRequest, CompletionRequest, bad_request
@@ -201,8 +202,11 @@ class Service:
             raise bad_request(f"response_format: {exc}", "response_format") from None
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
-        request = attrs.evolve(request, eos_ids=frozenset(ends), logprobs=req.top_count)
-        return {"request": request, "stop": req.stop_strings, "n": req.choices}
+        echo = not chat and bool(req.echo)
+        request = attrs.evolve(request, eos_ids=frozenset(ends), logprobs=req.top_count,
+                               prompt_logprobs=req.top_count if echo else None)
+        return {"request": request, "stop": req.stop_strings, "n": req.choices,
+                "echo": Echo(model.tokenizer, ids) if echo else None}
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and
