@@ -145,10 +145,67 @@ def test_a_streamed_reply_with_a_call_sends_its_content_then_its_calls(chat_serv
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and "data: [DONE]" in lines
 
 
+# --- a call forced by tool_choice --------------------------------------------------------------------------------
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_forces_one_call_of_it_with_arguments_its_schema_accepts(chat_service, stream):
+    """The tiny model's random weights never write a call of their own: what comes back is the grammar's doing."""
+    _, http = chat_service
+    free = ask(http, tools=[CITY, TIME], max_tokens=30).json()["choices"][0]
+    assert free["finish_reason"] != "tool_calls"
+    response = ask(http, tools=[CITY, TIME], max_tokens=120, stream=stream,
+                   tool_choice={"type": "function", "function": {"name": "get_time"}})
+    if stream:
+        deltas = [json.loads(x[6:])["choices"][0] for x in response.text.splitlines() if x.startswith("data: {")]
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+        reason = deltas[-1]["finish_reason"]
+    else:
+        got = response.json()["choices"][0]
+        calls, reason = got["message"]["tool_calls"], got["finish_reason"]
+        assert got["message"]["content"] is None
+    assert reason == "tool_calls" and len(calls) == 1
+    assert calls[0]["function"]["name"] == "get_time"
+    assert json.loads(calls[0]["function"]["arguments"]) in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+def test_tool_choice_required_forces_calls_of_the_tools_given(chat_service):
+    _, http = chat_service
+    for seed in range(3):
+        got = ask(http, tools=[CITY, TIME], max_tokens=200, tool_choice="required", temperature=1.0,
+                  seed=seed).json()["choices"][0]
+        assert got["finish_reason"] == "tool_calls", got
+        for call in got["message"]["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            assert (call["function"]["name"], set(args)) in (("get_weather", {"days"}), ("get_time", {"zone"}))
+
+
+def test_a_forced_call_in_llama_format_is_a_bare_json_call():
+    grammar = tool_calls.forced('{{ "parameters" }}', [TIME], "get_time")
+    assert grammar.startswith("start: call\n") and '"parameters"' in grammar and "<tool_call>" not in grammar
+
+
+def test_a_template_with_no_call_format_cannot_force_one(chat_service):
+    service, http = chat_service
+    with pytest.raises(tool_calls.NoCallFormat, match="use tool_choice 'auto'"):
+        tool_calls.forced("{{ messages }}", [TIME], None)
+
+
 @pytest.mark.parametrize("body, param, says", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "'required' and a named function"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "need decoding constrained to a call"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "which tools does not hold"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos", "leave out ignore_eos"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "send one"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "a name of its own"),
     ({"tools": [{"type": "retrieval"}]}, None, None),

@@ -1,7 +1,8 @@
 """Output held to a JSON schema: constrained decoding through llguidance.
 
     grammars = Grammars(tokenizer, vocab_size)            # once a model: the vocabulary as llguidance reads it
-    grammar = grammars.json(schema, end_ids)              # once a request: compiled and checked (a ConfigError if not)
+    grammar = grammars.json(schema, end_ids)              # once a request: compiled and checked (a GrammarError if not)
+    grammar = grammars.lark(text, end_ids)                # or a grammar of llguidance's Lark
     constraint = grammar.start()                          # once a sequence: its own matcher state
 
 At each token the sequence's sampler asks ``constraint.allowed()`` for the ids that keep the text a prefix of a value
@@ -62,38 +63,55 @@ class Grammars:
 
     def json(self, schema: dict[str, Any], end_ids: Iterable[int]) -> "Grammar":
         """The grammar of the JSON values ``schema`` accepts (``{}``: any JSON value), its end marked by any of
-        ``end_ids``; a ConfigError naming what is wrong with the schema."""
-        ends = frozenset(end_ids)
-        if not ends:
-            raise GrammarError("constrained output ends at an end-of-sequence id, and this request has none; "
-                              "leave out ignore_eos")
+        ``end_ids``; a GrammarError naming what is wrong with the schema."""
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
-        text = json.dumps(schema)
-        if len(text) > MAX_SCHEMA_CHARS:
-            raise GrammarError(f"the JSON schema is {len(text):,} characters; at most {MAX_SCHEMA_CHARS:,}")
+        text = _bounded(json.dumps(schema), "the JSON schema")
         llg = _llguidance()
-        tok = self._for(ends)
         try:
             source = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except Exception as exc:  # noqa: BLE001 - the library's own message names the schema's fault
             raise GrammarError(f"the JSON schema cannot be used: {_one_line(exc)}") from None
-        error = llg.LLMatcher.validate_grammar(source, tok)
+        return self._compiled(source, end_ids, "the JSON schema")
+
+    def lark(self, text: str, end_ids: Iterable[int]) -> "Grammar":
+        """The grammar ``text`` (llguidance's Lark: rules, regular expressions, ``%json {schema}``), its end marked by
+        any of ``end_ids``."""
+        _bounded(text, "the grammar")
+        try:
+            source = _llguidance().LLMatcher.grammar_from_lark(text)
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(f"the grammar cannot be used: {_one_line(exc)}") from None
+        return self._compiled(source, end_ids, "the grammar")
+
+    def _compiled(self, source: str, end_ids: Iterable[int], what: str) -> "Grammar":
+        ends = frozenset(end_ids)
+        if not ends:
+            raise GrammarError("constrained output ends at an end-of-sequence id, and this request has none; "
+                               "leave out ignore_eos")
+        tok = self._for(ends)
+        error = _llguidance().LLMatcher.validate_grammar(source, tok)
         if error and not error.startswith("WARNING"):
-            raise GrammarError(f"the JSON schema cannot be used: {_one_line(error)}")
-        return Grammar(llg, tok, source, self.vocab_size)
+            raise GrammarError(f"{what} cannot be used: {_one_line(error)}")
+        return Grammar(_llguidance(), tok, source, self.vocab_size, what)
+
+
+def _bounded(text: str, what: str) -> str:
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"{what} is {len(text):,} characters; at most {MAX_SCHEMA_CHARS:,}")
+    return text
 
 
 class Grammar:
     """One compiled grammar; ``start()`` gives each sequence its own state."""
 
-    def __init__(self, llg, tokenizer, source: str, vocab_size: int):
-        self._llg, self._tokenizer, self.source, self.vocab_size = llg, tokenizer, source, vocab_size
+    def __init__(self, llg, tokenizer, source: str, vocab_size: int, what: str):
+        self._llg, self._tokenizer, self.source, self.vocab_size, self.what = llg, tokenizer, source, vocab_size, what
 
     def start(self) -> "Constraint":
         matcher = self._llg.LLMatcher(self._tokenizer, self.source, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {_one_line(matcher.get_error())}")
+            raise GrammarError(f"{self.what} cannot be used: {_one_line(matcher.get_error())}")
         return Constraint(matcher, self.vocab_size)
 
 

@@ -343,11 +343,12 @@ class Run:
 
     def request(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                 on_token: Callable[[int], None] | None = None, stop_ids: Iterable[int] = (),
-                json_schema: dict[str, Any] | None = None, **generation: Any) -> Request:
+                json_schema: dict[str, Any] | None = None, grammar: str | None = None, **generation: Any) -> Request:
         """One sequence to generate, checked: ``prompt_ids`` or ``prompt`` (text, through the model's tokenizer), and
         kestrel.toml's [generation] keys (max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos). ``stop_ids``
         end it as config.json's eos_token_id does (with stop_at_eos). ``json_schema``: the output is a JSON value
-        the schema accepts (``{}``: any JSON value), then an end id, by constrained decoding (``grammar``)."""
+        the schema accepts (``{}``: any JSON value), then an end id, by constrained decoding (``engine.grammar``);
+        ``grammar``: the same for a grammar in llguidance's Lark."""
         if not self._open or self.model.closed:
             what = "run" if not self._open else f"model ({self.model.dir})"
             raise ConfigError(f"this {what} is closed; open a new run with model.open(...)")
@@ -370,11 +371,15 @@ class Run:
         self.model.limits().ids([i for i, _ in gen.logit_bias], "logit_bias")
         eos = self.model.eos_ids | frozenset(stop)  # config.json's and generation_config.json's, and the caller's
         constraint = None
-        if json_schema is not None:
+        if json_schema is not None and grammar is not None:
+            raise ConfigError("both json_schema and grammar are given; pass one")
+        if json_schema is not None or grammar is not None:
             if not gen.stop_at_eos:
-                raise ConfigError("output held to a JSON schema ends at an end id once the value is whole; "
+                raise ConfigError("output held to a JSON schema or a grammar ends at an end id once it is whole; "
                                   "leave stop_at_eos on")
-            constraint = self.model.grammars().json(json_schema, eos).start
+            grammars = self.model.grammars()
+            held = grammars.json(json_schema, eos) if grammar is None else grammars.lark(grammar, eos)
+            constraint = held.start
         # A verify pass keeps argmax drafts, which a penalty or a grammar moves.
         drafter = self.drafter if not processes(gen) and constraint is None else None
         draft = self.config.speculative.draft_tokens if drafter is not None else 0
@@ -383,7 +388,7 @@ class Run:
 
     def generate(self, prompt_ids: list[int] | None = None, prompt: str | None = None, keep_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, on_text: Callable[[str], None] | None = None,
-                 stop_ids: Iterable[int] = (), json_schema: dict[str, Any] | None = None,
+                 stop_ids: Iterable[int] = (), json_schema: dict[str, Any] | None = None, grammar: str | None = None,
                  **generation: Any) -> GenerationResult:
         """Generate from ``prompt_ids`` or ``prompt`` (see ``request``).
 
@@ -403,7 +408,7 @@ class Run:
                 on_text(piece)
 
         hear = each if on_token is not None or stream is not None else None
-        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, json_schema, **generation)
+        req = self.request(prompt_ids, prompt, keep_logits, hear, stop_ids, json_schema, grammar, **generation)
         with self._oom_is_a_budget_error():
             result = generate_one(self.runner, req)
         if stream is not None and (rest := stream.finish()):

@@ -3,7 +3,7 @@ does), the JSON it answers, and the error object.
 
 Beyond OpenAI's parameters, a request may carry vLLM's extensions ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``return_token_ids`` and (chat) ``chat_template_kwargs``. Parameters kestrel does not implement
-(``best_of`` above 1, ``suffix``, a ``tool_choice`` that forces a call) are refused with a 400 that says so, never ignored.
+(``best_of`` above 1, ``suffix``) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -246,6 +246,15 @@ class Tool(_Strict):
     function: Function
 
 
+class ChosenFunction(_Strict):
+    name: str
+
+
+class ToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -283,11 +292,25 @@ class ChatRequest(_Sampling):
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs: true; send both, or leave top_logprobs out",
                                   "top_logprobs")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise bad_request("tool_choice may be 'auto' or 'none': 'required' and a named function need decoding "
-                              "constrained to a call, which kestrel serve does not do yet", "tool_choice")
-        if self.tool_choice == "auto" and not self.tools:
-            raise bad_request("tool_choice 'auto' needs tools; send tools, or leave tool_choice out", "tool_choice")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            try:
+                named = ToolChoice.model_validate(choice).function.name
+            except ValidationError:
+                raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                                  '"function": {"name": NAME}}', "tool_choice") from None
+            if named not in {t.function.name for t in self.tools or ()}:
+                raise bad_request(f"tool_choice names the function {named!r}, which tools does not hold",
+                                  "tool_choice")
+        elif choice not in (None, "auto", "none", "required"):
+            raise bad_request(f'tool_choice must be "auto", "none", "required" or a function, got {choice!r}',
+                              "tool_choice")
+        if choice not in (None, "none") and not self.tools:
+            raise bad_request(f"tool_choice {json.dumps(choice)} needs tools; send tools, or leave tool_choice out",
+                              "tool_choice")
+        if self.forced_call and self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("a tool_choice that forces a call and a JSON response_format each hold the reply to "
+                              "a form; send one", "response_format")
         if self.tools is not None and len(self.tools) > MAX_TOOLS:
             raise bad_request(f"tools holds {len(self.tools)} functions; at most {MAX_TOOLS}", "tools")
         names = [t.function.name for t in self.tools or ()]
@@ -303,6 +326,15 @@ class ChatRequest(_Sampling):
     @property
     def top_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def forced_call(self) -> tuple[str | None] | None:
+        """Where tool_choice forces a call: (the function's name,), or (None,) for any ("required"); else None."""
+        if self.tool_choice == "required":
+            return (None,)
+        if isinstance(self.tool_choice, dict):
+            return (self.tool_choice["function"]["name"],)
+        return None
 
     @property
     def tool_defs(self) -> list[dict] | None:

@@ -24,7 +24,7 @@ from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
 from kestrel_core.engine.scheduler import QueueFull, Scheduler
-from kestrel_core.serve import prompts
+from kestrel_core.serve import prompts, tool_calls
 from kestrel_core.serve.echo import Echo
 from kestrel_core.serve.generation import Generation
 from kestrel_core.serve.metrics import ServeMetrics
@@ -193,13 +193,15 @@ class Service:
         generation = req.generation()
         if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
             generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
+        grammar = self._forced_call(req) if chat else None
         try:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), stop_ids=ends,
-                                       json_schema=req.output_schema, **generation)
+                                       json_schema=req.output_schema, grammar=grammar, **generation)
         except LimitError:
             raise  # a logit_bias id past the vocabulary: a 400 naming the parameter, above
         except GrammarError as exc:
-            raise bad_request(f"response_format: {exc}", "response_format") from None
+            param = "tool_choice" if grammar is not None else "response_format"
+            raise bad_request(f"{param}: {exc}", param) from None
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
         echo = not chat and bool(req.echo)
@@ -207,6 +209,18 @@ class Service:
                                prompt_logprobs=req.top_count if echo else None)
         return {"request": request, "stop": req.stop_strings, "n": req.choices,
                 "echo": Echo(model.tokenizer, ids) if echo else None}
+
+    def _forced_call(self, req: ChatRequest) -> str | None:
+        """The grammar of a reply that is only calls, where tool_choice forces one (in the template's call format)."""
+        if req.forced_call is None:
+            return None
+        if req.ignore_eos:
+            raise bad_request("a tool_choice that forces a call ends the reply once the call is whole, at an "
+                              "end-of-sequence token; leave out ignore_eos", "ignore_eos")
+        try:
+            return tool_calls.forced(self.template.source, req.tool_defs, req.forced_call[0])
+        except tool_calls.NoCallFormat as exc:
+            raise bad_request(str(exc), "tool_choice") from None
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and

@@ -9,6 +9,10 @@ Two formats, the ones kestrel's models write when their chat template is given `
 
 A block that does not hold such an object stays in the content, so nothing the model wrote is lost. Each call gets
 an id of its own (``call_`` and 24 hex digits); its ``arguments`` are a JSON string, as OpenAI sends them.
+
+``forced(template_source, tools, name)`` is the grammar (llguidance's Lark) of a reply that is calls only, in the
+format the template lays out: a ``tool_choice`` of ``required`` (one call or more, of any tool) or of one named
+function (one call of it), each call's arguments held to its function's ``parameters`` schema.
 """
 
 from __future__ import annotations
@@ -20,6 +24,44 @@ import uuid
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 PYTHON_TAG = "<|python_tag|>"
+# A forced call's JSON laid out as the templates render earlier calls (Jinja's tojson: ", " and ": ", no other
+# whitespace): what the models saw in training, and no room to pad the call until max_tokens.
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class NoCallFormat(ValueError):
+    """The chat template lays out no tool-call format kestrel knows."""
+
+
+def style(template_source: str) -> str | None:
+    """The call format a chat template asks its model for: "hermes" (``<tool_call>`` blocks), "llama" (a bare JSON
+    object with ``parameters``), or None: neither shows."""
+    if OPEN in template_source:
+        return "hermes"
+    if PYTHON_TAG in template_source or '"parameters"' in template_source:
+        return "llama"
+    return None
+
+
+def forced(template_source: str, tools: list[dict], name: str | None) -> str:
+    """The Lark grammar of a reply that is only calls: of the function ``name`` (one call), or, None, of any of
+    ``tools`` (one or more, Hermes; one, Llama's format holds one)."""
+    how = style(template_source)
+    if how is None:
+        raise NoCallFormat("this model's chat template shows no tool-call format kestrel can hold a reply to "
+                           "(<tool_call> blocks, or Llama 3.1's JSON with parameters); use tool_choice 'auto'")
+    key = "arguments" if how == "hermes" else "parameters"
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    schema = {"x-guidance": CALL_JSON,
+              "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                         "properties": {"name": {"const": t["function"]["name"]},
+                                        key: t["function"].get("parameters") or {"type": "object"}}}
+                        for t in chosen]}
+    call = "call: %json " + json.dumps(schema)
+    if how == "llama":
+        return "start: call\n" + call
+    many = "" if name is not None else ' ("\\n" block)*'
+    return f'start: block{many}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n' + call
 
 
 def _call(obj) -> dict | None:
