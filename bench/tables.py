@@ -546,6 +546,35 @@ def gguf_stream(recs: Records) -> str:
     return "\n\n".join(parts)
 
 
+def grammar(recs: Records) -> str:
+    """Output held to a JSON schema on the real model against plain greedy decoding, and the libraries' mask cost a
+    token, from the newest complete ``python -m bench grammar`` record."""
+    found = recs.newest("grammar")
+    if found is None:
+        return "No record yet: `python -m bench grammar` makes one."
+    name, rec = found
+    res = rec["result"]
+    plain = res["rows"][0]["ms_per_token"]["p50"]
+    out = [[f"`{r['row']}`", spread(r["ms_per_token"]),
+            "1" if r["row"] == "plain" else f"{r['ms_per_token']['p50'] / plain:.3f}", ", ".join(map(str, r["tokens"])),
+            ("yes" if r["valid"] else "no") + (f" (against `{r['valid_against']}`)" if r["row"] == "plain" else "")]
+           for r in res["rows"]]
+    masks = [[f"`{m['schema']}`", m["library"], spread(m["per_token_ms"], 4), f"{m['setup_ms']:.0f}",
+              f"{m['compile_ms']:.1f}", f"{m['ids_allowed']} of {m['ids_replayed']}"] for m in res["mask_only"]]
+    xg = (f" xgrammar {res['xgrammar']} from {res['xgrammar_from']}." if res.get("xgrammar_from")
+          else f" xgrammar: {res.get('xgrammar')}.")
+    return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}, keep {res['keep']}, {res['threads']} "
+            f"threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every repeat's steps "
+            f"(p10–p90, n), the grammar's mask and the sampling inside each step; the target is at most "
+            f"{res['target']}x plain's.\n\n"
+            + table(["row", "decode ms/token", "x plain", "tokens (each repeat)", "valid JSON"], out)
+            + "\n\nThe host's cost alone: each constrained row's ids replayed through a fresh grammar state, mask and "
+              "accept timed a token (ms, p50 (p10–p90, n)); `kestrel` is the sampler's own calls, the mask unpacked "
+              f"to a [vocab] bool tensor.{xg}\n\n"
+            + table(["schema", "library", "mask + accept ms/token", "vocabulary setup ms", "compile ms",
+                     "ids the mask allowed"], masks))
+
+
 BLOCKS: dict[str, Callable[[Records], str]] = {
     "headline-picture": headline_picture,
     "headline": headline,
@@ -561,5 +590,6 @@ BLOCKS: dict[str, Callable[[Records], str]] = {
     "host-tier": host_tier,
     "rss-window": rss_window,
     "real-model": real_model,
+    "grammar": grammar,
     "records": every_record,
 }

@@ -48,6 +48,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                    "ngram prompt lookup and an always-right drafter, per prompt"),
     "quant-quality": ("quant_quality", "what `kestrel quantize --type` loses on the real model (SmolLM2-135M, cpu_ref): "
                                        "per type, bits a weight, every tensor's RMSE against float32, greedy ids"),
+    "grammar": ("grammar", "output held to a JSON schema on the real model (SmolLM2-135M, cpu_ref): ms/token against "
+                           "plain greedy in one run, and the grammar libraries' mask cost a token alone"),
     "verify": ("verify", "a speculative verify pass of K+1 tokens against a one-token step (K = 1, 4, 16, 32, an "
                          "always-right drafter) on a synthetic model, and a small draft model's ms a drafted token"),
     "demo": ("demo", "`kestrel demo --json` as a record (from demo_record.py)"),
