@@ -18,6 +18,7 @@ between its tokens, p50 and p99 over all of them, and the round's tokens/s. The 
 
 from __future__ import annotations
 
+import re
 import statistics
 import threading
 import time
@@ -143,6 +144,7 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
         name = str(path)
         one_stream(client, name, 0, 4, threading.Barrier(1))  # warm-up
+        warm = process_memory(server.proc.pid)
         for n in clients:
             rounds = []
             for _ in range(args.repeats):
@@ -171,7 +173,9 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
                    "tokens_per_s_p50": statistics.median(r["tokens_per_s"] for r in rounds),
                    "ttft_ms": percentiles(ttft), "between_tokens_ms": percentiles(gaps),
                    "ids_compared": sum(len(r["ids_equal_engine"]) for r in rounds),
-                   "ids_equal_engine": all(all(r["ids_equal_engine"]) for r in rounds)}
+                   "ids_equal_engine": all(all(r["ids_equal_engine"]) for r in rounds),
+                   # the server's memory once warm, and after this row (its high-water mark since it started)
+                   "server_memory": {"after_warmup": warm, "after_row": process_memory(server.proc.pid)}}
             rows.append(row)
             log(f"server {n:3} clients, max_seq {max_seq}: {row['tokens_per_s_p50']:8.1f} tokens/s, first token p50 "
                 f"{row['ttft_ms']['p50']:.1f} p99 {row['ttft_ms']['p99']:.1f} ms, between p50 "
@@ -180,6 +184,16 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
     finally:
         server.stop()
     return rows
+
+
+def process_memory(pid: int) -> dict[str, int | None]:
+    """A process's resident memory now (VmRSS) and its high-water mark (VmHWM), in bytes (None where unreadable)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {"rss_bytes": None, "peak_rss_bytes": None}
+    kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M)}
+    return {"rss_bytes": kib.get("VmRSS"), "peak_rss_bytes": kib.get("VmHWM")}
 
 
 def percentiles(xs: list[float]) -> dict:
