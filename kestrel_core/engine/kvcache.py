@@ -5,7 +5,10 @@ A slot holds one sequence's keys and values; a batch of decoding sequences holds
 
 from __future__ import annotations
 
+import math
+
 import attrs
+import numpy as np
 import torch
 
 from kestrel_core.formats.dtypes import itemsize
@@ -24,10 +27,23 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device, slots: int = 1) -> list["KVCache"]:
         shape = (slots, max_seq, cfg.num_key_value_heads, cfg.head_dim)
-        return [
-            cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        return [cls(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_hidden_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed buffer. In host memory it is zero pages the kernel maps as they are first written (calloc, which
+    numpy's zeros uses for a large block, writes nothing), so a slot holds memory for the positions its sequences
+    reached, not for ``max_seq``; torch.zeros would write every page at once."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * itemsize(dtype)
+    raw = torch.from_numpy(np.zeros(n + _ALIGN, dtype=np.uint8))
+    at = -raw.data_ptr() % _ALIGN  # the first byte on a cache line, as torch's own allocator gives
+    return raw[at:at + n].view(dtype).view(shape)
+
+
+_ALIGN = 64
 
 
 def kv_bytes(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, slots: int = 1) -> int:

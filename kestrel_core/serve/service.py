@@ -132,7 +132,9 @@ class Service:
                  f"{min(self.limits.max_tokens, self.max_seq - 1):,}"]
         c = run.counters.snapshot()
         kv = kv_bytes(model.config, self.max_seq, run.backend.dtype, self.limits.max_batch)
-        memory = [f"weights resident at peak {_mib(c['peak_resident_bytes'])}", f"KV cache {_mib(kv)}"]
+        # In host memory the KV cache's pages become resident as positions are written (kvcache._zeros)
+        kv_what = f"KV cache {_mib(kv)}" + (" at most, resident as written" if run.backend.device.type == "cpu" else "")
+        memory = [f"weights resident at peak {_mib(c['peak_resident_bytes'])}", kv_what]
         memory += [f"{k.removesuffix('_bytes').replace('_', ' ')} {_mib(v)}"
                    for k, v in run.backend.memory_stats().items() if v]
         rss = _rss_bytes()

@@ -1,0 +1,39 @@
+"""A KV cache in host memory holds memory for the positions its sequences wrote, not for every slot x max_seq: its
+buffers are zero pages the kernel maps as they are first written. Read back, an unwritten position is zero."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel_core.engine.kvcache import allocate_cache, kv_bytes
+from kestrel_core.tools.presets import preset_config
+
+
+def rss() -> int:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc/self/status: the process's resident memory cannot be read here")
+    return int(re.search(r"VmRSS:\s+(\d+)", status.read_text()).group(1)) * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_kv_cache_is_resident_as_it_is_written(dtype):
+    cfg = preset_config("tiny")
+    slots, max_seq = 8, 65536
+    need = kv_bytes(cfg, max_seq, dtype, slots)
+    assert need >= 256 * 2**20  # large enough that the bounds below could not hold by chance
+    before = rss()
+    kv = allocate_cache(cfg, max_seq, dtype, torch.device("cpu"), slots)
+    allocated = rss() - before
+    for layer in kv:  # one sequence of 256 positions in slot 3
+        layer.k[3, :256] = 1
+        layer.v[3, :256] = 1
+    written = rss() - before
+    assert allocated < need // 16, (allocated, need)  # torch.zeros would have made all of it resident here
+    assert written < need // 4, (written, need)  # one slot of eight: at most its own pages (huge pages or not)
+    assert all(float(layer.k[3, 256:].abs().sum()) == 0 and float(layer.v[:3].abs().sum()) == 0 for layer in kv)
+    assert kv[0].k.dtype == dtype and kv[0].k.is_contiguous() and kv[0].k.data_ptr() % 64 == 0
