@@ -483,6 +483,48 @@ def real_model(recs: Records) -> str:
                      "mapping RSS MiB at the end", "ids"], out))
 
 
+def _tensor(name: str) -> str:
+    return name.removeprefix("model.").removesuffix(".weight")
+
+
+def quant_quality(recs: Records) -> str:
+    """Each ``kestrel quantize --type`` of SmolLM2's float32 layout beside the Q4_1 file it came from: bits a weight,
+    relative RMSE against float32, the blocks equal to the file's, greedy ids against float32."""
+    found = recs.newest("quant-quality")
+    if found is None:
+        return "No record yet: `python -m bench quant-quality` makes one."
+    name, rec = found
+    res = rec["result"]
+    out = []
+    for r in res["rows"]:
+        s = r["rmse_summary"]
+        kinds = sorted(((n, t) for t, n in r["tensor_types"].items() if t not in ("F32", "F16")), reverse=True)
+        down = [t["rel_rmse"] for t in r["tensors"] if ".mlp.down_proj." in t["name"]]
+        firsts = [("—" if g["first_difference"] is None else f"{g['first_difference']} ({g['float32_logit_gap']:.2f})")
+                  for g in r["greedy"].values()]
+        label = "the source file" if r["type"] is None else f"`{r['type']}`"
+        out.append([label, ", ".join(f"{t} ×{n}" for n, t in kinds), f"{r['file_bytes'] / 1e6:.1f}",
+                    f"{r['bits_per_weight']:.2f}", f"{s['median_rel_rmse']:.4f}",
+                    f"{s['max_rel_rmse']:.4f} ({_tensor(s['max_rel_rmse_tensor'])})" if s["max_rel_rmse"] else "0",
+                    f"{s['weighted_mean_rel_rmse']:.4f}", f"{statistics.median(down):.4f}" if down else "—",
+                    "—" if s["blocks_equal_source"] is None else
+                    f"{100 * s['blocks_equal_source']:.1f}% of {s['tensors_typed_as_source']}",
+                    f"{sum(g['equal'] for g in r['greedy'].values())}/{len(r['greedy'])}", ", ".join(firsts)])
+    return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}, keep {res['keep']}, {res['threads']} "
+            "threads. Each type is written by `kestrel quantize --type` from the float32 Hugging Face layout, which is "
+            "the source file's weights dequantized: every RMSE is against those weights, and the source file's is 0 by "
+            "construction. Relative RMSE is a tensor's RMSE over its RMS, over the quantized (2-D) tensors: the "
+            "median, the max (its tensor) and the mean weighted by values; ffn_down (rows of 1536) is the only "
+            "tensor whose rows split into K-quant blocks. \"blocks = file's\": of the tensors written in the source "
+            "file's type (how many), the share of their blocks byte-equal to the file's. Greedy: "
+            f"{res['tokens']} new tokens on each of {len(res['prompt_texts'])} chat prompts "
+            f"({', '.join(res['prompt_texts'])}), against float32's; where "
+            "they differ, the first position, and in brackets float32's logit of its id less its logit of the id "
+            "taken there.\n\n"
+            + table(["type", "written as", "MB", "bits/weight", "rel. RMSE median", "max", "weighted mean",
+                     "ffn_down median", "blocks = file's", "greedy = float32", "first difference (logit gap)"], out))
+
+
 # --- every record -------------------------------------------------------------------------------------------------
 
 def _text_header(text: str) -> tuple[str, str, str]:
@@ -590,6 +632,7 @@ BLOCKS: dict[str, Callable[[Records], str]] = {
     "host-tier": host_tier,
     "rss-window": rss_window,
     "real-model": real_model,
+    "quant-quality": quant_quality,
     "grammar": grammar,
     "records": every_record,
 }
