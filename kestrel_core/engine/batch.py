@@ -116,6 +116,8 @@ class Sequence:
     logits: list[torch.Tensor] = attrs.Factory(list)
     logprobs: list[TokenLogprobs] = attrs.Factory(list)  # each token's, where its request asks
     prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)  # its prompt's tokens' after the first, where asked
+    leader: "Sequence | None" = None  # the sequence whose prefill of the same prompt this one shares (its KV copied)
+    followers: list["Sequence"] = attrs.Factory(list)  # the sequences that share this one's prefill
     drafting: Drafting | None = None  # what drafts for it (its request's drafter, begun on its prompt)
     spec: SpecStats | None = None
     kept: list[int] = attrs.Factory(list)  # tokens each of its passes kept (speculative decoding)
@@ -200,10 +202,12 @@ class Batch:
             seq.slot = self.free.pop(0)
             self.active[seq.slot] = seq
             self.runner.place(self.dev, seq.slot, self.park)
+            self._share_prefill(seq)
         verify = self._drafts()
         rows_live = {slot: seq for slot, seq in self.active.items()
                      if seq.decoding and not seq.done and slot not in verify and self._wants_a_row(seq)}
-        prefilling = [s for s in self.active.values() if not s.done and s.prefilled < len(s.request.prompt_ids)]
+        prefilling = [s for s in self.active.values()
+                      if not s.done and s.leader is None and s.prefilled < len(s.request.prompt_ids)]
         if not rows_live and not prefilling and not verify:
             if self.unread:
                 self._take(self.unread.popleft())
@@ -327,6 +331,21 @@ class Batch:
             return None
         return self._sample(seq, logits)
 
+    def _share_prefill(self, seq: Sequence) -> None:
+        """Where a sequence still in its prefill has the same prompt (a request's ``n`` choices, or two requests that
+        send one prompt), ``seq`` waits for it, then takes a copy of its keys and values and its last logits: the
+        prompt goes through the layers once."""
+        if seq.prefilled:
+            return
+        for other in self.active.values():
+            if (other is not seq and other.leader is None and not other.done
+                    and other.prefilled < len(other.request.prompt_ids)
+                    and other.request.prompt_ids == seq.request.prompt_ids
+                    and other.request.prompt_logprobs == seq.request.prompt_logprobs):
+                seq.leader = other
+                other.followers.append(seq)
+                return
+
     def _prefilled(self, seq: Sequence, span: Span, rows: torch.Tensor, k: int) -> None:
         """A prompt chunk went through (``rows``: its last row's logits, or every row's where its request asks for
         the prompt's log-probabilities): where it was the last, its last row gives the first token, on the host now."""
@@ -344,8 +363,24 @@ class Batch:
             return
         if not bool(torch.isfinite(logits).all()):
             start = span.start
-            self._fail(seq, self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot))
+            error = self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot)
+            for one in (seq, *seq.followers):
+                self._fail(one, error)
             return
+        for follower in seq.followers:  # its prompt's keys and values are this one's: a copy, not another prefill
+            follower.leader = None
+            if follower.done:
+                continue
+            self.runner.copy_prefix(self.dev, seq.slot, follower.slot, len(prompt))
+            follower.prefilled, follower.prefill_passes = len(prompt), list(seq.prefill_passes)
+            follower.prompt_logprobs = list(seq.prompt_logprobs)
+            self._first_token(follower, logits, k)
+        seq.followers = []
+        self._first_token(seq, logits, k)
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, k: int) -> None:
+        """The prompt went through (its last row's ``logits``, on step ``k``): the sequence's first token."""
+        prompt = seq.request.prompt_ids
         token = self._sample(seq, logits)
         if token is None:
             return
@@ -443,6 +478,9 @@ class Batch:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.done, seq.finish_reason = True, reason
+        for follower in seq.followers:  # it leaves before its prefill ended: they prefill on their own
+            follower.leader = None
+        seq.followers = []
         if seq.slot >= 0 and self.active.get(seq.slot) is seq:
             del self.active[seq.slot]
             self.free.append(seq.slot)

@@ -234,6 +234,13 @@ class Runner:
             s.state.tokens[slot].fill_(token)
         s.state.positions[slot].fill_(position)
 
+    def copy_prefix(self, s: Slots, src: int, dst: int, n: int) -> None:
+        """Slot ``dst``'s first ``n`` positions' keys and values become slot ``src``'s (a prompt both hold), in stream
+        order: a step launched after reads them."""
+        for layer in s.cache:
+            layer.k[dst, :n].copy_(layer.k[src, :n])
+            layer.v[dst, :n].copy_(layer.v[src, :n])
+
     def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
         return s.state.logits[slot]
