@@ -44,7 +44,11 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompts", type=int, default=16, help="prompts in each engine row")
     p.add_argument("--repeats", type=int, default=3, help="rounds of each server row")
-    p.add_argument("--rows", type=names(("engine", "server")), default={"engine", "server"})
+    p.add_argument("--rows", type=names(("engine", "server", "choices")), default={"engine", "server"},
+                   help="choices: one request of n = --choices sampled choices against that many requests of the "
+                        "prompt at once and one after another, on one server")
+    p.add_argument("--choices", type=int, default=4, help="n of the choices rows")
+    p.add_argument("--choice-prompt", type=int, default=256, help="prompt tokens of the choices rows")
     p.add_argument("--max-seqs", type=numbers(int, 2), default=None,
                    help="the server rows at each of these --max-seq (default: 64 + --tokens), one server a value, in "
                         "one run: what a context a request does not use costs")
@@ -204,6 +208,59 @@ def percentiles(xs: list[float]) -> dict:
     return {"n": len(s), "p50": statistics.median(s), "p99": q[98], "max": s[-1]}
 
 
+def choices_rows(args, path: Path, record) -> dict:
+    """One request of n sampled choices against n requests of the same prompt with the choices' seeds, sent at once
+    and one after another, interleaved round by round on one server: wall time and tokens/s of each, and whether each
+    choice's ids equal its seed's request's."""
+    import openai
+
+    n, prompt = args.choices, [(13 * k) % 250 + 1 for k in range(args.choice_prompt)]
+    server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(n),
+                          "--max-seq", str(args.choice_prompt + args.tokens + 8), env={"KESTREL_API_KEY": "bench"},
+                          timeout=300)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
+    body = dict(model=str(path), prompt=prompt, max_tokens=args.tokens, temperature=0.8,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    def one(seed: int) -> list[int]:
+        return client.completions.create(seed=seed, **body).choices[0].token_ids
+
+    def at_once() -> list[list[int]]:
+        out: list = [None] * n
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(100 + i))) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    ways = {"one_request_n": lambda: [c.token_ids for c in sorted(
+                client.completions.create(seed=100, n=n, **body).choices, key=lambda c: c.index)],
+            "requests_at_once": at_once,
+            "requests_one_after_another": lambda: [one(100 + i) for i in range(n)]}
+    rows: dict[str, dict] = {k: {"wall_s": [], "ids": None} for k in ways}
+    try:
+        one(1)  # warm-up
+        for _ in range(args.repeats):
+            for name, way in ways.items():
+                t0 = time.perf_counter()
+                ids = way()
+                rows[name]["wall_s"].append(time.perf_counter() - t0)
+                rows[name]["ids"] = ids
+            record.save_partial({"choices": rows})
+    finally:
+        server.stop()
+    base = rows["requests_one_after_another"]["ids"]
+    out = {"n": n, "prompt_tokens": len(prompt), "tokens": args.tokens, "rows": {}}
+    for name, row in rows.items():
+        wall = statistics.median(row["wall_s"])
+        out["rows"][name] = {"wall_s_runs": row["wall_s"], "wall_s_p50": wall,
+                             "tokens_per_s_p50": n * args.tokens / wall, "ids_equal_seeds_requests": row["ids"] == base}
+        log(f"{name:27} {n * args.tokens / wall:8.1f} tokens/s (wall p50 {wall:.2f} s), ids equal each seed's "
+            f"request: {row['ids'] == base}")
+    return out
+
+
 def run(args, record) -> dict:
     path = models.ensure_preset(args.models, args.preset)
     wanted = args.rows
@@ -211,6 +268,8 @@ def run(args, record) -> dict:
     server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
     result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,
               "engine": engine, "engine_one_request": base, "server": server}
+    if "choices" in wanted:
+        result["choices"] = choices_rows(args, path, record)
     seqs = sorted({r["max_seq"] for r in server})
     if len(seqs) > 1:  # the longest context against the shortest, client count by client count: target <= 1.1x
         lo, hi = seqs[0], seqs[-1]
