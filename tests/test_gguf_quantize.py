@@ -31,6 +31,7 @@ from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_tokenizer import _QWEN2
 from kestrel_core.formats.gguf_types import TYPE_NAMES, use_more_bits
 from kestrel_core.formats.gguf_vocab import SAMPLE
+from kestrel_core.errors import ConfigError
 from kestrel_core.formats.modelconfig import parse_model_config
 from kestrel_core.formats.tensor_table import all_specs
 from kestrel_core.tools.presets import PRESETS, preset_config, write_checkpoint
@@ -611,3 +612,17 @@ def test_a_tokenizer_a_gguf_cannot_carry_is_left_out_with_a_note(tiny_ckpt, tmp_
     assert "kestrel: note: " in captured.err and "is a WordPiece tokenizer" in captured.err
     with load(tmp_path / "w.gguf") as model:
         assert model.tokenizer is None
+
+
+def test_a_null_chat_template_is_none_and_the_model_still_quantizes(chat_ckpt, tmp_path):
+    """A base model's tokenizer_config.json may hold "chat_template": null: no template, written without one."""
+    from kestrel_core.tools.quantize import quantize_to_gguf
+
+    d = shutil.copytree(chat_ckpt, tmp_path / "base")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    report = quantize_to_gguf(d, tmp_path / "base.gguf", "q8_0")
+    with load(tmp_path / "base.gguf") as model:
+        assert model.tokenizer is not None and report
+        with pytest.raises(ConfigError, match="chat template"):
+            model.chat_template()

@@ -204,7 +204,8 @@ def directory_source(model: Model) -> Source:
         text = read_bounded(tokenizer, TOKENIZER_LIMIT, str(tokenizer), "this is not a tokenizer.json").decode("utf-8")
     config_path = d / TOKENIZER_CONFIG
     config = read_json(config_path) if config_path.is_file() else {}
-    names_template = (d / TEMPLATE_FILE).exists() or (isinstance(config, dict) and "chat_template" in config)
+    # a "chat_template": null (as some tokenizer_config.json files hold) names none
+    names_template = (d / TEMPLATE_FILE).exists() or (isinstance(config, dict) and config.get("chat_template") is not None)
     template = model.chat_template().source if names_template else None  # one kestrel cannot read is an error here
     return Source(model.config, ckpt.view, d.name, str(d), text, config if isinstance(config, dict) else {}, template,
                   frozenset(model.eos_ids), ckpt.drop_pages)
