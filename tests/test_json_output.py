@@ -235,3 +235,15 @@ def test_a_response_format_with_ignore_eos_is_a_400(server):
                    json={"model": server.name, "prompt": "x", "ignore_eos": True,
                          "response_format": {"type": "json_object"}})
     assert "leave out ignore_eos" in assert_openai_error(r, 400, "ignore_eos")["message"]
+
+
+def test_the_vocabularies_kept_for_end_id_sets_are_bounded(run):
+    """A request's own stop ids make a new set of end ids; a server must not keep a vocabulary for each forever."""
+    from kestrel_core.engine.grammar import KEPT_VOCABULARIES
+
+    grammars = run.model.grammars()
+    eos = sorted(run.model.eos_ids)
+    for extra in range(KEPT_VOCABULARIES + 5):
+        grammars.json(YES_NO, [*eos, 100 + extra])
+    assert len(grammars._tokenizers) == KEPT_VOCABULARIES
+    assert frozenset([*eos, 100 + KEPT_VOCABULARIES + 4]) in grammars._tokenizers  # the latest kept

@@ -365,7 +365,8 @@ class Batch:
             start = span.start
             error = self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot)
             for one in (seq, *seq.followers):
-                self._fail(one, error)
+                if not one.done:  # a follower cancelled while it waited has ended already
+                    self._fail(one, error)
             return
         for follower in seq.followers:  # its prompt's keys and values are this one's: a copy, not another prefill
             follower.leader = None

@@ -1,4 +1,4 @@
-"""Output held to a JSON schema: constrained decoding through llguidance.
+"""Output held to a JSON schema or a grammar: constrained decoding through llguidance.
 
     grammars = Grammars(tokenizer, vocab_size)            # once a model: the vocabulary as llguidance reads it
     grammar = grammars.json(schema, end_ids)              # once a request: compiled and checked (a GrammarError if not)
@@ -24,6 +24,7 @@ from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.formats.tokenizer import Tokenizer
 
 MAX_SCHEMA_CHARS = 256 * 2**10  # a schema's JSON text, at most: a compiled grammar grows with it
+KEPT_VOCABULARIES = 8  # end-id sets whose vocabulary is kept made (a chat's and a completion's are the usual two)
 # Whitespace between tokens of the value: some, so a model may lay it out as it learned to, but never unbounded (a
 # model that would rather not end the value could pad it with whitespace until max_tokens). A schema's own
 # "x-guidance" options override these.
@@ -53,12 +54,14 @@ class Grammars:
 
     def _for(self, end_ids: frozenset[int]):
         with self._lock:
-            tok = self._tokenizers.get(end_ids)
+            tok = self._tokenizers.pop(end_ids, None)
             if tok is None:
                 llg = _llguidance()
                 tok = llg.LLTokenizer(self.tokenizer.hf.to_str(), n_vocab=self.vocab_size,
                                       eos_token=sorted(end_ids))
-                self._tokenizers[end_ids] = tok
+            self._tokenizers[end_ids] = tok  # the most recent last
+            while len(self._tokenizers) > KEPT_VOCABULARIES:  # requests' own stop ids make new sets: bounded
+                del self._tokenizers[next(iter(self._tokenizers))]
             return tok
 
     def json(self, schema: dict[str, Any], end_ids: Iterable[int]) -> "Grammar":
@@ -135,11 +138,6 @@ class Constraint:
         if not self._matcher.consume_token(token):
             raise KestrelError(f"constrained output: token {token} is not allowed here "
                               f"({_one_line(self._matcher.get_error())})")
-
-    @property
-    def whole(self) -> bool:
-        """Whether the text so far is a whole value the grammar accepts."""
-        return bool(self._matcher.is_accepting())
 
 
 def _one_line(message: Any) -> str:
