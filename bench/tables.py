@@ -605,11 +605,15 @@ def grammar(recs: Records) -> str:
               f"{m['compile_ms']:.1f}", f"{m['ids_allowed']} of {m['ids_replayed']}"] for m in res["mask_only"]]
     xg = (f" xgrammar {res['xgrammar']} from {res['xgrammar_from']}." if res.get("xgrammar_from")
           else f" xgrammar: {res.get('xgrammar')}.")
+    heads = [f"`{n}` {h['over_plain_p50']:.3f}x plain's p50 ({'within' if h['within_target'] else 'over'} the "
+             f"target), plain's p50 plus the mask's {h['plain_plus_mask_over_plain_p50']:.3f}x"
+             for n, h in res["headline"].items()]
     return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}, keep {res['keep']}, {res['threads']} "
             f"threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every repeat's steps "
             f"(p10–p90, n), the grammar's mask and the sampling inside each step; the target is at most "
             f"{res['target']}x plain's.\n\n"
             + table(["row", "decode ms/token", "x plain", "tokens (each repeat)", "valid JSON"], out)
+            + "\n\nA token held to the schema: " + "; ".join(heads) + "."
             + "\n\nThe host's cost alone: each constrained row's ids replayed through a fresh grammar state, mask and "
               "accept timed a token (ms, p50 (p10–p90, n)); `kestrel` is the sampler's own calls, the mask unpacked "
               f"to a [vocab] bool tensor.{xg}\n\n"
