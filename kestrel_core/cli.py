@@ -18,6 +18,7 @@ from kestrel_core import plugins
 from kestrel_core.io import progress
 
 from kestrel_core.io import signals
+from kestrel_core.engine.pipeline import check_command, launched_rank
 from kestrel_core.errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "serve", "sweep", "replay", "plugins", "demo", "quantize")
@@ -107,12 +108,16 @@ class _Output:
 
 
 @contextlib.contextmanager
-def _guarded_output():
-    real, sys.stdout = sys.stdout, _Output(sys.stdout)
+def _guarded_output(rank: int = 0):
+    """stdout guarded (``_Output``); a pipeline's other ranks (``rank`` > 0) write theirs nowhere."""
+    quiet = open(os.devnull, "w") if rank else None  # noqa: SIM115 - closed below
+    real, sys.stdout = sys.stdout, _Output(quiet or sys.stdout)
     try:
         yield
     finally:
         sys.stdout = real
+        if quiet is not None:
+            quiet.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +150,11 @@ def _main(argv: list[str] | None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a bad flag (one line, above), or --help and --version: a code to return, not raise
         return exc.code if isinstance(exc.code, int) else 2
+    rank, _ = launched_rank()
     try:
-        with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output():
+        check_command(args.command, getattr(args, "prompts", None) is not None)
+        # every rank of a pipeline runs the command; the first one speaks
+        with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output(rank):
             warnings.simplefilter("default")
             with progress.shown(not getattr(args, "json", False)):  # bars on stderr, for a person at a terminal
                 rc = args.run(args) or 0

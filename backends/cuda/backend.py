@@ -43,6 +43,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 class CudaBackend(Backend):
     name = "cuda"
+    device_type = "cuda"
 
     @classmethod
     def available(cls) -> bool:

@@ -57,6 +57,7 @@ def run(args) -> int:
                     echo.end()
             policy, expert_policy = r.policy.name, r.expert_policy.name if r.expert_policy else None
             cfg, keep_choice = r.config, r.keep_choice  # keep = "auto" resolved
+            pipe = r.pipeline.to_json() if r.pipeline is not None else None
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe
@@ -66,7 +67,7 @@ def run(args) -> int:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
                    **({"keep_auto": keep_choice.to_json()} if keep_choice else {}),
                    "allocator": res.allocator, "prefetch": cfg.backend.prefetch, "graphs": cfg.backend.graphs,
-                   "expert_policy": expert_policy, **result.to_json()})
+                   "expert_policy": expert_policy, **({"pipeline": pipe} if pipe else {}), **result.to_json()})
         return 0
     c = result.counters
     steps = len(result.decode_ms)
@@ -74,6 +75,9 @@ def run(args) -> int:
         print(f"token ids: {' '.join(map(str, result.token_ids))}")
     print(f"setting: backend={cfg.backend.name} policy={policy} keep={res.keep} allocator={res.allocator} "
           f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
+    if pipe:  # the counters below are this rank's, of its part
+        print(f"pipeline: {pipe['ranks']} ranks, layers " + ", ".join(f"{a}-{a + n - 1}" for a, n in pipe["parts"])
+              + " (the figures below: rank 0's part)")
     if not steps:
         decode = "no decode steps (the first token comes from the prefill)"
     elif result.tokens_per_step:  # speculative: a mean over tokens, not a median over steps

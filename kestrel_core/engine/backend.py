@@ -46,6 +46,7 @@ class Backend:
 
     name = "?"
     device: torch.device = torch.device("cpu")
+    device_type = "cpu"  # the kind of device it computes on, known before one is made (a pipeline's transport)
     dtype: torch.dtype = torch.float32
     prefetch_depth = 0
     budget: int | None = None  # device bytes for weights; None: unbounded

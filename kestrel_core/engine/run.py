@@ -14,6 +14,8 @@ every boundary of that run.
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import os
 import warnings
 from pathlib import Path
@@ -38,6 +40,8 @@ from kestrel_core.engine.contracts import (
 )
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
 from kestrel_core.engine.grammar import Grammars
+from kestrel_core.engine.pipeline import Pipeline, kestrel_version
+from kestrel_core.formats.tensor_table import unit_specs
 from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
@@ -104,6 +108,23 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
     elif choice.keep != OFF or choice.expert_budget:
         warnings.warn(choice.line, KestrelNote, stacklevel=4)
     return attrs.evolve(config, residency=residency, backend=backend), choice
+
+
+def _join_pipeline(model: "Model", config: KestrelConfig, factory) -> tuple[KestrelConfig, Pipeline | None]:
+    """This process's rank where torchrun started several (else None), and the config it runs: on a GPU, the device
+    torchrun's LOCAL_RANK names unless the config names one."""
+    device_type = getattr(factory, "device_type", "cpu")
+    if device_type != "cpu" and not config.backend.device and os.environ.get("LOCAL_RANK"):
+        config = attrs.evolve(config, backend=attrs.evolve(config.backend,
+                                                           device=f"{device_type}:{os.environ['LOCAL_RANK']}"))
+    device = torch.device(config.backend.device or device_type)
+    cfg = model.config
+    sizes = [sum(math.prod(shape) for spec in model.units if spec.layer == layer for _, shape in spec.tensors.values())
+             for layer in range(cfg.num_hidden_layers)]
+    fingerprint = {"kestrel": kestrel_version(), "model": str(model.dir), "model config": attrs.asdict(cfg),
+                   "settings": {k: v for k, v in attrs.asdict(config).items() if k != "backend"},
+                   "backend": {k: v for k, v in attrs.asdict(config.backend).items() if k != "device"}}
+    return config, Pipeline.join(sizes, device, fingerprint)
 
 
 def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
@@ -226,6 +247,14 @@ class Model:
         return RequestLimits(self.config.max_position_embeddings, "the model", self.config.vocab_size,
                       tokens="max_new_tokens (--max-new-tokens)", source="max_position_embeddings")
 
+    def part(self, first: int, count: int) -> "Model":
+        """``count`` of its layers from ``first``, as a model of their own (a pipeline rank's): the same files, the
+        config and units of those layers (their tensors keep the checkpoint's names)."""
+        part = copy.copy(self)
+        part.config = self.config.layers(first, count)
+        part.units = unit_specs(part.config)
+        return part
+
     def grammars(self) -> Grammars:
         """Its vocabulary as constrained output reads it (made at the first request that asks)."""
         if self.tokenizer is None:
@@ -297,11 +326,15 @@ class Run:
         check_environment()
         self.counters = Counters()
         backend_reg = plugins.lookup("backends", config.backend.name)
+        # Started by torchrun over several ranks: this rank's part of the layers is the model it runs
+        config, self.pipeline = _join_pipeline(model, config, backend_reg.factory)
+        whole, model = model, model if self.pipeline is None else model.part(self.pipeline.first_layer,
+                                                                              self.pipeline.n_layers)
         self.keep_choice: KeepChoice | None = None  # what keep = "auto" chose, and why
         if config.residency.keep == AUTO:
             config, self.keep_choice = _fit_keep(model, config, backend_reg.factory, self.counters)
         res = config.residency
-        self.model, self.config = model, config
+        self.model, self.config = whole, config
         self.policy = make_policy(res.policy, res.keep, model.n_layers)
         if config.backend.prefetch and not res.windowed:
             raise ConfigError(f"prefetch = {config.backend.prefetch} needs a window, but keep is off (every layer stays "
@@ -331,9 +364,9 @@ class Run:
             self.backend.close()
             raise
         self.runner = Runner(self.window, self.backend, model.config,
-                             StepSettings(graphs=config.backend.graphs == "auto", compile=config.backend.compile,
-                                          expert_table=table),
-                             guard=getattr(model.checkpoint, "check_unchanged", lambda: None))
+                             StepSettings(graphs=config.backend.graphs == "auto" and self.pipeline is None,
+                                          compile=config.backend.compile, expert_table=table),
+                             guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True
         try:
             self.drafter = make_drafter(config.speculative, self)
@@ -472,6 +505,8 @@ class Run:
             self.allocator.drain()
         finally:
             self.backend.close()
+            if self.pipeline is not None:
+                self.pipeline.close()
 
     def __enter__(self) -> "Run":
         return self

@@ -23,6 +23,7 @@ from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, ro
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.engine.kvcache import allocate_cache
 from kestrel_core.engine.plan import Boundary, Plan, delta
+from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.step_graphs import StepGraphs
 
@@ -142,9 +143,11 @@ class Runner:
     the backend, and runs the layers."""
 
     def __init__(self, window: Window, backend: Backend, cfg: ModelConfig, settings: StepSettings,
-                 guard: Callable[[], None] = lambda: None):
-        """``guard()``: raises where the files the run maps changed under it; asked before every step."""
+                 guard: Callable[[], None] = lambda: None, pipeline: Pipeline | None = None):
+        """``guard()``: raises where the files the run maps changed under it; asked before every step. ``pipeline``:
+        this rank's place where the layers are split over ranks (``cfg`` is then its part's)."""
         self.window, self.backend, self.cfg, self.settings, self.guard = window, backend, cfg, settings, guard
+        self.pipeline = pipeline
         self.counters = window.counters
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
@@ -409,11 +412,11 @@ class Runner:
         backend = self.backend
         keys = torch.arange(cache[0].k.shape[1], device=backend.device) if backend.row_exact else None
         at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys, sliced=_sliced(backend))
-        h = backend.embed(torch.tensor(ids))
+        h = self._embedded(torch.tensor(ids))
         if probe:
             probe("the embedding", h)
         h = self.layers(h, at, cache, self.window.boundaries(phase), phase, probe=probe)
-        return backend.logits(h[-1:])[0]
+        return self._logits(h, [len(ids) - 1])[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
                     spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset()) -> list[torch.Tensor]:
@@ -428,7 +431,7 @@ class Runner:
         if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live,
                                sliced=sliced)
-            h = backend.embed(state.tokens[:rows])
+            h = self._embedded(state.tokens[:rows])
         else:
             device = backend.device
             span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
@@ -436,24 +439,40 @@ class Runner:
             at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
                                span_positions, span_slots, row_exact=backend.row_exact, live=live, sliced=sliced)
             ids = [t for _, chunk in spans for t in chunk]
-            h = backend.embed(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
+            h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
         table = state if self.reads_table(rows, spans) else None
         h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
-        if spans:
-            picked = torch.cat((h[:rows], h.index_select(0, torch.tensor([r for w in wanted for r in w], device=h.device))))
-        else:
-            picked = h[:rows]
-        logits = backend.logits(picked)
+        logits = self._logits(h, [*range(rows), *(r for w in wanted for r in w)])
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
         return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
+
+    def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The step's input to this run's layers: the tokens' embeddings, or, past a pipeline's first rank, the
+        hidden state the rank before sends."""
+        pipe, backend = self.pipeline, self.backend
+        if pipe is None or pipe.first:
+            return backend.embed(ids)
+        return pipe.hidden_in(ids.numel(), self.cfg.hidden_size, backend.dtype, backend.device)
+
+    def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The logits of ``h``'s ``rows`` (float32); in a pipeline this rank's output goes on to the next rank, and
+        every rank gets the last rank's logits."""
+        pipe, backend = self.pipeline, self.backend
+        picked = h if rows == list(range(h.shape[0])) else h.index_select(0, torch.tensor(rows, device=h.device))
+        if pipe is None:
+            return backend.logits(picked)
+        if not pipe.last:
+            pipe.hidden_out(h)
+            return pipe.logits(None, len(rows), self.cfg.vocab_size, backend.device)
+        return pipe.logits(backend.logits(picked), len(rows), self.cfg.vocab_size, backend.device)
 
     # --- NaN and inf ------------------------------------------------------------------------------
     def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:

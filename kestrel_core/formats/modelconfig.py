@@ -47,6 +47,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = False
+    # A part of the model (``layers``): its layer 0 is the checkpoint's layer ``first_layer``. Tensor names and the
+    # sparse-layer rule read the checkpoint's index; everything else counts from 0.
+    first_layer: int = 0
 
     @property
     def qk_norm(self) -> bool:
@@ -58,7 +61,15 @@ class ModelConfig:
 
     def moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is sparse: Hugging Face's rule, every ``decoder_sparse_step`` layers but ``mlp_only_layers``."""
+        layer += self.first_layer
         return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def layers(self, first: int, count: int) -> "ModelConfig":
+        """The config of ``count`` of this model's layers from ``first`` (a pipeline rank's part)."""
+        if not (0 <= first and count >= 1 and first + count <= self.num_hidden_layers):
+            raise ValueError(f"layers {first}..{first + count - 1} are not within the model's "
+                             f"{self.num_hidden_layers}")
+        return attrs.evolve(self, num_hidden_layers=count, first_layer=self.first_layer + first)
 
     @property
     def q_dim(self) -> int:
@@ -69,7 +80,10 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def to_hf_dict(self) -> dict:
+        if self.first_layer:
+            raise ValueError("a part of a model has no config.json of its own")
         d = attrs.asdict(self)
+        del d["first_layer"]
         if not self.is_moe:  # a dense config.json carries no expert fields
             for key in _MOE_FIELDS:
                 del d[key]

@@ -40,7 +40,7 @@ def linear_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int
         "up": (i, h),
         "down": (h, i),
     }
-    p = f"model.layers.{layer}."
+    p = f"model.layers.{layer + cfg.first_layer}."
     if cfg.moe_layer(layer):
         out = {r: (p + f"{_HF[r]}.weight", shapes[r]) for r in ("q", "k", "v", "o")}
         out["router"] = (p + "mlp.gate.weight", (cfg.num_experts, h))
@@ -55,7 +55,7 @@ def expert_specs(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple[s
     ``mlp.experts.down_proj`` [E, H, I]) serves these same names: Checkpoint resolves each to a slice.
     """
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    p = f"model.layers.{layer + cfg.first_layer}.mlp.experts.{expert}."
     return {"gate": (p + "gate_proj.weight", (i, h)), "up": (p + "up_proj.weight", (i, h)),
             "down": (p + "down_proj.weight", (h, i))}
 
@@ -72,7 +72,7 @@ def unit_specs(cfg: ModelConfig) -> tuple[UnitSpec, ...]:
 
 def small_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Per-layer norms (and biases): small, kept resident for the whole run."""
-    p = f"model.layers.{layer}."
+    p = f"model.layers.{layer + cfg.first_layer}."
     out = {
         "input_norm": (p + "input_layernorm.weight", (cfg.hidden_size,)),
         "post_norm": (p + "post_attention_layernorm.weight", (cfg.hidden_size,)),

@@ -1,0 +1,192 @@
+"""Layers split over ranks with torch.distributed: a pipeline of processes, each holding a contiguous part of the
+model's layers in its own window, on its own device.
+
+Launched by ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), every rank runs
+the same command: the same token loop, making the same decisions. In a step, the first rank embeds the step's tokens,
+each rank runs its layers on the hidden state it got and sends the result on, and the last rank computes the logits
+and broadcasts them, so every rank chooses the same tokens from the same logits. Greedy ids are those of one rank.
+
+    pipe = Pipeline.join(layer_bytes, device)   # None where torchrun did not start this process
+    part = model_config.layers(pipe.first_layer, pipe.n_layers)
+
+The split is contiguous and balanced by bytes (``split``). Ranks that disagree on the model, its settings or
+kestrel's version are refused at the start, naming the difference; a rank that dies or hangs ends every other's wait
+within ``timeout_s`` (``KESTREL_PIPELINE_TIMEOUT_S``, default 300).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kestrel_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def split(layer_bytes: list[int], ranks: int) -> list[tuple[int, int]]:
+    """Contiguous parts ``(first, count)`` of the layers, one a rank, whose largest holds the fewest bytes (a streamed
+    token costs about the largest part's bytes over one link); of equal splits, the one whose parts end earliest."""
+    n = len(layer_bytes)
+    if not 1 <= ranks <= n:
+        raise ConfigError(f"{ranks} ranks for a model of {n} layers: each rank holds at least one layer; "
+                          f"run at most {n} ranks")
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+    inf = float("inf")
+    # best[k][i]: the least largest part of the first i layers in k parts; cut[k][i]: where its last part starts
+    best = [[inf] * (n + 1) for _ in range(ranks + 1)]
+    cut = [[0] * (n + 1) for _ in range(ranks + 1)]
+    best[0][0] = 0
+    for k in range(1, ranks + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [n], n
+    for k in range(ranks, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+@attrs.define(eq=False)
+class Pipeline:
+    rank: int
+    ranks: int
+    first_layer: int
+    n_layers: int
+    parts: list[tuple[int, int]]
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.ranks - 1
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "ranks": self.ranks, "parts": [list(p) for p in self.parts]}
+
+    # --- a step ------------------------------------------------------------------------------------------------
+    def hidden_in(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The hidden state of a step's ``rows`` rows, from the rank before."""
+        import torch
+        import torch.distributed as dist
+
+        h = torch.empty((rows, hidden), dtype=dtype, device=device)
+        dist.recv(h, self.rank - 1)
+        return h
+
+    def hidden_out(self, h: torch.Tensor) -> None:
+        """This rank's layers' output, to the rank after."""
+        import torch.distributed as dist
+
+        dist.send(h.contiguous(), self.rank + 1)
+
+    def logits(self, logits: torch.Tensor | None, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """The step's logits, [rows, vocab] float32, on every rank: the last rank's (``logits``), the others receive."""
+        import torch
+        import torch.distributed as dist
+
+        out = logits.float().contiguous() if self.last else torch.empty((rows, vocab), dtype=torch.float32,
+                                                                          device=device)
+        dist.broadcast(out, self.ranks - 1)
+        return out
+
+    # --- the start and the end ---------------------------------------------------------------------------------
+    @classmethod
+    def join(cls, layer_bytes: list[int], device: torch.device, fingerprint: dict[str, Any]) -> "Pipeline | None":
+        """This process's rank of the pipeline torchrun started (None: not started so, or one rank): the process
+        group joined, the ranks' fingerprints (the model, its settings, kestrel's version) compared, the part split."""
+        env = os.environ
+        ranks = int(env.get("WORLD_SIZE", "1") or 1)
+        if ranks <= 1:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        rank = int(env["RANK"])
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(seconds=float(env.get("KESTREL_PIPELINE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, timeout=timeout)
+        check_alike(rank, ranks, fingerprint)
+        parts = split(layer_bytes, ranks)
+        first, count = parts[rank]
+        return cls(rank, ranks, first, count, parts)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_alike(rank: int, ranks: int, fingerprint: dict[str, Any]) -> None:
+    """Every rank runs the same model with the same settings and kestrel: else a ConfigError naming the first
+    difference, on every rank."""
+    import torch.distributed as dist
+
+    mine = json.dumps(_flat(fingerprint), sort_keys=True, default=str)
+    everyone: list[str | None] = [None] * ranks
+    dist.all_gather_object(everyone, mine)
+    base = json.loads(everyone[0])
+    for r, text in enumerate(everyone):
+        other = json.loads(text)
+        if other != base:
+            key = next(k for k in sorted(set(base) | set(other)) if base.get(k) != other.get(k))
+            raise ConfigError(f"pipeline rank {r} runs {key} = {str(other.get(key))[:120]} where rank 0 runs "
+                              f"{str(base.get(key))[:120]}; start every rank with the same model, settings and "
+                              "kestrel")
+
+
+def _flat(value: Any, at: str = "") -> dict[str, str]:
+    """A nested dict as {"a.b.c": value as text}, so that a difference is named by its key."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{at}.{k}" if at else str(k)))
+        return out
+    if isinstance(value, (set, frozenset)):  # a set's text follows the process's hash seed: its sorted items do not
+        value = sorted(value, key=str)
+    return {at: str(value)}
+
+
+def launched_rank() -> tuple[int, int]:
+    """(this process's rank, the ranks) as torchrun's environment gives them; (0, 1) outside a pipeline."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return (int(os.environ.get("RANK", "0") or 0), ranks) if ranks > 1 else (0, 1)
+
+
+ACROSS_RANKS = {"generate"}  # the commands a pipeline runs today (a batch job, chat and serve: not yet)
+
+
+def check_command(command: str, batch_job: bool) -> None:
+    """A command that cannot run over ranks yet is refused on every rank, before any loads."""
+    _, ranks = launched_rank()
+    if ranks > 1 and (command not in ACROSS_RANKS or batch_job):
+        what = "a batch job (--prompts)" if batch_job else f"kestrel {command}"
+        raise ConfigError(f"{what} does not run over several ranks yet (torchrun started {ranks}); run it as one "
+                          "process, or use kestrel generate with --prompt or --prompt-ids")
+
+
+def kestrel_version() -> str:
+    try:
+        return importlib.metadata.version("kestrel")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"

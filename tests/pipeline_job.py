@@ -1,0 +1,33 @@
+"""Run under torchrun by tests/test_pipeline.py: a batch of sequences (greedy and sampled, prompts in chunks) through
+the Python API on every rank; rank 0 writes each sequence's ids as JSON to the path given."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kestrel_core import load
+
+PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [7, 8, 9, 10, 11, 12, 13]]
+
+
+def requests() -> list[dict]:
+    settings = [dict(), dict(temperature=0.9, seed=4), dict(), dict(temperature=1.1, top_k=20, seed=9)]
+    return [dict(prompt_ids=p, max_new_tokens=6 + i, stop_at_eos=False, **g)
+            for i, (p, g) in enumerate(zip(PROMPTS, settings))]
+
+
+def run(model_dir: str, keep: str) -> list[list[int]]:
+    with load(model_dir) as model, model.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as r:
+        got = r.generate_batch(requests(), max_batch=3, prefill_chunk=4)
+        return [x.token_ids for x in got]
+
+
+if __name__ == "__main__":
+    model_dir, keep, out = sys.argv[1:4]
+    ids = run(model_dir, keep)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        with open(out, "w") as f:
+            json.dump(ids, f)

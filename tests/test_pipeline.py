@@ -1,0 +1,141 @@
+"""Layers split over ranks with torch.distributed (gloo, cpu_ref): each rank runs a contiguous part of the layers,
+the hidden state passes from rank to rank, and greedy and sampled ids equal one process's, for 2 and 3 ranks, dense
+and MoE, one sequence (``kestrel generate`` under torchrun) and a batch (the Python API). Ranks that disagree on the
+settings are refused naming the difference; commands that do not run over ranks yet are refused before any loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kestrel_core.cli import main
+from kestrel_core.engine.pipeline import split
+from kestrel_core.formats.tensor_table import linear_specs, small_specs, unit_specs
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("pipeline")
+    return {name: write_checkpoint(preset_config(name), d / name) for name in ("tiny", "tiny-moe")}
+
+
+def torchrun(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def generate_ids(ranks: int, model: Path, keep: str, layers: int) -> list[int]:
+    args = ["generate", "--model", str(model), "--backend", "cpu_ref", "--keep", keep, "--prompt-ids", "5,17,42,99",
+            "--max-new-tokens", "10", "--temperature", "0", "--json"]
+    if ranks == 1:
+        done = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+    else:
+        done = torchrun(ranks, "-m", "kestrel_core.cli", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)  # one rank speaks: the others' output goes nowhere
+    if ranks > 1:
+        assert out["pipeline"]["ranks"] == ranks and sum(n for _, n in out["pipeline"]["parts"]) == layers
+    return out["token_ids"]
+
+
+# --- the split and a part's tensors ---------------------------------------------------------------------------------
+def test_the_split_is_contiguous_and_its_largest_part_the_least_it_can_be():
+    assert split([1] * 6, 2) == [(0, 3), (3, 3)]
+    assert split([1] * 7, 3) in ([(0, 2), (2, 2), (4, 3)], [(0, 3), (3, 2), (5, 2)], [(0, 2), (2, 3), (5, 2)])
+    assert split([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]  # a heavy first layer alone
+    assert split([1, 1, 1, 1, 9], 3) == [(0, 2), (2, 2), (4, 1)]
+    assert split([3], 1) == [(0, 1)]
+
+
+def test_more_ranks_than_layers_is_refused():
+    from kestrel_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="3 ranks for a model of 2 layers"):
+        split([1, 1], 3)
+
+
+def test_a_parts_layer_zero_names_the_checkpoints_layer_and_its_sparse_rule():
+    cfg = preset_config("tiny-moe")
+    cfg = attrs.evolve(cfg, decoder_sparse_step=2)  # every other layer sparse: the rule reads the checkpoint's index
+    part = cfg.layers(1, 3)
+    assert part.num_hidden_layers == 3 and part.first_layer == 1
+    assert linear_specs(part, 0) == linear_specs(cfg, 1) and small_specs(part, 1) == small_specs(cfg, 2)
+    assert [u.key for u in unit_specs(part)][0] == (0,)
+    assert [part.moe_layer(i) for i in range(3)] == [cfg.moe_layer(i) for i in range(1, 4)] == [True, False, True]
+    assert cfg.layers(1, 2).layers(1, 1).first_layer == 2  # a part of a part counts from the model's
+    with pytest.raises(ValueError):
+        cfg.layers(2, 3)
+    with pytest.raises(ValueError, match="config.json"):
+        part.to_hf_dict()
+
+
+# --- ids across ranks -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_generate_over_ranks_gives_one_process_ids(models, name):
+    layers = preset_config(name).num_hidden_layers
+    want = generate_ids(1, models[name], "off", layers)
+    assert generate_ids(2, models[name], "off", layers) == want
+    assert generate_ids(3, models[name], "1", layers) == want  # a window of one layer on each rank's part
+
+
+def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
+    sys.path.insert(0, str(HERE))
+    try:
+        import pipeline_job
+    finally:
+        sys.path.remove(str(HERE))
+    for name, keep in (("tiny", "2"), ("tiny-moe", "off")):
+        out = tmp_path / f"{name}.json"
+        done = torchrun(2, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(out.read_text()) == pipeline_job.run(str(models[name]), keep)
+
+
+# --- what is refused ------------------------------------------------------------------------------------------------
+def test_ranks_that_disagree_are_refused_naming_the_setting(models):
+    """torchrun gives every rank the same flags; ranks whose settings differ all the same (here a script that opens
+    each rank's run with a keep of its own) are refused on every rank, naming what differs."""
+    script = ("import os, sys\nfrom kestrel_core import load\n"
+              "with load(sys.argv[1]) as m, m.open(backend='cpu_ref', keep=1 + int(os.environ['RANK'])) as r:\n"
+              "    pass\n")
+    path = models["tiny"].parent / "disagree.py"
+    path.write_text(script)
+    done = torchrun(2, str(path), str(models["tiny"]))
+    assert done.returncode != 0
+    assert "pipeline rank 1 runs settings.residency.keep = 2 where rank 0 runs 1; start every rank with the same" in done.stderr
+
+
+@pytest.mark.parametrize("argv, what", [(["serve", "--model", "m"], "kestrel serve"),
+                                        (["generate", "--model", "m", "--prompts", "a", "--out", "b"], "a batch job (--prompts)")])
+def test_commands_that_do_not_run_over_ranks_yet_are_refused_before_any_load(argv, what, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kestrel: error: {what} does not run over several ranks yet (torchrun started 2)")
+
+
+def test_a_rank_that_dies_ends_the_run_on_every_rank(models, tmp_path):
+    """Rank 1 exits in the middle of the run: rank 0, waiting on it, does not wait for ever (the process group's
+    timeout is the bound; torchrun stops the ranks left once one fails)."""
+    script = tmp_path / "dies.py"
+    script.write_text("import os, sys\nfrom kestrel_core import load\n"
+                      "with load(sys.argv[1]) as m, m.open(backend='cpu_ref') as r:\n"
+                      "    if os.environ['RANK'] == '1':\n"
+                      "        os._exit(3)\n"
+                      "    r.generate(prompt_ids=[5, 17, 42], max_new_tokens=4)\n"
+                      "print('rank 0 went on alone', flush=True)\n")
+    done = torchrun(2, str(script), str(models["tiny"]), env={"KESTREL_PIPELINE_TIMEOUT_S": "60"})
+    assert done.returncode != 0 and "rank 0 went on alone" not in done.stdout
