@@ -1,0 +1,36 @@
+"""One rank of ``python -m bench pipeline`` (run by torchrun, or alone as the one-process row): a warm-up, then one
+greedy generate; it writes its own figures as ``rank<R>.json`` in the directory given."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+
+def peak_rss() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def main(model: str, keep: str, tokens: int, threads: int, out: str) -> None:
+    import torch
+
+    from kestrel_core import load
+
+    torch.set_num_threads(threads)
+    prompt = [(13 * k) % 250 + 1 for k in range(16)]
+    with load(model) as m, m.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as run:
+        run.generate(prompt_ids=prompt, max_new_tokens=4, stop_at_eos=False)  # warm-up
+        res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False)
+        pipe = run.pipeline.to_json() if run.pipeline is not None else {"rank": 0, "ranks": 1, "parts": []}
+    rank = int(os.environ.get("RANK", "0"))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "pipeline": pipe, "token_ids": res.token_ids, "decode_ms": res.decode_ms,
+        "prefill_ms": res.prefill_ms, "peak_rss_bytes": peak_rss(),
+        "peak_resident_bytes": res.counters["peak_resident_bytes"]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

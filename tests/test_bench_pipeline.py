@@ -1,0 +1,34 @@
+"""bench pipeline's rows on the tiny preset: one process, then 2 ranks under torchrun, each rank a fresh process
+writing its own figures; the row of 2 ranks has both ranks' RSS and the split, and its ids equal the one process's.
+Nothing here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.scenarios import SCENARIOS, pipeline
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+
+class Record:
+    def save_partial(self, data) -> None:
+        self.partial = data
+
+
+def test_one_process_then_two_ranks_each_with_its_own_figures(tmp_path, monkeypatch):
+    assert "pipeline" in SCENARIOS
+    d = write_checkpoint(preset_config("tiny"), tmp_path / "tiny")
+    monkeypatch.setattr(pipeline.models, "ensure_preset", lambda models, preset: d)
+    args = argparse.Namespace(models=str(tmp_path), preset="tiny", ranks=[2], keep="off", tokens=6, repeats=1,
+                              threads=1)
+    result = pipeline.run(args, Record())
+    one, two = result["rows"]
+    assert (one["ranks"], two["ranks"]) == (1, 2)
+    assert two["parts"] == [[0, 3], [3, 3]] and one["parts"] == []
+    assert len(two["peak_rss_bytes_per_rank"]) == 2 and all(b > 0 for b in two["peak_rss_bytes_per_rank"])
+    # each rank holds its own part's layers resident (less than the whole), and the embeddings and head besides
+    # (every rank loads them today: together more than the whole)
+    whole = one["peak_resident_bytes_per_rank"][0]
+    assert all(b < whole for b in two["peak_resident_bytes_per_rank"]) and sum(two["peak_resident_bytes_per_rank"]) > whole
+    assert two["ids_equal_one_process"] and one["ms_per_token"]["n"] == 5  # 6 tokens: the first from the prefill
+    assert result["over_one_process"]["2"] == two["ms_per_token"]["p50"] / one["ms_per_token"]["p50"]
