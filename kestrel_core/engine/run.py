@@ -40,7 +40,7 @@ from kestrel_core.engine.contracts import (
 )
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
 from kestrel_core.engine.grammar import Grammars
-from kestrel_core.engine.pipeline import Pipeline, kestrel_version
+from kestrel_core.engine.pipeline import Pipeline, kestrel_version, launched_rank
 from kestrel_core.formats.tensor_table import unit_specs
 from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
@@ -113,14 +113,17 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
 def _join_pipeline(model: "Model", config: KestrelConfig, factory) -> tuple[KestrelConfig, Pipeline | None]:
     """This process's rank where torchrun started several (else None), and the config it runs: on a GPU, the device
     torchrun's LOCAL_RANK names unless the config names one."""
+    if launched_rank()[1] == 1:
+        return config, None
     device_type = getattr(factory, "device_type", "cpu")
     if device_type != "cpu" and not config.backend.device and os.environ.get("LOCAL_RANK"):
         config = attrs.evolve(config, backend=attrs.evolve(config.backend,
                                                            device=f"{device_type}:{os.environ['LOCAL_RANK']}"))
     device = torch.device(config.backend.device or device_type)
     cfg = model.config
-    sizes = [sum(math.prod(shape) for spec in model.units if spec.layer == layer for _, shape in spec.tensors.values())
-             for layer in range(cfg.num_hidden_layers)]
+    sizes = [0] * cfg.num_hidden_layers  # each layer's weight elements: what the split balances
+    for spec in model.units:
+        sizes[spec.layer] += sum(math.prod(shape) for _, shape in spec.tensors.values())
     fingerprint = {"kestrel": kestrel_version(), "model": str(model.dir), "model config": attrs.asdict(cfg),
                    "settings": {k: v for k, v in attrs.asdict(config).items() if k != "backend"},
                    "backend": {k: v for k, v in attrs.asdict(config.backend).items() if k != "device"}}
