@@ -217,9 +217,24 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def _replayed(ids: list[int], mask_ms: list[float], accept_ms: list[float], allowed: int, rejected_at) -> dict:
+def _replayed(ids: list[int], mask, accept) -> dict:
+    """``ids`` through one grammar state, each token's mask and accept timed: ``mask()`` computes the allowed ids and
+    returns whether a given id is among them (a function of the id); ``accept(id)`` returns whether it was taken."""
+    mask_ms, accept_ms, allowed, rejected = [], [], 0, None
+    for i, t in enumerate(ids):
+        t0 = time.perf_counter()
+        has = mask()
+        t1 = time.perf_counter()
+        ok = accept(t)
+        t2 = time.perf_counter()
+        mask_ms.append((t1 - t0) * 1e3)
+        accept_ms.append((t2 - t1) * 1e3)
+        allowed += bool(has(t))
+        if not ok:
+            rejected = i
+            break
     return {"ids": len(ids), "mask_ms": mask_ms, "accept_ms": accept_ms, "ids_allowed": allowed,
-            "rejected_at": rejected_at}
+            "rejected_at": rejected}
 
 
 class KestrelConstraint:
@@ -238,22 +253,19 @@ class KestrelConstraint:
 
     def replay(self, name: str, ids: list[int]) -> dict:
         c = self.grammars[name].start()
-        mask_ms, accept_ms, allowed, rejected = [], [], 0, None
-        for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+
+        def mask():
             ok = c.allowed()
-            t1 = time.perf_counter()
+            return lambda t: ok[t]
+
+        def accept(t: int) -> bool:
             try:
                 c.accept(t)
             except KestrelError:
-                rejected = i
-            t2 = time.perf_counter()
-            mask_ms.append((t1 - t0) * 1e3)
-            accept_ms.append((t2 - t1) * 1e3)
-            allowed += bool(ok[t])
-            if rejected is not None:
-                break
-        return _replayed(ids, mask_ms, accept_ms, allowed, rejected)
+                return False
+            return True
+
+        return _replayed(ids, mask, accept)
 
 
 def whitespace_most() -> int:
@@ -294,20 +306,12 @@ class LlguidanceMatcher:
 
     def replay(self, name: str, ids: list[int]) -> dict:
         m, w = self.llg.LLMatcher(self.tok, self.sources[name], log_level=0), self.words
-        mask_ms, accept_ms, allowed, rejected = [], [], 0, None
-        for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+
+        def mask():
             m.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
-            t1 = time.perf_counter()
-            ok = m.consume_token(t)
-            t2 = time.perf_counter()
-            mask_ms.append((t1 - t0) * 1e3)
-            accept_ms.append((t2 - t1) * 1e3)
-            allowed += _bit(w, t)
-            if not ok:
-                rejected = i
-                break
-        return _replayed(ids, mask_ms, accept_ms, allowed, rejected)
+            return lambda t: _bit(w, t)
+
+        return _replayed(ids, mask, m.consume_token)
 
 
 class XGrammar:
@@ -349,17 +353,9 @@ class XGrammar:
     def replay(self, name: str, ids: list[int]) -> dict:
         m, bm = self.xgr.GrammarMatcher(self.compiled[name]), self.bitmask
         words = bm[0].numpy()
-        mask_ms, accept_ms, allowed, rejected = [], [], 0, None
-        for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+
+        def mask():
             m.fill_next_token_bitmask(bm)
-            t1 = time.perf_counter()
-            ok = m.accept_token(t)
-            t2 = time.perf_counter()
-            mask_ms.append((t1 - t0) * 1e3)
-            accept_ms.append((t2 - t1) * 1e3)
-            allowed += _bit(words, t)
-            if not ok:
-                rejected = i
-                break
-        return _replayed(ids, mask_ms, accept_ms, allowed, rejected)
+            return lambda t: _bit(words, t)
+
+        return _replayed(ids, mask, m.accept_token)
