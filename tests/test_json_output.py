@@ -7,7 +7,9 @@ real model (SmolLM2-135M-Instruct) shows a schema's value filled in sensibly."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import types
 from pathlib import Path
 
 import attrs
@@ -21,7 +23,7 @@ from kestrel_core.engine.grammar import MAX_SCHEMA_CHARS, GrammarError
 from kestrel_core.engine.run import load
 from kestrel_core.engine.sampling import Sampler
 from kestrel_core.engine.scheduler import Scheduler
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 from serve_helpers import assert_openai_error, chat_model
 from tests.real_model import smollm2_gguf  # noqa: F401 - a fixture
@@ -247,3 +249,87 @@ def test_the_vocabularies_kept_for_end_id_sets_are_bounded(run):
         grammars.json(YES_NO, [*eos, 100 + extra])
     assert len(grammars._tokenizers) == KEPT_VOCABULARIES
     assert frozenset([*eos, 100 + KEPT_VOCABULARIES + 4]) in grammars._tokenizers  # the latest kept
+
+
+# --- found by a mutation pass ---------------------------------------------------------------------------
+def test_an_end_id_set_in_use_is_kept_however_many_others_come(run):
+    """The set of end ids that every plain request uses stays made while requests' own stop ids make new sets."""
+    from kestrel_core.engine.grammar import KEPT_VOCABULARIES
+
+    grammars = run.model.grammars()
+    eos = sorted(run.model.eos_ids)
+    grammars.json(YES_NO, eos)
+    made = grammars._tokenizers[frozenset(eos)]
+    for extra in range(KEPT_VOCABULARIES + 5):
+        grammars.json(YES_NO, [*eos, 100 + extra])
+        grammars.json(YES_NO, eos)  # in use all the while
+    assert grammars._tokenizers[frozenset(eos)] is made  # never dropped, never made again
+
+
+def test_every_end_id_may_end_a_whole_value(run):
+    """A request's stop id ends a constrained value as config.json's end ids do (each of them, not one)."""
+    ends = [0, *sorted(run.model.eos_ids)]  # 0 (a NUL byte) sorts first
+    constraint = run.model.grammars().json(YES_NO, ends).start()
+    for token in run.model.tokenizer.encode('"yes"'):
+        constraint.accept(token)
+    allowed = constraint.allowed()
+    assert [bool(allowed[i]) for i in ends] == [True] * len(ends)
+
+
+def test_a_grammar_with_no_end_id_is_refused(run):
+    with pytest.raises(GrammarError, match="has none"):
+        run.model.grammars().json(YES_NO, [])
+
+
+def test_a_schema_of_the_largest_size_is_taken():
+    from kestrel_core.engine.grammar import _bounded
+
+    assert _bounded("x" * MAX_SCHEMA_CHARS, "the JSON schema")
+    with pytest.raises(GrammarError, match="characters; at most"):
+        _bounded("x" * (MAX_SCHEMA_CHARS + 1), "the JSON schema")
+
+
+def test_a_constraints_mask_covers_a_vocabulary_that_is_no_multiple_of_32():
+    """A vocabulary of 40 ids: two 32-bit words of mask, and 40 ids back."""
+    from kestrel_core.engine.grammar import Constraint
+
+    class Matcher:
+        def unsafe_compute_mask_ptr(self, ptr, nbytes):
+            assert nbytes >= 8, nbytes  # llguidance writes ceil(40 / 32) words
+            ctypes.memset(ptr, 0xFF, 8)
+
+        def is_error(self):
+            return False
+
+    allowed = Constraint(Matcher(), 40).allowed()
+    assert allowed.shape == (40,) and bool(allowed.all())
+
+
+def test_a_constraint_that_refused_a_token_stays_stopped(run):
+    constraint = run.model.grammars().json(YES_NO, sorted(run.model.eos_ids)).start()
+    bad = int((~constraint.allowed()).nonzero()[0])
+    with pytest.raises(KestrelError, match="is not allowed here"):
+        constraint.accept(bad)
+    with pytest.raises(KestrelError, match="constrained output stopped"):
+        constraint.allowed()
+
+
+def test_a_grammar_whose_matcher_cannot_start_is_a_grammar_error(run):
+    from kestrel_core.engine.grammar import Grammar, _llguidance
+
+    tok = run.model.grammars()._for(frozenset(run.model.eos_ids))
+    with pytest.raises(GrammarError, match="the grammar cannot be used") as err:
+        Grammar(_llguidance(), tok, "not a grammar", run.model.config.vocab_size, "the grammar").start()
+    assert "\n" not in str(err.value)
+
+
+def test_the_librarys_messages_come_back_on_one_line_and_bounded():
+    from kestrel_core.engine.grammar import _one_line
+
+    assert _one_line("1(5): Expected ':'\n1 | not a grammar\n  ^") == "1(5): Expected ':' 1 | not a grammar ^"
+    assert len(_one_line("x " * 1000)) == 300
+
+
+def test_a_schema_and_a_grammar_together_are_refused(run):
+    with pytest.raises(ConfigError, match="both json_schema and grammar"):
+        run.request(prompt_ids=PROMPTS[0], json_schema=YES_NO, grammar='start: "a"')

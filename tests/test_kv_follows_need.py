@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,3 +38,14 @@ def test_a_host_kv_cache_is_resident_as_it_is_written(dtype):
     assert written < need // 4, (written, need)  # one slot of eight: at most its own pages (huge pages or not)
     assert all(float(layer.k[3, 256:].abs().sum()) == 0 and float(layer.v[:3].abs().sum()) == 0 for layer in kv)
     assert kv[0].k.dtype == dtype and kv[0].k.is_contiguous() and kv[0].k.data_ptr() % 64 == 0
+
+
+# --- found by a mutation pass ---------------------------------------------------------------------------
+def test_a_small_host_buffer_is_zeroed_too():
+    """A block below malloc's mmap threshold may be one just freed, its bytes still there: zeroed all the same."""
+    from kestrel_core.engine.kvcache import _zeros
+
+    for _ in range(20):
+        junk = np.full(4096 + 64, 0xAB, dtype=np.uint8)
+        del junk
+        assert float(_zeros((2, 16, 2, 32), torch.float32, "cpu").abs().sum()) == 0

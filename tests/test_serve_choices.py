@@ -138,6 +138,9 @@ def test_an_echoed_stream_joins_to_the_whole_answer(server):
         parts = {k: sum((c.logprobs.model_dump()[k] for c in mine if c.logprobs), []) for k in
                  ("tokens", "token_logprobs", "text_offset")}
         assert parts == {k: whole.choices[i].logprobs.model_dump()[k] for k in parts}
+    n = len(PROMPT)  # each choice's prompt logprobs are the prompt's, whichever sequence prefilled it
+    assert whole.choices[1].logprobs.token_logprobs[:n] == whole.choices[0].logprobs.token_logprobs[:n]
+    assert None not in whole.choices[1].logprobs.token_logprobs[1:n]
 
 
 def test_sampled_logprobs_are_the_models_before_temperature(server, reference):
@@ -300,3 +303,20 @@ def test_a_tokens_bytes_are_its_own(tmp_path, token_bytes):
     tok.save(str(tmp_path / "tokenizer.json"))
     fallback = Tokenizer(tmp_path / "tokenizer.json")
     assert fallback.token_bytes(0xE2) == b"\xe2" and fallback.token_bytes(256) == b" Hello"
+
+
+# --- found by a mutation pass ---------------------------------------------------------------------------
+def test_echo_offsets_are_where_each_prompt_tokens_text_begins(tiny_ckpt):
+    from kestrel_core.engine.results import TokenLogprobs
+    from kestrel_core.serve.echo import Echo
+    from kestrel_core.serve.logprobs import LogprobText
+
+    with load(tiny_ckpt) as model:
+        tok = model.tokenizer
+        ids = tok.encode("Hello, world")
+        cut = tok.encode("Hi é")[:-1]  # ends inside é: its last byte is missing
+        echo = Echo(tok, ids)
+        got = echo.logprobs(LogprobText(tok), [TokenLogprobs(t, -1.0) for t in ids[1:]])
+        assert echo.text == tok.decode(ids) and Echo(tok, cut).text == tok.decode(cut)  # a cut character shows
+    assert got["text_offset"] == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    assert got["tokens"] == list("Hello, world")

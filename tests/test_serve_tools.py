@@ -219,3 +219,24 @@ def test_what_kestrel_cannot_do_with_tools_is_a_400_that_says_so(chat_service, b
     error = response.json()["error"]
     if param is not None:
         assert error["param"] == param and says in error["message"]
+
+
+# --- found by a mutation pass ---------------------------------------------------------------------------
+def test_a_template_with_tool_call_blocks_is_hermes_even_where_it_shows_parameters():
+    """Hermes-style templates lay out each tool's JSON, "parameters" and all, in the system prompt."""
+    assert tool_calls.style('<tools>{"name": "f", "parameters": {}}</tools> <tool_call>...</tool_call>') == "hermes"
+    assert tool_calls.style('{{ "<|python_tag|>" }}') == "llama"
+
+
+def test_a_forced_grammar_lays_calls_out_as_the_template_does():
+    named = tool_calls.forced(TEMPLATE, [CITY, TIME], "get_time")
+    required = tool_calls.forced(TEMPLATE, [CITY, TIME], None)
+    assert named.startswith("start: block\n")  # a named function: one call
+    assert required.startswith('start: block ("\\n" block)*\n')  # required: one or more
+    assert 'block: "<tool_call>\\n" call "\\n</tool_call>"' in named  # Qwen3's own layout of a call
+
+
+def test_a_tool_without_parameters_is_called_with_an_object():
+    grammar = tool_calls.forced(TEMPLATE, [{"type": "function", "function": {"name": "ping"}}], "ping")
+    schema = json.loads(grammar.split("%json ", 1)[1])
+    assert schema["anyOf"][0]["properties"]["arguments"] == {"type": "object"}
