@@ -150,8 +150,8 @@ def _main(argv: list[str] | None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a bad flag (one line, above), or --help and --version: a code to return, not raise
         return exc.code if isinstance(exc.code, int) else 2
-    rank, _ = launched_rank()
     try:
+        rank, _ = launched_rank()
         check_command(args.command, getattr(args, "prompts", None) is not None)
         # every rank of a pipeline runs the command; the first one speaks
         with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output(rank):

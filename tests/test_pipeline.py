@@ -139,3 +139,19 @@ def test_a_rank_that_dies_ends_the_run_on_every_rank(models, tmp_path):
                       "print('rank 0 went on alone', flush=True)\n")
     done = torchrun(2, str(script), str(models["tiny"]), env={"KESTREL_PIPELINE_TIMEOUT_S": "60"})
     assert done.returncode != 0 and "rank 0 went on alone" not in done.stdout
+
+
+@pytest.mark.parametrize("env, says", [({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' is not a whole number"),
+                                       ({"WORLD_SIZE": "2", "RANK": "5"}, "WORLD_SIZE is 2 but RANK is '5'"),
+                                       ({"WORLD_SIZE": "2", "RANK": "0", "KESTREL_PIPELINE_TIMEOUT_S": "-3"},
+                                        "KESTREL_PIPELINE_TIMEOUT_S='-3' must be a number of seconds above 0"),
+                                       ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""},
+                                        "rank 0 of 2 could not join the others")])
+def test_a_broken_torchrun_environment_is_one_line_naming_it(models, env, says, monkeypatch, capsys):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    rc = main(["generate", "--model", str(models["tiny"]), "--backend", "cpu_ref", "--prompt-ids", "1,2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and err.count("\n") == 1 and "Traceback" not in err

@@ -111,20 +111,23 @@ class Pipeline:
     def join(cls, layer_bytes: list[int], device: torch.device, fingerprint: dict[str, Any]) -> "Pipeline | None":
         """This process's rank of the pipeline torchrun started (None: not started so, or one rank): the process
         group joined, the ranks' fingerprints (the model, its settings, kestrel's version) compared, the part split."""
-        env = os.environ
-        ranks = int(env.get("WORLD_SIZE", "1") or 1)
+        rank, ranks = launched_rank()
         if ranks <= 1:
             return None
         import torch
         import torch.distributed as dist
 
-        rank = int(env["RANK"])
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=float(env.get("KESTREL_PIPELINE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+            timeout = datetime.timedelta(seconds=timeout_s())
             backend = "gloo" if device.type == "cpu" else "nccl"
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=timeout)
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                dist.init_process_group(backend, timeout=timeout)
+            except (ValueError, RuntimeError) as exc:  # torchrun's environment incomplete, or the rendezvous failed
+                raise ConfigError(f"rank {rank} of {ranks} could not join the others ({' '.join(str(exc).split())[:200]})"
+                                  "; start every rank with torchrun (it sets MASTER_ADDR, MASTER_PORT, RANK and "
+                                  "WORLD_SIZE)") from None
         check_alike(rank, ranks, fingerprint)
         parts = split(layer_bytes, ranks)
         first, count = parts[rank]
@@ -169,8 +172,36 @@ def _flat(value: Any, at: str = "") -> dict[str, str]:
 
 def launched_rank() -> tuple[int, int]:
     """(this process's rank, the ranks) as torchrun's environment gives them; (0, 1) outside a pipeline."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return (int(os.environ.get("RANK", "0") or 0), ranks) if ranks > 1 else (0, 1)
+    ranks = _env_int("WORLD_SIZE", 1)
+    if ranks <= 1:
+        return 0, 1
+    rank = _env_int("RANK", None)
+    if rank is None or not 0 <= rank < ranks:
+        raise ConfigError(f"WORLD_SIZE is {ranks} but RANK is {os.environ.get('RANK')!r}; start the ranks with "
+                          "torchrun, or unset WORLD_SIZE to run one process")
+    return rank, ranks
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text[:40]!r} is not a whole number; torchrun sets it, or unset it") from None
+
+
+def timeout_s() -> float:
+    """How long a rank waits on another (KESTREL_PIPELINE_TIMEOUT_S, default 300 s)."""
+    text = os.environ.get("KESTREL_PIPELINE_TIMEOUT_S", "").strip()
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not (0 < value < float("inf")):
+        raise ConfigError(f"KESTREL_PIPELINE_TIMEOUT_S={text[:40]!r} must be a number of seconds above 0")
+    return value
 
 
 ACROSS_RANKS = {"generate"}  # the commands a pipeline runs today (a batch job, chat and serve: not yet)
