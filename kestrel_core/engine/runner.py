@@ -416,7 +416,7 @@ class Runner:
         if probe:
             probe("the embedding", h)
         h = self.layers(h, at, cache, self.window.boundaries(phase), phase, probe=probe)
-        return self._logits(h, [len(ids) - 1])[0]
+        return self._logits(h, torch.tensor([len(ids) - 1], device=h.device))[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
                     spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset()) -> list[torch.Tensor]:
@@ -446,7 +446,8 @@ class Runner:
         h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
-        logits = self._logits(h, [*range(rows), *(r for w in wanted for r in w)])
+        picked = torch.tensor([*range(rows), *(r for w in wanted for r in w)], device=h.device) if spans else None
+        logits = self._logits(h, picked)
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
@@ -462,17 +463,16 @@ class Runner:
             return backend.embed(ids)
         return pipe.hidden_in(ids.numel(), self.cfg.hidden_size, backend.dtype, backend.device)
 
-    def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The logits of ``h``'s ``rows`` (float32); in a pipeline this rank's output goes on to the next rank, and
-        every rank gets the last rank's logits."""
+    def _logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``h``'s ``rows`` (float32; None: every row); in a pipeline this rank's output goes on to the
+        next rank, and every rank gets the last rank's logits."""
         pipe, backend = self.pipeline, self.backend
-        picked = h if rows == list(range(h.shape[0])) else h.index_select(0, torch.tensor(rows, device=h.device))
-        if pipe is None:
-            return backend.logits(picked)
-        if not pipe.last:
+        if pipe is not None and not pipe.last:
             pipe.hidden_out(h)
-            return pipe.logits(None, len(rows), self.cfg.vocab_size, backend.device)
-        return pipe.logits(backend.logits(picked), len(rows), self.cfg.vocab_size, backend.device)
+            n = h.shape[0] if rows is None else rows.numel()
+            return pipe.logits(None, n, self.cfg.vocab_size, backend.device)
+        logits = backend.logits(h if rows is None else h.index_select(0, rows))
+        return logits if pipe is None else pipe.logits(logits, logits.shape[0], self.cfg.vocab_size, backend.device)
 
     # --- NaN and inf ------------------------------------------------------------------------------
     def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:
