@@ -32,6 +32,12 @@ class ServeProcess:
         self.url = re.search(r"listening on (\S+)", self.wait_for("listening on", timeout)).group(1)
         self.wait_for("ready in", timeout)
 
+    def client(self, key: str | None = None, timeout: float = 60):
+        """The official ``openai`` client against this server (``key``: its API key, where it needs one)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0, timeout=timeout)
+
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))

@@ -13,7 +13,6 @@ import types
 from pathlib import Path
 
 import attrs
-import openai
 import pytest
 import torch
 
@@ -172,16 +171,12 @@ def server(tmp_path_factory):
     s.stop(30)
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
 def test_chat_answers_in_the_schema_whole_and_streamed(server):
-    client = _client(server)
+    client = server.client()
     kw = dict(model=server.name, messages=[{"role": "user", "content": "Is it?"}], max_tokens=60, temperature=0,
               response_format=_schema_format(FLAG))
     whole = client.chat.completions.create(**kw)
@@ -193,7 +188,7 @@ def test_chat_answers_in_the_schema_whole_and_streamed(server):
 
 
 def test_completions_take_a_response_format_and_each_of_n_choices_keeps_it(server):
-    reply = _client(server).completions.create(model=server.name, prompt="Answer:", max_tokens=40, n=3,
+    reply = server.client().completions.create(model=server.name, prompt="Answer:", max_tokens=40, n=3,
                                                temperature=1.0, seed=3,
                                                extra_body={"response_format": _schema_format(YES_NO)})
     assert len(reply.choices) == 3
@@ -201,7 +196,7 @@ def test_completions_take_a_response_format_and_each_of_n_choices_keeps_it(serve
 
 
 def test_json_object_is_an_object(server):
-    reply = _client(server).chat.completions.create(
+    reply = server.client().chat.completions.create(
         model=server.name, messages=[{"role": "user", "content": "JSON please"}], max_tokens=150, temperature=0,
         response_format={"type": "json_object"})
     text = reply.choices[0].message.content

@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import openai
 import pytest
 
 from bench.serve_process import ServeProcess
@@ -94,7 +93,7 @@ def test_kestrel_serve_starts_on_a_moe_model_and_answers_each_solo_run(tiny_moe,
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     server = ServeProcess(d, "--backend", "cpu_ref")  # the default --max-batch 8: its warm-up died on MoE
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = server.client()
         import concurrent.futures
 
         def ask(i):

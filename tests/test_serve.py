@@ -44,9 +44,6 @@ class Server(ServeProcess):
     def __init__(self, model: Path, *flags: str, env: dict | None = None):
         super().__init__(model, "--backend", "cpu_ref", *flags, env=env)
 
-    def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "unused", max_retries=0, timeout=60)
-
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 

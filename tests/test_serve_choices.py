@@ -29,9 +29,6 @@ class Server(ServeProcess):
     def __init__(self, model: Path, *flags: str):
         super().__init__(model, "--backend", "cpu_ref", "--max-seq", "256", *flags)
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json={"model": self.name, **body}, timeout=30)
 

@@ -136,16 +136,13 @@ def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[in
 
 def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list[int]], max_seq: int,
                    before: list[dict]) -> list[dict]:
-    try:
-        import openai
-    except ImportError:
-        raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
+    need_openai()
     clients = args.clients
     server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max(clients)),
                           "--max-seq", str(max_seq), env={"KESTREL_API_KEY": "bench"}, timeout=300)
     rows = []
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
+        client = server.client("bench", timeout=600)
         name = str(path)
         one_stream(client, name, 0, 4, threading.Barrier(1))  # warm-up
         warm = process_memory(server.proc.pid)
@@ -200,6 +197,13 @@ def process_memory(pid: int) -> dict[str, int | None]:
     return {"rss_bytes": kib.get("VmRSS"), "peak_rss_bytes": kib.get("VmHWM")}
 
 
+def need_openai() -> None:
+    try:
+        import openai  # noqa: F401 - ServeProcess.client's
+    except ImportError:
+        raise BenchError("the server rows need the openai client: pip install -e '.[test]'") from None
+
+
 def percentiles(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0, "p50": None, "p99": None}
@@ -212,13 +216,12 @@ def choices_rows(args, path: Path, record) -> dict:
     """One request of n sampled choices against n requests of the same prompt with the choices' seeds, sent at once
     and one after another, interleaved round by round on one server: wall time and tokens/s of each, and whether each
     choice's ids equal its seed's request's."""
-    import openai
-
+    need_openai()
     n, prompt = args.choices, [(13 * k) % 250 + 1 for k in range(args.choice_prompt)]
     server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(n),
                           "--max-seq", str(args.choice_prompt + args.tokens + 8), env={"KESTREL_API_KEY": "bench"},
                           timeout=300)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
+    client = server.client("bench", timeout=600)
     body = dict(model=str(path), prompt=prompt, max_tokens=args.tokens, temperature=0.8,
                 extra_body={"ignore_eos": True, "return_token_ids": True})
 
