@@ -1,17 +1,14 @@
-"""One rank of ``python -m bench pipeline`` (run by torchrun, or alone as the one-process row): a warm-up, then one
-greedy generate; it writes its own figures as ``rank<R>.json`` in the directory given."""
+"""One rank of ``python -m bench pipeline`` (``-m bench.pipeline_worker``, run by torchrun, or alone as the one-process
+row): a warm-up, then one greedy generate; it writes its own figures as ``rank<R>.json`` in the directory given."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
-
-def peak_rss() -> int:
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+from bench.rss import process_memory
 
 
 def main(model: str, keep: str, tokens: int, threads: int, out: str) -> None:
@@ -28,7 +25,7 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "pipeline": pipe, "token_ids": res.token_ids, "decode_ms": res.decode_ms,
-        "prefill_ms": res.prefill_ms, "peak_rss_bytes": peak_rss(),
+        "prefill_ms": res.prefill_ms, "peak_rss_bytes": process_memory()["peak_rss_bytes"],
         "peak_resident_bytes": res.counters["peak_resident_bytes"]}))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from pathlib import Path
 
 from kestrel_core.formats.checkpoint import PAGE, Checkpoint, mapping_rss, merge_spans
@@ -50,3 +51,13 @@ class ResidentRuns:
             tensor_bytes += info.nbytes
         runs = [run for s in spans.values() for run in merge_spans(s)]
         return runs, sum(-(-hi // PAGE) * PAGE - lo // PAGE * PAGE for lo, hi in runs), tensor_bytes
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int | None]:
+    """A process's resident memory now (VmRSS) and its high-water mark (VmHWM), in bytes (None where unreadable)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {"rss_bytes": None, "peak_rss_bytes": None}
+    kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M)}
+    return {"rss_bytes": kib.get("VmRSS"), "peak_rss_bytes": kib.get("VmHWM")}

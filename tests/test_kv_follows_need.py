@@ -3,22 +3,20 @@ buffers are zero pages the kernel maps as they are first written. Read back, an 
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from bench.rss import process_memory
 from kestrel_core.engine.kvcache import allocate_cache, kv_bytes
 from kestrel_core.tools.presets import preset_config
 
 
 def rss() -> int:
-    status = Path("/proc/self/status")
-    if not status.exists():
+    now = process_memory()["rss_bytes"]
+    if now is None:
         pytest.skip("no /proc/self/status: the process's resident memory cannot be read here")
-    return int(re.search(r"VmRSS:\s+(\d+)", status.read_text()).group(1)) * 1024
+    return now
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

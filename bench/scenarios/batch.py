@@ -28,6 +28,7 @@ from bench import models
 from bench.errors import BenchError
 from bench.log import log
 from bench.options import names, numbers
+from bench.rss import process_memory
 from bench.serve_process import ServeProcess
 from bench.stats import summary
 
@@ -185,16 +186,6 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
     finally:
         server.stop()
     return rows
-
-
-def process_memory(pid: int) -> dict[str, int | None]:
-    """A process's resident memory now (VmRSS) and its high-water mark (VmHWM), in bytes (None where unreadable)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return {"rss_bytes": None, "peak_rss_bytes": None}
-    kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M)}
-    return {"rss_bytes": kib.get("VmRSS"), "peak_rss_bytes": kib.get("VmHWM")}
 
 
 def need_openai() -> None:

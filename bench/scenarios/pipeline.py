@@ -3,7 +3,7 @@ torchrun, on one preset, interleaved repeat by repeat.
 
     python -m bench pipeline [--preset demo] [--ranks 2,4] [--keep off] [--tokens 32] [--repeats 3] [--threads 1]
 
-Each rank is a fresh process (``bench/pipeline_worker.py``): a warm-up generate, then one greedy generate of
+Each rank is a fresh process (``bench.pipeline_worker``): a warm-up generate, then one greedy generate of
 ``--tokens``. Per row: rank 0's decode ms/token (p10/p50/p90 over its steps, every step kept), each rank's peak RSS
 and peak resident weight bytes, the split, and whether the ids equal the one process's. The headline: the pipeline's
 ms/token p50 over one process's (issue 44's target at keep off: <= 1.1x). On one host the ranks share its cores:
@@ -45,8 +45,7 @@ def needs_gpu(args) -> str | None:
 def one_row(path: Path, ranks: int, args) -> list[dict]:
     """Every rank's figures of one run of ``ranks`` ranks (1: a plain process)."""
     with tempfile.TemporaryDirectory(prefix="kestrel-pipeline-") as out:
-        worker = [str(ROOT / "bench" / "pipeline_worker.py"), str(path), args.keep, str(args.tokens),
-                  str(args.threads), out]
+        worker = ["-m", "bench.pipeline_worker", str(path), args.keep, str(args.tokens), str(args.threads), out]
         cmd = [sys.executable, *worker] if ranks == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *worker]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
