@@ -62,15 +62,9 @@ def test_the_host_ring_stages_a_gguf_as_its_views(tmp_path, dtype, direct):
     filler = Filler(ckpt, direct=direct)
     stager = Stager(ring, filler, entries.__getitem__, lookahead=1)
     try:
-        for cold in (True, False):
-            if cold:
-                drop_checkpoint(ckpt, sync=True)
-            for key in entries:
-                slot, views = stager.take(key)
-                for e in entries[key]:
-                    want = torch.cat([ckpt.view(n) for n in e.parts]).to(dtype)
-                    assert torch.equal(views[e.name], want), (key, e.name, dtype)
-                stager.give_back(slot, _Done())
+        for key, e, got in staged_cold_then_hot(ckpt, stager, entries):
+            want = torch.cat([ckpt.view(n) for n in e.parts]).to(dtype)
+            assert torch.equal(got, want), (key, e.name, dtype)
         parts = [n for e in entries[(0,)] for n in e.parts]
         made = [n for n in parts if not ckpt.info(n).raw]
         assert len(made) == 4 and not any(isinstance(filler._parts.get((n, dtype)), PartRead) for n in made)
@@ -92,6 +86,19 @@ def test_the_host_ring_stages_a_gguf_as_its_views(tmp_path, dtype, direct):
 class _Done:
     def synchronize(self):
         pass
+
+
+def staged_cold_then_hot(ckpt, stager, entries):
+    """``(key, entry, its staged view)`` of every unit, staged twice through ``stager``: with the file's pages dropped
+    (cold), then again (hot); each slot given back once its entries are read."""
+    for cold in (True, False):
+        if cold:
+            drop_checkpoint(ckpt, sync=True)
+        for key in entries:
+            slot, views = stager.take(key)
+            for e in entries[key]:
+                yield key, e, views[e.name]
+            stager.give_back(slot, _Done())
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o_direct"])
@@ -116,17 +123,10 @@ def test_the_host_ring_stages_gguf_blocks_as_stored(tmp_path, direct):
     real_view = GGUFCheckpoint.view
     try:
         GGUFCheckpoint.view = lambda self, name: pytest.fail(f"{name} was dequantized")
-        for cold in (True, False):
-            if cold:
-                drop_checkpoint(ckpt, sync=True)
-            for key in entries:
-                slot, views = stager.take(key)
-                for e in entries[key]:
-                    want = blocks.stage_blocks(ckpt, [held[n] for n in e.parts], pin_memory=False)
-                    got = views[e.name]
-                    assert isinstance(got, blocks.BlockWeight) and got.layout == want.layout, (key, e.name)
-                    assert torch.equal(got.raw, want.raw), (key, e.name)
-                stager.give_back(slot, _Done())
+        for key, e, got in staged_cold_then_hot(ckpt, stager, entries):
+            want = blocks.stage_blocks(ckpt, [held[n] for n in e.parts], pin_memory=False)
+            assert isinstance(got, blocks.BlockWeight) and got.layout == want.layout, (key, e.name)
+            assert torch.equal(got.raw, want.raw), (key, e.name)
         assert filler.cold_bytes > 0 and filler.hot_bytes > 0
         fresh = Filler(ckpt, direct=direct)
         try:
