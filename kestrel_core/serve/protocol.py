@@ -308,7 +308,7 @@ class ChatRequest(_Sampling):
         if choice not in (None, "none") and not self.tools:
             raise bad_request(f"tool_choice {json.dumps(choice)} needs tools; send tools, or leave tool_choice out",
                               "tool_choice")
-        if self.forced_call and self.response_format is not None and self.response_format.type != "text":
+        if self.forces_call and self.response_format is not None and self.response_format.type != "text":
             raise bad_request("a tool_choice that forces a call and a JSON response_format each hold the reply to "
                               "a form; send one", "response_format")
         if self.tools is not None and len(self.tools) > MAX_TOOLS:
@@ -328,13 +328,14 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
-    def forced_call(self) -> tuple[str | None] | None:
-        """Where tool_choice forces a call: (the function's name,), or (None,) for any ("required"); else None."""
-        if self.tool_choice == "required":
-            return (None,)
-        if isinstance(self.tool_choice, dict):
-            return (self.tool_choice["function"]["name"],)
-        return None
+    def forces_call(self) -> bool:
+        """Whether tool_choice forces a call: "required" (of any tool) or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def called_function(self) -> str | None:
+        """The function tool_choice names, where it names one."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
     @property
     def tool_defs(self) -> list[dict] | None:

@@ -214,13 +214,13 @@ class Service:
 
     def _forced_call(self, req: ChatRequest) -> str | None:
         """The grammar of a reply that is only calls, where tool_choice forces one (in the template's call format)."""
-        if req.forced_call is None:
+        if not req.forces_call:
             return None
         if req.ignore_eos:
             raise bad_request("a tool_choice that forces a call ends the reply once the call is whole, at an "
                               "end-of-sequence token; leave out ignore_eos", "ignore_eos")
         try:
-            return tool_calls.forced(self.template.source, req.tool_defs, req.forced_call[0])
+            return tool_calls.forced(self.template.source, req.tool_defs, req.called_function)
         except tool_calls.NoCallFormat as exc:
             raise bad_request(str(exc), "tool_choice") from None
 
