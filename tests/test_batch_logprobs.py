@@ -141,3 +141,18 @@ def test_prompt_logprobs_out_of_range_are_refused(tiny_ckpt):
         bad = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=2), prompt_logprobs=21)
         with pytest.raises(ConfigError, match="logprobs must be a whole number in 0..20"):
             run.generate_batch([bad])
+
+
+def test_the_scheduler_refuses_prompt_logprobs_out_of_range_at_submit(tiny_ckpt):
+    """Checked where the request is submitted, as the batch checks it: not on the scheduler's thread, later."""
+    from kestrel_core.engine.scheduler import Scheduler
+
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref") as run:
+        sched = Scheduler(run, max_batch=1, max_queue=1)
+        sched.start()
+        try:
+            bad = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=2), prompt_logprobs=21)
+            with pytest.raises(ConfigError, match="logprobs must be a whole number in 0..20"):
+                sched.submit(bad)
+        finally:
+            sched.stop(cancel=True)

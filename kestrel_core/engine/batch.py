@@ -74,6 +74,11 @@ class Request:
     # each prompt token's log-probability after the first, and this many alternatives (0..20); None: not computed
     prompt_logprobs: int | None = None
 
+    def check(self) -> None:
+        """What it asks beside its tokens is in range (a ConfigError naming it)."""
+        check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs)
+
 
 @attrs.define(eq=False)
 class _Pass:
@@ -173,8 +178,7 @@ class Batch:
         """Queue a sequence (``seq``, where another thread made it for ``request`` and holds it); it joins at a step
         that has a free slot for it."""
         RequestLimits(self.max_seq, "this batch").budget(request.gen.max_new_tokens, len(request.prompt_ids))
-        check_logprobs(request.logprobs)
-        check_logprobs(request.prompt_logprobs)
+        request.check()
         if seq is None:
             seq = Sequence(request)
         seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None)

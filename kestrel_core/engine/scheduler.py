@@ -19,7 +19,6 @@ from typing import Callable
 from kestrel_core.engine.batch import Batch, Request, Sequence, check_batch
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.limits import RequestLimits
-from kestrel_core.engine.sampling import check_logprobs
 
 
 class QueueFull(KestrelError):
@@ -70,7 +69,7 @@ class Scheduler:
         the slots and the queue have no room for every one."""
         for request in requests:
             self.limits.budget(request.gen.max_new_tokens, len(request.prompt_ids))
-            check_logprobs(request.logprobs)
+            request.check()
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is shutting down and takes no new request")
