@@ -14,7 +14,7 @@ from backends.cpu_ref import backend as cpu_ref_backend
 from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.config import AUTO, KestrelConfig, parse_keep
-from kestrel_core.engine.fit import FitFacts, choose_keep
+from kestrel_core.engine.fit import FitFacts, KVRoom, choose_keep
 from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 
@@ -49,7 +49,7 @@ def test_otherwise_the_largest_keep_whose_peak_fits(budget, prefetch, keep, peak
     c = choose_keep(facts(budget), asymmetric, prefetch, "asymmetric")
     assert (c.keep, c.peak_layers) == (keep, peak) and c.need <= c.budget
     assert f"keep = auto: keep = {keep} with asymmetric ({peak} layers resident at most" in c.line
-    assert "every layer would need 0.79 GiB" in c.line
+    assert "every layer would need 810.0 MiB" in c.line
 
 
 def test_the_largest_layers_count_first():
@@ -61,7 +61,7 @@ def test_a_budget_below_one_layer_is_refused_with_the_numbers():
     with pytest.raises(BudgetError) as exc:
         choose_keep(facts(209), asymmetric, 0, "asymmetric")
     msg = str(exc.value)
-    assert "even keep = 1 needs 210 MiB (10 MiB of it resident for good)" in msg and "over the 0.20 GiB" in msg
+    assert "even keep = 1 needs 210 MiB (10 MiB of it resident for good)" in msg and "over the 209.0 MiB" in msg
     assert "\n" not in msg
 
 
@@ -85,14 +85,14 @@ def test_cpu_ref_fits_half_the_available_memory_and_ids_do_not_move(tiny_ckpt, m
                 assert run.config.residency.keep == "off" and run.keep_choice.keep == "off"
         monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (fixed + 4 * layer)})
         with pytest.warns(KestrelNote, match=r"keep = auto: keep = 2 with asymmetric \(4 layers resident at most"):
-            run = model.open(backend="cpu_ref")
+            run = model.open(backend="cpu_ref", kv=(1, 8))  # a KV cache of 8 positions: half the memory binds
         with run:
             assert run.config.residency.keep == 2 and run.policy.peak_layers() == 4
             res = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False)
         assert res.token_ids == want and res.counters["peak_resident_entries"] > 0
         monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (fixed + layer)})
         with pytest.raises(BudgetError, match="even keep = 1 needs"):
-            model.open(backend="cpu_ref")
+            model.open(backend="cpu_ref", kv=(1, 8))
 
 
 def test_generate_json_carries_the_choice_and_the_resolved_keep(tiny_ckpt, monkeypatch, capsys):
@@ -131,6 +131,7 @@ def test_cuda_fits_its_weight_cache_budget_and_ids_do_not_move(demo_ckpt):
             assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
         with model.open(backend="cuda") as run:  # the default budget holds the demo model whole
             assert run.config.residency.keep == "off"
+            assert run.config.residency.budget_mb == run.keep_choice.budget // MIB  # the backend holds the fit's
 
 
 def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_path, monkeypatch):
@@ -152,7 +153,7 @@ def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_
         budget = fixed + sum(own) + sum(experts) // 3
         monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * budget})
         with pytest.warns(KestrelNote, match="every layer's own units resident and an expert_lru expert cache of"):
-            run = model.open(backend="cpu_ref")
+            run = model.open(backend="cpu_ref", kv=(1, 8))
         with run:
             res = run.config.residency
             assert (res.keep, res.expert_policy) == ("off", "expert_lru")
@@ -164,13 +165,13 @@ def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_
         tight = fixed + two + cfg.num_experts_per_tok * max(experts)
         monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * tight})
         with pytest.warns(KestrelNote, match=r"keep = 1 with asymmetric \(2 layers' own units resident at most\)"):
-            run = model.open(backend="cpu_ref")
+            run = model.open(backend="cpu_ref", kv=(1, 8))
         with run:
             assert run.config.residency.keep == 1 and run.config.residency.expert_policy == "expert_lru"
             assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
         monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 2 * (tight - 1)})
         with pytest.raises(BudgetError, match="even keep = 1 with one token's routed experts needs"):
-            model.open(backend="cpu_ref")
+            model.open(backend="cpu_ref", kv=(1, 8))
         with model.open(backend="cpu_ref", expert_policy="expert_lfu", expert_budget_mb=1.0, keep=2) as run:
             assert run.config.residency.expert_policy == "expert_lfu"  # a policy given is the user's: not replaced
 
@@ -183,5 +184,96 @@ def test_a_prefetch_asked_of_a_model_that_fits_whole_is_said_to_be_off(tiny_ckpt
     with load(tiny_ckpt) as model:
         config = KestrelConfig().override(backend__prefetch=1)
         with pytest.warns(KestrelNote, match="every layer resident .*, so prefetch = 1 has nothing to fetch ahead"):
-            got, choice = _fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters())
+            got, choice = _fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters(), KVRoom())
     assert choice.keep == "off" and got.backend.prefetch == 0 and got.residency.keep == "off"
+
+
+# --- the KV cache counted beside the weights --------------------------------------------------------------------------
+def roomy(budget_mib: float, room_mib: float, fixed_mib: float = 10) -> FitFacts:
+    """``facts`` whose weights share ``room_mib`` with a KV cache of slots x positions / 100 MiB."""
+    import attrs
+
+    return attrs.evolve(facts(budget_mib, fixed_mib), room=int(room_mib * MIB), room_what="of the test's memory",
+                        kv_bytes=lambda slots, positions: slots * positions * MIB // 100)
+
+
+def test_a_kv_cache_that_leaves_the_budget_whole_is_said_beside_it():
+    c = choose_keep(roomy(810, 900), asymmetric, 0, "asymmetric", KVRoom(1, 5000))
+    assert c.keep == "off" and c.kv == 50 * MIB and c.budget == 810 * MIB
+    assert "within the 810.0 MiB device weight-cache budget (test), beside a KV cache of 50.0 MiB (1 x 5,000 positions)" \
+        in c.line
+    assert c.to_json()["kv_bytes"] == 50 * MIB
+
+
+def test_a_kv_cache_cuts_the_budget_to_the_room_it_leaves():
+    c = choose_keep(roomy(810, 900), asymmetric, 0, "asymmetric", KVRoom(2, 5000))  # 100 MiB of KV: 800 left
+    assert (c.keep, c.peak_layers, c.budget, c.kv) == (3, 6, 800 * MIB, 100 * MIB)
+    assert "the 800.0 MiB left of the 900.0 MiB of the test's memory beside a KV cache of 100.0 MiB (2 x 5,000 " \
+           "positions)" in c.line
+    assert choose_keep(roomy(810, 900), asymmetric, 0, "asymmetric").keep == "off"  # no KV asked of: none counted
+
+
+def test_a_kv_cache_that_leaves_too_little_is_refused_with_the_numbers():
+    with pytest.raises(BudgetError) as exc:
+        choose_keep(roomy(810, 100), asymmetric, 0, "asymmetric", KVRoom(1, 9500))
+    msg = str(exc.value)
+    assert "a KV cache of 95.0 MiB (1 x 9,500 positions) leaves 5.0 MiB of the 100.0 MiB of the test's memory, " \
+           "under the 10.0 MiB resident for good; open the run with a smaller kv=(sequences, positions)" in msg
+    assert "\n" not in msg
+    with pytest.raises(BudgetError, match=r"even keep = 1 needs 210 MiB .*, lower the door's flags, free memory"):
+        choose_keep(roomy(810, 300), asymmetric, 0, "asymmetric", KVRoom(1, 9500, "lower the door's flags"))
+
+
+def test_cpu_ref_counts_the_kv_cache_the_run_is_opened_for(tiny_ckpt, monkeypatch):
+    import torch
+
+    from kestrel_core.engine.kvcache import kv_bytes
+
+    with load(tiny_ckpt) as model:
+        layer, fixed = _tiny_bytes(model)
+        with model.open(backend="cpu_ref", keep="off") as run:
+            want = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids
+        kv = kv_bytes(model.config, 512, torch.float32, 4)
+        assert kv > fixed + 4 * layer  # so the room less the KV cache binds, not half the memory
+        monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": kv + fixed + 4 * layer})
+        with pytest.warns(KestrelNote, match=r"keep = auto: keep = 2 .*beside a KV cache of 3\.0 MiB \(4 x 512"):
+            run = model.open(backend="cpu_ref", kv=(4, 512))
+        with run:
+            assert run.keep_choice.kv == kv and run.keep_choice.budget == fixed + 4 * layer
+            assert run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids == want
+        with pytest.raises(BudgetError, match=r"a KV cache of 6\.0 MiB \(8 x 512 positions\) leaves"):
+            model.open(backend="cpu_ref", kv=(8, 512))
+        for bad in [(0, 5), (1, -1), (True, 4), "8", (1, 2, 3)]:
+            with pytest.raises(ConfigError, match="kv must be \\(sequences, positions each\\), positive ints"):
+                model.open(backend="cpu_ref", kv=bad)
+
+
+def test_the_server_fits_beside_its_whole_batch_of_kv(tiny_ckpt):
+    import torch
+
+    from kestrel_core.engine.kvcache import kv_bytes
+    from kestrel_core.serve.service import Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(tiny_ckpt), backend__name="cpu_ref"), "tiny",
+                      Limits(max_batch=3, max_seq=100))
+    service.load()
+    try:
+        assert service.run.keep_choice.kv == kv_bytes(service.model.config, 100, torch.float32, 3)
+    finally:
+        service.close()
+
+
+def test_a_default_budget_chosen_by_the_fit_is_the_one_the_backend_holds(tiny_ckpt, monkeypatch):
+    """Where the budget is the backend's default (cuda's free memory less its reserve), the run's backend is told the
+    budget the fit chose, so its own check agrees; a budget the user gave stays theirs."""
+    import attrs
+
+    stated = cpu_ref_backend.CpuRefBackend.fit_facts
+    monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "fit_facts",
+                        classmethod(lambda cls, ctx: attrs.evolve(stated(ctx), sets_budget=True)))
+    with load(tiny_ckpt) as model, pytest.warns(KestrelNote, match="cpu_ref's resident layers are bounded by keep"):
+        with model.open(backend="cpu_ref", kv=(1, 8)) as run:
+            assert run.config.residency.budget_mb == run.keep_choice.budget // MIB > 0
+    monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "fit_facts", classmethod(lambda cls, ctx: stated(ctx)))
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref", kv=(1, 8)) as run:
+        assert run.config.residency.budget_mb == KestrelConfig().residency.budget_mb

@@ -21,6 +21,7 @@ from kestrel_core.engine.backend import Backend, BackendContext
 from kestrel_core.engine.devices import compute_device
 from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.host import meminfo
+from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
@@ -65,11 +66,13 @@ class CpuRefBackend(Backend):
 
     @classmethod
     def fit_facts(cls, ctx: BackendContext) -> FitFacts | None:
-        """Half of the host's available memory, against each layer in the compute dtype (a fetch dequantizes)."""
+        """Half of the host's available memory (less what the KV cache leaves of it), against each layer in the compute
+        dtype (a fetch dequantizes)."""
         available = meminfo().get("MemAvailable", 0)
         if not available:
             return None
-        item = itemsize(compute_dtype(ctx.backend.dtype or "float32", DTYPES, cls.name))
+        dtype = compute_dtype(ctx.backend.dtype or "float32", DTYPES, cls.name)
+        item = itemsize(dtype)
         layers: dict[int, int] = {}
         own, experts = [], []
         for spec in ctx.unit_specs:
@@ -82,7 +85,9 @@ class CpuRefBackend(Backend):
         biggest = sorted(layers.values(), reverse=True)
         return FitFacts(available // 2, "half of the host's available memory", "host budget for resident layers", fixed,
                         cfg.num_hidden_layers, lambda n: sum(biggest[:max(0, n)]),
-                        **moe_facts(ctx.residency, cfg, own, experts))
+                        **moe_facts(ctx.residency, cfg, own, experts),
+                        room=available, room_what="of the host's available memory",
+                        kv_bytes=lambda slots, positions: kv_bytes(cfg, positions, dtype, slots))
 
     def layout(self, spec):
         item = itemsize(self.dtype)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kestrel_core.io import progress
 from kestrel_core.engine.backend import Backend, BackendContext
-from backends.cuda.budget import resolve_budget
+from backends.cuda.budget import RESERVE, fit_budget, resolve_budget
 from kestrel_core.engine.devices import compute_device
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
@@ -31,6 +31,7 @@ from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots,
 from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from backends.cuda.host.staging import Filler, Stager
 from kestrel_core.engine.fit import FitFacts, moe_facts
+from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.formats.units import Unit, UnitTable
 
 from . import blocks, grouped_experts, q8
@@ -135,8 +136,9 @@ class CudaBackend(Backend):
 
     @classmethod
     def fit_facts(cls, ctx: BackendContext) -> FitFacts:
-        """The weight-cache budget (``--budget-mb``, default half of free device memory up to 24 GiB) against each
-        layer's bytes as this backend streams them (``DeviceLayout``), read before anything loads."""
+        """The weight-cache budget (``--budget-mb``, default free device memory less ``budget.RESERVE``) and the KV
+        cache beside it, against each layer's bytes as this backend streams them (``DeviceLayout``), read before
+        anything loads."""
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
         dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, cls.name)
@@ -145,12 +147,16 @@ class CudaBackend(Backend):
             raise ConfigError(f"the cuda backend computes on a GPU, not on {device}; use --device cuda:N or --backend cpu_ref")
         lay = DeviceLayout(ctx.checkpoint, ctx.model, ctx.quant, dtype, device, note=False)
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
-        budget, source = resolve_budget(ctx.residency.budget_mb, torch.cuda.mem_get_info(device)[0])
+        free = torch.cuda.mem_get_info(device)[0]
+        budget, source, default = fit_budget(ctx.residency.budget_mb, free)
         own = [u.nbytes for key, u in units.units.items() if len(key) == 1]
         experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
                         lambda n: streamed_peak(units, ctx.residency, ctx.model, n),
-                        **moe_facts(ctx.residency, ctx.model, own, experts))
+                        **moe_facts(ctx.residency, ctx.model, own, experts),
+                        room=max(0, free - RESERVE), room_what=f"free on {device} less the {RESERVE >> 30} GiB reserve",
+                        kv_bytes=lambda slots, positions: kv_bytes(ctx.model, positions, dtype, slots),
+                        sets_budget=default)
 
     def _check_budget(self, ctx: BackendContext) -> None:
         """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""

@@ -1,4 +1,5 @@
-"""The device weight-cache budget rule: half of free memory, capped at 24 GiB, floor 256 MiB; overridable.
+"""The device weight-cache budget rule: half of free memory, capped at 24 GiB, floor 256 MiB; overridable. For
+``keep = "auto"`` (``fit_budget``): free memory less a reserve, the KV cache counted by the fit.
 
 Pure arithmetic, shared by whatever sizes a device cache (the cuda backend) and whatever
 reasons about one (a plugin): ``KESTREL_WCACHE_MB`` beats the config's ``budget_mb``, which
@@ -12,6 +13,9 @@ from kestrel_core.errors import ConfigError
 
 CAP = 24 * 2**30
 FLOOR = 256 * 2**20
+
+
+RESERVE = 2 * 2**30  # what keep = "auto" leaves beside the weights and the KV cache: activations, logits, workspaces
 
 
 def default_budget(free_bytes: int) -> int:
@@ -28,3 +32,12 @@ def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:
     if config_mb:
         return config_mb * 2**20, "config"
     return default_budget(free_bytes), "default (half of free device memory, 256 MiB..24 GiB)"
+
+
+def fit_budget(config_mb: int, free_bytes: int) -> tuple[int, str, bool]:
+    """keep = "auto"'s (budget bytes, where it came from, whether it is the default): as ``resolve_budget``, but the
+    default is free memory less ``RESERVE``, the KV cache then cut from it by the fit."""
+    budget, source = resolve_budget(config_mb, free_bytes)
+    if env_mib(ENV) is not None or config_mb:
+        return budget, source, False
+    return max(0, free_bytes - RESERVE), f"default (free device memory less a {RESERVE >> 30} GiB reserve)", True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
+from kestrel_core.engine.fit import KVRoom
 from kestrel_core.engine.run import load
 from kestrel_core.errors import ConfigError
 from kestrel_core.io.jsonout import emit_json
@@ -46,7 +47,10 @@ def run(args) -> int:
     with load(model_dir(cfg)) as model:
         if recorder is not None and not model.config.is_moe:
             raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
-        with model.open(cfg, observers=[recorder] if recorder else ()) as r:
+        gen = cfg.generation  # keep = auto leaves room for this prompt's KV cache
+        positions = len(model.prompt_ids(list(gen.prompt_ids), gen.prompt)) + gen.max_new_tokens
+        kv = KVRoom(1, min(positions, model.config.max_position_embeddings), "shorten the prompt or lower --max-new-tokens")
+        with model.open(cfg, observers=[recorder] if recorder else (), kv=kv) as r:
             if args.json:
                 result = r.generate()
             else:
@@ -146,7 +150,7 @@ def run_batch_job(args) -> int:
     max_batch = MAX_BATCH if args.max_batch is None else args.max_batch
     check_batch_flags(max_batch, args.prefill_chunk, left_out="a whole prompt a step")
     lines = read_lines(args.prompts)  # every line read and checked before the model loads (on cuda: pins its weights)
-    with load(model_dir(cfg)) as model, model.open(cfg) as r:
+    with load(model_dir(cfg)) as model, model.open(cfg, kv=KVRoom(max_batch, fix="lower --max-batch")) as r:
         summary = run_job(r, args.prompts, lines, args.out, max_batch, args.prefill_chunk)
     if args.json:
         emit_json(summary)

@@ -1,11 +1,12 @@
 """``keep = "auto"``: the window chosen from the backend's budget when a run opens.
 
 A backend states its budget and what its units weigh in its own layout (``Backend.fit_facts``): cuda its device
-weight-cache budget (``--budget-mb``, default half of free device memory up to 24 GiB; the other half holds the KV
-cache and activations) and each layer's bytes as it streams them (bf16, q8 or the file's blocks); cpu_ref half of
-the host's available memory and each layer in float32. ``choose_keep`` keeps every layer resident where the model
-fits, else takes the largest keep whose peak of resident layers (the policy's, plus the prefetch) fits, else refuses
-with the numbers. A backend that states no budget runs resident.
+weight-cache budget (``--budget-mb``, default free device memory less a stated reserve) and each layer's bytes as it
+streams them (bf16, q8 or the file's blocks); cpu_ref half of the host's available memory and each layer in float32.
+Each also states the room its weights share with the run's KV cache, and what that cache weighs: the budget is cut
+to the room less the KV cache of the slots and positions the run is opened for (``KVRoom``). ``choose_keep`` keeps
+every layer resident where the model fits, else takes the largest keep whose peak of resident layers (the policy's,
+plus the prefetch) fits, else refuses with the numbers. A backend that states no budget runs resident.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 import attrs
 
 from kestrel_core.config import OFF
-from kestrel_core.errors import BudgetError
+from kestrel_core.errors import BudgetError, ConfigError
 
 
 @attrs.frozen
@@ -31,6 +32,43 @@ class FitFacts:
     own_peak_bytes: Callable[[int], int] | None = attrs.field(default=None, eq=False)  # n layers' own units
     experts_bytes: int = 0  # every expert
     routed_bytes: int = 0  # one token's routed experts of one layer: the least an expert cache may hold
+    # The memory the weights share with the KV cache (None: the KV cache lives elsewhere), its name for messages, and
+    # the KV cache's bytes for (slots, positions) in this backend's dtype
+    room: int | None = None
+    room_what: str = ""
+    kv_bytes: Callable[[int, int], int] = attrs.field(default=lambda slots, positions: 0, eq=False)
+    sets_budget: bool = False  # the budget is the backend's default: the run's backend is told the one chosen
+
+
+@attrs.frozen
+class KVRoom:
+    """The KV cache a run is opened for: ``slots`` sequences of up to ``positions`` each (the server's --max-batch and
+    --max-seq; one sequence of DEFAULT_CONTEXT positions, or the model's fewer, where nothing says)."""
+
+    slots: int = 1
+    positions: int | None = None  # None: min(DEFAULT_CONTEXT, the model's positions)
+    fix: str = "open the run with a smaller kv=(sequences, positions)"  # how the door that asked lowers it
+
+    @classmethod
+    def of(cls, kv) -> "KVRoom":
+        """``kv`` as given to ``Model.open``: None, a KVRoom (a door's, with its fix), or (sequences, positions each),
+        positive ints (positions None: the default)."""
+        if kv is None:
+            return cls()
+        if isinstance(kv, KVRoom):
+            return kv
+        def count(n) -> bool:
+            return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2 or not count(kv[0]) or not (kv[1] is None or count(kv[1])):
+            raise ConfigError(f"kv must be (sequences, positions each), positive ints, got {str(kv)[:60]}")
+        return cls(*kv)
+
+    def resolve(self, model_positions: int) -> "KVRoom":
+        return attrs.evolve(self, positions=self.positions or min(DEFAULT_CONTEXT, model_positions))
+
+
+DEFAULT_CONTEXT = 4096  # positions a sequence may reach where nothing says (the server's --max-seq default)
 
 
 EXPERT_POLICY = "expert_lru"  # the expert cache keep = "auto" gives a MoE model that does not fit whole
@@ -44,42 +82,67 @@ class KeepChoice:
     budget: int
     line: str  # what was chosen and why, one line
     expert_budget: int = 0  # bytes of an expert cache (EXPERT_POLICY) chosen with it; 0: none
+    kv: int = 0  # bytes of the KV cache counted beside the weights
 
     def to_json(self) -> dict:
         return {"keep": self.keep, "peak_layers": self.peak_layers, "need_bytes": self.need,
-                "budget_bytes": self.budget, "why": self.line,
+                "budget_bytes": self.budget, "kv_bytes": self.kv, "why": self.line,
                 **({"expert_policy": EXPERT_POLICY, "expert_budget_bytes": self.expert_budget}
                    if self.expert_budget else {})}
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def choose_keep(facts: FitFacts, policy_peak: Callable[[int], int], prefetch: int, policy: str) -> KeepChoice:
-    """Every layer resident where the model fits ``facts.budget``; else the largest keep k whose peak (``policy_peak(k)``
-    layers, plus ``prefetch``) fits; else a BudgetError with the numbers."""
-    L, budget = facts.n_layers, facts.budget
-    where = f"the {_gib(budget)} {facts.what} ({facts.source})"
+def _budget(facts: FitFacts, kv: KVRoom | None) -> tuple[int, int, str]:
+    """(the weights' budget, the KV cache's bytes, the budget in words): ``facts.budget``, cut to the room the weights
+    share with the KV cache less that cache; a KV cache that leaves nothing is a BudgetError with the numbers."""
+    where = f"the {_size(facts.budget)} {facts.what} ({facts.source})"
+    if facts.room is None or kv is None:
+        return facts.budget, 0, where
+    kv_bytes = facts.kv_bytes(kv.slots, kv.positions)
+    left = facts.room - kv_bytes
+    kv_what = f"a KV cache of {_size(kv_bytes)} ({kv.slots} x {kv.positions:,} positions)"
+    if left <= facts.fixed:
+        raise BudgetError(f"keep = auto: {kv_what} leaves {_size(max(0, left))} of the {_size(facts.room)} "
+                          f"{facts.room_what}, under the {_size(facts.fixed)} resident for good; {kv.fix}, free "
+                          "memory, or run a smaller model")
+    if left < facts.budget:
+        return left, kv_bytes, f"the {_size(left)} left of the {_size(facts.room)} {facts.room_what} beside {kv_what}"
+    return facts.budget, kv_bytes, f"{where}, beside {kv_what}"
+
+
+def choose_keep(facts: FitFacts, policy_peak: Callable[[int], int], prefetch: int, policy: str,
+                kv: KVRoom | None = None) -> KeepChoice:
+    """Every layer resident where the model fits ``facts.budget`` (cut to the room beside ``kv``'s cache, resolved);
+    else the largest keep k whose peak (``policy_peak(k)`` layers, plus ``prefetch``) fits; else a BudgetError with
+    the numbers."""
+    L = facts.n_layers
+    budget, kv_bytes, where = _budget(facts, kv)
+    facts = attrs.evolve(facts, budget=budget)
+    fix = ("raise --budget-mb or KESTREL_WCACHE_MB, " + (f"{kv.fix}, " if kv_bytes else "")
+           + "free memory, or run a smaller or quantized model")
     total = facts.fixed + facts.peak_bytes(L)
     if total <= budget:
-        return KeepChoice(OFF, L, total, budget, f"keep = auto: every layer resident ({_gib(total)} within {where})")
+        return KeepChoice(OFF, L, total, budget, f"keep = auto: every layer resident ({_size(total)} within {where})",
+                          kv=kv_bytes)
     if facts.own_peak_bytes is not None:
-        return _experts_cached(facts, policy_peak, prefetch, policy, where, total)
+        return attrs.evolve(_experts_cached(facts, policy_peak, prefetch, policy, where, total, fix), kv=kv_bytes)
     need = total
     for k in range(L - 1, 0, -1):
         peak = min(L, policy_peak(k) + prefetch)
         need = facts.fixed + facts.peak_bytes(peak)
         if need <= budget:
             return KeepChoice(k, peak, need, budget,
-                              f"keep = auto: keep = {k} with {policy} ({peak} layers resident at most, {_gib(need)} "
-                              f"within {where}; every layer would need {_gib(total)})")
+                              f"keep = auto: keep = {k} with {policy} ({peak} layers resident at most, {_size(need)} "
+                              f"within {where}; every layer would need {_size(total)})", kv=kv_bytes)
     raise BudgetError(f"keep = auto: even keep = 1 needs {need / 2**20:,.0f} MiB ({facts.fixed / 2**20:,.0f} MiB of it "
-                      f"resident for good), over {where}; raise --budget-mb or KESTREL_WCACHE_MB, free memory, or run "
-                      "a smaller or quantized model")
+                      f"resident for good), over {where}; {fix}")
 
 
-def _experts_cached(facts: FitFacts, policy_peak, prefetch: int, policy: str, where: str, total: int) -> KeepChoice:
+def _experts_cached(facts: FitFacts, policy_peak, prefetch: int, policy: str, where: str, total: int,
+                    fix: str) -> KeepChoice:
     """A MoE model that does not fit whole: its layers' own units resident where they fit beside one token's routed
     experts (else the largest window over them that does), and an expert cache of all the budget leaves."""
     L, budget = facts.n_layers, facts.budget
@@ -95,10 +158,9 @@ def _experts_cached(facts: FitFacts, policy_peak, prefetch: int, policy: str, wh
             return KeepChoice(k, peak, own + experts, budget, expert_budget=experts,
                               line=f"keep = auto: {window} and an {EXPERT_POLICY} expert cache of "
                                    f"{experts / 2**20:,.1f} MiB of the experts' {facts.experts_bytes / 2**20:,.1f} "
-                                   f"MiB, {_gib(own + experts)} within {where}; every layer would need {_gib(total)}")
+                                   f"MiB, {_size(own + experts)} within {where}; every layer would need {_size(total)}")
     raise BudgetError(f"keep = auto: even keep = 1 with one token's routed experts needs {need / 2**20:,.0f} MiB "
-                      f"({facts.fixed / 2**20:,.0f} MiB of it resident for good), over {where}; raise --budget-mb or "
-                      "KESTREL_WCACHE_MB, free memory, or run a smaller or quantized model")
+                      f"({facts.fixed / 2**20:,.0f} MiB of it resident for good), over {where}; {fix}")
 
 
 def moe_facts(res, cfg, own: list[int], experts: list[int]) -> dict:

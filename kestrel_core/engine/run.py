@@ -42,7 +42,7 @@ from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelN
 from kestrel_core.engine.grammar import Grammars
 from kestrel_core.engine.pipeline import Pipeline, kestrel_version, launched_rank
 from kestrel_core.formats.tensor_table import unit_specs
-from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, choose_keep
+from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, KVRoom, choose_keep
 from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_model import names_gguf, open_gguf
@@ -83,9 +83,11 @@ def _ends(req: Request | None) -> frozenset[int]:
     return req.eos_ids if req is not None and req.gen.stop_at_eos else frozenset()
 
 
-def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters) -> tuple[KestrelConfig, KeepChoice]:
-    """``keep = "auto"`` resolved against the backend's budget (``engine.fit``): the config with the chosen keep (and no
-    prefetch where every layer is resident), and the choice. A window chosen is said on stderr as a note."""
+def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters,
+              kv: KVRoom) -> tuple[KestrelConfig, KeepChoice]:
+    """``keep = "auto"`` resolved against the backend's budget beside ``kv``'s KV cache (``engine.fit``): the config
+    with the chosen keep (and no prefetch where every layer is resident; the budget where it was the backend's
+    default), and the choice. A window chosen is said on stderr as a note."""
     res, n = config.residency, model.n_layers
     if res.policy != OFF:
         make_policy(res.policy, 1, n)  # an unknown policy is named before any budget is read
@@ -97,9 +99,11 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
         choice = KeepChoice(OFF, n, 0, 0, f"keep = auto: every layer resident ({why})")
     else:
         choice = choose_keep(facts, lambda k: make_policy(res.policy, k, n).peak_layers(), config.backend.prefetch,
-                             res.policy)
+                             res.policy, kv.resolve(model.config.max_position_embeddings))
     backend = config.backend if choice.keep != OFF else attrs.evolve(config.backend, prefetch=0)
     residency = attrs.evolve(res, keep=choice.keep)
+    if facts is not None and facts.sets_budget and choice.budget:  # the backend's own check holds the fit's budget
+        residency = attrs.evolve(residency, budget_mb=max(1, choice.budget // 2**20))
     if choice.expert_budget:
         residency = attrs.evolve(residency, expert_policy=EXPERT_POLICY, expert_budget_mb=choice.expert_budget / 2**20)
     if choice.keep == OFF and config.backend.prefetch:  # the user's prefetch is not dropped without a word
@@ -271,11 +275,14 @@ class Model:
         ConfigError that says what to do where it has none."""
         return self._chat_template()
 
-    def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (), **settings: Any) -> "Run":
+    def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (),
+             kv: tuple[int, int] | None = None, **settings: Any) -> "Run":
         """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
         names, flat (``policy="asymmetric", keep=2, backend="cpu_ref"``) or as tables (``backend={"name": "cuda"}``).
         ``observers``: objects whose hook methods (``on_layer_advance``, ``on_experts_routed``, ``preload``,
-        ``alloc``, ``release``) observe this run alone, besides the plugins registered in the manager."""
+        ``alloc``, ``release``) observe this run alone, besides the plugins registered in the manager. ``kv``: the
+        KV cache ``keep = "auto"`` leaves room for, (sequences, positions each) (default: one of 4,096 positions, or
+        the model's fewer)."""
         if self.closed:
             raise ConfigError(f"this model ({self.dir}) is closed; load it again")
         if config is not None and not isinstance(config, KestrelConfig):
@@ -283,7 +290,7 @@ class Model:
         if "model" in settings and not self._names_me(settings["model"]):
             raise ConfigError(f"open(model={settings['model']!r}) names another model than the one loaded ({self.dir}); "
                               "a run runs the model it was opened on: load that one with kestrel_core.load(...)")
-        return Run(self, with_settings(config or KestrelConfig(), settings), observers)
+        return Run(self, with_settings(config or KestrelConfig(), settings), observers, KVRoom.of(kv))
 
     def _names_me(self, model: Any) -> bool:
         try:
@@ -325,7 +332,7 @@ def _prompt_ids(value: Any, name: str = "prompt_ids", hint: str = "; pass text a
 class Run:
     """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
-    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = ()):
+    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = (), kv: KVRoom = KVRoom()):
         check_environment()
         self.counters = Counters()
         backend_reg = plugins.lookup("backends", config.backend.name)
@@ -335,7 +342,7 @@ class Run:
                                                                               self.pipeline.n_layers)
         self.keep_choice: KeepChoice | None = None  # what keep = "auto" chose, and why
         if config.residency.keep == AUTO:
-            config, self.keep_choice = _fit_keep(model, config, backend_reg.factory, self.counters)
+            config, self.keep_choice = _fit_keep(model, config, backend_reg.factory, self.counters, kv)
         res = config.residency
         self.model, self.config = whole, config
         self.policy = make_policy(res.policy, res.keep, model.n_layers)

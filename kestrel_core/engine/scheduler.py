@@ -20,6 +20,8 @@ from kestrel_core.engine.batch import Batch, Request, Sequence, check_batch
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.limits import RequestLimits
 
+KV_FIX = "lower the context or the slots (kestrel serve: --max-seq, --max-batch)"  # a KV cache too large
+
 
 class QueueFull(KestrelError):
     """Every slot is taken and ``max_queue`` requests wait already: try again later (a server answers 429)."""
@@ -116,7 +118,7 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             with Batch(self.run.runner, self.max_batch, self.max_seq, self.prefill_chunk,
-                       fix="lower the context or the slots (kestrel serve: --max-seq, --max-batch)") as batch:
+                       fix=KV_FIX) as batch:
                 self._batch = batch
                 self._ready.set()
                 while True:

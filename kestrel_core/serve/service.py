@@ -20,10 +20,11 @@ from kestrel_core.formats.chat_template import ChatTemplate, end_ids
 from kestrel_core.config import KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
+from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
-from kestrel_core.engine.scheduler import QueueFull, Scheduler
+from kestrel_core.engine.scheduler import KV_FIX, QueueFull, Scheduler
 from kestrel_core.serve import prompts, tool_calls
 from kestrel_core.serve.echo import Echo
 from kestrel_core.serve.generation import Generation
@@ -43,8 +44,6 @@ class Limits:
     max_queue: int = 64
     max_tokens: int = 4096  # a request's max_tokens, at most
 
-
-DEFAULT_CONTEXT = 4096
 
 
 class Service:
@@ -102,7 +101,7 @@ class Service:
             raise ConfigError(f"--max-seq {self.limits.max_seq:,} is past {model.dir}'s {positions:,} positions "
                               f"(max_position_embeddings); give at most {positions:,}, or leave it out")
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
-        self.run = model.open(self.cfg)
+        self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
         self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
                                    self.limits.max_queue, on_error=self._batch_failed)
         self.scheduler.start()
