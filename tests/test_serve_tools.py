@@ -110,17 +110,21 @@ def test_earlier_calls_and_tool_answers_go_back_into_the_template(chat_service):
 REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
-@pytest.fixture
-def replies(monkeypatch):
-    """The generation's text replaced by ``REPLY``, in three pieces, ending as a stop."""
+def _replying(monkeypatch, parts):
     from kestrel_core.serve.generation import Generation, Piece
 
     async def pieces(self, every_id=False):
-        for i, part in enumerate((REPLY[:5], REPLY[5:30], REPLY[30:])):
+        for i, part in enumerate(parts):
             yield Piece(part, [i], i)
         self.finish_reason = "stop"
 
     monkeypatch.setattr(Generation, "pieces", pieces)
+
+
+@pytest.fixture
+def replies(monkeypatch):
+    """The generation's text replaced by ``REPLY``, in three pieces, ending as a stop."""
+    _replying(monkeypatch, (REPLY[:5], REPLY[5:30], REPLY[30:]))
 
 
 def test_a_reply_with_a_call_is_answered_with_tool_calls(chat_service, replies):
@@ -133,16 +137,48 @@ def test_a_reply_with_a_call_is_answered_with_tool_calls(chat_service, replies):
     assert plain["message"]["content"] == REPLY and "tool_calls" not in plain["message"]
 
 
-def test_a_streamed_reply_with_a_call_sends_its_content_then_its_calls(chat_service, replies):
+def _streamed(http, **body) -> list[dict]:
+    lines = ask(http, tools=[WEATHER], stream=True, **body).text.splitlines()
+    assert "data: [DONE]" in lines
+    return [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+
+
+def test_a_streamed_reply_with_a_call_sends_its_content_as_it_comes_then_its_calls(chat_service, replies):
     _, http = chat_service
-    lines = ask(http, tools=[WEATHER], stream=True).text.splitlines()
-    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-    deltas = [c["choices"][0]["delta"] for c in chunks]
+    chunks = _streamed(http, return_token_ids=True)
+    deltas = [c["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    assert {"content": "Checking."} in deltas
+    assert deltas[1] == {"content": "Check"}  # sent with the first piece, before the call is written
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
     calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and "data: [DONE]" in lines
+    assert json.loads(calls[0][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert [t for c in chunks for t in c.get("token_ids") or []] == [0, 1, 2]  # each piece's ids once, in order
+
+
+def test_a_reply_given_tools_that_calls_none_streams_piece_by_piece(chat_service, monkeypatch):
+    """It was held whole to its end: a client given tools saw nothing until the reply was done."""
+    _replying(monkeypatch, ("It is ", "sunny <tool", "_ in Paris. ", " "))
+    _, http = chat_service
+    chunks = _streamed(http, return_token_ids=True)
+    assert [c["delta"] for c in chunks[1:-1]] == [{"content": "It is"}, {"content": " sunny"},
+                                                  {"content": " <tool_ in Paris."}]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["delta"] == {}
+    assert [t for c in chunks for t in c.get("token_ids") or []] == [0, 1, 2, 3]
+
+
+def test_two_calls_stream_each_once_whole_with_its_own_index(chat_service, monkeypatch):
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    reply = f"{call % 'Paris'}\n{call % 'Oslo'}"
+    _replying(monkeypatch, [reply[i:i + 7] for i in range(0, len(reply), 7)])
+    _, http = chat_service
+    deltas = [c["delta"] for c in _streamed(http)]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert [(c["index"], json.loads(c["function"]["arguments"])["city"]) for c in calls] == [(0, "Paris"), (1, "Oslo")]
+    assert not any(d.get("content") for d in deltas)  # only calls: no content
+    whole = ask(http, tools=[WEATHER]).json()["choices"][0]["message"]
+    assert whole["content"] is None and [c["function"] for c in whole["tool_calls"]] == [c["function"] for c in calls]
 
 
 # --- a call forced by tool_choice --------------------------------------------------------------------------------

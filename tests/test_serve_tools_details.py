@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from kestrel_core.serve import tool_calls
 
 
@@ -36,3 +38,34 @@ def test_the_text_before_between_and_after_the_calls_is_the_content():
 def test_a_whole_call_in_a_block_the_reply_ended_inside_is_read():
     content, (call,) = tool_calls.parse('Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}')
     assert content == "Sure." and call["function"]["name"] == "f"
+
+
+READS = ['  Before. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> Between.\n\n'
+         '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>\n After.  ',
+         "plain text  with  ws ", "<tool_call>not json</tool_call> x", 'Sure.<tool_call>{"name": "f", "arguments": {}}',
+         '{"name": "g", "parameters": {"x": 1}}', '<|python_tag|>{"name": "g", "arguments": {}}', "<tool_ca",
+         "a <tool_c b", "", "<|python", "   ", '<tool_call>{"name": "f"}</tool_call>']
+
+
+@pytest.mark.parametrize("text", READS)
+def test_a_reply_read_in_pieces_gives_what_it_gives_whole(text):
+    """``Reader`` at every cut into three pieces: its content events join to the whole reply's content, and its calls
+    are the whole reply's, in order."""
+    content, calls = tool_calls.parse(text)
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 3):
+            reader = tool_calls.Reader()
+            events = [e for part in (text[:i], text[i:j], text[j:]) for e in reader.push(part)] + reader.finish()
+            assert "".join(v for k, v in events if k == "content") == (content or "")
+            assert [v["function"] for k, v in events if k == "call"] == [c["function"] for c in calls]
+            assert reader.content() == content
+
+
+def test_content_is_sent_before_the_reply_ends_and_a_call_once_its_block_closes():
+    reader = tool_calls.Reader()
+    assert reader.push("It is ") == [("content", "It is")]  # the space waits for what follows it
+    assert reader.push("sunny. <tool_c") == [("content", " sunny.")]  # what may open a block waits
+    assert reader.push('all>{"name": "f", "arguments": {"a": 1}}') == []  # a block not yet closed waits
+    (kind, call), = reader.push("</tool_call>")
+    assert kind == "call" and call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert reader.finish() == [] and reader.content() == "It is sunny."

@@ -272,7 +272,24 @@ class Answer:
             if self.chat:
                 for i in range(len(self.gens)):
                     yield chunk(i, {"role": "assistant", "content": ""})
-            held: dict[int, list[Piece]] = {i: [] for i in range(len(self.gens))}  # with tools: a reply, whole
+            # With tools: each reply read as it comes (content sent as it is written, each call once it is whole);
+            # the pieces whose text is held ride the next chunk sent with their ids and logprobs
+            readers = {i: tool_calls.Reader() for i in range(len(self.gens))} if self.tools else {}
+            held: dict[int, list[Piece]] = {i: [] for i in range(len(self.gens))}
+            calls_sent = dict.fromkeys(range(len(self.gens)), 0)
+
+            def read(i: int, events: list) -> list[str]:
+                out = []
+                for kind, value in events:
+                    if kind == "content":
+                        delta = {"content": value}
+                    else:
+                        delta = {"tool_calls": [{"index": calls_sent[i], **value}]}
+                        calls_sent[i] += 1
+                    out.append(chunk(i, delta, None, _joined(held[i])))
+                    held[i].clear()
+                return out
+
             echoed: set[int] = set()
             async for i, piece in merged(self.gens, every_id=bool(ids)):
                 if self.echo is not None and i not in echoed:  # its prompt went through: the prompt first
@@ -282,15 +299,13 @@ class Answer:
                     yield _event(make(self.id, self.created, self.service.name, one, usage_field))
                 if piece is not None and self.tools:
                     held[i].append(piece)
-                elif piece is None and self.tools:  # the reply is whole: its content, then its calls, in two chunks
-                    content, calls = tool_calls.parse("".join(p.text for p in held[i]))
-                    whole = _joined(held[i])
-                    if content:
-                        yield chunk(i, {"content": content}, None, whole)
-                    if calls:
-                        yield chunk(i, {"tool_calls": [{"index": n, **c} for n, c in enumerate(calls)]}, None,
-                                    None if content else whole)
-                    yield chunk(i, {}, "tool_calls" if calls else self.gens[i].finish_reason)
+                    for event in read(i, readers[i].push(piece.text)):
+                        yield event
+                elif piece is None and self.tools:  # the reply is whole: what was held, then its finish reason
+                    for event in read(i, readers[i].finish()):
+                        yield event
+                    reason = "tool_calls" if readers[i].calls else self.gens[i].finish_reason
+                    yield chunk(i, {}, reason, _joined(held[i]))
                 elif piece is None:
                     yield chunk(i, {} if self.chat else "", self.gens[i].finish_reason)
                 else:

@@ -83,8 +83,104 @@ def _json(text: str):
         return None
 
 
+class Reader:
+    """A reply read as it is written: ``push(text)`` and ``finish()`` give its events in order, ``("content", text)``
+    (the content so far, less whitespace that may yet end it) and ``("call", call)`` (a call, once its block is
+    closed), so a stream sends the content as it comes and each call as it is whole; ``parse`` is this over a whole
+    reply, so a streamed reply and an answered one agree.
+
+    A reply whose first text is ``{`` or ``<|python_tag|>`` may be one bare call (Llama 3.1's format): it is held to
+    its end and read whole."""
+
+    def __init__(self) -> None:
+        self.mode = "undecided"  # "blocks": content and <tool_call> blocks; "bare": held whole
+        self.text = ""  # every piece pushed
+        self.at = 0  # where the unread text starts (in "blocks")
+        self.sent: list[str] = []  # the content sent
+        self.tail = ""  # whitespace outside calls, sent once more content follows it
+        self.calls: list[dict] = []
+
+    def push(self, text: str) -> list[tuple[str, object]]:
+        self.text += text
+        if self.mode == "undecided":
+            head = self.text.lstrip()
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
+                self.mode = "bare"
+            elif head and not PYTHON_TAG.startswith(head):
+                self.mode = "blocks"
+        return self._blocks(False) if self.mode == "blocks" else []
+
+    def finish(self) -> list[tuple[str, object]]:
+        if self.mode != "blocks":  # a bare call, or text that never showed what it is: read whole
+            content, calls = _whole(self.text)
+            self.calls = calls
+            return ([("content", content)] if content else []) + [("call", c) for c in calls]
+        return self._blocks(True)
+
+    def content(self) -> str | None:
+        """The reply's content once finished: None where only calls were written."""
+        if self.mode != "blocks":
+            return _whole(self.text)[0]
+        text = "".join(self.sent)
+        return None if not text and self.calls else text
+
+    def _blocks(self, last: bool) -> list[tuple[str, object]]:
+        events: list[tuple[str, object]] = []
+        while True:
+            start = self.text.find(OPEN, self.at)
+            if start < 0:  # no block opens: all but what may begin one is content
+                end = len(self.text) if last else _held_from(self.text, self.at)
+                events += self._content(self.text[self.at:end])
+                self.at = end
+                return events
+            events += self._content(self.text[self.at:start])
+            close = self.text.find(CLOSE, start + len(OPEN))
+            if close < 0 and not last:
+                self.at = start  # a block still being written: held
+                return events
+            body_end = len(self.text) if close < 0 else close
+            after = body_end if close < 0 else close + len(CLOSE)
+            call = _call(_json(self.text[start + len(OPEN):body_end].strip()))
+            if call is None:
+                events += self._content(self.text[start:after])  # not a call: the block stays in the content
+            else:
+                self.calls.append(call)
+                events.append(("call", call))
+            self.at = after
+
+    def _content(self, text: str) -> list[tuple[str, object]]:
+        """``text`` outside the calls as content to send: none of the reply's leading whitespace, and whitespace at
+        the end held until more content follows it (the content is the text outside calls, stripped)."""
+        if not self.sent:
+            text = (self.tail + text).lstrip()
+            self.tail = ""
+        text = self.tail + text
+        ready = text.rstrip()
+        self.tail = text[len(ready):]
+        if not ready:
+            return []
+        self.sent.append(ready)
+        return [("content", ready)]
+
+
+def _held_from(text: str, at: int) -> int:
+    """Where an ``OPEN`` may be beginning at the end of ``text`` (its length where none may)."""
+    for k in range(min(len(OPEN) - 1, len(text) - at), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
 def parse(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a reply: the content None where only calls were written."""
+    """(content, tool calls) of a reply: the content None where only calls were written (``Reader`` over it whole)."""
+    reader = Reader()
+    reader.push(text)
+    reader.finish()
+    return reader.content(), reader.calls
+
+
+def _whole(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a reply read whole: its <tool_call> blocks, else the whole reply one bare call."""
     calls, kept, at = [], [], 0
     for m in _BLOCK.finditer(text):
         call = _call(_json(m.group(1).strip()))
