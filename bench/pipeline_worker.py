@@ -1,5 +1,6 @@
 """One rank of ``python -m bench pipeline`` (``-m bench.pipeline_worker``, run by torchrun, or alone as the one-process
-row): a warm-up, then one greedy generate; it writes its own figures as ``rank<R>.json`` in the directory given."""
+row): a warm-up, then one greedy generate (a later rank follows rank 0's); it writes its own figures as
+``rank<R>.json`` in the directory given."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str) -> None:
     torch.set_num_threads(threads)
     prompt = [(13 * k) % 250 + 1 for k in range(16)]
     with load(model) as m, m.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as run:
-        run.generate(prompt_ids=prompt, max_new_tokens=4, stop_at_eos=False)  # warm-up
-        res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False)
+        res = None
+        if run.follows:  # a later rank: it makes rank 0's steps (both generates) until rank 0 closes its run
+            run.follow()
+        else:
+            run.generate(prompt_ids=prompt, max_new_tokens=4, stop_at_eos=False)  # warm-up
+            res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False)
         pipe = run.pipeline.to_json() if run.pipeline is not None else {"rank": 0, "ranks": 1, "parts": []}
+        peak_resident = run.counters.snapshot()["peak_resident_bytes"]
     rank = int(os.environ.get("RANK", "0"))
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "pipeline": pipe, "token_ids": res.token_ids, "decode_ms": res.decode_ms,
-        "prefill_ms": res.prefill_ms, "peak_rss_bytes": process_memory()["peak_rss_bytes"],
-        "peak_resident_bytes": res.counters["peak_resident_bytes"]}))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({  # the ids and times: rank 0's, which chose every step
+        "rank": rank, "pipeline": pipe, "token_ids": res and res.token_ids, "decode_ms": res and res.decode_ms,
+        "prefill_ms": res and res.prefill_ms, "peak_rss_bytes": process_memory()["peak_rss_bytes"],
+        "peak_resident_bytes": peak_resident}))
 
 
 if __name__ == "__main__":

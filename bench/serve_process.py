@@ -18,12 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServeProcess:
-    def __init__(self, model: Path | str, *flags: str, env: dict | None = None, timeout: float = 60):
-        """Start ``kestrel serve --model MODEL --port 0 FLAGS`` and wait until it has loaded (``timeout`` seconds)."""
+    def __init__(self, model: Path | str, *flags: str, env: dict | None = None, timeout: float = 60, ranks: int = 1):
+        """Start ``kestrel serve --model MODEL --port 0 FLAGS`` and wait until it has loaded (``timeout`` seconds);
+        ``ranks`` > 1: under torchrun, its layers split over that many processes."""
         self.path = str(model)
         named = [f for i, f in enumerate(flags) if i and flags[i - 1] == "--served-model-name"]
         self.name = named[0].split(",")[0].strip() if named else Path(model).resolve().name  # the name answers carry
-        cmd = [sys.executable, "-m", "kestrel_core.cli", "serve", "--model", self.path, "--port", "0", *flags]
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+            if ranks > 1 else [sys.executable]
+        cmd = [*launch, "-m", "kestrel_core.cli", "serve", "--model", self.path, "--port", "0", *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []

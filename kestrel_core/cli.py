@@ -152,7 +152,7 @@ def _main(argv: list[str] | None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         rank, _ = launched_rank()
-        check_command(args.command, getattr(args, "prompts", None) is not None)
+        check_command(args.command)
         # every rank of a pipeline runs the command; the first one speaks
         with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output(rank):
             warnings.simplefilter("default")

@@ -1,5 +1,5 @@
 """Run under torchrun by tests/test_pipeline.py: a batch of sequences (greedy and sampled, prompts in chunks) through
-the Python API on every rank; rank 0 writes each sequence's ids as JSON to the path given."""
+the Python API on rank 0, which the other ranks follow; rank 0 writes each sequence's ids as JSON to the path given."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ def requests() -> list[dict]:
             for i, (p, g) in enumerate(zip(PROMPTS, settings))]
 
 
-def run(model_dir: str, keep: str) -> list[list[int]]:
+def run(model_dir: str, keep: str) -> list[list[int]] | None:
+    """Rank 0 (or one process) generates; a pipeline's other ranks follow its steps (None)."""
     with load(model_dir) as model, model.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as r:
+        if r.pipeline is not None and r.pipeline.rank > 0:
+            r.follow()
+            return None
         got = r.generate_batch(requests(), max_batch=3, prefill_chunk=4)
         return [x.token_ids for x in got]
 

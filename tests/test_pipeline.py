@@ -21,7 +21,7 @@ from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-
+sys.path.insert(0, str(HERE))  # serve_helpers
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -117,14 +117,93 @@ def test_ranks_that_disagree_are_refused_naming_the_setting(models):
     assert "pipeline rank 1 runs settings.residency.keep = 2 where rank 0 runs 1; start every rank with the same" in done.stderr
 
 
-@pytest.mark.parametrize("argv, what", [(["serve", "--model", "m"], "kestrel serve"),
-                                        (["generate", "--model", "m", "--prompts", "a", "--out", "b"], "a batch job (--prompts)")])
-def test_commands_that_do_not_run_over_ranks_yet_are_refused_before_any_load(argv, what, monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [["chat", "--model", "m"], ["sweep", "--model", "m"]])
+def test_commands_that_do_not_run_over_ranks_yet_are_refused_before_any_load(argv, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kestrel: error: {what} does not run over several ranks yet (torchrun started 2)")
+    assert err.startswith(f"kestrel: error: kestrel {argv[0]} does not run over several ranks yet (torchrun started 2)")
+
+
+def test_a_rank_past_the_first_follows_and_does_not_generate(models):
+    """Rank 0 leads: a later rank's run generates nothing of its own (its steps are rank 0's), and one process has no
+    one to follow."""
+    from kestrel_core import load
+    from kestrel_core.errors import ConfigError
+
+    with load(models["tiny"]) as model, model.open(backend="cpu_ref") as run:
+        with pytest.raises(ConfigError, match=r"run.follow\(\) is for a pipeline's ranks past the first, and this is "
+                                              "one process"):
+            run.follow()
+    script = models["tiny"].parent / "leader_only.py"
+    script.write_text("import os, sys\nfrom kestrel_core import load\n"
+                      "with load(sys.argv[1]) as m, m.open(backend='cpu_ref') as r:\n"
+                      "    if os.environ['RANK'] == '1':\n"
+                      "        try:\n"
+                      "            r.generate(prompt_ids=[1, 2], max_new_tokens=2)\n"
+                      "        except Exception as e:\n"
+                      "            print('REFUSED', e, flush=True)\n"
+                      "        r.follow()\n"
+                      "    else:\n"
+                      "        print('IDS', r.generate(prompt_ids=[1, 2], max_new_tokens=2).token_ids, flush=True)\n")
+    done = torchrun(2, str(script), str(models["tiny"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED this is rank 1 of a pipeline, which follows rank 0's steps: call run.follow() on it" in done.stdout
+    assert "IDS [" in done.stdout
+
+
+def test_a_batch_job_over_two_ranks_writes_one_process_lines(models, tmp_path):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": 5, "stop_at_eos": False}) + "\n"
+                               for p in ([5, 17, 42], [1, 2, 3, 4, 5, 6], [9])))
+    args = ["generate", "--model", str(models["tiny-moe"]), "--backend", "cpu_ref", "--prompts", str(prompts),
+            "--max-batch", "2"]
+    one = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args, "--out", str(tmp_path / "one.jsonl")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, "-m", "kestrel_core.cli", *args, "--out", str(tmp_path / "two.jsonl"))
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def ids(name: str) -> list:
+        return [json.loads(line)["token_ids"] for line in (tmp_path / name).read_text().splitlines()]
+
+    assert ids("two.jsonl") == ids("one.jsonl") and len(ids("one.jsonl")) == 3
+
+
+def test_serve_over_two_ranks_answers_as_one_process(models, tiny_ckpt, tmp_path):
+    """Rank 0 serves and the other rank follows its steps: concurrent requests (a batch), greedy and seeded, equal
+    one process's ids; SIGTERM ends both ranks cleanly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kestrel_core import load
+    from bench.serve_process import ServeProcess
+    from serve_helpers import chat_model
+
+    model = chat_model(tiny_ckpt, tmp_path / "tiny")
+    asks = [dict(prompt=[5, 17, 42], max_tokens=6, temperature=0), dict(prompt=[1, 2, 3, 4], max_tokens=5, temperature=0),
+            dict(prompt=[9, 8], max_tokens=7, temperature=0.9, seed=3)]
+    with load(model) as m, m.open(backend="cpu_ref") as run:
+        want = [run.generate(prompt_ids=a["prompt"], max_new_tokens=a["max_tokens"], temperature=a["temperature"],
+                             stop_at_eos=False, **({"seed": a["seed"]} if "seed" in a else {})).token_ids for a in asks]
+    server = ServeProcess(model, "--backend", "cpu_ref", "--max-seq", "64", ranks=2, timeout=120)
+    try:
+        client = server.client()
+
+        def ask(a: dict) -> list[int]:
+            got = client.completions.create(model=server.name, **a, extra_body={"ignore_eos": True,
+                                                                                "return_token_ids": True})
+            return got.choices[0].token_ids
+
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, asks)) == want
+        # SIGTERM to rank 0, the server: it shuts down, and the rank that follows it ends with it
+        workers = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        rank0 = next(int(p) for p in workers if b"RANK=0" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0"))
+        os.kill(rank0, 15)
+        assert server.proc.wait(60) == 0, "\n".join(server.lines[-30:])
+    finally:
+        server.stop()
 
 
 def test_a_rank_that_dies_ends_the_run_on_every_rank(models, tmp_path):
@@ -155,3 +234,31 @@ def test_a_broken_torchrun_environment_is_one_line_naming_it(models, env, says, 
     rc = main(["generate", "--model", str(models["tiny"]), "--backend", "cpu_ref", "--prompt-ids", "1,2"])
     err = capsys.readouterr().err
     assert rc == 2 and says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_rank_that_follows_ends_with_one_line_when_rank_0_is_gone(models, tmp_path):
+    """Rank 0 exits before telling a step; the rank that follows it, waiting without a timeout, does not wait for ever:
+    it ends naming rank 0. (Started without torchrun, which would stop it first.)"""
+    import socket
+
+    script = tmp_path / "lost.py"
+    script.write_text("import os, sys\nfrom kestrel_core import load\nfrom kestrel_core.errors import KestrelError\n"
+                      "with load(sys.argv[1]) as m, m.open(backend='cpu_ref') as r:\n"
+                      "    if os.environ['RANK'] == '0':\n"
+                      "        os._exit(3)\n"
+                      "    try:\n"
+                      "        r.follow()\n"
+                      "    except KestrelError as e:\n"
+                      "        print('ERR', e, flush=True)\n"
+                      "        os._exit(2)\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(models["tiny"])], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.PIPE, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in (0, 1)]
+    out = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 3 and procs[1].returncode == 2, out[1][1][-2000:]
+    assert out[1][0].startswith("ERR rank 1 of 2 lost rank 0, whose steps it follows (") and \
+        out[1][0].rstrip().endswith("; see rank 0's error")

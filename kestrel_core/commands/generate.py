@@ -51,6 +51,9 @@ def run(args) -> int:
         positions = len(model.prompt_ids(list(gen.prompt_ids), gen.prompt)) + gen.max_new_tokens
         kv = KVRoom(1, min(positions, model.config.max_position_embeddings), "shorten the prompt or lower --max-new-tokens")
         with model.open(cfg, observers=[recorder] if recorder else (), kv=kv) as r:
+            if r.follows:  # a pipeline's later rank: rank 0 generates, this one makes its steps after it
+                r.follow()
+                return 0
             if args.json:
                 result = r.generate()
             else:
@@ -151,6 +154,9 @@ def run_batch_job(args) -> int:
     check_batch_flags(max_batch, args.prefill_chunk, left_out="a whole prompt a step")
     lines = read_lines(args.prompts)  # every line read and checked before the model loads (on cuda: pins its weights)
     with load(model_dir(cfg)) as model, model.open(cfg, kv=KVRoom(max_batch, fix="lower --max-batch")) as r:
+        if r.follows:  # a pipeline's later rank: rank 0 runs the job and writes it, this one makes its steps after it
+            r.follow()
+            return 0
         summary = run_job(r, args.prompts, lines, args.out, max_batch, args.prefill_chunk)
     if args.json:
         emit_json(summary)

@@ -12,6 +12,7 @@ import threading
 import time
 
 from kestrel_core.config import model_dir
+from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.errors import ConfigError
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
@@ -101,6 +102,9 @@ def run(args) -> int:
     seed = cfg.generation.seed if cfg.was_given("generation", "seed") else None
     log = _logger()
     service = Service(cfg, name, Limits(**settings), chat_tokens, seed, aliases)
+    if launched_rank()[0] > 0:  # a pipeline's later rank: rank 0 serves, this one makes its steps after it
+        service.follow()
+        return 0
     hosts = allowed_hosts(parse_list(args.allowed_hosts, "--allowed-hosts"), is_loopback(args.host))
     app = create_app(service, api_key, int(args.max_body_mb * 2**20), hosts=hosts,
                      origins=parse_list(args.allowed_origins, "--allowed-origins"))

@@ -2,9 +2,11 @@
 model's layers in its own window, on its own device.
 
 Launched by ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), every rank runs
-the same command: the same token loop, making the same decisions. In a step, the first rank embeds the step's tokens,
-each rank runs its layers on the hidden state it got and sends the result on, and the last rank computes the logits
-and broadcasts them, so every rank chooses the same tokens from the same logits. Greedy ids are those of one rank.
+the same command and opens the same run; rank 0 then leads: its token loop (a generation, a batch job, the server's
+scheduler) decides every step, and its runner tells the other ranks each call it makes (``tell``), which they make
+after it (``Runner.follow``). In a step, the first rank embeds the step's tokens, each rank runs its layers on the
+hidden state it got and sends the result on, and the last rank computes the logits and broadcasts them. Greedy ids
+are those of one rank.
 
     pipe = Pipeline.join(layer_bytes, device)   # None where torchrun did not start this process
     part = model_config.layers(pipe.first_layer, pipe.n_layers)
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelError
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +70,8 @@ class Pipeline:
     first_layer: int
     n_layers: int
     parts: list[tuple[int, int]]
+    control: Any = None  # the group rank 0 tells its steps over (gloo, no timeout: a server may idle for days)
+    told: list = attrs.Factory(list)  # rank 0's runner calls not yet sent: they go with the next that communicates
 
     @property
     def first(self) -> bool:
@@ -106,6 +110,29 @@ class Pipeline:
         dist.broadcast(out, self.ranks - 1)
         return out
 
+    # --- rank 0 leads, the others follow ------------------------------------------------------------------------
+    def tell(self, op: tuple, now: bool = False) -> None:
+        """Rank 0: a runner call the other ranks make after it (``runner.follow``), sent with the ones before it once a
+        call that communicates (``now``: a step, the NaN probe, the end) comes."""
+        self.told.append(op)
+        if now:
+            import torch.distributed as dist
+
+            told, self.told = self.told, []
+            dist.broadcast_object_list([told], src=0, group=self.control)
+
+    def hear(self) -> list[tuple]:
+        """A rank past the first: rank 0's next calls, in order (waits for them, however long rank 0 idles)."""
+        import torch.distributed as dist
+
+        box: list = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        except RuntimeError as exc:  # rank 0 gone: its connection closed
+            raise KestrelError(f"rank {self.rank} of {self.ranks} lost rank 0, whose steps it follows "
+                               f"({' '.join(str(exc).split())[:160]}); see rank 0's error") from None
+        return box[0]
+
     # --- the start and the end ---------------------------------------------------------------------------------
     @classmethod
     def join(cls, layer_bytes: list[int], device: torch.device, fingerprint: dict[str, Any]) -> "Pipeline | None":
@@ -131,7 +158,8 @@ class Pipeline:
         check_alike(rank, ranks, fingerprint)
         parts = split(layer_bytes, ranks)
         first, count = parts[rank]
-        return cls(rank, ranks, first, count, parts)
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        return cls(rank, ranks, first, count, parts, control)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -204,16 +232,15 @@ def timeout_s() -> float:
     return value
 
 
-ACROSS_RANKS = {"generate"}  # the commands a pipeline runs today (a batch job, chat and serve: not yet)
+ACROSS_RANKS = {"generate", "serve"}  # the commands a pipeline runs (a batch job is generate's; chat: not yet)
 
 
-def check_command(command: str, batch_job: bool) -> None:
+def check_command(command: str) -> None:
     """A command that cannot run over ranks yet is refused on every rank, before any loads."""
     _, ranks = launched_rank()
-    if ranks > 1 and (command not in ACROSS_RANKS or batch_job):
-        what = "a batch job (--prompts)" if batch_job else f"kestrel {command}"
-        raise ConfigError(f"{what} does not run over several ranks yet (torchrun started {ranks}); run it as one "
-                          "process, or use kestrel generate with --prompt or --prompt-ids")
+    if ranks > 1 and command not in ACROSS_RANKS:
+        raise ConfigError(f"kestrel {command} does not run over several ranks yet (torchrun started {ranks}); run it "
+                          "as one process, or use kestrel generate or kestrel serve")
 
 
 def kestrel_version() -> str:

@@ -378,8 +378,8 @@ class Run:
                                           compile=config.backend.compile, expert_table=table),
                              guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True
-        try:
-            self.drafter = make_drafter(config.speculative, self)
+        try:  # a pipeline's later ranks follow rank 0's steps: the drafts are rank 0's
+            self.drafter = None if self.follows else make_drafter(config.speculative, self)
         except BaseException:
             self.close()
             raise
@@ -504,11 +504,26 @@ class Run:
             raise BudgetError(f"CUDA out of memory during generation{hint}: lower --budget-mb / KESTREL_WCACHE_MB, "
                               "keep, or --max-new-tokens") from None
 
+    @property
+    def follows(self) -> bool:
+        """Whether this run is a pipeline's rank past the first, which follows rank 0's steps (``follow``)."""
+        return self.pipeline is not None and not self.runner.leads
+
+    def follow(self) -> None:
+        """On a pipeline's ranks past the first (``torchrun`` started this process as one): make rank 0's steps as it
+        takes them, until rank 0 closes its run. Rank 0 generates, serves or runs the batch job; the others call this."""
+        if not self.follows:
+            what = "one process" if self.pipeline is None else "rank 0 of the pipeline"
+            raise ConfigError(f"run.follow() is for a pipeline's ranks past the first, and this is {what}: generate here")
+        self.runner.follow()
+
     def close(self) -> None:
         if not self._open:
             return
         self._open = False
         try:
+            if self.runner.leads:
+                self.runner.end_following()
             if getattr(self, "drafter", None) is not None:
                 self.drafter.close()
             self.runner.release_all()

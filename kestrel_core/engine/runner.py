@@ -128,6 +128,7 @@ class Slots:
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
         self.launched = 0
         self.t0 = None  # the mark before its first step
+        self.sid = runner.opened  # its number among the run's slots (a pipeline's ranks number them alike)
 
     def close(self) -> None:
         for graphs in self.graphs.values():
@@ -135,6 +136,7 @@ class Slots:
         self.graphs.clear()
         if self.runner is not None:  # the run may step another batch now
             self.runner, runner = None, self.runner
+            runner.tell("close", self.sid)
             runner._busy.release()
 
 
@@ -153,6 +155,16 @@ class Runner:
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
         self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
         self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
+        self.opened = 0  # slots opened on this run
+        # In a pipeline rank 0 leads: every call below that changes the device's state is told to the other ranks,
+        # which make it after it (``follow``) and make none of their own
+        self.leads = pipeline is not None and pipeline.first
+        self.following = False
+
+    def tell(self, *op, now: bool = False) -> None:
+        """Where this runner leads a pipeline: ``op`` (a call's name and arguments) for the other ranks to make."""
+        if self.leads:
+            self.pipeline.tell(op, now)
 
     def reads_table(self, rows: int, spans=()) -> bool:
         """Whether a step reads its routed experts through the expert table: a decode step (rows, no spans) on a run
@@ -169,15 +181,21 @@ class Runner:
         """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each. A run steps one
         batch at a time (its window holds one token's plans): a second, from another thread or a scheduler's, is
         refused at once, until the first closes its slots."""
+        if self.pipeline is not None and not self.leads and not self.following:
+            raise ConfigError(f"this is rank {self.pipeline.rank} of a pipeline, which follows rank 0's steps: call "
+                              "run.follow() on it (rank 0 generates, serves or runs the batch job)")
         if not self._busy.acquire(blocking=False):
             raise ConfigError("this run is generating already (in another thread, or a Scheduler's batch): a run steps "
                               "one batch at a time; open a second run with model.open(...), or submit the request to "
                               "the Scheduler")
         try:
-            return Slots(self, slots, max_seq)
+            s = Slots(self, slots, max_seq)
         except BaseException:
             self._busy.release()
             raise
+        self.opened += 1
+        self.tell("open", slots, max_seq)
+        return s
 
     def step(self, s: Slots, request: StepRequest,
              sample: Callable[[int, torch.Tensor], int | None] | None = None) -> Launched:
@@ -186,6 +204,7 @@ class Runner:
         the copy of the step's output row to the host, which ``read`` waits for."""
         window, backend, counters, state = self.window, self.backend, self.counters, s.state
         self.guard()  # a file truncated under its mapping would fault the process (SIGBUS) at the next touch
+        self.tell("step", s.sid, request, now=True)
         if s.t0 is None:
             self.preload()
             backend.synchronize()
@@ -219,9 +238,11 @@ class Runner:
     def read(self, s: Slots, step: Launched, hear: Iterable[int] = ()) -> Readback:
         """Wait for ``step`` and read its row back; where it read the expert table, the window hears the routing of the
         slots in ``hear`` (the rows whose sequences go on) and plans on it."""
+        hear = sorted(hear)
+        self.tell("read", s.sid, step.index, hear)
         self.backend.wait(step.mark)
         row = s.ring[step.index % s.RING].tolist()
-        n, heard, hear = s.count, {}, sorted(hear)
+        n, heard = s.count, {}
         if step.table and hear:
             _, slots, k = s.state.routed.shape
             routed = [row[i:i + slots * k] for i in range(2 * n, len(row), slots * k)]  # a sparse layer's slots
@@ -233,6 +254,7 @@ class Runner:
 
     def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
         """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
+        self.tell("place", s.sid, slot, position, token)
         if token is not None:
             s.state.tokens[slot].fill_(token)
         s.state.positions[slot].fill_(position)
@@ -240,9 +262,48 @@ class Runner:
     def copy_prefix(self, s: Slots, src: int, dst: int, n: int) -> None:
         """Slot ``dst``'s first ``n`` positions' keys and values become slot ``src``'s (a prompt both hold), in stream
         order: a step launched after reads them."""
+        self.tell("copy_prefix", s.sid, src, dst, n)
         for layer in s.cache:
             layer.k[dst, :n].copy_(layer.k[src, :n])
             layer.v[dst, :n].copy_(layer.v[src, :n])
+
+    # --- a pipeline's other ranks ------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """A rank past the first: make rank 0's calls after it, as it tells them, until it ends (``stop``). The
+        steps' tokens are rank 0's to choose (it embeds them); a rank past the first runs its layers on the hidden
+        state it gets."""
+        slots: dict[int, Slots] = {}
+        steps: dict[tuple[int, int], Launched] = {}
+        self.following = True
+        try:
+            while True:
+                for name, *args in self.pipeline.hear():
+                    if name == "stop":
+                        return
+                    if name == "open":
+                        s = self.open_slots(*args)
+                        slots[s.sid] = s
+                    elif name == "close":
+                        slots.pop(args[0]).close()
+                    elif name == "step":
+                        s = slots[args[0]]
+                        step = self.step(s, args[1], lambda slot, logits: None)
+                        steps[s.sid, step.index] = step
+                        steps.pop((s.sid, step.index - 2 * s.RING), None)  # a step rank 0 never read back
+                    elif name == "read":
+                        self.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
+                    elif name in ("place", "copy_prefix", "nonfinite"):
+                        getattr(self, name)(slots[args[0]], *args[1:])
+                    else:
+                        raise RuntimeError(f"rank 0 told an unknown runner call {name!r}: run one kestrel on every rank")
+        finally:
+            self.following = False
+            for s in slots.values():
+                s.close()
+
+    def end_following(self) -> None:
+        """Rank 0, its run closing: the other ranks' ``follow`` returns."""
+        self.tell("stop", now=True)
 
     def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
@@ -480,6 +541,7 @@ class Runner:
 
         The search runs the step again through the same layer loop with a probe: on the error path only.
         """
+        self.tell("nonfinite", s.sid, list(ids), start, phase, slot, now=True)
         found: list[str] = []
 
         def probe(where: str, h: torch.Tensor) -> None:

@@ -86,7 +86,30 @@ class Service:
             if self.state == LOADING:
                 self.state = READY
 
+    def follow(self) -> None:
+        """A pipeline's rank past the first (torchrun started ``kestrel serve`` on every rank): open the same run as
+        rank 0, which serves, and make its steps after it until it shuts down."""
+        try:
+            self._open()
+            self.run.follow()
+        finally:
+            self.close()
+
     def _load(self) -> None:
+        self._open()
+        self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
+                                   self.limits.max_queue, on_error=self._batch_failed)
+        self.scheduler.start()
+        # One short generation: the window preloads and the memory figures printed at start are measured ones.
+        warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=min(2, self.max_seq - 1),
+                                                      stop_at_eos=False,
+                                                      temperature=0.0))
+        warm.finished.wait()
+        if warm.error is not None:
+            raise warm.error
+
+    def _open(self) -> None:
+        """The model loaded and its run opened, with room for the batch's KV cache."""
         model = self.model = load(model_dir(self.cfg))
         if model.tokenizer is None:
             raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
@@ -102,16 +125,6 @@ class Service:
                               f"(max_position_embeddings); give at most {positions:,}, or leave it out")
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
-        self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
-                                   self.limits.max_queue, on_error=self._batch_failed)
-        self.scheduler.start()
-        # One short generation: the window preloads and the memory figures printed at start are measured ones.
-        warm = self.scheduler.submit(self.run.request(prompt_ids=[0], max_new_tokens=min(2, self.max_seq - 1),
-                                                      stop_at_eos=False,
-                                                      temperature=0.0))
-        warm.finished.wait()
-        if warm.error is not None:
-            raise warm.error
 
     @staticmethod
     def _batch_failed(exc: BaseException) -> None:
