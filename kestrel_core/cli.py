@@ -19,6 +19,7 @@ from kestrel_core.io import progress
 
 from kestrel_core.io import signals
 from kestrel_core.engine.pipeline import check_command, launched_rank
+from kestrel_core.commands.ranks import launch as ranks_launch
 from kestrel_core.errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "serve", "sweep", "replay", "plugins", "demo", "quantize")
@@ -150,8 +151,13 @@ def _main(argv: list[str] | None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a bad flag (one line, above), or --help and --version: a code to return, not raise
         return exc.code if isinstance(exc.code, int) else 2
+    who = "kestrel"  # a pipeline's later rank names itself: each rank says its own error
     try:
-        rank, _ = launched_rank()
+        rank, ranks = launched_rank()
+        who = f"kestrel (rank {rank})" if rank else who
+        if getattr(args, "devices", None) is not None and ranks == 1:  # kestrel starts the ranks, each with this line
+            with signals.terminate_as_interrupt():
+                return ranks_launch(args, sys.argv[1:] if argv is None else list(argv))
         check_command(args.command)
         # every rank of a pipeline runs the command; the first one speaks
         with warnings.catch_warnings(record=True) as notes, signals.terminate_as_interrupt(), _guarded_output(rank):
@@ -166,7 +172,7 @@ def _main(argv: list[str] | None) -> int:
                 warnings.showwarning(note.message, note.category, note.filename, note.lineno)
         return rc
     except KestrelError as exc:
-        print(f"kestrel: error: {exc}", file=sys.stderr)
+        print(f"{who}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of our output left (`kestrel generate ... | head`): not an error of ours
         _drop_output()

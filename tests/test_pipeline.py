@@ -262,3 +262,67 @@ def test_a_rank_that_follows_ends_with_one_line_when_rank_0_is_gone(models, tmp_
     assert procs[0].returncode == 3 and procs[1].returncode == 2, out[1][1][-2000:]
     assert out[1][0].startswith("ERR rank 1 of 2 lost rank 0, whose steps it follows (") and \
         out[1][0].rstrip().endswith("; see rank 0's error")
+
+
+def test_devices_starts_the_ranks_itself_and_gives_one_process_ids(models):
+    """``--devices cpu,cpu``: kestrel starts two ranks with torchrun's environment, rank 0 prints; the ids are one
+    process's."""
+    args = ["generate", "--model", str(models["tiny"]), "--backend", "cpu_ref", "--prompt-ids", "5,17,42,99",
+            "--max-new-tokens", "8", "--json"]
+    one = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    two = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args, "--devices", "cpu,cpu"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    got = json.loads(two.stdout)
+    assert got["pipeline"]["ranks"] == 2 and got["token_ids"] == json.loads(one.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("devices, says", [
+    ("cpu", "--devices 'cpu': give two or more devices, comma-separated"),
+    ("cpu,,cpu", "give two or more devices"),
+    ("tpu:0,tpu:1", "--devices 'tpu:0'"),
+    ("cuda:0,cuda:0", "cuda:0"),  # twice, or no GPU here: either way before any rank starts
+])
+def test_bad_devices_are_one_line_before_any_rank_starts(models, devices, says, capsys):
+    rc = main(["generate", "--model", str(models["tiny"]), "--prompt-ids", "1", "--devices", devices])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and err.count("\n") == 1 and "rank" not in err.split("error:")[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["chat", "--devices", "cpu,cpu"], "kestrel chat does not run over several ranks yet; drop --devices"),
+    (["generate", "--device", "cpu", "--devices", "cpu,cpu"], "pass --device or --devices, not both")])
+def test_devices_with_what_cannot_run_over_ranks_is_refused_up_front(models, argv, says, capsys):
+    assert main([*argv, "--model", str(models["tiny"])]) == 2
+    assert capsys.readouterr().err == f"kestrel: error: {says}\n"
+
+
+def test_devices_naming_more_ranks_than_torchrun_started_is_refused(models):
+    done = torchrun(2, "-m", "kestrel_core.cli", "generate", "--model", str(models["tiny"]), "--backend", "cpu_ref",
+                    "--prompt-ids", "1,2", "--devices", "cpu,cpu,cpu")
+    assert done.returncode != 0
+    assert "--devices names 3 devices but 2 ranks were started; give one device a rank" in done.stderr
+    assert "kestrel (rank 1): error: --devices names 3 devices" in done.stderr  # each rank says its own
+
+
+def test_serve_with_devices_ends_both_ranks_on_one_sigterm(models, tiny_ckpt, tmp_path):
+    """``kestrel serve --devices cpu,cpu``: a SIGTERM to kestrel (as a supervisor sends) reaches rank 0, which shuts
+    down; the rank that follows it ends with it, and kestrel exits."""
+    from bench.serve_process import ServeProcess
+    from serve_helpers import chat_model
+
+    server = ServeProcess(chat_model(tiny_ckpt, tmp_path / "tiny"), "--backend", "cpu_ref", "--max-seq", "64",
+                          "--devices", "cpu,cpu", timeout=120)
+    try:
+        got = server.client().completions.create(model=server.name, prompt=[5, 17, 42], max_tokens=3,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert len(got.choices[0].token_ids) == 3
+        ranks = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        assert len(ranks) == 2
+        server.proc.send_signal(15)
+        assert server.proc.wait(90) == 128 + 15  # kestrel says it was stopped
+        assert not any(Path(f"/proc/{r}").exists() and "zombie" not in Path(f"/proc/{r}/status").read_text()
+                       for r in ranks)
+    finally:
+        server.stop()

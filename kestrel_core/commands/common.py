@@ -39,7 +39,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--allocator", help=f"weight-buffer allocator{many}: {_names('allocators')} (default {r.allocator})")
     g.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many} (default {b.prefetch}; cuda)")
     g.add_argument("--budget-mb", type=int, help="device weight-cache budget in MiB (also KESTREL_WCACHE_MB; default "
-                   "half of free device memory, 256 MiB..24 GiB)")
+                   "with keep auto: free device memory less 2 GiB and the KV cache; with a keep given: half of free "
+                   "device memory, 256 MiB..24 GiB)")
     g.add_argument("--pool-slots", type=int, help=f"buffers the pool may hold (default {r.pool_slots})")
     g = p.add_argument_group("cuda")
     g.add_argument("--host-budget-mb", type=float, help="MiB of pinned host memory for streamed weights "
@@ -47,6 +48,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--dtype", help="compute dtype (cpu_ref: float32 (default) | float64; cuda: bfloat16 (default) | "
                    "float16 | float32)")
     g.add_argument("--device", help="device, e.g. cuda:1 (default: the current one)")
+    g.add_argument("--devices", help="split the layers over these devices of this host, one rank each, e.g. "
+                   "cuda:0,cuda:1 (kestrel starts the ranks; generate and serve; see docs/multi-gpu.md)")
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
     g.add_argument("--compile", action="store_true", default=None,
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
@@ -117,6 +120,18 @@ def _logit_bias(text: str | None) -> list | None:
     return pairs
 
 
+def _device(args: argparse.Namespace) -> str | None:
+    """``--device``, or this rank's of ``--devices``."""
+    devices = getattr(args, "devices", None)
+    if devices is None:
+        return args.device
+    if args.device is not None:
+        raise ConfigError("pass --device or --devices, not both")
+    from kestrel_core.commands.ranks import rank_device
+
+    return rank_device(devices)
+
+
 def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelConfig:
     """kestrel.toml, then flags. List-valued sweep flags are applied per run, not here."""
     cfg = load_config(args.config)
@@ -135,7 +150,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         model=args.model,
         backend__name=single(args.backend),
         backend__dtype=args.dtype,
-        backend__device=args.device,
+        backend__device=_device(args),
         backend__graphs=args.graphs,
         backend__compile=args.compile,
         backend__host_budget_mb=args.host_budget_mb,

@@ -22,6 +22,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_TIMEOUT_S = 300.0
+TOLD_BYTES = 4096  # what one broadcast carries of rank 0's calls (a step's fit; a longer prompt takes a second)
 
 
 def split(layer_bytes: list[int], ranks: int) -> list[tuple[int, int]]:
@@ -116,22 +118,37 @@ class Pipeline:
         call that communicates (``now``: a step, the NaN probe, the end) comes."""
         self.told.append(op)
         if now:
+            import torch
             import torch.distributed as dist
 
             told, self.told = self.told, []
-            dist.broadcast_object_list([told], src=0, group=self.control)
+            data = pickle.dumps(told)
+            first = torch.zeros(TOLD_BYTES, dtype=torch.uint8)  # one broadcast a step: the length, and the calls
+            first[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            inline = len(data) <= TOLD_BYTES - 8
+            if inline:
+                first[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(first, 0, group=self.control)
+            if not inline:  # a long prompt's ids: a second broadcast of their size
+                dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
 
     def hear(self) -> list[tuple]:
         """A rank past the first: rank 0's next calls, in order (waits for them, however long rank 0 idles)."""
+        import torch
         import torch.distributed as dist
 
-        box: list = [None]
         try:
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            first = torch.empty(TOLD_BYTES, dtype=torch.uint8)
+            dist.broadcast(first, 0, group=self.control)
+            n = int.from_bytes(first[:8].numpy().tobytes(), "little")
+            if n <= TOLD_BYTES - 8:
+                return pickle.loads(first[8:8 + n].numpy().tobytes())
+            rest = torch.empty(n, dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.control)
+            return pickle.loads(rest.numpy().tobytes())
         except RuntimeError as exc:  # rank 0 gone: its connection closed
             raise KestrelError(f"rank {self.rank} of {self.ranks} lost rank 0, whose steps it follows "
                                f"({' '.join(str(exc).split())[:160]}); see rank 0's error") from None
-        return box[0]
 
     # --- the start and the end ---------------------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,99 @@
+"""``--devices``: a command's layers split over several devices of this host, one rank each, the ranks started by
+kestrel itself with the environment torchrun would give them (``torchrun --standalone --nproc-per-node N -m
+kestrel_core.cli ...``). Every rank runs the same command line; each computes on its own device."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from kestrel_core.engine.pipeline import ACROSS_RANKS, launched_rank
+from kestrel_core.errors import ConfigError
+
+SHUTDOWN_S = 60  # how long the ranks have to end after the launcher passes them a signal
+
+
+def parse_devices(text: str) -> list[str]:
+    """``cuda:0,cuda:1`` (or ``cpu,cpu``): two or more devices of one kind, no GPU twice, each present here."""
+    from kestrel_core.engine.devices import compute_device  # torch: once the flags are read
+
+    names = [d.strip() for d in text.split(",")]
+    if len(names) < 2 or not all(names):
+        raise ConfigError(f"--devices {text!r}: give two or more devices, comma-separated (cuda:0,cuda:1, or cpu,cpu "
+                          "on cpu_ref); for one, use --device")
+    kinds = {compute_device(n, "--devices").type for n in names}
+    if len(kinds) > 1:
+        raise ConfigError(f"--devices {text!r} mixes cpu and cuda; split the layers over GPUs, or over cpu ranks")
+    if "cuda" in kinds:
+        bare = [n for n in names if ":" not in n]
+        if bare:
+            raise ConfigError(f"--devices names {bare[0]!r} without an index; name each GPU (cuda:0,cuda:1)")
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"--devices names {twice} twice; give each rank a GPU of its own")
+    return names
+
+
+def rank_device(text: str) -> str:
+    """This rank's device of ``--devices`` (its LOCAL_RANK's), where the ranks were started."""
+    devices = parse_devices(text)
+    _, ranks = launched_rank()
+    if ranks != len(devices):
+        raise ConfigError(f"--devices names {len(devices)} devices but {ranks} ranks were started; give one device a "
+                          "rank, or run without torchrun and let --devices start them")
+    return devices[int(os.environ.get("LOCAL_RANK", "0"))]
+
+
+def launch(args, argv: list[str]) -> int:
+    """Start one rank a device on this host, each running ``argv`` (RANK, LOCAL_RANK, WORLD_SIZE and a free loopback
+    MASTER_PORT set, as torchrun sets them); the first failing rank's exit code, else 0. A rank that fails ends the
+    others; a signal that reaches this process (Ctrl-C, SIGTERM from a supervisor) is passed to every rank."""
+    names = parse_devices(args.devices)
+    if args.command not in ACROSS_RANKS:
+        raise ConfigError(f"kestrel {args.command} does not run over several ranks yet; drop --devices")
+    if getattr(args, "device", None) is not None:
+        raise ConfigError("pass --device or --devices, not both")
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous (rank 0 listens on it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(len(names)), "LOCAL_WORLD_SIZE": str(len(names)),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", *argv],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(len(names))]
+    try:
+        return _wait(procs)
+    except KeyboardInterrupt as exc:  # to rank 0, which leads: it ends its work and the others follow it out
+        _end(procs[:1], getattr(exc, "signum", signal.SIGINT), then=procs[1:])
+        raise
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Every rank's end: the first failure's code (the others ended then), else 0."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            _end(procs, signal.SIGTERM)
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _end(procs: list[subprocess.Popen], signum: int, then: list[subprocess.Popen] = ()) -> None:
+    """``signum`` to each of ``procs`` still running; every one of them and of ``then`` waited for, and killed where
+    it is left after SHUTDOWN_S."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+    deadline = time.monotonic() + SHUTDOWN_S
+    for p in [*procs, *then]:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
