@@ -24,6 +24,17 @@ def test_everything_is_pinned_where_it_fits_half_the_available_memory(monkeypatc
     assert resolve_host_budget(1024, 64 * 2**30, 40 * 2**30) == HostBudget(1024 * MiB, "config", "ring")
 
 
+def test_a_pipelines_ranks_on_one_host_share_the_default(monkeypatch):
+    """Four ranks of one host (torchrun's LOCAL_WORLD_SIZE): each pins an eighth of the available memory; a budget
+    given is each rank's as given."""
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    for k, v in {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    assert resolve_host_budget(0, 64 * 2**30, 16 * 2**30) == HostBudget(
+        8 * 2**30, "default (half of the available host memory, shared by the 4 ranks of this host)", "ring")
+    assert resolve_host_budget(1024, 64 * 2**30, 40 * 2**30) == HostBudget(1024 * MiB, "config", "ring")
+
+
 def test_the_environment_beats_the_config(monkeypatch):
     monkeypatch.setenv(HOST_ENV, "512")
     assert resolve_host_budget(4096, 64 * 2**30, 2**30) == HostBudget(512 * MiB, HOST_ENV, "ring")

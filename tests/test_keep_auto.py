@@ -277,3 +277,22 @@ def test_a_default_budget_chosen_by_the_fit_is_the_one_the_backend_holds(tiny_ck
     monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "fit_facts", classmethod(lambda cls, ctx: stated(ctx)))
     with load(tiny_ckpt) as model, model.open(backend="cpu_ref", kv=(1, 8)) as run:
         assert run.config.residency.budget_mb == KestrelConfig().residency.budget_mb
+
+
+def test_cpu_ref_ranks_of_one_host_fit_their_share_of_its_memory(tiny_ckpt, monkeypatch):
+    """Two ranks on one host (LOCAL_WORLD_SIZE 2): each fits half of what one process would, and says so."""
+    from backends.cpu_ref.backend import CpuRefBackend
+    from kestrel_core.engine.backend import BackendContext
+    from kestrel_core.engine.plan import Counters
+
+    monkeypatch.setattr(cpu_ref_backend, "meminfo", lambda: {"MemAvailable": 1000 * MIB})
+    with load(tiny_ckpt) as model:
+        cfg = KestrelConfig()
+        ctx = BackendContext(model.checkpoint, model.config, cfg.backend, cfg.residency, Counters(), model.n_layers,
+                             model.host, model.units, model.quant)
+        one = CpuRefBackend.fit_facts(ctx)
+        for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(k, v)
+        two = CpuRefBackend.fit_facts(ctx)
+    assert (one.budget, one.room) == (500 * MIB, 1000 * MIB) and (two.budget, two.room) == (250 * MIB, 500 * MIB)
+    assert two.source == "half of the host's available memory, shared by the 2 ranks of this host"

@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))  # serve_helpers
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("pipeline")
-    return {name: write_checkpoint(preset_config(name), d / name) for name in ("tiny", "tiny-moe")}
+    return {name: write_checkpoint(preset_config(name), d / name) for name in ("tiny", "tiny-moe", "tiny-llama")}
 
 
 def torchrun(ranks: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -81,6 +81,24 @@ def test_a_parts_layer_zero_names_the_checkpoints_layer_and_its_sparse_rule():
         part.to_hf_dict()
 
 
+def test_a_part_holds_the_globals_it_uses():
+    """The embeddings on the part that starts at layer 0, the final norm and lm_head on the one that ends the model (a
+    tied lm_head is the embeddings: there too), nothing on a part between."""
+    from kestrel_core.formats.tensor_table import global_specs
+
+    untied = preset_config("tiny-llama")  # 5 layers
+    assert set(global_specs(untied)) == {"embed", "norm", "lm_head"}
+    assert set(global_specs(untied.layers(0, 2))) == {"embed"}
+    assert set(global_specs(untied.layers(2, 1))) == set()
+    assert set(global_specs(untied.layers(2, 3))) == {"norm", "lm_head"}
+    assert set(global_specs(untied.layers(2, 3).layers(1, 2))) == {"norm", "lm_head"}
+    assert set(global_specs(untied.layers(0, 3).layers(1, 2))) == set()  # a part of a part that stops short
+    tied = preset_config("tiny")
+    assert set(global_specs(tied.layers(3, 3))) == {"embed", "norm"}
+    with pytest.raises(ValueError, match="config.json"):
+        untied.layers(0, 4).to_hf_dict()
+
+
 # --- ids across ranks -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_generate_over_ranks_gives_one_process_ids(models, name):
@@ -96,7 +114,7 @@ def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
         import pipeline_job
     finally:
         sys.path.remove(str(HERE))
-    for name, keep in (("tiny", "2"), ("tiny-moe", "off")):
+    for name, keep in (("tiny", "2"), ("tiny-moe", "off"), ("tiny-llama", "off")):
         out = tmp_path / f"{name}.json"
         done = torchrun(2, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out))
         assert done.returncode == 0, done.stderr[-3000:]

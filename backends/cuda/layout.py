@@ -12,6 +12,7 @@ import warnings
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
+from kestrel_core.formats.tensor_table import global_specs
 from kestrel_core.formats.units import EntrySpec, Geometry
 
 from . import blocks, q8
@@ -89,13 +90,15 @@ class DeviceLayout:
             yield EntrySpec(name, geometry, (spec.key, name))
 
     def global_bytes(self) -> int:
-        """Embeddings and lm_head as the device holds them (a quantized lm_head stays quantized)."""
-        item = itemsize(self.dtype)
-        vh = self.cfg.vocab_size * self.cfg.hidden_size
-        lm_head = self.q8.get("lm_head.weight") or self.blocks.get("lm_head.weight")
-        if lm_head is not None:
-            return vh * item + lm_head.nbytes
-        return (vh if self.cfg.tie_word_embeddings else 2 * vh) * item
+        """Embeddings and lm_head as the device holds them (a quantized lm_head stays quantized; a pipeline rank's
+        part, the ones it uses: ``global_specs``)."""
+        vh_bytes = self.cfg.vocab_size * self.cfg.hidden_size * itemsize(self.dtype)
+        specs = global_specs(self.cfg)
+        total = vh_bytes if "embed" in specs else 0
+        if "lm_head" in specs:
+            lm_head = self.q8.get("lm_head.weight") or self.blocks.get("lm_head.weight")
+            total += lm_head.nbytes if lm_head is not None else vh_bytes
+        return total
 
 
 def streamed_peak(units, residency, cfg, layers: int) -> int:

@@ -185,7 +185,7 @@ class Backend:
         """Embeddings, the final norm, lm_head and per-layer norms: resident for the whole run."""
         for role, (name, _) in global_specs(self.cfg).items():
             self.globals[role] = self._resident(name)
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.cfg.head:  # a part that computes the logits
             self.globals["lm_head"] = self.globals["embed"]
         self.small = [
             {role: self._resident(name) for role, (name, _) in small_specs(self.cfg, layer).items()}

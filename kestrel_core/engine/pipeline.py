@@ -227,6 +227,14 @@ def launched_rank() -> tuple[int, int]:
     return rank, ranks
 
 
+def host_ranks() -> int:
+    """The ranks started on this host (torchrun's LOCAL_WORLD_SIZE; 1 outside a pipeline): they share its memory, so
+    each takes its share of a budget of host memory."""
+    if launched_rank()[1] <= 1:
+        return 1
+    return max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+
+
 def _env_int(name: str, default: int | None) -> int | None:
     text = os.environ.get(name, "").strip()
     if not text:

@@ -50,6 +50,7 @@ class ModelConfig:
     # A part of the model (``layers``): its layer 0 is the checkpoint's layer ``first_layer``. Tensor names and the
     # sparse-layer rule read the checkpoint's index; everything else counts from 0.
     first_layer: int = 0
+    head: bool = True  # the part holds the model's last layer: it computes the logits (the final norm, lm_head)
 
     @property
     def qk_norm(self) -> bool:
@@ -69,7 +70,8 @@ class ModelConfig:
         if not (0 <= first and count >= 1 and first + count <= self.num_hidden_layers):
             raise ValueError(f"layers {first}..{first + count - 1} are not within the model's "
                              f"{self.num_hidden_layers}")
-        return attrs.evolve(self, num_hidden_layers=count, first_layer=self.first_layer + first)
+        return attrs.evolve(self, num_hidden_layers=count, first_layer=self.first_layer + first,
+                            head=self.head and first + count == self.num_hidden_layers)
 
     @property
     def q_dim(self) -> int:
@@ -80,10 +82,10 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def to_hf_dict(self) -> dict:
-        if self.first_layer:
+        if self.first_layer or not self.head:
             raise ValueError("a part of a model has no config.json of its own")
         d = attrs.asdict(self)
-        del d["first_layer"]
+        del d["first_layer"], d["head"]
         if not self.is_moe:  # a dense config.json carries no expert fields
             for key in _MOE_FIELDS:
                 del d[key]

@@ -87,13 +87,16 @@ def small_specs(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, tuple[int,
 
 
 def global_specs(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Embeddings, final norm and lm_head: never evicted."""
-    out = {
-        "embed": ("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-        "norm": ("model.norm.weight", (cfg.hidden_size,)),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = ("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+    """Embeddings, final norm and lm_head: never evicted. A part of the model (a pipeline rank's) holds the ones it
+    uses: the embeddings where it starts at layer 0 (or where they are its tied lm_head), the norm and lm_head where
+    it ends at the last layer."""
+    out = {}
+    if cfg.first_layer == 0 or (cfg.head and cfg.tie_word_embeddings):
+        out["embed"] = ("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    if cfg.head:
+        out["norm"] = ("model.norm.weight", (cfg.hidden_size,))
+        if not cfg.tie_word_embeddings:
+            out["lm_head"] = ("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     return out
 
 
