@@ -135,7 +135,7 @@ def test_ranks_that_disagree_are_refused_naming_the_setting(models):
     assert "pipeline rank 1 runs settings.residency.keep = 2 where rank 0 runs 1; start every rank with the same" in done.stderr
 
 
-@pytest.mark.parametrize("argv", [["chat", "--model", "m"], ["sweep", "--model", "m"]])
+@pytest.mark.parametrize("argv", [["sweep", "--model", "m"], ["demo"]])
 def test_commands_that_do_not_run_over_ranks_yet_are_refused_before_any_load(argv, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -309,7 +309,7 @@ def test_bad_devices_are_one_line_before_any_rank_starts(models, devices, says, 
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["chat", "--devices", "cpu,cpu"], "kestrel chat does not run over several ranks yet; drop --devices"),
+    (["sweep", "--devices", "cpu,cpu"], "kestrel sweep does not run over several ranks yet; drop --devices"),
     (["generate", "--device", "cpu", "--devices", "cpu,cpu"], "pass --device or --devices, not both")])
 def test_devices_with_what_cannot_run_over_ranks_is_refused_up_front(models, argv, says, capsys):
     assert main([*argv, "--model", str(models["tiny"])]) == 2
@@ -344,3 +344,19 @@ def test_serve_with_devices_ends_both_ranks_on_one_sigterm(models, tiny_ckpt, tm
                        for r in ranks)
     finally:
         server.stop()
+
+
+def test_chat_with_devices_reads_its_lines_on_rank_0_and_answers_as_one_process(tiny_ckpt, tmp_path):
+    """Rank 0 reads the messages from stdin and answers (the other rank's stdin is closed: it follows)."""
+    from serve_helpers import chat_model
+
+    model = chat_model(tiny_ckpt, tmp_path / "tiny")
+    args = [sys.executable, "-m", "kestrel_core.cli", "chat", "--model", str(model), "--backend", "cpu_ref",
+            "--max-new-tokens", "5", "--json"]
+    lines = "Hi there\nAnd again\n"
+    one = subprocess.run(args, input=lines, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    two = subprocess.run([*args, "--devices", "cpu,cpu"], input=lines, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    replies = [json.loads(line)["token_ids"] for line in two.stdout.splitlines()]
+    assert len(replies) == 2 and replies == [json.loads(line)["token_ids"] for line in one.stdout.splitlines()]

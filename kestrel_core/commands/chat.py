@@ -53,6 +53,9 @@ def run(args) -> int:
         template = model.chat_template()
         ends = end_ids(model, template)
         with model.open(cfg) as r:
+            if r.follows:  # a pipeline's later rank: rank 0 reads the messages and answers, this one makes its steps
+                r.follow()
+                return 0
             chat = Chat(r, template, ends, variables, args.system)
             prompt = "> " if sys.stdin.isatty() and not args.json else ""
             if prompt:

@@ -49,7 +49,7 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    "float16 | float32)")
     g.add_argument("--device", help="device, e.g. cuda:1 (default: the current one)")
     g.add_argument("--devices", help="split the layers over these devices of this host, one rank each, e.g. "
-                   "cuda:0,cuda:1 (kestrel starts the ranks; generate and serve; see docs/multi-gpu.md)")
+                   "cuda:0,cuda:1 (kestrel starts the ranks; generate, chat and serve; see docs/multi-gpu.md)")
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
     g.add_argument("--compile", action="store_true", default=None,
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")

@@ -62,7 +62,8 @@ def launch(args, argv: list[str]) -> int:
         port = sock.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(len(names)), "LOCAL_WORLD_SIZE": str(len(names)),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", *argv],
+    procs = [subprocess.Popen([sys.executable, "-m", "kestrel_core.cli", *argv],  # rank 0 reads stdin (chat's lines)
+                              stdin=None if r == 0 else subprocess.DEVNULL,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(len(names))]
     try:
         return _wait(procs)

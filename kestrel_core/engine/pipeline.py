@@ -257,7 +257,7 @@ def timeout_s() -> float:
     return value
 
 
-ACROSS_RANKS = {"generate", "serve"}  # the commands a pipeline runs (a batch job is generate's; chat: not yet)
+ACROSS_RANKS = {"generate", "serve", "chat"}  # the commands a pipeline runs (a batch job is generate's)
 
 
 def check_command(command: str) -> None:
