@@ -74,7 +74,8 @@ class DraftModel:
             backend = run.config.backend
             try:
                 self.run = self.model.open(backend={"name": backend.name, "dtype": backend.dtype,
-                                                    "device": backend.device, "graphs": backend.graphs}, keep="off")
+                                                    "device": backend.device, "graphs": backend.graphs}, keep="off",
+                                           alone=True)  # beside a pipeline's rank 0: whole, on its device
             except BudgetError as exc:
                 raise BudgetError(f"the draft model {self.model.dir} does not fit on the device beside the target: "
                                   f"{exc}") from None

@@ -360,3 +360,19 @@ def test_chat_with_devices_reads_its_lines_on_rank_0_and_answers_as_one_process(
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     replies = [json.loads(line)["token_ids"] for line in two.stdout.splitlines()]
     assert len(replies) == 2 and replies == [json.loads(line)["token_ids"] for line in one.stdout.splitlines()]
+
+
+def test_a_draft_model_beside_rank_0_stays_whole_and_ids_equal_one_process(models):
+    """``--draft MODEL`` over ranks: rank 0 drafts with the whole small model on its device (its run does not join the
+    pipeline, which would wait on ranks that never open it); greedy ids equal one process's without a draft."""
+    tiny = str(models["tiny"])
+    small = write_checkpoint(preset_config("tiny", layers=2), models["tiny"].parent / "tiny-2")
+    args = ["generate", "--model", tiny, "--backend", "cpu_ref", "--prompt-ids", "5,17,42,99", "--max-new-tokens", "8",
+            "--json"]
+    plain = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+    drafted = torchrun(2, "-m", "kestrel_core.cli", *args, "--draft", str(small), "--draft-tokens", "3",
+                       env={"KESTREL_PIPELINE_TIMEOUT_S": "60"})
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-3000:]
+    got = json.loads(drafted.stdout)
+    assert got["token_ids"] == json.loads(plain.stdout)["token_ids"] and got["pipeline"]["ranks"] == 2

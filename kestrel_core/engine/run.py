@@ -276,13 +276,14 @@ class Model:
         return self._chat_template()
 
     def open(self, config: KestrelConfig | None = None, observers: Iterable[object] = (),
-             kv: tuple[int, int] | None = None, **settings: Any) -> "Run":
+             kv: tuple[int, int] | None = None, alone: bool = False, **settings: Any) -> "Run":
         """A run on this model: ``config`` (default: kestrel.toml's defaults), then ``settings`` by their toml
         names, flat (``policy="asymmetric", keep=2, backend="cpu_ref"``) or as tables (``backend={"name": "cuda"}``).
         ``observers``: objects whose hook methods (``on_layer_advance``, ``on_experts_routed``, ``preload``,
         ``alloc``, ``release``) observe this run alone, besides the plugins registered in the manager. ``kv``: the
         KV cache ``keep = "auto"`` leaves room for, (sequences, positions each) (default: one of 4,096 positions, or
-        the model's fewer)."""
+        the model's fewer). ``alone``: a run of this process only, where torchrun started several (a draft model beside
+        rank 0's run), whose layers are not split over the ranks."""
         if self.closed:
             raise ConfigError(f"this model ({self.dir}) is closed; load it again")
         if config is not None and not isinstance(config, KestrelConfig):
@@ -290,7 +291,7 @@ class Model:
         if "model" in settings and not self._names_me(settings["model"]):
             raise ConfigError(f"open(model={settings['model']!r}) names another model than the one loaded ({self.dir}); "
                               "a run runs the model it was opened on: load that one with kestrel_core.load(...)")
-        return Run(self, with_settings(config or KestrelConfig(), settings), observers, KVRoom.of(kv))
+        return Run(self, with_settings(config or KestrelConfig(), settings), observers, KVRoom.of(kv), alone)
 
     def _names_me(self, model: Any) -> bool:
         try:
@@ -332,12 +333,13 @@ def _prompt_ids(value: Any, name: str = "prompt_ids", hint: str = "; pass text a
 class Run:
     """An open run. ``with model.open(...) as run:`` closes it; so does ``run.close()``."""
 
-    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = (), kv: KVRoom = KVRoom()):
+    def __init__(self, model: Model, config: KestrelConfig, observers: Iterable[object] = (), kv: KVRoom = KVRoom(),
+                 alone: bool = False):
         check_environment()
         self.counters = Counters()
         backend_reg = plugins.lookup("backends", config.backend.name)
         # Started by torchrun over several ranks: this rank's part of the layers is the model it runs
-        config, self.pipeline = _join_pipeline(model, config, backend_reg.factory)
+        config, self.pipeline = (config, None) if alone else _join_pipeline(model, config, backend_reg.factory)
         whole, model = model, model if self.pipeline is None else model.part(self.pipeline.first_layer,
                                                                               self.pipeline.n_layers)
         self.keep_choice: KeepChoice | None = None  # what keep = "auto" chose, and why
