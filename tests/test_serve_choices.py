@@ -140,6 +140,40 @@ def test_an_echoed_stream_joins_to_the_whole_answer(server):
     assert None not in whole.choices[1].logprobs.token_logprobs[1:n]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, stream):
+    """How evaluation harnesses score text (lm-eval's loglikelihood): the prompt back with its tokens' logprobs, nothing
+    generated, no completion tokens counted."""
+    client = server.client()
+    args = dict(model=server.name, prompt=PROMPT, logprobs=1, echo=True)
+    longer = client.completions.create(max_tokens=3, **args)
+    n = len(PROMPT)
+    if stream:
+        chunks = [c for c in client.completions.create(max_tokens=0, stream=True, **args) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        lps = {k: sum((c.choices[0].logprobs.model_dump()[k] for c in chunks if c.choices[0].logprobs), [])
+               for k in ("tokens", "token_logprobs")}
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        got = client.completions.create(max_tokens=0, extra_body={"return_token_ids": True}, **args)
+        choice = got.choices[0]
+        text, lps = choice.text, choice.logprobs.model_dump()
+        assert choice.finish_reason == "length" and choice.token_ids == []
+        assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == n
+    assert text == longer.choices[0].text[:len(text)] and len(text) < len(longer.choices[0].text)
+    assert lps["tokens"] == longer.choices[0].logprobs.tokens[:n] and len(lps["tokens"]) == n
+    assert lps["token_logprobs"] == longer.choices[0].logprobs.token_logprobs[:n]
+
+
+def test_max_tokens_0_without_echo_is_a_400_naming_echo(server):
+    r = server.post("/v1/completions", {"model": server.name, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "0 only with a completion's echo" in r.json()["error"]["message"]
+    chat = server.post("/v1/chat/completions", {"model": server.name, "max_tokens": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"
+
+
 def test_sampled_logprobs_are_the_models_before_temperature(server, reference):
     """vLLM's default: the model's own distribution, not the one the token was drawn from."""
     settings = {"temperature": 0.7, "seed": 11}

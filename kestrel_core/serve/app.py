@@ -196,10 +196,12 @@ class Answer:
         self.ended = False
         self.logprobs = LogprobText(service.model.tokenizer) if req.top_count is not None else None
         self.tools = self.chat and req.tool_defs is not None  # a reply may hold tool calls: read them from its text
+        self.scores_only = req.scores_only  # the prompt back and nothing of the token drawn after it
 
     def usage(self) -> dict:
         """The prompt once, and every choice's tokens (as OpenAI counts ``n``)."""
-        return protocol.usage(self.gens[0].prompt_tokens, sum(len(gen.tokens) for gen in self.gens))
+        completion = 0 if self.scores_only else sum(len(gen.tokens) for gen in self.gens)
+        return protocol.usage(self.gens[0].prompt_tokens, completion)
 
     def cut(self, why: str) -> None:
         for gen in self.gens:
@@ -241,15 +243,18 @@ class Answer:
         ids, key = self.req.return_token_ids, "message" if self.chat else "text"
         choices = []
         for i, (gen, t) in enumerate(zip(self.gens, texts)):
-            value, reason, logprobs = t, gen.finish_reason, self._logprobs(gen)
+            value, reason, logprobs, tokens = t, gen.finish_reason, self._logprobs(gen), list(gen.tokens)
             if self.chat:
                 content, calls = tool_calls.parse(t) if self.tools else (t, [])
                 value, reason = protocol.message(content, calls), ("tool_calls" if calls else reason)
+            elif self.scores_only:
+                value, logprobs = self._echoed(gen)
+                reason, tokens = "length", []
             elif self.echo is not None:
                 text, prompt_logprobs = self._echoed(gen)
                 value = text + value
                 logprobs = joined(prompt_logprobs, logprobs) if logprobs is not None else None
-            choices.append(protocol.choice(i, key, value, reason, list(gen.tokens) if ids else None,
+            choices.append(protocol.choice(i, key, value, reason, tokens if ids else None,
                                            list(gen.seq.request.prompt_ids) if ids else None, logprobs))
         make = protocol.chat if self.chat else protocol.completion
         return make(self.id, self.created, self.service.name, choices, self.usage())
@@ -297,7 +302,10 @@ class Answer:
                     text, prompt_logprobs = self._echoed(self.gens[i])
                     one = protocol.choice(i, key, text, None, [] if ids else None, logprobs=prompt_logprobs)
                     yield _event(make(self.id, self.created, self.service.name, one, usage_field))
-                if piece is not None and self.tools:
+                if self.scores_only:  # the prompt went out above; the token drawn after it does not
+                    if piece is None:
+                        yield chunk(i, "", "length")
+                elif piece is not None and self.tools:
                     held[i].append(piece)
                     for event in read(i, readers[i].push(piece.text)):
                         yield event

@@ -96,8 +96,9 @@ class _Sampling(_Strict):
         """Values in range, and refusals for what kestrel does not do."""
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in 1..{MAX_N} (the choices, each a sequence of the batch), got {self.n}", "n")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < 1 and not self.scores_only:
+            raise bad_request(f"max_tokens must be at least 1 (0 only with a completion's echo, which scores the prompt "
+                              f"alone), got {self.max_tokens}", "max_tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise bad_request(f"temperature must be in 0..2, got {self.temperature}", "temperature")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -172,6 +173,12 @@ class _Sampling(_Strict):
         """The alternatives each token's log-probabilities list, where the request asks for log-probabilities."""
         return None
 
+    @property
+    def scores_only(self) -> bool:
+        """The request asks for its prompt back and nothing generated (a completion's echo with max_tokens 0): the
+        prompt's log-probabilities, as evaluation harnesses score text."""
+        return False
+
     def generation(self) -> dict[str, Any]:
         """The kestrel [generation] keys the request sets (the rest are the server's defaults; what ends it, the
         service's)."""
@@ -216,6 +223,10 @@ class CompletionRequest(_Sampling):
     @property
     def top_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def scores_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class TextPart(_Strict):

@@ -198,7 +198,8 @@ class Service:
         else:
             ids = prompts.completion_ids(model.tokenizer, limits, req.prompt)
         default = self.chat_max_tokens if chat else self.cfg.generation.max_new_tokens
-        n = limits.budget(req.max_tokens, len(ids), "messages" if chat else "prompt", default)
+        # Scoring a prompt alone: its prefill, and the one token every sequence draws, which the answer leaves out
+        n = limits.budget(1 if req.scores_only else req.max_tokens, len(ids), "messages" if chat else "prompt", default)
         # What ends it: the request's stop ids always; the model's end ids (and the template's end of turn) unless
         # the request or the server ignores them.
         ends = set(limits.ids(req.stop_token_ids or (), "stop_token_ids"))
