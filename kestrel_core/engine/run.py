@@ -525,7 +525,8 @@ class Run:
         self._open = False
         try:
             if self.runner.leads:
-                self.runner.end_following()
+                with contextlib.suppress(RuntimeError):  # a rank already gone: nobody is left to tell
+                    self.runner.end_following()
             if getattr(self, "drafter", None) is not None:
                 self.drafter.close()
             self.runner.release_all()
