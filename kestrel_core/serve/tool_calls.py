@@ -94,7 +94,7 @@ class Reader:
 
     def __init__(self) -> None:
         self.mode = "undecided"  # "blocks": content and <tool_call> blocks; "bare": held whole
-        self.text = ""  # every piece pushed
+        self.text = ""  # the pieces pushed (in "blocks": from the first not yet read)
         self.at = 0  # where the unread text starts (in "blocks")
         self.sent: list[str] = []  # the content sent
         self.tail = ""  # whitespace outside calls, sent once more content follows it
@@ -108,7 +108,11 @@ class Reader:
                 self.mode = "bare"
             elif head and not PYTHON_TAG.startswith(head):
                 self.mode = "blocks"
-        return self._blocks(False) if self.mode == "blocks" else []
+        if self.mode != "blocks":
+            return []
+        events = self._blocks(False)
+        self.text, self.at = self.text[self.at:], 0  # what is read is not kept: a long reply costs no more a piece
+        return events
 
     def finish(self) -> list[tuple[str, object]]:
         if self.mode != "blocks":  # a bare call, or text that never showed what it is: read whole
