@@ -95,6 +95,7 @@ CPU_SCENARIOS = {
     "profile": ["--backend", "cpu_ref", "--preset", "tiny", "--tokens", "4"],
     "host-fill": ["--preset", "tiny", "--rounds", "1", "--threads", "1"],
     "expert-staging": ["--preset", "tiny-moe", "--layers", "2", "--experts", "8", "--threads", "1"],
+    "keep-auto": ["--backend", "cpu_ref", "--preset", "tiny", "--budgets", "0", "--tokens", "3"],
 }
 
 
@@ -140,6 +141,18 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     assert rec["result"]["targets"]["every_row_ids_match_off"] is True
 
 
+def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
+    rec = run_scenario(["keep-auto", *CPU_SCENARIOS["keep-auto"], "--models", str(models)], tmp_path)
+    (entry,) = rec["result"]["budgets"]
+    assert entry["auto"]["choice"]["keep"] == "off" and entry["auto"]["resolved"]["keep"] == "off"  # tiny fits whole
+    labels = [r["label"] for r in entry["hand"]]
+    assert labels[0] == "keep=off @ 0 MiB" and "keep=1 @ 0 MiB" in labels and len(labels) == len(set(labels))
+    assert all(r["ids_match_baseline"] for r in entry["hand"])  # a keep changes no id
+    best = min(entry["hand"], key=lambda r: r["summary"]["p50"])
+    assert entry["best_hand"] == best["label"]
+    assert entry["auto_over_best"] == pytest.approx(entry["auto"]["summary"]["p50"] / best["summary"]["p50"])
+
+
 def test_peers_say_when_they_are_not_installed(models, tmp_path):
     rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
                         "--models", str(models)], tmp_path)
@@ -154,7 +167,7 @@ def test_peers_say_when_they_are_not_installed(models, tmp_path):
 
 
 GPU_ONLY = [["host-tier"], ["map-register"], ["ring-copy"], ["q8-gemv"], ["stream"], ["moe"], ["moe-host-cost"],
-            ["peers"], ["profile"], ["host-fill", "--dma"]]
+            ["peers"], ["profile"], ["host-fill", "--dma"], ["keep-auto"]]
 
 
 @NO_GPU

@@ -50,6 +50,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                        "per type, bits a weight, every tensor's RMSE against float32, greedy ids"),
     "grammar": ("grammar", "output held to a JSON schema on the real model (SmolLM2-135M, cpu_ref): ms/token against "
                            "plain greedy in one run, and the grammar libraries' mask cost a token alone"),
+    "keep-auto": ("keep_auto", "keep = auto against the keeps picked by hand under several device budgets: what it "
+                               "chose, and its ms/token over the best hand-picked keep's"),
     "pipeline": ("pipeline", "layers split over ranks (torchrun, gloo, cpu_ref): one process against 2 and more ranks, "
                              "rank 0's ms/token and each rank's peak RSS, ids against one process's"),
     "verify": ("verify", "a speculative verify pass of K+1 tokens against a one-token step (K = 1, 4, 16, 32, an "
