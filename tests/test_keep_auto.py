@@ -296,3 +296,19 @@ def test_cpu_ref_ranks_of_one_host_fit_their_share_of_its_memory(tiny_ckpt, monk
         two = CpuRefBackend.fit_facts(ctx)
     assert (one.budget, one.room) == (500 * MIB, 1000 * MIB) and (two.budget, two.room) == (250 * MIB, 500 * MIB)
     assert two.source == "half of the host's available memory, shared by the 2 ranks of this host"
+
+
+def test_the_kv_cache_edges_the_budget_and_the_fixed_bytes():
+    """What is left equal to the budget keeps the budget (said beside the KV cache); what is left equal to the bytes
+    resident for good is refused as the KV cache's doing."""
+    c = choose_keep(roomy(810, 910), asymmetric, 0, "asymmetric", KVRoom(2, 5000))  # 910 - 100 = 810
+    assert c.budget == 810 * MIB and "device weight-cache budget (test), beside a KV cache of 100.0 MiB" in c.line
+    with pytest.raises(BudgetError, match="leaves 10.0 MiB of the 110.0 MiB of the test's memory, under the 10.0 MiB "
+                                          "resident for good"):
+        choose_keep(roomy(810, 110), asymmetric, 0, "asymmetric", KVRoom(2, 5000))
+
+
+def test_a_kv_room_takes_the_default_context_or_the_models_fewer():
+    assert KVRoom(3).resolve(512).positions == 512 and KVRoom(3).resolve(10**6).positions == 4096
+    assert KVRoom(3, 100).resolve(10**6).positions == 100
+    assert KVRoom.of((2, None)) == KVRoom(2, None) and KVRoom.of(None) == KVRoom()

@@ -69,3 +69,13 @@ def test_content_is_sent_before_the_reply_ends_and_a_call_once_its_block_closes(
     (kind, call), = reader.push("</tool_call>")
     assert kind == "call" and call["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert reader.finish() == [] and reader.content() == "It is sunny."
+
+
+def test_the_content_begins_at_its_first_text_and_a_long_reply_keeps_only_what_is_unread():
+    assert tool_calls.parse('  Sure.<tool_call>{"name": "f", "arguments": {}}</tool_call>')[0] == "Sure."
+    reader = tool_calls.Reader()
+    assert reader.push("\n Hi") + reader.finish() == [("content", "Hi")]
+    reader = tool_calls.Reader()
+    reader.push("x" * 10000)
+    reader.push(" and y <tool")
+    assert reader.text == "<tool"  # what may open a block: all it holds of 10,000 characters read
