@@ -376,3 +376,23 @@ def test_a_draft_model_beside_rank_0_stays_whole_and_ids_equal_one_process(model
     assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-3000:]
     got = json.loads(drafted.stdout)
     assert got["token_ids"] == json.loads(plain.stdout)["token_ids"] and got["pipeline"]["ranks"] == 2
+
+
+@pytest.mark.parametrize("name, where", [("model.layers.4.mlp.down_proj.weight", "layer 4"),  # rank 1's part
+                                         ("model.layers.1.self_attn.k_proj.weight", "layer 1")])  # rank 0's
+def test_non_finite_weights_on_any_rank_are_named_by_their_layer(models, tmp_path, name, where):
+    """Every rank probes its own part and rank 0 names the earliest finding, by the model's layer number."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = Path(shutil.copytree(models["tiny"], tmp_path / "tiny"))
+    (weights,) = d.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[:7] = float("nan")
+    save_file(tensors, str(weights))
+    done = torchrun(2, "-m", "kestrel_core.cli", "generate", "--model", str(d), "--backend", "cpu_ref",
+                    "--prompt-ids", "0,1,2,3,4,5,6", "--max-new-tokens", "2")
+    assert done.returncode != 0
+    assert f"hold NaN or inf, first in the output of {where}:" in done.stderr, done.stderr[-2000:]

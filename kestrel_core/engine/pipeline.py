@@ -150,6 +150,15 @@ class Pipeline:
             raise KestrelError(f"rank {self.rank} of {self.ranks} lost rank 0, whose steps it follows "
                                f"({' '.join(str(exc).split())[:160]}); see rank 0's error") from None
 
+    def first_found(self, where: str | None) -> str | None:
+        """Every rank's finding (the NaN probe's first non-finite output in its part, or None), the earliest rank's:
+        the ranks hold the layers in order. Every rank calls it."""
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.ranks
+        dist.all_gather_object(everyone, where, group=self.control)
+        return next((w for w in everyone if w is not None), None)
+
     # --- the start and the end ---------------------------------------------------------------------------------
     @classmethod
     def join(cls, layer_bytes: list[int], device: torch.device, fingerprint: dict[str, Any]) -> "Pipeline | None":

@@ -413,7 +413,7 @@ class Runner:
                 experts = self._table_experts(layer, table) if table is not None else self._host_experts(layer, phase)
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
             if probe:
-                probe(f"layer {layer}", h)
+                probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
         return h
 
@@ -474,7 +474,7 @@ class Runner:
         keys = torch.arange(cache[0].k.shape[1], device=backend.device) if backend.row_exact else None
         at = Attend.prefill(rope, start, len(ids), backend.device, slot, keys, sliced=_sliced(backend))
         h = self._embedded(torch.tensor(ids))
-        if probe:
+        if probe and (self.pipeline is None or self.pipeline.first):  # later ranks get the rank before's output
             probe("the embedding", h)
         h = self.layers(h, at, cache, self.window.boundaries(phase), phase, probe=probe)
         return self._logits(h, torch.tensor([len(ids) - 1], device=h.device))[0]
@@ -549,7 +549,10 @@ class Runner:
                 found.append(where)
 
         self.forward(ids, start, s.cache, s.rope, phase, probe, slot)  # rewrites this step's K/V with the same values
-        where = found[0] if found else "the final norm and lm_head"
+        where = found[0] if found else None
+        if self.pipeline is not None:  # every rank probed its part: the earliest rank's finding
+            where = self.pipeline.first_found(where)
+        where = where or "the final norm and lm_head"
         dtype = str(self.backend.dtype).replace("torch.", "")
         wider = ", or compute in float32 (--dtype float32)" if self.backend.dtype in (torch.float16, torch.bfloat16) else ""
         return NonFiniteError(
