@@ -396,3 +396,13 @@ def test_non_finite_weights_on_any_rank_are_named_by_their_layer(models, tmp_pat
                     "--prompt-ids", "0,1,2,3,4,5,6", "--max-new-tokens", "2")
     assert done.returncode != 0
     assert f"hold NaN or inf, first in the output of {where}:" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_trace_over_ranks_is_refused_before_any_load(monkeypatch, capsys, tmp_path):
+    """A trace records every layer's routing; over ranks rank 0 would write its part alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["generate", "--model", "m", "--prompt-ids", "1", "--trace", str(tmp_path / "t.json")]) == 2
+    assert capsys.readouterr().err == ("kestrel: error: --trace records the expert routing of every layer, but over "
+                                       "several ranks each holds a part of the layers; record the trace as one "
+                                       "process\n")

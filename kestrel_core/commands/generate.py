@@ -5,6 +5,7 @@ from __future__ import annotations
 from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
 from kestrel_core.engine.fit import KVRoom
+from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.run import load
 from kestrel_core.errors import ConfigError
 from kestrel_core.io.jsonout import emit_json
@@ -42,6 +43,9 @@ def run(args) -> int:
     cfg = with_draft(config_from_args(args), args)
     recorder = None
     if args.trace is not None:
+        if launched_rank()[1] > 1:  # each rank routes its own layers' experts: rank 0's trace would hold a part
+            raise ConfigError("--trace records the expert routing of every layer, but over several ranks each holds "
+                              "a part of the layers; record the trace as one process")
         traces.check_new(args.trace)  # before any work: an empty name, or one that exists, is refused
         recorder = traces.TraceRecorder()
     with load(model_dir(cfg)) as model:
