@@ -22,7 +22,7 @@ from kestrel_core.engine.devices import compute_device
 from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.host import meminfo
 from kestrel_core.engine.kvcache import kv_bytes
-from kestrel_core.engine.pipeline import host_ranks
+from kestrel_core.engine.pipeline import host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
@@ -84,12 +84,11 @@ class CpuRefBackend(Backend):
         fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * item
         fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item
         biggest = sorted(layers.values(), reverse=True)
-        ranks = host_ranks()  # a pipeline's ranks on this host share its memory
-        share = "" if ranks == 1 else f", shared by the {ranks} ranks of this host"
-        return FitFacts(available // 2 // ranks, f"half of the host's available memory{share}",
+        mine, share = host_share(available)  # a pipeline's ranks on this host share its memory
+        return FitFacts(mine // 2, f"half of the host's available memory{share}",
                         "host budget for resident layers", fixed, cfg.num_hidden_layers,
                         lambda n: sum(biggest[:max(0, n)]), **moe_facts(ctx.residency, cfg, own, experts),
-                        room=available // ranks, room_what=f"of the host's available memory{share}",
+                        room=mine, room_what=f"of the host's available memory{share}",
                         kv_bytes=lambda slots, positions: kv_bytes(cfg, positions, dtype, slots))
 
     def layout(self, spec):

@@ -244,6 +244,13 @@ def host_ranks() -> int:
     return max(1, _env_int("LOCAL_WORLD_SIZE", 1))
 
 
+def host_share(nbytes: int) -> tuple[int, str]:
+    """This rank's share of ``nbytes`` of the host's memory, and the words a budget's source adds for it ("" where
+    the process is the host's only rank)."""
+    ranks = host_ranks()
+    return nbytes // ranks, ("" if ranks == 1 else f", shared by the {ranks} ranks of this host")
+
+
 def _env_int(name: str, default: int | None) -> int | None:
     text = os.environ.get(name, "").strip()
     if not text:

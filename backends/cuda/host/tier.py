@@ -24,7 +24,7 @@ import torch
 
 from backends.cuda.blocks import BlockWeight, layout_of_rows, segments_of
 from kestrel_core.config import HOST_ENV, env_mib
-from kestrel_core.engine.pipeline import host_ranks
+from kestrel_core.engine.pipeline import host_share
 from kestrel_core.errors import BudgetError, ConfigError
 
 from .diskread import ALIGN, aligned_empty, round_up  # each entry of a slot starts on a page: what a DMA, and O_DIRECT, want
@@ -49,9 +49,8 @@ def resolve_host_budget(config_mb: float, available_bytes: int, staged_bytes: in
     elif config_mb:
         budget, source = int(config_mb * 2**20), "config"
     else:
-        ranks = host_ranks()  # a pipeline's ranks on this host share its memory: each pins its share
-        share = "" if ranks == 1 else f", shared by the {ranks} ranks of this host"
-        budget, source = available_bytes // 2 // ranks, f"default (half of the available host memory{share})"
+        mine, share = host_share(available_bytes)  # a pipeline's ranks on this host share its memory
+        budget, source = mine // 2, f"default (half of the available host memory{share})"
     mode = "all" if staged_bytes <= budget else "ring"
     pins = staged_bytes if mode == "all" else budget  # what the run would page-lock, at most
     if available_bytes and pins > available_bytes:  # an explicit budget past the host: refused before locking a page
