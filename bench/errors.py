@@ -14,3 +14,12 @@ def cuda_missing() -> str | None:
     if torch.cuda.is_available():
         return None
     return "needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)"
+
+
+def cuda_backend_missing(args, on_cpu: str = "--backend cpu_ref --preset tiny") -> str | None:
+    """A scenario with ``--backend``: why its cuda rows cannot run here (with the flags that run it on the CPU), or
+    None (a GPU is here, or the backend is cpu_ref)."""
+    if args.backend != "cuda":
+        return None
+    why = cuda_missing()
+    return f"{why}; on the CPU: {on_cpu}" if why else None

@@ -21,7 +21,7 @@ memory), so the CPU run shows only that the rows run and agree.
 from __future__ import annotations
 
 from bench import models
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.prompt import prompt_for
 from bench.rows import compare_ids, row
@@ -41,10 +41,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny --budgets 0" if why else None
+    return cuda_backend_missing(args, "--backend cpu_ref --preset tiny --budgets 0")
 
 
 def hand_keeps(n_layers: int) -> list:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 
 from bench import models, peers
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.observe import observing
 from bench.prompt import prompt_for
@@ -56,10 +56,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny-moe --layers 4" if why else None
+    return cuda_backend_missing(args, "--backend cpu_ref --preset tiny-moe --layers 4")
 
 
 class DecodeResidency:

@@ -25,7 +25,7 @@ import pstats
 from pathlib import Path
 
 from bench import models
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.prompt import prompt_for
 from bench.rows import row
@@ -46,10 +46,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny-moe --layers 4" if why else None
+    return cuda_backend_missing(args, "--backend cpu_ref --preset tiny-moe --layers 4")
 
 
 def settings(args, scale: float) -> dict[str, dict]:

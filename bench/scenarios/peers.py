@@ -14,7 +14,7 @@ compared with it. A peer that is not installed is a row that says so.
 from __future__ import annotations
 
 from bench import models, peers
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.prompt import prompt_for
 from bench.rows import compare_ids, row
@@ -36,10 +36,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny" if why else None
+    return cuda_backend_missing(args)
 
 
 def run(args, record) -> dict:

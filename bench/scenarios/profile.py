@@ -11,7 +11,7 @@ host's own time.
 from __future__ import annotations
 
 from bench import models
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.prompt import prompt_for
 from bench.rows import from_result
 from bench.scenarios.moe_host_cost import device_events_us
@@ -30,10 +30,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny" if why else None
+    return cuda_backend_missing(args)
 
 
 def run(args, record) -> dict:

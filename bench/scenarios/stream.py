@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 
 from bench import models, peers
-from bench.errors import cuda_missing
+from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.prompt import prompt_for
 from bench.rows import compare_ids, row
@@ -60,10 +60,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny" if why else None
+    return cuda_backend_missing(args)
 
 
 def keeps(n_layers: int) -> list[int]:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench import models
-from bench.errors import BenchError, cuda_missing
+from bench.errors import BenchError, cuda_backend_missing
 from bench.log import log
 from bench.options import numbers
 from bench.prompt import prompt_for
@@ -59,10 +59,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    if args.backend != "cuda":
-        return None
-    why = cuda_missing()
-    return f"{why}; on the CPU: --backend cpu_ref --preset tiny" if why else None
+    return cuda_backend_missing(args)
 
 
 def keep_of(text: str):
