@@ -165,6 +165,20 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, stream):
     assert lps["token_logprobs"] == longer.choices[0].logprobs.token_logprobs[:n]
 
 
+def test_a_scored_prompt_counts_no_generated_token_in_the_metrics(server):
+    def generated() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kestrel_generation_tokens_total"))
+
+    before = generated()
+    server.client().completions.create(model=server.name, prompt=PROMPT, max_tokens=2, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert generated() == before + 2  # the counter counts
+    server.client().completions.create(model=server.name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    assert generated() == before + 2
+
+
 def test_max_tokens_0_without_echo_is_a_400_naming_echo(server):
     r = server.post("/v1/completions", {"model": server.name, "prompt": PROMPT, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

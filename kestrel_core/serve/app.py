@@ -198,10 +198,13 @@ class Answer:
         self.tools = self.chat and req.tool_defs is not None  # a reply may hold tool calls: read them from its text
         self.scores_only = req.scores_only  # the prompt back and nothing of the token drawn after it
 
+    def kept(self, gen: Generation) -> int:
+        """How many of ``gen``'s tokens the answer gives (none where it scores the prompt alone)."""
+        return 0 if self.scores_only else len(gen.tokens)
+
     def usage(self) -> dict:
         """The prompt once, and every choice's tokens (as OpenAI counts ``n``)."""
-        completion = 0 if self.scores_only else sum(len(gen.tokens) for gen in self.gens)
-        return protocol.usage(self.gens[0].prompt_tokens, completion)
+        return protocol.usage(self.gens[0].prompt_tokens, sum(self.kept(gen) for gen in self.gens))
 
     def cut(self, why: str) -> None:
         for gen in self.gens:
@@ -345,13 +348,13 @@ class Answer:
         reasons = sorted({gen.finish_reason or "ended" for gen in gens})
         how = f"cut: {cut}" if cut else "/".join(reasons)
         choices = f" in {len(gens)} choices" if len(gens) > 1 else ""
-        line = (f"{self.path}: {first.prompt_tokens} prompt + {sum(len(gen.tokens) for gen in gens)} completion tokens"
+        line = (f"{self.path}: {first.prompt_tokens} prompt + {sum(self.kept(gen) for gen in gens)} completion tokens"
                 f"{choices} ({how})")
         res, streamed = first.result, None
         if res is not None and res.decode_ms:
             streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
             line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"
-        self.service.metrics.ended(first.prompt_tokens, [gen.token_times[:len(gen.tokens)] for gen in gens], self.t0,
+        self.service.metrics.ended(first.prompt_tokens, [gen.token_times[:self.kept(gen)] for gen in gens], self.t0,
                                    streamed)
         log.info("%s, %.2f s", line, time.monotonic() - self.t0)
 
