@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kestrel_core.io import progress
 from kestrel_core.engine.backend import Backend, BackendContext
-from backends.cuda.budget import RESERVE, fit_budget, resolve_budget
+from backends.cuda.budget import RESERVE, fit_budget, fit_room, resolve_budget
 from kestrel_core.engine.devices import compute_device
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
@@ -154,7 +154,7 @@ class CudaBackend(Backend):
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
                         lambda n: streamed_peak(units, ctx.residency, ctx.model, n),
                         **moe_facts(ctx.residency, ctx.model, own, experts),
-                        room=max(0, free - RESERVE), room_what=f"free on {device} less the {RESERVE >> 30} GiB reserve",
+                        room=fit_room(free), room_what=f"free on {device} less the {RESERVE >> 30} GiB reserve",
                         kv_bytes=lambda slots, positions: kv_bytes(ctx.model, positions, dtype, slots),
                         sets_budget=default)
 

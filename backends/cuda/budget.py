@@ -13,8 +13,6 @@ from kestrel_core.errors import ConfigError
 
 CAP = 24 * 2**30
 FLOOR = 256 * 2**20
-
-
 RESERVE = 2 * 2**30  # what keep = "auto" leaves beside the weights and the KV cache: activations, logits, workspaces
 
 
@@ -22,22 +20,32 @@ def default_budget(free_bytes: int) -> int:
     return max(FLOOR, min(CAP, free_bytes // 2))
 
 
-def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:
-    """(budget bytes, where it came from): KESTREL_WCACHE_MB beats the config, which beats the default."""
+def fit_room(free_bytes: int) -> int:
+    """What keep = "auto" lets the weights and the KV cache share: free memory less ``RESERVE``."""
+    return max(0, free_bytes - RESERVE)
+
+
+def _resolved(config_mb: int, default: tuple[int, str]) -> tuple[int, str, bool]:
+    """(budget bytes, where it came from, whether it is ``default``): KESTREL_WCACHE_MB beats the config, which beats
+    the default."""
     env = env_mib(ENV)
     if env is not None:
-        return env, ENV
+        return env, ENV, False
     if config_mb < 0:
         raise ConfigError(f"budget_mb must be >= 0 (0 means the default), got {config_mb}")
     if config_mb:
-        return config_mb * 2**20, "config"
-    return default_budget(free_bytes), "default (half of free device memory, 256 MiB..24 GiB)"
+        return config_mb * 2**20, "config", False
+    return (*default, True)
+
+
+def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:
+    """(budget bytes, where it came from), the default half of free memory (256 MiB..24 GiB)."""
+    default = default_budget(free_bytes), "default (half of free device memory, 256 MiB..24 GiB)"
+    return _resolved(config_mb, default)[:2]
 
 
 def fit_budget(config_mb: int, free_bytes: int) -> tuple[int, str, bool]:
-    """keep = "auto"'s (budget bytes, where it came from, whether it is the default): as ``resolve_budget``, but the
-    default is free memory less ``RESERVE``, the KV cache then cut from it by the fit."""
-    budget, source = resolve_budget(config_mb, free_bytes)
-    if env_mib(ENV) is not None or config_mb:
-        return budget, source, False
-    return max(0, free_bytes - RESERVE), f"default (free device memory less a {RESERVE >> 30} GiB reserve)", True
+    """keep = "auto"'s (budget bytes, where it came from, whether it is the default): the default is ``fit_room``,
+    the KV cache then cut from it by the fit."""
+    default = fit_room(free_bytes), f"default (free device memory less a {RESERVE >> 30} GiB reserve)"
+    return _resolved(config_mb, default)
