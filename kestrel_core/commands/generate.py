@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
+from kestrel_core.engine.batch import SOLO_KV_FIX
 from kestrel_core.engine.fit import KVRoom
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.run import load
@@ -51,19 +52,20 @@ def run(args) -> int:
     with load(model_dir(cfg)) as model:
         if recorder is not None and not model.config.is_moe:
             raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
-        gen = cfg.generation  # keep = auto leaves room for this prompt's KV cache
-        positions = len(model.prompt_ids(list(gen.prompt_ids), gen.prompt)) + gen.max_new_tokens
-        kv = KVRoom(1, min(positions, model.config.max_position_embeddings), "shorten the prompt or lower --max-new-tokens")
+        gen = cfg.generation  # read once: keep = auto leaves room for this prompt's KV cache, and the run takes it
+        ids = model.prompt_ids(list(gen.prompt_ids), gen.prompt)
+        kv = KVRoom(1, min(len(ids) + gen.max_new_tokens, model.config.max_position_embeddings), SOLO_KV_FIX)
         with model.open(cfg, observers=[recorder] if recorder else (), kv=kv) as r:
             if r.follows:  # a pipeline's later rank: rank 0 generates, this one makes its steps after it
                 r.follow()
                 return 0
             if args.json:
-                result = r.generate()
+                result = r.generate(prompt_ids=ids)
             else:
                 echo = Echo()
                 try:
-                    result = r.generate(on_text=echo.text) if model.tokenizer else r.generate(on_token=echo.token)
+                    result = (r.generate(prompt_ids=ids, on_text=echo.text) if model.tokenizer
+                              else r.generate(prompt_ids=ids, on_token=echo.token))
                 finally:
                     echo.end()
             policy, expert_policy = r.policy.name, r.expert_policy.name if r.expert_policy else None

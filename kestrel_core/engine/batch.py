@@ -39,6 +39,8 @@ from kestrel_core.engine.speculative import SpecStats, accept, begin_drafting, c
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is made for: a batch pads up to one
 
+SOLO_KV_FIX = "lower max_new_tokens (--max-new-tokens) or shorten the prompt"  # one sequence's KV cache too large
+
 
 def check_batch(max_batch, prefill_chunk, names: tuple[str, str] = ("max_batch", "prefill_chunk"),
                 left_out: str = "a whole prompt a step") -> None:
@@ -159,7 +161,7 @@ class Batch:
     the runner runs each step."""
 
     def __init__(self, runner: Runner, slots: int, max_seq: int, prefill_chunk: int | None = None,
-                 fix: str = "lower max_new_tokens (--max-new-tokens) or shorten the prompt"):
+                 fix: str = SOLO_KV_FIX):
         """``fix``: what the caller's user changes where the KV cache of ``slots`` x ``max_seq`` cannot be had."""
         self.runner, self.slots, self.max_seq, self.prefill_chunk = runner, slots, max_seq, prefill_chunk
         try:
