@@ -81,6 +81,26 @@ def test_a_parts_layer_zero_names_the_checkpoints_layer_and_its_sparse_rule():
         part.to_hf_dict()
 
 
+@pytest.mark.parametrize("rank, ranks, sends, receives", [(0, 3, [], [2]), (1, 3, [], []), (2, 3, [0], []),
+                                                         (0, 2, [], [1]), (1, 2, [0], [])])
+def test_only_rank_0_receives_the_logits(monkeypatch, rank, ranks, sends, receives):
+    import torch
+    import torch.distributed as dist
+
+    from kestrel_core.engine.pipeline import Pipeline
+
+    sent, got = [], []
+    monkeypatch.setattr(dist, "send", lambda t, dst: sent.append(dst))
+    monkeypatch.setattr(dist, "recv", lambda t, src: (got.append(src), t.fill_(7.0)))
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: pytest.fail("the logits are not broadcast"))
+    pipe = Pipeline(rank, ranks, 0, 1, [(0, 1)] * ranks)
+    mine = torch.full((2, 5), 3.0, dtype=torch.bfloat16) if pipe.last else None
+    out = pipe.logits(mine, 2, 5, torch.device("cpu"))
+    assert (sent, got) == (sends, receives)
+    assert out.shape == (2, 5) and out.dtype == torch.float32
+    assert float(out[0, 0]) == (3.0 if pipe.last else 7.0 if pipe.first else 0.0)
+
+
 def test_a_part_holds_the_globals_it_uses():
     """The embeddings on the part that starts at layer 0, the final norm and lm_head on the one that ends the model (a
     tied lm_head is the embeddings: there too), nothing on a part between."""

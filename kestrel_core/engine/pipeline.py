@@ -5,7 +5,7 @@ Launched by ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_AD
 the same command and opens the same run; rank 0 then leads: its token loop (a generation, a batch job, the server's
 scheduler) decides every step, and its runner tells the other ranks each call it makes (``tell``), which they make
 after it (``Runner.follow``). In a step, the first rank embeds the step's tokens, each rank runs its layers on the
-hidden state it got and sends the result on, and the last rank computes the logits and broadcasts them. Greedy ids
+hidden state it got and sends the result on, and the last rank computes the logits and sends them to rank 0. Greedy ids
 are those of one rank.
 
     pipe = Pipeline.join(layer_bytes, device)   # None where torchrun did not start this process
@@ -103,13 +103,20 @@ class Pipeline:
         dist.send(h.contiguous(), self.rank + 1)
 
     def logits(self, logits: torch.Tensor | None, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """The step's logits, [rows, vocab] float32, on every rank: the last rank's (``logits``), the others receive."""
+        """The step's logits, [rows, vocab] float32: the last rank's (``logits``) go to rank 0, which alone chooses
+        tokens (it leads); a rank between them gets zeros of that shape (its token loop follows rank 0's and reads
+        none), so only one rank's logits cross a link a step."""
         import torch
         import torch.distributed as dist
 
-        out = logits.float().contiguous() if self.last else torch.empty((rows, vocab), dtype=torch.float32,
-                                                                          device=device)
-        dist.broadcast(out, self.ranks - 1)
+        if self.last:
+            out = logits.float().contiguous()
+            if not self.first:
+                dist.send(out, 0)
+            return out
+        out = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
+        if self.first:
+            dist.recv(out, self.ranks - 1)
         return out
 
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------

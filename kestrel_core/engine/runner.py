@@ -526,7 +526,7 @@ class Runner:
 
     def _logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of ``h``'s ``rows`` (float32; None: every row); in a pipeline this rank's output goes on to the
-        next rank, and every rank gets the last rank's logits."""
+        next rank, and rank 0 gets the last rank's logits (a rank between gets zeros: it chooses no token)."""
         pipe, backend = self.pipeline, self.backend
         if pipe is not None and not pipe.last:
             pipe.hidden_out(h)
