@@ -139,6 +139,12 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     assert {r["expert_decode"] for r in cache} == {"table", "host"}
     assert all(r["ids_match_baseline"] for r in rows), "an expert budget changes no id"
     assert rec["result"]["targets"]["every_row_ids_match_off"] is True
+    for r in cache:  # the table re-reads what its steps read from host copies; the host path reads a miss once
+        table = r["expert_decode"] == "table"
+        assert (r["bytes_reread_per_token"] <= r["bytes_read_host_per_token"]) and (table or r["bytes_read_host_per_token"] == 0)
+        assert r["bytes_streamed_per_token"] == pytest.approx(r["bytes_uploaded_per_token"] + r["bytes_read_host_per_token"])
+    shares = rec["result"]["targets"]["table_reread_share"]
+    assert set(shares) == {r["label"] for r in cache if r["expert_decode"] == "table"} and max(shares.values()) > 0
 
 
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):

@@ -88,6 +88,22 @@ def test_a_miss_is_what_the_step_read_from_the_host_copy(tiny_moe):
     assert roomy.counters["layer_evictions"] == 0  # nothing needed to go
 
 
+def test_what_crosses_the_link_is_counted_apart(tiny_moe):
+    """Through the table a decode step reads each miss from its host copy (``bytes_read_host``: one expert's bytes a
+    miss) and the admission heard a step later reads it again (``bytes_reread``, within ``bytes_uploaded``). The host
+    path reads a miss once, into its buffer, before the step uses it."""
+    tight = dict(expert_policy="expert_lru", expert_budget_mb=2 * EXPERT / 2**20)
+    table, _ = generate(tiny_moe, **tight)
+    host, _ = generate(tiny_moe, expert_decode="host", **tight)
+    assert table.token_ids == host.token_ids
+    for p in table.per_token:  # decode steps: every miss was a read of the host copy
+        assert p["bytes_read_host"] == p["expert_misses"] * EXPERT
+    t, h = table.counters, host.counters
+    assert t["bytes_read_host"] > 0 and (h["bytes_read_host"], h["bytes_reread"]) == (0, 0)
+    assert 0 < t["bytes_reread"] <= min(t["bytes_uploaded"], t["bytes_read_host"])
+    assert t["bytes_uploaded"] + t["bytes_read_host"] > h["bytes_uploaded"]  # the table moves more than the host path
+
+
 def test_the_table_must_follow_an_eviction(tiny_moe, monkeypatch):
     """The test has teeth: a table left pointing at an evicted expert's buffer reads whatever the buffer holds next."""
     ref, _ = generate(tiny_moe, keep="off", expert_decode="host")
@@ -132,6 +148,9 @@ def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts)
     assert (got["hits"], got["misses"]) == (c["expert_hits"], c["expert_misses"])
     expert_bytes = sum(p["bytes_uploaded"] for p in live.per_token)
     assert got["bytes_per_decoded_token"] * got["decode_tokens"] == expert_bytes  # keep off: only experts move
+    # what crossed the link twice: a step's read of a host copy, then the admission heard of that expert
+    assert (got["bytes_read_host"], got["bytes_reread"]) == (c["bytes_read_host"], c["bytes_reread"])
+    assert 0 < c["bytes_reread"] <= min(c["bytes_read_host"], c["bytes_uploaded"])
     assert read_trace  # the on-disk form is tested in test_moe_traces.py
 
 

@@ -52,6 +52,8 @@ def test_a_replay_counts_what_the_live_run_counted(tiny_moe, trace, policy, expe
     cls = {"expert_lru": ExpertLRU, "expert_lfu": ExpertLFU}[policy]
     got = traces.replay(t, cls(budget=int(budget_mb * 2**20)))
     assert (got["hits"], got["misses"]) == (live.counters["expert_hits"], live.counters["expert_misses"])
+    assert (got["bytes_read_host"], got["bytes_reread"]) == (live.counters["bytes_read_host"],
+                                                              live.counters["bytes_reread"])
 
 
 def test_the_offline_optimum_fetches_no_more_than_any_policy(trace):
@@ -67,6 +69,7 @@ def test_replay_prints_the_policy_against_the_optimum(trace, capsys):
     assert main(["replay", "--trace", str(trace), "--policy", "expert_lfu", "--expert-budget-mb", str(4 * EXPERT_MB)]) == 0
     out = capsys.readouterr().out
     assert "48 decision points, 15 decoded tokens" in out and "expert_lfu " in out and "expert_belady" in out
+    assert "read by steps from host copies, of which" in out  # the trace's steps read the expert table
     assert main(["replay", "--trace", str(trace), "--policy", "expert_lru", "--expert-budget-mb", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["policy"] for r in rows] == ["expert_lru", "expert_belady"] and rows[0]["hit_rate"] > 0

@@ -104,6 +104,9 @@ def run(args) -> int:
         print(f"decode steps: {how['replayed'] + how['captured']} from a captured graph ({how['captured']} captured), {how['eager']} eager")
     print(f"uploaded: {c['layer_uploads']} layers, {c['uploads']} entries, {mib(c['bytes_uploaded'])}; "
           f"evicted: {c['layer_evictions']} layers, {mib(c['bytes_evicted'])}")
+    if c["bytes_read_host"]:
+        print(f"read by decode steps from host copies (expert table misses): {mib(c['bytes_read_host'])}; of the "
+              f"uploads, {mib(c['bytes_reread'])} were experts a step had read so (their second crossing)")
     if result.speculative:
         s = result.speculative
         rate = f"{100 * s['acceptance_rate']:.1f}%" if s["acceptance_rate"] is not None else "nothing drafted"

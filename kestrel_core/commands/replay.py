@@ -41,6 +41,9 @@ def run(args) -> int:
     for r in rows:
         print(f"{r['policy']:14} hit rate {100 * r['hit_rate']:5.1f}%  {r['bytes_per_decoded_token'] / 2**20:8.3f} MiB "
               f"a decoded token  ({r['misses']} fetches, {r['bytes_fetched'] / 2**20:.3f} MiB in all)")
+        if r["bytes_read_host"]:  # a table run's steps read their misses from host copies, then admitted them
+            print(f"{'':14} and {r['bytes_read_host'] / 2**20:.3f} MiB read by steps from host copies, of which "
+                  f"{r['bytes_reread'] / 2**20:.3f} MiB were fetched again")
     best = rows[1]["bytes_fetched"]
     if best:
         print(f"{args.policy} fetches {rows[0]['bytes_fetched'] / best:.2f}x the bytes of the offline optimum")

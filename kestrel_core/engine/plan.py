@@ -7,7 +7,7 @@ backend), the backends and the plugins: none of them needs the others to read it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -99,7 +99,12 @@ class Counters:
     frees: int = 0  # real buffer frees
     pool_hits: int = 0
     expert_hits: int = 0  # routed experts found resident at a sparse layer's decision point
-    expert_misses: int = 0  # and those fetched there
+    expert_misses: int = 0  # and those fetched there (or, through the expert table, read from their host copies)
+    # Through the expert table a step reads a missed expert from its host copy, over the link: those bytes, and of
+    # the uploads (``bytes_uploaded``) the admissions of experts that the step heard read so, the second time their
+    # bytes cross. What crosses the link a token is bytes_uploaded + bytes_read_host.
+    bytes_read_host: int = 0
+    bytes_reread: int = 0
     expert_prefetches: int = 0  # experts uploaded ahead on a speculative guess
     expert_guessed: int = 0  # routed experts at decision points that had a guess (recall's denominator)
     expert_guess_hits: int = 0  # of those, the ones the guess named (recall = expert_guess_hits / expert_guessed)
@@ -116,6 +121,12 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         return attrs.asdict(self)
+
+
+def bytes_streamed(counters: Mapping[str, int]) -> int:
+    """The weight bytes that crossed from the host: uploads, and the host copies a step read through the expert table
+    (a ``Counters`` snapshot, or a token's delta)."""
+    return counters["bytes_uploaded"] + counters["bytes_read_host"]
 
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

@@ -182,10 +182,14 @@ class Window:
         evicted = tuple(self._evict(key) for key in sorted(evict) if key in resident)
         missing = sorted(key for key in routed if key not in resident)
         misses = len(missing) if missed is None else len(missed)  # heard late: what the step itself found
-        self.counters.expert_hits += len(routed) - misses
-        self.counters.expert_misses += misses
+        c = self.counters
+        c.expert_hits += len(routed) - misses
+        c.expert_misses += misses
         if not now and (layer,) not in resident:
             missing = []  # the layer left since the step: its experts would go with it
+        if missed:  # heard: the step read these from their host copies; an admission of one reads it again
+            c.bytes_read_host += sum(self.units[(layer, e)].nbytes for e in missed)
+            c.bytes_reread += sum(self.units[key].nbytes for key in missing if key[1] in missed)
         fetch = [self._fetch(self.units[key], ahead=not now) for key in missing]
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
         return evicted, fetch

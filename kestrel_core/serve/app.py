@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.serve import protocol, tokens, tool_calls
 from kestrel_core.serve.echo import Echo, joined
 from kestrel_core.serve.generation import Generation, GenerationFailed, Piece, merged
@@ -352,7 +353,7 @@ class Answer:
                 f"{choices} ({how})")
         res, streamed = first.result, None
         if res is not None and res.decode_ms:
-            streamed = statistics.fmean(p["bytes_uploaded"] for p in res.per_token) if res.per_token else 0.0
+            streamed = statistics.fmean(bytes_streamed(p) for p in res.per_token) if res.per_token else 0.0
             line += f", {res.ms_per_token:.2f} ms/token, {_size(streamed)} streamed/token"
         self.service.metrics.ended(first.prompt_tokens, [gen.token_times[:self.kept(gen)] for gen in gens], self.t0,
                                    streamed)

@@ -24,6 +24,7 @@ from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
+from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.engine.scheduler import KV_FIX, QueueFull, Scheduler
 from kestrel_core.serve import prompts, tool_calls
 from kestrel_core.serve.echo import Echo
@@ -280,7 +281,7 @@ class Service:
             return {}
         running = s.running
         return {"running": running, "waiting": s.waiting, "occupancy": running / s.max_batch,
-                "bytes_streamed": run.counters.bytes_uploaded}
+                "bytes_streamed": bytes_streamed(run.runner.snapshot())}
 
     @property
     def health(self) -> str:

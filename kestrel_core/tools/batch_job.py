@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 
+from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.io import progress
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.io.json_keys import TOO_MANY_DIGITS, RepeatedKey, unique_keys
@@ -101,7 +102,7 @@ def run_job(run, prompts: str, lines: list[tuple[int, dict]], out: str, max_batc
 
         results = run.generate_batch(requests, max_batch=max_batch, prefill_chunk=prefill_chunk, on_done=on_done)
     seconds = time.perf_counter() - t0
-    streamed = run.runner.snapshot()["bytes_uploaded"] - before["bytes_uploaded"]
+    streamed = bytes_streamed(run.runner.snapshot()) - bytes_streamed(before)
     rows = []
     for (n, line), result in zip(lines, results):
         if isinstance(result, Exception):

@@ -210,7 +210,7 @@ def replay(trace: dict, policy: Any) -> dict:
     lag = int(model.get("lag", 1))
     schedule = ExpertSchedule()
     hits = misses = 0
-    fetched = 0
+    fetched = read_host = reread = 0  # bytes: fetched; read by a step from host copies; fetched after such a read
     decode_bytes: dict[int, int] = {}
     for phase, token, layer, experts in trace["events"]:
         heard = table and phase == "decode"
@@ -227,17 +227,20 @@ def replay(trace: dict, policy: Any) -> dict:
                 window.resident_units.discard(tuple(key))
                 evicted.append(tuple(key))
         if heard:
-            missed = sum(schedule.read_host(key, token - 1) for key in routed)
+            from_host = {key for key in routed if schedule.read_host(key, token - 1)}
+            read_host += sum(window.units[key].nbytes for key in from_host)
             schedule.evict_heard(evicted)
         else:
-            missed = sum(key not in window.resident_units for key in routed)
+            from_host = {key for key in routed if key not in window.resident_units}
             schedule.evict_now(evicted, layer)
-        hits += len(routed) - missed
-        misses += missed
+        hits += len(routed) - len(from_host)
+        misses += len(from_host)
         for key in sorted(routed):
             if key not in window.resident_units:
                 n = window.units[key].nbytes
                 fetched += n
+                if heard and key in from_host:
+                    reread += n
                 if phase == "decode":
                     decode_bytes[token] = decode_bytes.get(token, 0) + n
                 window.resident_units.add(key)
@@ -249,5 +252,6 @@ def replay(trace: dict, policy: Any) -> dict:
     per_token = [decode_bytes.get(t, 0) for t in decode_tokens]
     return {"policy": policy.name, "hits": hits, "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else None, "bytes_fetched": fetched,  # None: no events
+            "bytes_read_host": read_host, "bytes_reread": reread,
             "decode_tokens": len(decode_tokens),
             "bytes_per_decoded_token": sum(per_token) / len(per_token) if per_token else 0.0}
