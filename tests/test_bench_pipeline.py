@@ -20,7 +20,7 @@ def test_one_process_then_two_ranks_each_with_its_own_figures(tmp_path, monkeypa
     d = write_checkpoint(preset_config("tiny"), tmp_path / "tiny")
     monkeypatch.setattr(pipeline.models, "ensure_preset", lambda models, preset: d)
     args = argparse.Namespace(models=str(tmp_path), preset="tiny", ranks=[2], keep="off", tokens=6, repeats=1,
-                              threads=1)
+                              threads=1, batch=1)
     result = pipeline.run(args, Record())
     one, two = result["rows"]
     assert (one["ranks"], two["ranks"]) == (1, 2)
@@ -32,3 +32,17 @@ def test_one_process_then_two_ranks_each_with_its_own_figures(tmp_path, monkeypa
     assert all(b < whole for b in two["peak_resident_bytes_per_rank"]) and sum(two["peak_resident_bytes_per_rank"]) > whole
     assert two["ids_equal_one_process"] and one["ms_per_token"]["n"] == 5  # 6 tokens: the first from the prefill
     assert result["over_one_process"]["2"] == two["ms_per_token"]["p50"] / one["ms_per_token"]["p50"]
+
+
+def test_a_batch_row_gives_tokens_per_second_and_ids_equal_one_process(tmp_path, monkeypatch):
+    d = write_checkpoint(preset_config("tiny"), tmp_path / "tiny")
+    monkeypatch.setattr(pipeline.models, "ensure_preset", lambda models, preset: d)
+    args = argparse.Namespace(models=str(tmp_path), preset="tiny", ranks=[2], keep="off", tokens=5, repeats=2,
+                              threads=1, batch=3)
+    result = pipeline.run(args, Record())
+    one, two = result["rows"]
+    assert result["batch"] == 3 and (one["ranks"], two["ranks"]) == (1, 2)
+    assert all(len(ids) == 5 for ids in one["runs"][0][0]["token_ids"]) and len(one["runs"][0][0]["token_ids"]) == 3
+    assert two["ids_equal_one_process"] and one["tokens_per_s"]["n"] == 2
+    assert all(rate == 15 / wall for rate, wall in zip(two["tokens_per_s_runs"], two["wall_s_runs"]))
+    assert result["tokens_per_s_over_one_process"]["2"] == two["tokens_per_s"]["p50"] / one["tokens_per_s"]["p50"]

@@ -141,6 +141,32 @@ def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
         assert json.loads(out.read_text()) == pipeline_job.run(str(models[name]), keep)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_ids(models, tmp_path, name):
+    """A decode step of several rows goes through the pipeline in micro-batches (one a rank), so the ranks work at
+    once; the rows are row-exact, so the cut changes no id. Rank 0 sends each micro-batch on as it is done."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import pipeline_job
+    finally:
+        sys.path.remove(str(HERE))
+    out = tmp_path / "ids.json"
+    done = torchrun(3, str(HERE / "pipeline_job.py"), str(models[name]), "off", str(out), "count")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["ids"] == pipeline_job.run(str(models[name]), "off")
+    assert got["sends"] > got["decode_steps"] > 0  # steps of two and three rows went on in pieces
+
+
+def test_micro_batches_cut_the_rows_evenly_and_in_order():
+    from kestrel_core.engine.pipeline import micro_batches
+
+    assert micro_batches(8, 2) == [(0, 4), (4, 8)]
+    assert micro_batches(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert micro_batches(2, 4) == [(0, 1), (1, 2)]  # no empty micro-batch
+    assert micro_batches(1, 3) == [(0, 1)]
+
+
 # --- what is refused ------------------------------------------------------------------------------------------------
 def test_ranks_that_disagree_are_refused_naming_the_setting(models):
     """torchrun gives every rank the same flags; ranks whose settings differ all the same (here a script that opens

@@ -2,12 +2,17 @@
 torchrun, on one preset, interleaved repeat by repeat.
 
     python -m bench pipeline [--preset demo] [--ranks 2,4] [--keep off] [--tokens 32] [--repeats 3] [--threads 1]
+                             [--batch 1]
 
 Each rank is a fresh process (``bench.pipeline_worker``): a warm-up generate, then one greedy generate of
 ``--tokens``. Per row: rank 0's decode ms/token (p10/p50/p90 over its steps, every step kept), each rank's peak RSS
 and peak resident weight bytes, the split, and whether the ids equal the one process's. The headline: the pipeline's
 ms/token p50 over one process's (issue 44's target at keep off: <= 1.1x). On one host the ranks share its cores:
 ``--threads`` each (default 1), so a row of N ranks uses N threads where the one process uses one.
+
+With ``--batch B`` > 1 each row is one greedy batch of B sequences through ``generate_batch`` (its decode steps cut
+into micro-batches over the ranks, so the ranks work at once), timed whole; the headline is then the ranks' tokens/s
+over one process's (p50 of the repeats).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each rank")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded at once (1: one generate)")
 
 
 def needs_gpu(args) -> str | None:
@@ -45,7 +51,8 @@ def needs_gpu(args) -> str | None:
 def one_row(path: Path, ranks: int, args) -> list[dict]:
     """Every rank's figures of one run of ``ranks`` ranks (1: a plain process)."""
     with tempfile.TemporaryDirectory(prefix="kestrel-pipeline-") as out:
-        worker = ["-m", "bench.pipeline_worker", str(path), args.keep, str(args.tokens), str(args.threads), out]
+        worker = ["-m", "bench.pipeline_worker", str(path), args.keep, str(args.tokens), str(args.threads), out,
+                  str(args.batch)]
         cmd = [sys.executable, *worker] if ranks == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *worker]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
@@ -64,6 +71,8 @@ def run(args, record) -> dict:
             runs[n].append(one_row(path, n, args))
         record.save_partial({"runs": {str(n): r for n, r in runs.items()}})
     base_ids = runs[1][0][0]["token_ids"]
+    if args.batch > 1:
+        return batch_rows(args, runs, counts)
     rows = []
     for n in counts:
         steps = [ms for rep in runs[n] for ms in rep[0]["decode_ms"]]
@@ -83,3 +92,24 @@ def run(args, record) -> dict:
         log(f"{n} ranks over one process: {x:.3f}x ms/token (target at keep off <= 1.1x: {'met' if x <= 1.1 else 'not met'})")
     return {"preset": args.preset, "backend": "cpu_ref", "keep": args.keep, "tokens": args.tokens,
             "threads_per_rank": args.threads, "cores": os.cpu_count(), "rows": rows, "over_one_process": over}
+
+
+def batch_rows(args, runs: dict, counts: list[int]) -> dict:
+    """A batch's rows: each rank count's tokens/s over the repeats (tokens generated over the batch's wall time)."""
+    base_ids = runs[1][0][0]["token_ids"]
+    rows = []
+    for n in counts:
+        rates = [rep[0]["tokens"] / rep[0]["wall_s"] for rep in runs[n]]
+        row = {"ranks": n, "parts": runs[n][0][0]["pipeline"]["parts"], "tokens_per_s": summary(rates),
+               "tokens_per_s_runs": rates, "wall_s_runs": [rep[0]["wall_s"] for rep in runs[n]],
+               "peak_rss_bytes_per_rank": [max(rep[r]["peak_rss_bytes"] for rep in runs[n]) for r in range(n)],
+               "ids_equal_one_process": all(rep[0]["token_ids"] == base_ids for rep in runs[n]), "runs": runs[n]}
+        rows.append(row)
+        log(f"{n} rank(s), batch {args.batch}: {row['tokens_per_s']['p50']:.1f} tokens/s p50 "
+            f"({', '.join(f'{r:.1f}' for r in rates)}), ids equal one process's: {row['ids_equal_one_process']}")
+    one = rows[0]["tokens_per_s"]["p50"]
+    over = {str(r["ranks"]): r["tokens_per_s"]["p50"] / one for r in rows[1:]}
+    for n, x in over.items():
+        log(f"{n} ranks over one process: {x:.3f}x tokens/s")
+    return {"preset": args.preset, "backend": "cpu_ref", "keep": args.keep, "tokens": args.tokens, "batch": args.batch,
+            "threads_per_rank": args.threads, "cores": os.cpu_count(), "rows": rows, "tokens_per_s_over_one_process": over}

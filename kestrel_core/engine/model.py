@@ -49,7 +49,8 @@ class Span:
 class Attend:
     """Where a pass's rows sit: their KV slots and positions, their RoPE rows, and which cached keys each query sees.
 
-    The first ``decode_rows`` rows are decode rows, row b the one token of KV slot b; they read their slots' whole
+    The first ``decode_rows`` rows are decode rows, row b the one token of KV slot ``first_slot`` + b (a pipeline's
+    micro-batch starts past 0); they read their slots' whole
     static cache under a mask made from position tensors, so one captured graph serves every position. The rows after
     them are ``spans``, each one sequence's tokens, reading keys 0..start+T-1 of its slot, causally.
     """
@@ -70,6 +71,7 @@ class Attend:
     # Row-exact rows read their positions on the host to slice the cache (``sliced``), unless the step may be captured:
     # then each reads the whole cache under a mask made on the device, in one formula for decode rows and spans alike.
     sliced: bool = False
+    first_slot: int = 0
 
     @classmethod
     def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0,
@@ -84,11 +86,11 @@ class Attend:
     def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
                spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
                span_slots: torch.Tensor | None = None, row_exact: bool = False,
-               live: torch.Tensor | None = None, sliced: bool = False) -> "Attend":
-        """Decode rows (row b: slot ``slots[b]`` = b, at ``positions[b]``, long tensors on the device: nothing here reads
-        the host, unless ``row_exact``, whose rows attend one at a time over their own keys), then optionally ``spans``
-        at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags (row-exact: a parked row is
-        skipped)."""
+               live: torch.Tensor | None = None, sliced: bool = False, first_slot: int = 0) -> "Attend":
+        """Decode rows (row b: slot ``slots[b]`` = ``first_slot`` + b, at ``positions[b]``, long tensors on the
+        device: nothing here reads the host, unless ``row_exact``, whose rows attend one at a time over their own
+        keys), then optionally ``spans`` at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags
+        (row-exact: a parked row is skipped)."""
         sliced = row_exact and sliced
         mask = None if sliced else key_positions[None, :] <= positions[:, None]
         rows = positions.shape[0]
@@ -96,7 +98,8 @@ class Attend:
             positions, slots = torch.cat((positions, span_positions)), torch.cat((slots, span_slots))
         return cls(slots, positions, *rope.at(positions), decode_rows=rows, decode_mask=mask, spans=spans,
                    key_positions=key_positions if row_exact else None,
-                   live=tuple(bool(x) for x in live.tolist()) if sliced and live is not None else None, sliced=sliced)
+                   live=tuple(bool(x) for x in live.tolist()) if sliced and live is not None else None, sliced=sliced,
+                   first_slot=first_slot)
 
     @staticmethod
     def _alone(q_row: torch.Tensor, cache: KVCache, slot: int, upto: int, cfg: ModelConfig, scale: float) -> torch.Tensor:
@@ -115,18 +118,18 @@ class Attend:
         cache.v.index_put_((self.slots, self.positions), v)
         scale = cfg.head_dim**-0.5
         outs = []
-        B = self.decode_rows
+        B, first = self.decode_rows, self.first_slot
         if B and self.sliced:  # row-exact: each decode row alone, over its keys 0..its position
             for b, pos in enumerate(self.positions[:B].tolist()):
                 if self.live is not None and not self.live[b]:
                     outs.append(q.new_zeros((1, cfg.q_dim)))
                     continue
-                outs.append(self._alone(q[b], cache, b, pos + 1, cfg, scale))
+                outs.append(self._alone(q[b], cache, first + b, pos + 1, cfg, scale))
         elif B:
             out = F.scaled_dot_product_attention(
                 q[:B, :, None, :],  # [B, heads, 1, hd]
-                cache.k[:B].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads, nothing is repeated
-                cache.v[:B].transpose(1, 2),
+                cache.k[first:first + B].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads
+                cache.v[first:first + B].transpose(1, 2),
                 attn_mask=self.decode_mask[:, None, None, :],
                 scale=scale,
                 enable_gqa=True,

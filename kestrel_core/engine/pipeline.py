@@ -119,6 +119,28 @@ class Pipeline:
             dist.recv(out, self.ranks - 1)
         return out
 
+    def send_on(self, h: torch.Tensor) -> Any:
+        """A micro-batch's output of this rank's layers, to the rank after, without waiting: the work to wait on (the
+        tensor must live until then)."""
+        import torch.distributed as dist
+
+        return dist.isend(h, self.rank + 1)
+
+    def logits_to_first(self, logits: torch.Tensor) -> Any:
+        """The last rank: a micro-batch's logits to rank 0, without waiting (the work to wait on)."""
+        import torch.distributed as dist
+
+        return dist.isend(logits, 0)
+
+    def logits_from_last(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """Rank 0: a micro-batch's logits, [rows, vocab] float32, from the last rank."""
+        import torch
+        import torch.distributed as dist
+
+        out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+        dist.recv(out, self.ranks - 1)
+        return out
+
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------
     def tell(self, op: tuple, now: bool = False) -> None:
         """Rank 0: a runner call the other ranks make after it (``runner.follow``), sent with the ones before it once a
@@ -199,6 +221,17 @@ class Pipeline:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def micro_batches(rows: int, ranks: int) -> list[tuple[int, int]]:
+    """A decode step's ``rows`` cut into contiguous micro-batches, (first row, end) each: one a rank where there are
+    rows enough, so that while a rank runs one, the rank before runs the next. Every rank cuts alike."""
+    m = max(1, min(rows, ranks))
+    base, extra = divmod(rows, m)
+    bounds = [0]
+    for i in range(m):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds, bounds[1:]))
 
 
 def check_alike(rank: int, ranks: int, fingerprint: dict[str, Any]) -> None:

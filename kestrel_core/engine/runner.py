@@ -23,7 +23,7 @@ from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, ro
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.engine.kvcache import allocate_cache
 from kestrel_core.engine.plan import Boundary, Plan, delta
-from kestrel_core.engine.pipeline import Pipeline
+from kestrel_core.engine.pipeline import Pipeline, micro_batches
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.step_graphs import StepGraphs
 
@@ -400,30 +400,34 @@ class Runner:
 
     # --- the one layer loop ---------------------------------------------------------------------
     def layers(self, h: torch.Tensor, at: Attend, cache: list[KVCache], boundaries: Iterable[Boundary], phase: str,
-               layer_fn=decoder_layer, probe: Probe | None = None, table: DecodeState | None = None) -> torch.Tensor:
+               layer_fn=decoder_layer, probe: Probe | None = None, table: DecodeState | None = None,
+               first_row: int = 0) -> torch.Tensor:
         """Run every layer on ``h``: at each boundary, execute its plan, order the compute after the layer's upload,
         run the layer (a sparse one reads its routed experts: through the table where the step reads it, ``table``
-        the state that takes its routing, else after the host has routed and fetched them)."""
+        the state that takes its routing from row ``first_row`` on, else after the host has routed and fetched
+        them)."""
         backend, cfg = self.backend, self.cfg
         for layer, b in enumerate(boundaries):
             self.execute(b.plan)
             backend.before_use(b.key)
             experts = None
             if self.window.sparse[layer]:
-                experts = self._table_experts(layer, table) if table is not None else self._host_experts(layer, phase)
+                experts = (self._table_experts(layer, table, first_row) if table is not None
+                           else self._host_experts(layer, phase))
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
         return h
 
-    def _table_experts(self, layer: int, state: DecodeState):
+    def _table_experts(self, layer: int, state: DecodeState, first_row: int = 0):
         """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
-        Each row's routed ids go to the step's output row, which the host reads back a step late."""
+        Each row's routed ids go to the step's output row (from ``first_row``: a micro-batch's), which the host reads
+        back a step late."""
         backend, rows = self.backend, state.routed[self.sparse.index(layer)]
 
         def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            rows[: chosen.shape[0]].copy_(chosen)
+            rows[first_row:first_row + chosen.shape[0]].copy_(chosen)
             return backend.routed_experts(layer, x, weights, chosen)
 
         return experts
@@ -489,6 +493,14 @@ class Runner:
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
         sliced = _sliced(backend)
         live = state.live[:rows] if sliced else None  # a row-exact backend skips a parked row's attention
+        table = state if self.reads_table(rows, spans) else None
+        if not spans and self.pipeline is not None and rows > 1:
+            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
+            state.tokens[:rows].copy_(torch.argmax(logits, dim=-1))
+            state.bad[:rows].copy_(~torch.isfinite(logits).all(dim=-1))
+            state.positions[:rows].add_(state.live[:rows])
+            state.logits = logits
+            return []
         if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live,
                                sliced=sliced)
@@ -503,7 +515,6 @@ class Runner:
             h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
-        table = state if self.reads_table(rows, spans) else None
         h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
@@ -515,6 +526,58 @@ class Runner:
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
         return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
+
+    def _micro_batched(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
+                       layer_fn, table: DecodeState | None) -> torch.Tensor:
+        """A pipeline's decode step in micro-batches (``pipeline.micro_batches``), so that the ranks work at once: a
+        rank sends each micro-batch's hidden state on as soon as it has run its layers over it, and the next rank starts
+        on it while this one runs the next. A rank whose layers are all resident runs its layers once a micro-batch;
+        one whose window streams them runs every row in one pass (a second pass would stream them again), then sends
+        the micro-batches in order. Rows are row-exact, so the cut changes no bit. The step's logits, [rows, vocab]
+        float32 (zeros past rank 0, which alone chooses tokens)."""
+        pipe, backend, cfg = self.pipeline, self.backend, self.cfg
+        cuts = micro_batches(rows, pipe.ranks)
+        sliced = _sliced(backend)
+
+        def attend(lo: int, hi: int) -> Attend:
+            return Attend.static(state.rope, state.positions[lo:hi], state.slot_ids[lo:hi], state.key_positions,
+                                 row_exact=backend.row_exact, live=state.live[lo:hi] if sliced else None,
+                                 sliced=sliced, first_slot=lo)
+
+        def arriving(lo: int, hi: int) -> torch.Tensor:
+            if pipe.first:
+                return backend.embed(state.tokens[lo:hi])
+            return pipe.hidden_in(hi - lo, cfg.hidden_size, backend.dtype, backend.device)
+
+        resident = not self.window.policy.windowed
+        if resident:  # no window: the whole token's plans at once (empty, unless an observer asked for something)
+            boundaries = list(boundaries)
+            resident = not any(b.plan is not None and (b.plan.evict or b.plan.fetch) for b in boundaries)
+        if resident:  # each micro-batch runs the layers as it arrives
+            ran = (self.layers(arriving(lo, hi), attend(lo, hi), cache, boundaries, "decode", layer_fn, table=table,
+                               first_row=lo) for lo, hi in cuts)
+        else:  # one pass over every row once all have arrived: a plan is executed once
+            h = torch.cat([arriving(lo, hi) for lo, hi in cuts])
+            h = self.layers(h, attend(0, rows), cache, boundaries, "decode", layer_fn, table=table)
+            ran = iter([h[lo:hi] for lo, hi in cuts])
+        sending, logits = [], []
+        for h in ran:  # each micro-batch goes on (or, on the last rank, its logits to rank 0) as soon as it is done
+            if not pipe.last:
+                h = h.contiguous()
+                sending.append((h, pipe.send_on(h)))
+            else:
+                out = backend.logits(h).float().contiguous()
+                logits.append(out)
+                if not pipe.first:
+                    sending.append((out, pipe.logits_to_first(out)))
+        for _, work in sending:
+            work.wait()
+        vocab = cfg.vocab_size
+        if pipe.first and not pipe.last:
+            logits = [pipe.logits_from_last(hi - lo, vocab, backend.device) for lo, hi in cuts]
+        elif not pipe.last:
+            return torch.zeros((rows, vocab), dtype=torch.float32, device=backend.device)
+        return torch.cat(logits)
 
     def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
         """The step's input to this run's layers: the tokens' embeddings, or, past a pipeline's first rank, the
