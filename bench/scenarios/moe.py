@@ -39,6 +39,7 @@ from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.hookspecs import hookimpl
 
 FULL_BUDGETS_GIB = (2, 4, 8)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BIG = 120_000  # MiB of weight-cache budget: every row fits; the expert budget is what bounds the experts
 
 
@@ -175,7 +176,12 @@ def section(path, args, router: str, scale: float) -> dict:
         kestrel_row(model, args, f"{router} warm-up (not recorded)", 4, 1, keep="off")
         off = kestrel_row(model, args, f"{router} off", args.tokens, args.warmup, keep="off")
         off["router"] = router
-        rows = [off] + cache_rows(model, args, router, scale)
+        # the budgets hold the share of the experts they hold in the file's dtype: a backend computing wider (cpu_ref's
+        # float32 from a bfloat16 file) holds each expert in more bytes, so its budgets grow by as much
+        cfg = model.config
+        file_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * DTYPE_BYTES[cfg.torch_dtype]
+        off["budget_widening"] = widen = off["expert_bytes"] / file_expert if off["expert_bytes"] else 1.0
+        rows = [off] + cache_rows(model, args, router, scale * widen)
         if router == "uniform":
             pf = int(args.backend == "cuda")
             whole = kestrel_row(model, args, f"uniform whole-layer asymmetric keep=1 pf={pf}", args.slow_tokens, 1,
