@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.rss import process_memory
 
 
-def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int = 1) -> None:
+def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int = 1, micro: str = "auto") -> None:
     import torch
 
     from kestrel_core import load
@@ -23,7 +23,8 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int 
     prompts = [[(13 * k + 7 * i) % 250 + 1 for k in range(16)] for i in range(batch)]
     prompt = prompts[0]
     wall_s = None
-    with load(model) as m, m.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as run:
+    with load(model) as m, m.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep),
+                                          micro_batches=micro) as run:
         res = None
         if run.follows:  # a later rank: it makes rank 0's steps (both generates) until rank 0 closes its run
             run.follow()
@@ -51,4 +52,4 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]), sys.argv[7])

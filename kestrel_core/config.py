@@ -25,6 +25,7 @@ AUTO = "auto"  # keep: chosen from the backend's budget when a run opens
 WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
+MICRO_BATCHES = ("auto", "on", "off")
 TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
@@ -155,6 +156,14 @@ class BackendConfig:
     host_budget_mb: float = attrs.field(default=0.0, validator=_check(_real_in(0), _MIB_OR_DEFAULT))
     # cpu_ref: the torch threads a run computes on; 0: the cores this process may use (os.sched_getaffinity)
     threads: int = attrs.field(default=0, validator=_check(_int_in(0, 4096), "a whole number of threads, 0..4096 (0: the cores this process may use)"))
+    # ranks: a decode step of several rows goes through the pipeline in micro-batches, so the ranks work at once; "auto":
+    # on for cuda (a device a rank), off for cpu_ref (the ranks of one host share its cores and memory bandwidth)
+    micro_batches: str = attrs.field(default="auto")
+
+    @micro_batches.validator
+    def _check_micro_batches(self, _, value: str) -> None:
+        if value not in MICRO_BATCHES:
+            raise ConfigError(f"micro_batches must be one of {', '.join(MICRO_BATCHES)}, got {value!r}")
 
     @graphs.validator
     def _check_graphs(self, _, value: str) -> None:

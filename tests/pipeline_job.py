@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_pipeline.py: a batch of sequences (greedy and sampled, prompts in chunks) through
 the Python API on rank 0, which the other ranks follow; rank 0 writes each sequence's ids as JSON to the path given
-(with ``count`` after it: also how many micro-batches rank 0 sent on, and its decode steps)."""
+(with ``count`` after it: in micro-batches, and also how many rank 0 sent on, and its decode steps)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def requests() -> list[dict]:
 
 def run(model_dir: str, keep: str, counts: dict | None = None) -> list[list[int]] | None:
     """Rank 0 (or one process) generates; a pipeline's other ranks follow its steps (None)."""
-    with load(model_dir) as model, model.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep)) as r:
+    micro = "on" if counts is not None else "auto"  # cpu_ref's auto: off (its ranks share one host)
+    with load(model_dir) as model, model.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep),
+                                              micro_batches=micro) as r:
         if r.pipeline is not None and r.pipeline.rank > 0:
             r.follow()
             return None

@@ -40,9 +40,12 @@ def test_a_batch_row_gives_tokens_per_second_and_ids_equal_one_process(tmp_path,
     args = argparse.Namespace(models=str(tmp_path), preset="tiny", ranks=[2], keep="off", tokens=5, repeats=2,
                               threads=1, batch=3)
     result = pipeline.run(args, Record())
-    one, two = result["rows"]
-    assert result["batch"] == 3 and (one["ranks"], two["ranks"]) == (1, 2)
+    one, on, off = result["rows"]
+    assert result["batch"] == 3 and [(r["ranks"], r["micro_batches"]) for r in result["rows"]] == [
+        (1, None), (2, "on"), (2, "off")]
     assert all(len(ids) == 5 for ids in one["runs"][0][0]["token_ids"]) and len(one["runs"][0][0]["token_ids"]) == 3
-    assert two["ids_equal_one_process"] and one["tokens_per_s"]["n"] == 2
-    assert all(rate == 15 / wall for rate, wall in zip(two["tokens_per_s_runs"], two["wall_s_runs"]))
-    assert result["tokens_per_s_over_one_process"]["2"] == two["tokens_per_s"]["p50"] / one["tokens_per_s"]["p50"]
+    assert on["ids_equal_one_process"] and off["ids_equal_one_process"] and one["tokens_per_s"]["n"] == 2
+    assert all(rate == 15 / wall for rate, wall in zip(on["tokens_per_s_runs"], on["wall_s_runs"]))
+    over = result["tokens_per_s_over_one_process"]
+    assert over == {"2 on": on["tokens_per_s"]["p50"] / one["tokens_per_s"]["p50"],
+                    "2 off": off["tokens_per_s"]["p50"] / one["tokens_per_s"]["p50"]}

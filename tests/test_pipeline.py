@@ -158,6 +158,20 @@ def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_id
     assert got["sends"] > got["decode_steps"] > 0  # steps of two and three rows went on in pieces
 
 
+def test_micro_batches_are_on_where_each_rank_has_a_device_of_its_own():
+    from backends.cpu_ref.backend import CpuRefBackend
+    from backends.cuda.backend import CudaBackend
+    from kestrel_core.engine.run import micro_batched
+
+    assert not micro_batched("auto", CpuRefBackend) and micro_batched("on", CpuRefBackend)
+    assert micro_batched("auto", CudaBackend) and not micro_batched("off", CudaBackend)
+    from kestrel_core.config import BackendConfig
+    from kestrel_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="micro_batches must be one of auto, on, off, got 'yes'"):
+        BackendConfig(micro_batches="yes")
+
+
 def test_micro_batches_cut_the_rows_evenly_and_in_order():
     from kestrel_core.engine.pipeline import micro_batches
 

@@ -37,6 +37,7 @@ class CpuRefBackend(Backend):
     name = "cpu_ref"
     expert_table = True  # a dict: an expert's resident buffers, or (absent) its host copy, the checkpoint mapping
     row_exact = True  # the reference: a token's result is its own, whoever shares its pass (``linear``, attention)
+    device_per_rank = False  # a pipeline's ranks on one host share its cores and memory bandwidth
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

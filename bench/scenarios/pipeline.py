@@ -10,9 +10,9 @@ and peak resident weight bytes, the split, and whether the ids equal the one pro
 ms/token p50 over one process's (issue 44's target at keep off: <= 1.1x). On one host the ranks share its cores:
 ``--threads`` each (default 1), so a row of N ranks uses N threads where the one process uses one.
 
-With ``--batch B`` > 1 each row is one greedy batch of B sequences through ``generate_batch`` (its decode steps cut
-into micro-batches over the ranks, so the ranks work at once), timed whole; the headline is then the ranks' tokens/s
-over one process's (p50 of the repeats).
+With ``--batch B`` > 1 each row is one greedy batch of B sequences through ``generate_batch``, timed whole, and each
+rank count runs twice, its decode steps cut into micro-batches over the ranks (so the ranks work at once) and not;
+the headline is each row's tokens/s over one process's (p50 of the repeats).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def needs_gpu(args) -> str | None:
     return None
 
 
-def one_row(path: Path, ranks: int, args) -> list[dict]:
-    """Every rank's figures of one run of ``ranks`` ranks (1: a plain process)."""
+def one_row(path: Path, ranks: int, args, micro: str = "auto") -> list[dict]:
+    """Every rank's figures of one run of ``ranks`` ranks (1: a plain process), micro-batches ``micro``."""
     with tempfile.TemporaryDirectory(prefix="kestrel-pipeline-") as out:
         worker = ["-m", "bench.pipeline_worker", str(path), args.keep, str(args.tokens), str(args.threads), out,
-                  str(args.batch)]
+                  str(args.batch), micro]
         cmd = [sys.executable, *worker] if ranks == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *worker]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
@@ -64,6 +64,8 @@ def one_row(path: Path, ranks: int, args) -> list[dict]:
 
 def run(args, record) -> dict:
     path = models.ensure_preset(args.models, args.preset)
+    if args.batch > 1:
+        return batch_run(args, record, path)
     counts = [1, *[n for n in args.ranks if n > 1]]
     runs: dict[int, list[list[dict]]] = {n: [] for n in counts}
     for _ in range(args.repeats):
@@ -71,8 +73,6 @@ def run(args, record) -> dict:
             runs[n].append(one_row(path, n, args))
         record.save_partial({"runs": {str(n): r for n, r in runs.items()}})
     base_ids = runs[1][0][0]["token_ids"]
-    if args.batch > 1:
-        return batch_rows(args, runs, counts)
     rows = []
     for n in counts:
         steps = [ms for rep in runs[n] for ms in rep[0]["decode_ms"]]
@@ -94,22 +94,32 @@ def run(args, record) -> dict:
             "threads_per_rank": args.threads, "cores": os.cpu_count(), "rows": rows, "over_one_process": over}
 
 
-def batch_rows(args, runs: dict, counts: list[int]) -> dict:
-    """A batch's rows: each rank count's tokens/s over the repeats (tokens generated over the batch's wall time)."""
-    base_ids = runs[1][0][0]["token_ids"]
+def batch_run(args, record, path: Path) -> dict:
+    """A batch's rows: one process, then each rank count with micro-batches on and off, interleaved repeat by repeat;
+    each row's tokens/s over the repeats (tokens generated over the batch's wall time)."""
+    configs = [(1, "off"), *[(n, m) for n in args.ranks if n > 1 for m in ("on", "off")]]
+    runs: dict[tuple, list[list[dict]]] = {c: [] for c in configs}
+    for _ in range(args.repeats):
+        for n, micro in configs:
+            runs[n, micro].append(one_row(path, n, args, micro))
+        record.save_partial({"runs": {f"{n} {m}": r for (n, m), r in runs.items()}})
+    base_ids = runs[1, "off"][0][0]["token_ids"]
     rows = []
-    for n in counts:
-        rates = [rep[0]["tokens"] / rep[0]["wall_s"] for rep in runs[n]]
-        row = {"ranks": n, "parts": runs[n][0][0]["pipeline"]["parts"], "tokens_per_s": summary(rates),
-               "tokens_per_s_runs": rates, "wall_s_runs": [rep[0]["wall_s"] for rep in runs[n]],
-               "peak_rss_bytes_per_rank": [max(rep[r]["peak_rss_bytes"] for rep in runs[n]) for r in range(n)],
-               "ids_equal_one_process": all(rep[0]["token_ids"] == base_ids for rep in runs[n]), "runs": runs[n]}
+    for n, micro in configs:
+        rates = [rep[0]["tokens"] / rep[0]["wall_s"] for rep in runs[n, micro]]
+        row = {"ranks": n, "micro_batches": micro if n > 1 else None, "parts": runs[n, micro][0][0]["pipeline"]["parts"],
+               "tokens_per_s": summary(rates),
+               "tokens_per_s_runs": rates, "wall_s_runs": [rep[0]["wall_s"] for rep in runs[n, micro]],
+               "peak_rss_bytes_per_rank": [max(rep[r]["peak_rss_bytes"] for rep in runs[n, micro]) for r in range(n)],
+               "ids_equal_one_process": all(rep[0]["token_ids"] == base_ids for rep in runs[n, micro]),
+               "runs": runs[n, micro]}
         rows.append(row)
-        log(f"{n} rank(s), batch {args.batch}: {row['tokens_per_s']['p50']:.1f} tokens/s p50 "
+        what = f"{n} ranks, micro-batches {micro}" if n > 1 else "1 process"
+        log(f"{what}, batch {args.batch}: {row['tokens_per_s']['p50']:.1f} tokens/s p50 "
             f"({', '.join(f'{r:.1f}' for r in rates)}), ids equal one process's: {row['ids_equal_one_process']}")
     one = rows[0]["tokens_per_s"]["p50"]
-    over = {str(r["ranks"]): r["tokens_per_s"]["p50"] / one for r in rows[1:]}
-    for n, x in over.items():
-        log(f"{n} ranks over one process: {x:.3f}x tokens/s")
+    over = {f"{r['ranks']} {r['micro_batches']}": r["tokens_per_s"]["p50"] / one for r in rows[1:]}
+    for key, x in over.items():
+        log(f"{key}: {x:.3f}x one process's tokens/s")
     return {"preset": args.preset, "backend": "cpu_ref", "keep": args.keep, "tokens": args.tokens, "batch": args.batch,
             "threads_per_rank": args.threads, "cores": os.cpu_count(), "rows": rows, "tokens_per_s_over_one_process": over}

@@ -53,6 +53,7 @@ class Backend:
     captures = False  # whether ``capture`` can return a replayable decode step
     expert_table = False  # whether a decode step can read its routed experts through ``routed_experts``
     row_exact = False  # whether a row's result never depends on the rows beside it (``linear`` and attention row by row)
+    device_per_rank = True  # a pipeline's ranks each compute on a device of their own (a GPU each)
     expert_table_refusal = "it has none"  # why not, where it cannot (for the error that names it)
 
     def __init__(self, ctx: BackendContext):

@@ -144,6 +144,7 @@ class Backend(Protocol):
     expert_table: bool  # whether a decode step can read its routed experts through ``routed_experts``
     expert_table_refusal: str  # where it cannot: why (the error for expert_decode = 'table' names it)
     row_exact: bool  # a row's result never depends on the rows beside it: a batch, a prompt, a drafted run change no bit
+    device_per_rank: bool  # a pipeline's ranks each compute on a device of their own (not one host's shared cores)
     units: UnitTable  # the run's units, laid out by this backend
     globals: dict  # embed, norm, lm_head: resident for the run
     small: list  # per layer: its norms (and biases), resident for the run

@@ -134,6 +134,14 @@ def _join_pipeline(model: "Model", config: KestrelConfig, factory) -> tuple[Kest
     return config, Pipeline.join(sizes, device, fingerprint)
 
 
+def micro_batched(setting: str, backend: Backend) -> bool:
+    """Whether a pipeline's decode steps go through the ranks in micro-batches (``[backend] micro_batches``): "auto" is
+    on where each rank computes on a device of its own (cuda), and off where the ranks share one host's cores and
+    memory bandwidth (cpu_ref: there a batch ran slower in micro-batches than without, docs/multi-gpu.md). Every rank
+    runs the same backend (the ranks' settings are checked alike), so they agree."""
+    return backend.device_per_rank if setting == "auto" else setting == "on"
+
+
 def make_allocator(name: str, counters: Counters, slots: int) -> Allocator:
     if slots < 0:
         raise ConfigError(f"pool_slots must be >= 0, got {slots}")
@@ -377,7 +385,8 @@ class Run:
             raise
         self.runner = Runner(self.window, self.backend, model.config,
                              StepSettings(graphs=config.backend.graphs == "auto" and self.pipeline is None,
-                                          compile=config.backend.compile, expert_table=table),
+                                          compile=config.backend.compile, expert_table=table,
+                                          micro_batches=micro_batched(config.backend.micro_batches, self.backend)),
                              guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True
         try:  # a pipeline's later ranks follow rank 0's steps: the drafts are rank 0's

@@ -35,6 +35,7 @@ class StepSettings:
     graphs: bool  # replay a repeating decode step as a captured graph, where the backend can
     compile: bool  # the decode step's layer math through torch.compile
     expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
+    micro_batches: bool = False  # in a pipeline, a decode step of several rows goes through the ranks in micro-batches
 
 
 @functools.cache
@@ -494,7 +495,7 @@ class Runner:
         sliced = _sliced(backend)
         live = state.live[:rows] if sliced else None  # a row-exact backend skips a parked row's attention
         table = state if self.reads_table(rows, spans) else None
-        if not spans and self.pipeline is not None and rows > 1:
+        if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
             logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
             state.tokens[:rows].copy_(torch.argmax(logits, dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits).all(dim=-1))
