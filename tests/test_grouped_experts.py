@@ -141,3 +141,47 @@ def test_gguf_block_experts_match_their_dequantized_math_and_the_fetched_path(ki
     slots = torch.arange(K, device=DEVICE).view(1, K)
     fetched = torch.tensor([b.data_ptr() for pair in buffers for b in pair], dtype=torch.int64, device=DEVICE).view(K, 2)
     assert torch.equal(run(x, weights, slots, fetched, layouts), got)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8"])
+def test_rows_read_each_expert_once_and_give_each_rows_result_bitwise(kind):
+    """A batched step's experts through the grouped kernels (each expert read once for the rows routed to it): every
+    row's result is bitwise its one-row call's, whatever the rows beside it share, repeat an expert or leave out."""
+    g = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    if kind == "q8":
+        entries, npads = [], None
+        for _ in range(E):
+            gu, _, npad_gu = q8_entry(torch.randn(2 * I, H, generator=g) / H**0.5)
+            dn, _, npad_dn = q8_entry(torch.randn(H, I, generator=g) / I**0.5)
+            entries.append((gu, dn))
+            npads = (npad_gu, npad_dn)
+        run = grouped_experts.GroupedExperts(H, I, K, dtype, DEVICE, q8=(32, *npads))
+    else:
+        entries = [((torch.randn(2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype),
+                    (torch.randn(H, I, generator=g) / I**0.5).to(DEVICE, dtype)) for _ in range(E)]
+        run = grouped_experts.GroupedExperts(H, I, K, dtype, DEVICE)
+    table = torch.tensor([[gu.data_ptr(), dn.data_ptr()] for gu, dn in entries], dtype=torch.int64, device=DEVICE)
+    ids = torch.tensor([[4, 0, 2], [2, 4, 5], [1, 3, 0], [4, 2, 0]], device=DEVICE)  # shared, in other slot orders
+    x = torch.randn(len(ids), H, generator=g).to(DEVICE, dtype)
+    weights = torch.softmax(torch.randn(len(ids), K, generator=g), dim=-1).to(DEVICE, dtype)
+    alone = torch.cat([run(x[r:r + 1], weights[r:r + 1], ids[r:r + 1], table).clone() for r in range(len(ids))])
+    together = run.rows(x, weights, ids, table)
+    assert together.shape == alone.shape and torch.equal(together, alone)
+    assert torch.equal(run.rows(x[1:3], weights[1:3], ids[1:3], table), alone[1:3])  # other companions, same bits
+    again = run.rows(x, weights, ids, table)  # the buffers of a batch of 4 reused: nothing left from before
+    assert torch.equal(again, alone)
+
+
+def test_each_routed_expert_is_one_programs_run():
+    """Exactly one program reads each expert: the first of its pairs in expert order, over all of them; every other
+    pair's run is empty (two programs adding into one pair at once would race on a GPU, which the interpreter, running
+    programs one by one, cannot show)."""
+    ids = torch.tensor([[4, 0, 2], [2, 4, 5], [1, 3, 0], [4, 2, 0]])
+    experts, pairs, ends = grouped_experts.expert_runs(ids)
+    assert experts.tolist() == sorted(ids.reshape(-1).tolist())
+    assert [ids.reshape(-1)[q] for q in pairs.tolist()] == experts.tolist()
+    assert pairs.tolist()[:3] == [1, 8, 11]  # expert 0's pairs in row order (a stable sort)
+    runs = [(t, e) for t, e in enumerate(ends.tolist()) if e > t]
+    assert runs == [(0, 3), (3, 4), (4, 7), (7, 8), (8, 11), (11, 12)]
+    assert all(e == t for t, e in enumerate(ends.tolist()) if (t, e) not in runs)

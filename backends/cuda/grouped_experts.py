@@ -70,7 +70,58 @@ def _kernels():
         nslots = tl.num_programs(0)
         tl.store(part + (s * nslots + slot) * N + cols, acc, mask=mc)
 
-    return float_rows, q8_cols
+    # Several rows' experts (a batched step's): one program a (routed pair in expert order, block of outputs, slice);
+    # the first pair of each expert's run reads each weight tile once and adds it into every pair of the run in turn.
+    # A pair's partial sums go through memory in float32 between tiles, the same additions in the same order as the
+    # one-row kernels', so each row's result is its result alone, bitwise. ``pairs[t]``: the t-th pair in expert order
+    # (row * KT + slot); ``ends[t]``: where the run starting at t ends (t itself where t starts none). ``part`` is
+    # [rows, slices, KT, N]: each row's block laid out as the one-row kernels' buffer.
+
+    @triton.jit
+    def float_rows_grouped(x, pairs, experts, ends, table, part, which: tl.constexpr, N: tl.constexpr,
+                           K: tl.constexpr, ROWS_AT: tl.constexpr, KS: tl.constexpr, DTYPE: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_PER_SLOT: tl.constexpr, KT: tl.constexpr,
+                           SLICES: tl.constexpr):
+        p, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        end = tl.load(ends + p)
+        w = tl.load(table + tl.load(experts + p) * 2 + which).to(tl.pointer_type(DTYPE))
+        for kk in range(0, KS, BLOCK_K):
+            cols = s * KS + kk + tl.arange(0, BLOCK_K)
+            wt = tl.load(w + (ROWS_AT + rows[:, None]) * K + cols[None, :], mask=rows[:, None] < N, other=0.0)
+            for t in range(p, end):
+                q = tl.load(pairs + t)
+                xs = x + (q if X_PER_SLOT else q // KT) * K
+                xk = tl.load(xs + cols).to(tl.float32)
+                at = part + (((q // KT) * SLICES + s) * KT + q % KT) * N + rows
+                before = tl.load(at, mask=(rows < N) & (kk > 0), other=0.0)
+                tl.store(at, before + tl.sum(wt.to(tl.float32) * xk[None, :], axis=1), mask=rows < N)
+
+    @triton.jit
+    def q8_cols_grouped(x, pairs, experts, ends, table, part, which: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                        NPAD: tl.constexpr, COLS_AT: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, X_PER_SLOT: tl.constexpr, KT: tl.constexpr, SLICES: tl.constexpr):
+        p, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        end = tl.load(ends + p)
+        base = tl.load(table + tl.load(experts + p) * 2 + which)
+        qw = base.to(tl.pointer_type(tl.int8))
+        sc = (base + K * NPAD).to(tl.pointer_type(tl.float32))
+        mc = cols < N
+        for kk in range(0, KS, GROUP):
+            k0 = s * KS + kk
+            ks = k0 + tl.arange(0, GROUP)
+            qt = tl.load(qw + ks[:, None] * NPAD + (COLS_AT + cols[None, :]), mask=mc[None, :], other=0)
+            scale = tl.load(sc + (k0 // GROUP) * NPAD + COLS_AT + cols, mask=mc, other=0.0)
+            for t in range(p, end):
+                q = tl.load(pairs + t)
+                xs = x + (q if X_PER_SLOT else q // KT) * K
+                xk = tl.load(xs + ks).to(tl.float32)
+                at = part + (((q // KT) * SLICES + s) * KT + q % KT) * N + cols
+                before = tl.load(at, mask=mc & (kk > 0), other=0.0)
+                tl.store(at, before + tl.sum(qt.to(tl.float32) * xk[:, None], axis=0) * scale, mask=mc)
+
+    return float_rows, q8_cols, float_rows_grouped, q8_cols_grouped
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -87,6 +138,17 @@ def _split(k: int, want: int, step: int) -> int:
 def _block_k(k: int) -> int:
     """The widest K block (a power of two, up to 64) that divides ``k``."""
     return next(b for b in (64, 32, 16, 8, 4, 2, 1) if k % b == 0)
+
+
+def expert_runs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's routed pairs (row * k + slot of ``ids`` [rows, k]) in expert order, on the device and without a sync:
+    (each pair's expert, the pairs, and for each place t where an expert's run starts, where it ends; elsewhere t, an
+    empty run), so that exactly one program reads each routed expert."""
+    experts, pairs = torch.sort(ids.reshape(-1), stable=True)
+    starts = torch.ones_like(experts, dtype=torch.bool)
+    starts[1:] = experts[1:] != experts[:-1]
+    at = torch.arange(experts.numel(), device=ids.device)
+    return experts, pairs, torch.where(starts, torch.searchsorted(experts, experts, right=True), at)
 
 
 class GroupedExperts:
@@ -143,7 +205,7 @@ class GroupedExperts:
         (gate_up, down) block layouts of these experts, for a model of GGUF blocks."""
         if self.blocks:
             return self._blocks(x.contiguous(), weights, ids.contiguous(), table, layouts)
-        float_rows, q8_cols = _kernels()
+        float_rows, q8_cols = _kernels()[:2]
         H, I, k, bn = self.H, self.I, self.k, self.block_n  # noqa: E741
         x, ids = x.contiguous(), ids.contiguous()
         grid_gu = (k, -(-I // bn), self.split_gu)
@@ -173,6 +235,61 @@ class GroupedExperts:
                             KS=I // self.split_d, GROUP=self.q8[0], BLOCK_N=bn, X_PER_SLOT=True)
         y = self.down.sum(0).to(self.dtype)  # [k, H]: each expert's output, rounded
         return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
+
+    def rows(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Several rows' routed experts (a batched step's), x [R, H], weights and ids [R, k] -> [R, H], each expert read
+        once for every row routed to it (``*_grouped`` kernels), and each row's result bitwise its one-row call's: the
+        same partial sums in the same order, and each row's epilogue the one-row call's ops on the same shapes. Float
+        and q8 experts; GGUF block experts go row by row (``__call__``)."""
+        _, _, float_grouped, q8_grouped = _kernels()
+        H, I, k, bn = self.H, self.I, self.k, self.block_n  # noqa: E741
+        R = x.shape[0]
+        gate, up, down, h = self._rows_buffers(R)
+        x = x.contiguous()
+        experts, pairs, ends = expert_runs(ids)
+        grid_gu, grid_d = (R * k, -(-I // bn), self.split_gu), (R * k, -(-H // bn), self.split_d)
+        runs = dict(KT=k)
+        if self.q8 is None:
+            kw = dict(DTYPE=_tl_dtype(self.dtype), BLOCK_N=bn, BLOCK_K=self.bk_gu, X_PER_SLOT=False,
+                      SLICES=self.split_gu, **runs)
+            for part, rows_at in ((gate, 0), (up, I)):
+                float_grouped[grid_gu](x, pairs, experts, ends, table, part, which=0, N=I, K=H, ROWS_AT=rows_at,
+                                       KS=H // self.split_gu, **kw)
+        else:
+            group, npad_gu, npad_d = self.q8
+            for part, cols_at in ((gate, 0), (up, I)):
+                q8_grouped[grid_gu](x, pairs, experts, ends, table, part, which=0, N=I, K=H, NPAD=npad_gu,
+                                    COLS_AT=cols_at, KS=H // self.split_gu, GROUP=group, BLOCK_N=bn, X_PER_SLOT=False,
+                                    SLICES=self.split_gu, **runs)
+        for r in range(R):  # each row's epilogue as the one-row call's
+            g = gate[r].sum(0).to(self.dtype)
+            u = up[r].sum(0).to(self.dtype)
+            h[r].copy_(F.silu(g) * u)
+        if self.q8 is None:
+            float_grouped[grid_d](h, pairs, experts, ends, table, down, which=1, N=H, K=I, ROWS_AT=0,
+                                  KS=I // self.split_d, DTYPE=_tl_dtype(self.dtype), BLOCK_N=bn, BLOCK_K=self.bk_d,
+                                  X_PER_SLOT=True, SLICES=self.split_d, **runs)
+        else:
+            q8_grouped[grid_d](h, pairs, experts, ends, table, down, which=1, N=H, K=I, NPAD=self.q8[2], COLS_AT=0,
+                               KS=I // self.split_d, GROUP=self.q8[0], BLOCK_N=bn, X_PER_SLOT=True,
+                               SLICES=self.split_d, **runs)
+        out = []
+        for r in range(R):
+            y = down[r].sum(0).to(self.dtype)
+            out.append((y * weights[r].reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype))
+        return torch.cat(out)
+
+    def _rows_buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """A batch of ``rows``' fixed buffers (a captured step keeps their addresses): the gate, up and down partial
+        sums, [rows, slices, k, n] float32 (each row's block the one-row buffers' layout), and the SwiGLU outputs."""
+        key = ("rows", rows)
+        if key not in self._parts:
+            k, dev = self.k, self.device
+            gate = torch.empty((rows, self.split_gu, k, self.I), dtype=torch.float32, device=dev)
+            self._parts[key] = (gate, torch.empty_like(gate),
+                                torch.empty((rows, self.split_d, k, self.H), dtype=torch.float32, device=dev),
+                                torch.empty((rows, k, self.I), dtype=self.dtype, device=dev))
+        return self._parts[key]
 
     def fetched(self, x: torch.Tensor, weights: torch.Tensor, buffers: list) -> torch.Tensor:
         """The k routed experts (in routing order) from the buffers the host fetched them into: the same kernels on a
