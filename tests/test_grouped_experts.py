@@ -141,6 +141,12 @@ def test_gguf_block_experts_match_their_dequantized_math_and_the_fetched_path(ki
     slots = torch.arange(K, device=DEVICE).view(1, K)
     fetched = torch.tensor([b.data_ptr() for pair in buffers for b in pair], dtype=torch.int64, device=DEVICE).view(K, 2)
     assert torch.equal(run(x, weights, slots, fetched, layouts), got)
+    # several rows, each expert's tiles dequantized once for the rows routed to it: each row bitwise its own call's
+    rows_ids = torch.tensor([[5, 1, 3], [3, 0, 5], [2, 4, 1]], device=DEVICE)
+    xs = torch.randn(3, h, generator=g).to(DEVICE)
+    ws = torch.softmax(torch.randn(3, K, generator=g), dim=-1).to(DEVICE)
+    alone = torch.cat([run(xs[r:r + 1], ws[r:r + 1], rows_ids[r:r + 1], table, layouts).clone() for r in range(3)])
+    assert torch.equal(run.rows(xs, ws, rows_ids, table, layouts), alone)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8"])

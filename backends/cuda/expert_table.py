@@ -81,12 +81,8 @@ class DeviceExpertTable:
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each row's routed experts through the table; a row's result is its result alone (a batched step's ids are
-        its sequences' solo ids). Several rows read each expert once for all the rows routed to it (``rows``), but
-        GGUF block experts go row by row with the one-row kernels."""
+        its sequences' solo ids). Several rows read each expert once for all the rows routed to it (``rows``)."""
         table, layouts = self.table[layer], self.layouts.get(layer)
         if x.shape[0] == 1:
             return self.grouped(x, weights, chosen, table, layouts)
-        if not self.grouped.blocks:
-            return self.grouped.rows(x, weights, chosen, table)
-        return torch.cat([self.grouped(x[r:r + 1], weights[r:r + 1], chosen[r:r + 1], table, layouts)
-                          for r in range(x.shape[0])])
+        return self.grouped.rows(x, weights, chosen, table, layouts)

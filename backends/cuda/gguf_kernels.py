@@ -187,6 +187,38 @@ def _kernels():
         tl.store(part + (s * nslots + slot) * N + rows, acc, mask=rows < N)
 
     @triton.jit
+    def expert_rows_grouped(x, pairs, experts, ends, table, part, WHICH: tl.constexpr, BYTE_AT, N, K, ROW_BYTES, NB,
+                            NCH, CPS, X_PER_SLOT: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+                            EVEN: tl.constexpr, BLOCK_N: tl.constexpr, KT: tl.constexpr, SLICES: tl.constexpr):
+        """``expert_rows`` for several rows' pairs (``grouped_experts.expert_runs``): the program at the start of an
+        expert's run dequantizes each weight tile once and adds it into each of the run's pairs' partial sums in turn,
+        through memory, the same additions in the same order as ``expert_rows``. ``part`` is [rows, S, KT, N]."""
+        p, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        end = tl.load(ends + p)
+        base = tl.load(table + tl.load(experts + p) * 2 + WHICH)
+        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
+        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = rows[:, None, None]
+        rows_ok = r3 < N
+        wrow = w + r3.to(tl.int64) * ROW_BYTES
+        g2 = tl.arange(0, G)[:, None]
+        xoff = g2 * L + tl.arange(0, L)[None, :]
+        first = s * CPS
+        for c in range(first, tl.minimum(first + CPS, NCH)):
+            wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
+            if EVEN:
+                xok = g2 < G
+            else:
+                xok = (c * G + g2) < NB
+            for t in range(p, end):
+                q = tl.load(pairs + t)
+                xs = x + (q if X_PER_SLOT else q // KT) * K
+                xv = tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+                at = part + (((q // KT) * SLICES + s) * KT + q % KT) * N + rows
+                before = tl.where(c > first, tl.load(at, mask=rows < N, other=0.0), 0.0)  # the first chunk starts at 0
+                tl.store(at, before + tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1), mask=rows < N)
+
+    @triton.jit
     def add_slices(part, out, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         """out[i] = part[0, i] + part[1, i] + ... in slice order."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -196,7 +228,7 @@ def _kernels():
             acc = acc + tl.load(part + s * TOTAL + i, mask=ok, other=0.0)
         tl.store(out + i, acc, mask=ok)
 
-    return gguf_rows, add_slices, expert_rows
+    return gguf_rows, add_slices, expert_rows, expert_rows_grouped
 
 
 def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None,
@@ -234,7 +266,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     """y [M, n] float32 = x [M, k] @ W.T, W [n, k] held in ``weight`` as GGUF ``qtype`` blocks (uint8, n rows of
     whole blocks, ggml's layout). Row m of y is bitwise the result for x[m] alone, for any M. ``block_n``, ``split``
     and ``num_warps`` override the plan (for measuring: a row's bits depend on them, so keep them fixed across M)."""
-    rows, add_slices, _ = _kernels()
+    rows, add_slices = _kernels()[:2]
     _check(x, weight, qtype, n, k)
     x = x.contiguous()
     m_all = x.shape[0]
@@ -274,7 +306,7 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, part:
     """part [S, slots, n] float32 = each slot's expert's W [n, k] (``qtype`` blocks at byte ``byte_at`` of its entry
     ``which`` in ``table`` [experts, 2] int64 addresses) times x ([slots, k] where ``x_per_slot``, else [1, k]), summed
     over S slices of k (``expert_slices``); the caller adds the slices in order. One row a slot: as ``gemv`` reads."""
-    _, _, expert_rows = _kernels()
+    expert_rows = _kernels()[2]
     values, nbytes = block_geometry(qtype)
     g, l = _CHUNK[qtype]  # noqa: E741
     nb, per_chunk = k // values, g * l // values
@@ -286,6 +318,27 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, part:
         x, ids, table, part, WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb, NCH=nch,
         CPS=nch // slices, X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0, BLOCK_N=block_n,
         num_warps=NUM_WARPS)
+
+
+def expert_matmul_grouped(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch.Tensor, which: int,
+                          byte_at: int, qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool,
+                          block_n: int = BLOCK_N) -> None:
+    """``expert_matmul`` for several rows: ``runs`` = (experts, pairs, ends) of their routed pairs
+    (``grouped_experts.expert_runs``), ``part`` [rows, S, slots a row, n] float32, x [rows, k] (or, ``x_per_slot``,
+    [rows * slots a row, k]); each pair's partial sums bitwise the one-row call's."""
+    expert_rows_grouped = _kernels()[3]
+    experts, pairs, ends = runs
+    values, nbytes = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nb, per_chunk = k // values, g * l // values
+    nch = -(-nb // per_chunk)
+    rows, slices, kt = part.shape[:3]
+    if nch % slices or part.shape[3] != n or rows * kt != pairs.numel() or part.dtype != torch.float32:
+        raise ValueError(f"part must be float32 [rows, {slices} slices dividing {nch} chunks, slots, {n}]")
+    expert_rows_grouped[(pairs.numel(), -(-n // block_n), slices)](
+        x, pairs, experts, ends, table, part, WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb,
+        NCH=nch, CPS=nch // slices, X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0,
+        BLOCK_N=block_n, KT=kt, SLICES=slices, num_warps=NUM_WARPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, **kw) -> torch.Tensor:

@@ -236,11 +236,14 @@ class GroupedExperts:
         y = self.down.sum(0).to(self.dtype)  # [k, H]: each expert's output, rounded
         return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
 
-    def rows(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
+             layouts: tuple | None = None) -> torch.Tensor:
         """Several rows' routed experts (a batched step's), x [R, H], weights and ids [R, k] -> [R, H], each expert read
-        once for every row routed to it (``*_grouped`` kernels), and each row's result bitwise its one-row call's: the
+        once for every row routed to it (the grouped kernels), and each row's result bitwise its one-row call's: the
         same partial sums in the same order, and each row's epilogue the one-row call's ops on the same shapes. Float
-        and q8 experts; GGUF block experts go row by row (``__call__``)."""
+        and q8 experts here; GGUF block experts in ``_blocks_rows``, told their ``layouts``."""
+        if self.blocks:
+            return self._blocks_rows(x.contiguous(), weights, ids, table, layouts)
         _, _, float_grouped, q8_grouped = _kernels()
         H, I, k, bn = self.H, self.I, self.k, self.block_n  # noqa: E741
         R = x.shape[0]
@@ -278,6 +281,38 @@ class GroupedExperts:
             y = down[r].sum(0).to(self.dtype)
             out.append((y * weights[r].reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype))
         return torch.cat(out)
+
+    def _blocks_rows(self, x, weights, ids, table, layouts) -> torch.Tensor:
+        """``rows`` for GGUF block experts: each expert's tiles dequantized once for the rows routed to it
+        (``gguf_kernels.expert_matmul_grouped``), each row's epilogue as ``_blocks``'s."""
+        H, I, k, R = self.H, self.I, self.k, x.shape[0]  # noqa: E741
+        runs, (gu, dn) = expert_runs(ids), layouts
+        halves = []
+        for row in (0, I):
+            qtype, at = blocks.rows_at(gu, row, I, H)
+            part = self._block_rows_parts(qtype, H, I, 8, R)
+            gguf_kernels.expert_matmul_grouped(x, runs, table, part, 0, at, qtype, I, H, x_per_slot=False)
+            halves.append([part[r].sum(0).to(self.dtype) for r in range(R)])  # before the next kernel reuses part
+        key = ("rows-h", R)
+        if key not in self._parts:
+            self._parts[key] = torch.empty((R, k, I), dtype=self.dtype, device=self.device)
+        h = self._parts[key]
+        for r in range(R):
+            h[r].copy_(F.silu(halves[0][r]) * halves[1][r])
+        qtype, at = blocks.rows_at(dn, 0, H, I)
+        part = self._block_rows_parts(qtype, I, H, 4, R)
+        gguf_kernels.expert_matmul_grouped(h, runs, table, part, 1, at, qtype, H, I, x_per_slot=True)
+        return torch.cat([(part[r].sum(0).to(self.dtype) * weights[r].reshape(k, 1)).float().sum(0, keepdim=True)
+                          .to(self.dtype) for r in range(R)])
+
+    def _block_rows_parts(self, qtype, k: int, n: int, want: int, rows: int) -> torch.Tensor:
+        """``_block_parts`` for a batch of ``rows``: [rows, slices, k routed, n], each row's block that buffer's
+        layout."""
+        slices = gguf_kernels.expert_slices(qtype, k, want)
+        key = ("rows", slices, n, rows)
+        if key not in self._parts:
+            self._parts[key] = torch.empty((rows, slices, self.k, n), dtype=torch.float32, device=self.device)
+        return self._parts[key]
 
     def _rows_buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """A batch of ``rows``' fixed buffers (a captured step keeps their addresses): the gate, up and down partial
