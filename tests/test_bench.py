@@ -173,7 +173,7 @@ def test_peers_say_when_they_are_not_installed(models, tmp_path):
 
 
 GPU_ONLY = [["host-tier"], ["map-register"], ["ring-copy"], ["q8-gemv"], ["stream"], ["moe"], ["moe-host-cost"],
-            ["peers"], ["profile"], ["host-fill", "--dma"], ["keep-auto"]]
+            ["peers"], ["profile"], ["host-fill", "--dma"], ["keep-auto"], ["expert-rows"]]
 
 
 @NO_GPU

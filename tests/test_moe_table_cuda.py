@@ -123,3 +123,21 @@ def test_the_kernel_reads_a_host_copy_as_it_reads_a_slot(tiny_moe):
             table._test_keep = keep
         from_device = backend.routed_experts(1, x, w, ids)
         assert torch.equal(from_host, from_device)
+
+
+@pytest.mark.parametrize("checkpoint", ["bf16", "q8"])
+def test_a_batch_through_the_table_is_its_solo_runs_and_replays(tiny_moe, tiny_moe_q8, checkpoint):
+    """A batched decode step reads each routed expert once for the rows routed to it (the grouped kernels), captured
+    with the rest of the step: each sequence's ids are its solo run's, with its experts in slots and on the host."""
+    path = tiny_moe if checkpoint == "bf16" else tiny_moe_q8
+    prompts = [PROMPT, [1, 2, 3], [7, 8, 9, 10, 11], [200, 3, 9]]
+    for settings in (dict(keep="off"), dict(keep="off", expert_policy="expert_lru", expert_budget_mb=0.1)):
+        with load(path) as model, model.open(backend="cuda", **settings) as run:
+            if run.backend._grouped is None:
+                pytest.skip("the grouped expert kernels need Triton")
+            assert run.runner.schedule is not None
+            alone = [run.generate(prompt_ids=p, max_new_tokens=10, stop_at_eos=False).token_ids for p in prompts]
+            got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=10, stop_at_eos=False) for p in prompts],
+                                     max_batch=4)
+        assert [g.token_ids for g in got] == alone, settings
+        assert sum(g.steps["replayed"] for g in got) > 0, settings  # batched steps came from a captured graph

@@ -16,6 +16,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                    "routers, whole-layer streaming, q8, peers (from moe_bench.py)"),
     "moe-gate": ("moe_gate", "the gate for a MoE step's miss path: a kernel reading experts from mapped pinned memory, a "
                              "copy kernel into device slots, and the DMA copy, in one run"),
+    "expert-rows": ("expert_rows", "a batched MoE step's experts: the grouped kernels (each expert read once for "
+                                   "the rows routed to it) against the one-row kernels a row, from slots and host"),
     "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
                                        "host functions of a decode step (from moe_host_cost.py)"),
     "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "
