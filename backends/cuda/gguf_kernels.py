@@ -157,6 +157,29 @@ def _kernels():
         tl.store(dst, acc, mask=(rows[:, None] < N) & (mcol < M))
 
     @triton.jit
+    def expert_weight_rows(table, expert, WHICH: tl.constexpr, BYTE_AT, pn, N, ROW_BYTES, BLOCK_N: tl.constexpr,
+                           G: tl.constexpr, L: tl.constexpr):
+        """A program's block of W's rows, for the entry the expert table holds at column WHICH for ``expert``: the rows,
+        which are in W, their byte pointers, and a chunk's [G, L] value offsets."""
+        base = tl.load(table + expert * 2 + WHICH)
+        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
+        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = rows[:, None, None]
+        g2 = tl.arange(0, G)[:, None]
+        return rows, r3 < N, w + r3.to(tl.int64) * ROW_BYTES, g2, g2 * L + tl.arange(0, L)[None, :]
+
+    @triton.jit
+    def chunk_x(xs, c, g2, xoff, NB, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr):
+        """Chunk ``c`` of the input row at ``xs``, [G, L] float32 (zeros past the row's blocks)."""
+        if EVEN:
+            xok = g2 < G
+        else:
+            xok = (c * G + g2) < NB
+        return tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+
+    globals().update(expert_weight_rows=expert_weight_rows, chunk_x=chunk_x)  # as above: the kernels find them there
+
+    @triton.jit
     def expert_rows(x, ids, table, part, WHICH: tl.constexpr, BYTE_AT, N, K, ROW_BYTES, NB, NCH, CPS,
                     X_PER_SLOT: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr,
                     BLOCK_N: tl.constexpr):
@@ -165,23 +188,13 @@ def _kernels():
         table holds at column WHICH for the slot's expert (``ids[slot]``). The one-row ``gguf_rows``, its weight's
         address read from the table."""
         slot, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        base = tl.load(table + tl.load(ids + slot) * 2 + WHICH)
-        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
-        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        r3 = rows[:, None, None]
-        rows_ok = r3 < N
-        wrow = w + r3.to(tl.int64) * ROW_BYTES
-        g2 = tl.arange(0, G)[:, None]
-        xoff = g2 * L + tl.arange(0, L)[None, :]
+        rows, rows_ok, wrow, g2, xoff = expert_weight_rows(table, tl.load(ids + slot), WHICH, BYTE_AT, pn, N,
+                                                           ROW_BYTES, BLOCK_N, G, L)
         xs = x + slot * K if X_PER_SLOT else x
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCH)):
             wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
-            if EVEN:
-                xok = g2 < G
-            else:
-                xok = (c * G + g2) < NB
-            xv = tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+            xv = chunk_x(xs, c, g2, xoff, NB, G, L, EVEN)
             acc += tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1)
         nslots = tl.num_programs(0)
         tl.store(part + (s * nslots + slot) * N + rows, acc, mask=rows < N)
@@ -195,25 +208,14 @@ def _kernels():
         through memory, the same additions in the same order as ``expert_rows``. ``part`` is [rows, S, KT, N]."""
         p, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         end = tl.load(ends + p)
-        base = tl.load(table + tl.load(experts + p) * 2 + WHICH)
-        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
-        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        r3 = rows[:, None, None]
-        rows_ok = r3 < N
-        wrow = w + r3.to(tl.int64) * ROW_BYTES
-        g2 = tl.arange(0, G)[:, None]
-        xoff = g2 * L + tl.arange(0, L)[None, :]
+        rows, rows_ok, wrow, g2, xoff = expert_weight_rows(table, tl.load(experts + p), WHICH, BYTE_AT, pn, N,
+                                                           ROW_BYTES, BLOCK_N, G, L)
         first = s * CPS
         for c in range(first, tl.minimum(first + CPS, NCH)):
             wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
-            if EVEN:
-                xok = g2 < G
-            else:
-                xok = (c * G + g2) < NB
             for t in range(p, end):
                 q = tl.load(pairs + t)
-                xs = x + (q if X_PER_SLOT else q // KT) * K
-                xv = tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+                xv = chunk_x(x + (q if X_PER_SLOT else q // KT) * K, c, g2, xoff, NB, G, L, EVEN)
                 at = part + (((q // KT) * SLICES + s) * KT + q % KT) * N + rows
                 before = tl.where(c > first, tl.load(at, mask=rows < N, other=0.0), 0.0)  # the first chunk starts at 0
                 tl.store(at, before + tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1), mask=rows < N)
