@@ -80,3 +80,18 @@ def test_a_nan_key_makes_the_rows_attention_nan():
                        live=torch.tensor([True]), sliced=True)
     out = at.attend(q, k, v, cache, CFG)
     assert not bool(torch.isfinite(out).all())
+
+
+def test_decode_rows_from_a_later_slot_read_their_own_slots_on_either_path():
+    """A pipeline's micro-batch of decode rows starts past slot 0 (``first_slot``): row b is slot first_slot + b, on
+    the row-exact path and on the masked one (cuda's) alike."""
+    cache, q, k, v = _setup(2, 3)
+    positions = torch.tensor([4, 6])
+    for row_exact, sliced in ((True, True), (False, False)):
+        c = KVCache(cache.k.clone(), cache.v.clone())
+        at = Attend.static(_Rope(), positions, torch.tensor([1, 2]), torch.arange(MAX_SEQ), row_exact=row_exact,
+                           sliced=sliced, first_slot=1)
+        out = at.attend(q, k, v, c, CFG)
+        for b, slot in enumerate((1, 2)):
+            want = _want(q[b], c, slot, int(positions[b]) + 1)
+            assert torch.allclose(out[b].double(), want, atol=1e-5), (row_exact, b)

@@ -145,6 +145,13 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
         assert r["bytes_streamed_per_token"] == pytest.approx(r["bytes_uploaded_per_token"] + r["bytes_read_host_per_token"])
     shares = rec["result"]["targets"]["table_reread_share"]
     assert set(shares) == {r["label"] for r in cache if r["expert_decode"] == "table"} and max(shares.values()) > 0
+    for r in cache:
+        if r["expert_decode"] == "table":  # a step reads each miss from its host copy once
+            assert r["bytes_read_host_per_token"] == pytest.approx(r["expert_misses_per_token"] * r["expert_bytes"])
+            assert shares[r["label"]] == pytest.approx(r["bytes_reread_per_token"] / r["bytes_streamed_per_token"])
+    off = rows[0]  # cpu_ref holds the bf16 file's experts in float32: each budget is doubled
+    assert off["budget_widening"] == 2.0
+    assert {r["expert_budget_bytes"] for r in cache} == {g * 1024 * 2 * 2**20 for g in (2, 4, 8)}  # 4 of 4 layers
 
 
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):

@@ -45,6 +45,7 @@ def test_a_batch_row_gives_tokens_per_second_and_ids_equal_one_process(tmp_path,
         (1, None), (2, "on"), (2, "off")]
     assert all(len(ids) == 5 for ids in one["runs"][0][0]["token_ids"]) and len(one["runs"][0][0]["token_ids"]) == 3
     assert on["ids_equal_one_process"] and off["ids_equal_one_process"] and one["tokens_per_s"]["n"] == 2
+    assert len(on["peak_rss_bytes_per_rank"]) == 2 and all(b > 0 for b in on["peak_rss_bytes_per_rank"])
     assert all(rate == 15 / wall for rate, wall in zip(on["tokens_per_s_runs"], on["wall_s_runs"]))
     over = result["tokens_per_s_over_one_process"]
     assert over == {"2 on": on["tokens_per_s"]["p50"] / one["tokens_per_s"]["p50"],

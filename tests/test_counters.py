@@ -151,3 +151,9 @@ def test_peak_resident_bytes_formula_cpu_ref(request, run_model, ckpt, policy, k
     assert final["resident_bytes"] == 4 * resident_elems(c)
     assert r.counters["bytes_uploaded"] == 4 * layer_elems(c) * r.counters["layer_uploads"]
     assert r.counters["uploads"] == len(ROLES) * r.counters["layer_uploads"]
+
+
+def test_what_crossed_from_the_host_is_uploads_and_host_reads():
+    from kestrel_core.engine.plan import bytes_streamed
+
+    assert bytes_streamed({"bytes_uploaded": 3, "bytes_read_host": 5, "bytes_reread": 2}) == 8  # re-reads are uploads

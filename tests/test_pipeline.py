@@ -141,35 +141,48 @@ def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
         assert json.loads(out.read_text()) == pipeline_job.run(str(models[name]), keep)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_ids(models, tmp_path, name):
+@pytest.mark.parametrize("name, keep, expert_mb", [("tiny", "off", 0), ("tiny", "1", 0), ("tiny-moe", "off", 0.05)])
+def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_ids(models, tmp_path, name, keep,
+                                                                                  expert_mb):
     """A decode step of several rows goes through the pipeline in micro-batches (one a rank), so the ranks work at
-    once; the rows are row-exact, so the cut changes no id. Rank 0 sends each micro-batch on as it is done."""
+    once; the rows are row-exact, so the cut changes no id. Rank 0 sends each micro-batch on as it is done: a resident
+    rank runs its layers once a micro-batch, a windowed one (keep 1) once over every row. Through the expert table
+    each rank hears what it hears without micro-batches (each micro-batch's routing lands in its own rows)."""
+    pipeline_job = _job()
+    out = tmp_path / "ids.json"
+    done = torchrun(3, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out), "on", str(expert_mb))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    one: dict = {}
+    assert got["ids"] == pipeline_job.run(str(models[name]), keep, "on", expert_mb, one)
+    assert got["micro_batches"] is True and got["sends"] > got["decode_steps"] > 0  # steps of several rows in pieces
+    assert (got["pieces"] > 0) == (keep == "off")  # a resident rank's layers ran on micro-batches past row 0
+    if expert_mb:  # each rank's expert cache (its own budget) against the same ranks without micro-batches
+        whole = tmp_path / "whole.json"
+        done = torchrun(3, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(whole), "off", str(expert_mb))
+        assert done.returncode == 0, done.stderr[-3000:]
+        for r in range(3):
+            cut, plain = (json.loads(Path(f"{o}.rank{r}.json").read_text()) for o in (out, whole))
+            assert {k: cut[k] for k in pipeline_job.COUNTERS} == {k: plain[k] for k in pipeline_job.COUNTERS}, r
+        assert sum(json.loads(Path(f"{out}.rank{r}.json").read_text())["bytes_reread"] for r in range(3)) > 0
+
+
+def _job():
     sys.path.insert(0, str(HERE))
     try:
         import pipeline_job
     finally:
         sys.path.remove(str(HERE))
+    return pipeline_job
+
+
+def test_cpu_ranks_take_no_micro_batches_by_default(models, tmp_path):
     out = tmp_path / "ids.json"
-    done = torchrun(3, str(HERE / "pipeline_job.py"), str(models[name]), "off", str(out), "count")
+    done = torchrun(2, str(HERE / "pipeline_job.py"), str(models["tiny"]), "off", str(out), "auto")
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["ids"] == pipeline_job.run(str(models[name]), "off")
-    assert got["sends"] > got["decode_steps"] > 0  # steps of two and three rows went on in pieces
-
-
-def test_micro_batches_are_on_where_each_rank_has_a_device_of_its_own():
-    from backends.cpu_ref.backend import CpuRefBackend
-    from backends.cuda.backend import CudaBackend
-    from kestrel_core.engine.run import micro_batched
-
-    assert not micro_batched("auto", CpuRefBackend) and micro_batched("on", CpuRefBackend)
-    assert micro_batched("auto", CudaBackend) and not micro_batched("off", CudaBackend)
-    from kestrel_core.config import BackendConfig
-    from kestrel_core.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="micro_batches must be one of auto, on, off, got 'yes'"):
-        BackendConfig(micro_batches="yes")
+    assert got["micro_batches"] is False and got["sends"] == 0 and got["decode_steps"] > 0
+    assert got["ids"] == _job().run(str(models["tiny"]), "off")
 
 
 def test_micro_batches_cut_the_rows_evenly_and_in_order():

@@ -489,19 +489,29 @@ class Runner:
         """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
-        ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``."""
+        ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
+        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``)."""
+        table = state if self.reads_table(rows, spans) else None
+        wanted: list[range] = []
+        if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
+            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
+        else:
+            logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table)
+        if rows:
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
+            state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
+            state.positions[:rows].add_(state.live[:rows])
+        state.logits = logits[:rows]
+        return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
+
+    def _one_pass(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
+                  spans, every_row: frozenset[int], table: DecodeState | None) -> tuple[torch.Tensor, list[range]]:
+        """``decode_step``'s pass over its rows at once: the logits of the decode rows, then of each span's rows it
+        keeps (which: the second item)."""
         backend = self.backend
         positions, slots = state.positions[:rows], state.slot_ids[:rows]
         sliced = _sliced(backend)
         live = state.live[:rows] if sliced else None  # a row-exact backend skips a parked row's attention
-        table = state if self.reads_table(rows, spans) else None
-        if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
-            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
-            state.tokens[:rows].copy_(torch.argmax(logits, dim=-1))
-            state.bad[:rows].copy_(~torch.isfinite(logits).all(dim=-1))
-            state.positions[:rows].add_(state.live[:rows])
-            state.logits = logits
-            return []
         if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live,
                                sliced=sliced)
@@ -520,13 +530,7 @@ class Runner:
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
         picked = torch.tensor([*range(rows), *(r for w in wanted for r in w)], device=h.device) if spans else None
-        logits = self._logits(h, picked)
-        if rows:
-            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
-            state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
-            state.positions[:rows].add_(state.live[:rows])
-        state.logits = logits[:rows]
-        return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
+        return self._logits(h, picked), wanted
 
     def _micro_batched(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
                        layer_fn, table: DecodeState | None) -> torch.Tensor:
