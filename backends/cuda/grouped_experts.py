@@ -174,6 +174,16 @@ class GroupedExperts:
         self.h = torch.empty((k, inter), dtype=dtype, device=device)  # each expert's SwiGLU output
         self.slots = torch.arange(k, device=device).view(1, k)  # ids for a table of the k routed experts, in order
 
+    # One row's epilogue, the same ops on the same shapes whichever path (one row, several, floats or blocks) calls it:
+    # what keeps a row's bits its own
+    def _summed(self, part: torch.Tensor) -> torch.Tensor:
+        """[slices, k, n] float32 partial sums -> [k, n]: the slices added in order, rounded as F.linear rounds."""
+        return part.sum(0).to(self.dtype)
+
+    def _weighted(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[k, H] each routed expert's output, ``weights`` its k router weights -> [1, H], added in float32."""
+        return (y * weights.reshape(self.k, 1)).float().sum(0, keepdim=True).to(self.dtype)
+
     def _block_parts(self, qtype, k: int, n: int, want: int) -> torch.Tensor:
         """A fixed float32 [slices, k routed, n] buffer of block partial sums (a captured step keeps its address)."""
         slices = gguf_kernels.expert_slices(qtype, k, want)
@@ -184,20 +194,19 @@ class GroupedExperts:
 
     def _blocks(self, x, weights, ids, table, layouts) -> torch.Tensor:
         """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry."""
-        H, I, k = self.H, self.I, self.k  # noqa: E741
+        H, I = self.H, self.I  # noqa: E741
         gu, dn = layouts
         halves = []
         for row in (0, I):
             qtype, at = blocks.rows_at(gu, row, I, H)
             part = self._block_parts(qtype, H, I, 8)
             gguf_kernels.expert_matmul(x, ids, table, part, 0, at, qtype, I, H, x_per_slot=False)
-            halves.append(part.sum(0).to(self.dtype))
+            halves.append(self._summed(part))
         self.h.copy_(F.silu(halves[0]) * halves[1])
         qtype, at = blocks.rows_at(dn, 0, H, I)
         part = self._block_parts(qtype, I, H, 4)
         gguf_kernels.expert_matmul(self.h, ids, table, part, 1, at, qtype, H, I, x_per_slot=True)
-        y = part.sum(0).to(self.dtype)
-        return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
+        return self._weighted(self._summed(part), weights)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
                  layouts: tuple | None = None) -> torch.Tensor:
@@ -224,8 +233,8 @@ class GroupedExperts:
                              KS=H // self.split_gu, **kw)
             q8_cols[grid_gu](x, ids, table, self.up, which=0, N=I, K=H, NPAD=npad_gu, COLS_AT=I,
                              KS=H // self.split_gu, **kw)
-        g = self.gate.sum(0).to(self.dtype)  # each slice's sum in a fixed order, rounded as F.linear rounds
-        u = self.up.sum(0).to(self.dtype)
+        g = self._summed(self.gate)
+        u = self._summed(self.up)
         self.h.copy_(F.silu(g) * u)
         if self.q8 is None:
             float_rows[grid_d](self.h, ids, table, self.down, which=1, N=H, K=I, ROWS_AT=0, KS=I // self.split_d,
@@ -233,8 +242,7 @@ class GroupedExperts:
         else:
             q8_cols[grid_d](self.h, ids, table, self.down, which=1, N=H, K=I, NPAD=self.q8[2], COLS_AT=0,
                             KS=I // self.split_d, GROUP=self.q8[0], BLOCK_N=bn, X_PER_SLOT=True)
-        y = self.down.sum(0).to(self.dtype)  # [k, H]: each expert's output, rounded
-        return (y * weights.reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype)
+        return self._weighted(self._summed(self.down), weights)
 
     def rows(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
              layouts: tuple | None = None) -> torch.Tensor:
@@ -265,8 +273,8 @@ class GroupedExperts:
                                     COLS_AT=cols_at, KS=H // self.split_gu, GROUP=group, BLOCK_N=bn, X_PER_SLOT=False,
                                     SLICES=self.split_gu, **runs)
         for r in range(R):  # each row's epilogue as the one-row call's
-            g = gate[r].sum(0).to(self.dtype)
-            u = up[r].sum(0).to(self.dtype)
+            g = self._summed(gate[r])
+            u = self._summed(up[r])
             h[r].copy_(F.silu(g) * u)
         if self.q8 is None:
             float_grouped[grid_d](h, pairs, experts, ends, table, down, which=1, N=H, K=I, ROWS_AT=0,
@@ -276,11 +284,7 @@ class GroupedExperts:
             q8_grouped[grid_d](h, pairs, experts, ends, table, down, which=1, N=H, K=I, NPAD=self.q8[2], COLS_AT=0,
                                KS=I // self.split_d, GROUP=self.q8[0], BLOCK_N=bn, X_PER_SLOT=True,
                                SLICES=self.split_d, **runs)
-        out = []
-        for r in range(R):
-            y = down[r].sum(0).to(self.dtype)
-            out.append((y * weights[r].reshape(k, 1)).float().sum(0, keepdim=True).to(self.dtype))
-        return torch.cat(out)
+        return torch.cat([self._weighted(self._summed(down[r]), weights[r]) for r in range(R)])
 
     def _blocks_rows(self, x, weights, ids, table, layouts) -> torch.Tensor:
         """``rows`` for GGUF block experts: each expert's tiles dequantized once for the rows routed to it
@@ -292,7 +296,7 @@ class GroupedExperts:
             qtype, at = blocks.rows_at(gu, row, I, H)
             part = self._block_rows_parts(qtype, H, I, 8, R)
             gguf_kernels.expert_matmul_grouped(x, runs, table, part, 0, at, qtype, I, H, x_per_slot=False)
-            halves.append([part[r].sum(0).to(self.dtype) for r in range(R)])  # before the next kernel reuses part
+            halves.append([self._summed(part[r]) for r in range(R)])  # before the next kernel reuses part
         key = ("rows-h", R)
         if key not in self._parts:
             self._parts[key] = torch.empty((R, k, I), dtype=self.dtype, device=self.device)
@@ -302,8 +306,7 @@ class GroupedExperts:
         qtype, at = blocks.rows_at(dn, 0, H, I)
         part = self._block_rows_parts(qtype, I, H, 4, R)
         gguf_kernels.expert_matmul_grouped(h, runs, table, part, 1, at, qtype, H, I, x_per_slot=True)
-        return torch.cat([(part[r].sum(0).to(self.dtype) * weights[r].reshape(k, 1)).float().sum(0, keepdim=True)
-                          .to(self.dtype) for r in range(R)])
+        return torch.cat([self._weighted(self._summed(part[r]), weights[r]) for r in range(R)])
 
     def _block_rows_parts(self, qtype, k: int, n: int, want: int, rows: int) -> torch.Tensor:
         """``_block_parts`` for a batch of ``rows``: [rows, slices, k routed, n], each row's block that buffer's
