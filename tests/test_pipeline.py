@@ -90,10 +90,21 @@ def test_only_rank_0_receives_the_logits(monkeypatch, rank, ranks, sends, receiv
     from kestrel_core.engine.pipeline import Pipeline
 
     sent, got = [], []
-    monkeypatch.setattr(dist, "send", lambda t, dst: sent.append(dst))
-    monkeypatch.setattr(dist, "recv", lambda t, src: (got.append(src), t.fill_(7.0)))
+    back = object()  # the logits' own group
+
+    def send(t, dst, group=None):
+        assert group is back
+        sent.append(dst)
+
+    def recv(t, src, group=None):
+        assert group is back
+        got.append(src)
+        t.fill_(7.0)
+
+    monkeypatch.setattr(dist, "send", send)
+    monkeypatch.setattr(dist, "recv", recv)
     monkeypatch.setattr(dist, "broadcast", lambda *a, **k: pytest.fail("the logits are not broadcast"))
-    pipe = Pipeline(rank, ranks, 0, 1, [(0, 1)] * ranks)
+    pipe = Pipeline(rank, ranks, 0, 1, [(0, 1)] * ranks, back=back)
     mine = torch.full((2, 5), 3.0, dtype=torch.bfloat16) if pipe.last else None
     out = pipe.logits(mine, 2, 5, torch.device("cpu"))
     assert (sent, got) == (sends, receives)

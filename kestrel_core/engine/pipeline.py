@@ -73,6 +73,9 @@ class Pipeline:
     n_layers: int
     parts: list[tuple[int, int]]
     control: Any = None  # the group rank 0 tells its steps over (gloo, no timeout: a server may idle for days)
+    # the group the logits go back to rank 0 on: NCCL runs one pair of ranks' sends and receives on a group in order,
+    # so rank 0's receive of a micro-batch's logits must not queue behind its send of the next micro-batch
+    back: Any = None
     told: list = attrs.Factory(list)  # rank 0's runner calls not yet sent: they go with the next that communicates
 
     @property
@@ -112,11 +115,11 @@ class Pipeline:
         if self.last:
             out = logits.float().contiguous()
             if not self.first:
-                dist.send(out, 0)
+                dist.send(out, 0, group=self.back)
             return out
         out = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
         if self.first:
-            dist.recv(out, self.ranks - 1)
+            dist.recv(out, self.ranks - 1, group=self.back)
         return out
 
     def send_on(self, h: torch.Tensor) -> Any:
@@ -130,7 +133,7 @@ class Pipeline:
         """The last rank: a micro-batch's logits to rank 0, without waiting (the work to wait on)."""
         import torch.distributed as dist
 
-        return dist.isend(logits, 0)
+        return dist.isend(logits, 0, group=self.back)
 
     def logits_from_last(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         """Rank 0: a micro-batch's logits, [rows, vocab] float32, from the last rank."""
@@ -138,7 +141,7 @@ class Pipeline:
         import torch.distributed as dist
 
         out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-        dist.recv(out, self.ranks - 1)
+        dist.recv(out, self.ranks - 1, group=self.back)
         return out
 
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------
@@ -214,7 +217,8 @@ class Pipeline:
         parts = split(layer_bytes, ranks)
         first, count = parts[rank]
         control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-        return cls(rank, ranks, first, count, parts, control)
+        back = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s()))  # the world's backend: NCCL on GPUs
+        return cls(rank, ranks, first, count, parts, control, back=back)
 
     def close(self) -> None:
         import torch.distributed as dist
