@@ -50,6 +50,16 @@ def generate_ids(ranks: int, model: Path, keep: str, layers: int) -> list[int]:
     return out["token_ids"]
 
 
+def _job():
+    """tests/pipeline_job.py, the batch a pipeline's tests run under torchrun, imported to run it in one process."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import pipeline_job
+    finally:
+        sys.path.remove(str(HERE))
+    return pipeline_job
+
+
 # --- the split and a part's tensors ---------------------------------------------------------------------------------
 def test_the_split_is_contiguous_and_its_largest_part_the_least_it_can_be():
     assert split([1] * 6, 2) == [(0, 3), (3, 3)]
@@ -140,11 +150,7 @@ def test_generate_over_ranks_gives_one_process_ids(models, name):
 
 
 def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
-    sys.path.insert(0, str(HERE))
-    try:
-        import pipeline_job
-    finally:
-        sys.path.remove(str(HERE))
+    pipeline_job = _job()
     for name, keep in (("tiny", "2"), ("tiny-moe", "off"), ("tiny-llama", "off")):
         out = tmp_path / f"{name}.json"
         done = torchrun(2, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out))
@@ -176,15 +182,6 @@ def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_id
             cut, plain = (json.loads(Path(f"{o}.rank{r}.json").read_text()) for o in (out, whole))
             assert {k: cut[k] for k in pipeline_job.COUNTERS} == {k: plain[k] for k in pipeline_job.COUNTERS}, r
         assert sum(json.loads(Path(f"{out}.rank{r}.json").read_text())["bytes_reread"] for r in range(3)) > 0
-
-
-def _job():
-    sys.path.insert(0, str(HERE))
-    try:
-        import pipeline_job
-    finally:
-        sys.path.remove(str(HERE))
-    return pipeline_job
 
 
 def test_cpu_ranks_take_no_micro_batches_by_default(models, tmp_path):
