@@ -19,7 +19,7 @@ from kestrel_core.cli import main
 from kestrel_core.errors import PluginError
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.engine.plan import Advice
-from kestrel_core.engine.model import route, sparse_mlp
+from kestrel_core.engine.model import expert_mlp, route, sparse_mlp
 from kestrel_core.formats.tensor_table import all_specs, expert_specs, unit_specs
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 
@@ -120,6 +120,31 @@ def test_sparse_mlp_matches_the_dense_reference(norm):
     got = sparse_mlp(x, w, chosen, weights_of)
     assert torch.allclose(got, _reference(x, router, experts, cfg.num_experts_per_tok, norm), rtol=1e-12, atol=1e-12)
     assert sorted(asked) == sorted(set(chosen.flatten().tolist()))  # each routed expert asked for once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_mlp_sums_a_chunk_as_one_expert_at_a_time_did_bitwise(dtype):
+    """Many tokens (a prompt chunk) grouped by one sort: each expert sees its tokens in token order and adds into the
+    output in expert order, bitwise what a ``torch.nonzero`` an expert gave."""
+    g = torch.Generator().manual_seed(5)
+    E, H, I, k, T = 16, 32, 24, 4, 97
+    x = torch.randn((T, H), generator=g).to(dtype)
+    experts = [{"gate_up": (torch.randn((2 * I, H), generator=g) / H**0.5).to(dtype),
+                "down": (torch.randn((H, I), generator=g) / I**0.5).to(dtype)} for _ in range(E)]
+    chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    chosen[chosen == 7] = 3  # an expert no token routes to, and a token routed to 3 twice in no slot order
+    chosen = torch.sort(chosen, dim=1, descending=True).values  # not ascending: slots are not in expert order
+    w = torch.softmax(torch.randn((T, k), generator=g), -1).to(dtype)
+    want = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():
+        tokens, slot = torch.nonzero(chosen == e, as_tuple=True)
+        want.index_add_(0, tokens, expert_mlp(x[tokens], experts[e]) * w[tokens, slot, None])
+    asked = []
+    got = sparse_mlp(x, w, chosen, lambda e: asked.append(e) or experts[e])
+    assert torch.equal(got, want)
+    assert asked == sorted(set(chosen.flatten().tolist())) and 7 not in asked
+    used = torch.unique(chosen).tolist()
+    assert torch.equal(sparse_mlp(x, w, chosen, experts.__getitem__, used=used), want)
 
 
 # --- runs on cpu_ref -------------------------------------------------------------------

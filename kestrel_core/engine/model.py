@@ -252,8 +252,20 @@ def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ex
         for slot, e in sorted(enumerate(slots), key=lambda se: se[1]):  # in expert order, as the grouped path sums
             out += expert_mlp(x, expert_weights(e), linear) * weights[:, slot, None]
         return out
-    for e in used if used is not None else torch.unique(experts).tolist():
-        tokens, slot = torch.nonzero(experts == e, as_tuple=True)
+    # Several tokens: their (token, slot) pairs sorted by expert, stably (each expert's in token order, as
+    # ``torch.nonzero(experts == e)`` gives them), and every expert's count in one read: one host sync a layer, where
+    # a nonzero an expert made one an expert (a prefill chunk's layer routes to most of them)
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens_of, slot_of = order // k, order % k
+    counts = torch.bincount(flat).tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    for e in used if used is not None else [e for e, c in enumerate(counts) if c]:
+        lo, hi = starts[e], starts[e + 1]
+        tokens, slot = tokens_of[lo:hi], slot_of[lo:hi]
         y = expert_mlp(x[tokens], expert_weights(e), linear) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y)
     return out
