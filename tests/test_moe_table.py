@@ -77,6 +77,46 @@ def test_a_step_never_routes_on_the_host(tiny_moe, monkeypatch):
     assert sum(p["expert_hits"] + p["expert_misses"] for p in result.per_token) == 13 * 3 * 2  # every step heard
 
 
+def test_a_prompt_chunk_waits_for_each_expert_as_it_reads_it_and_the_table_follows_after(tiny_moe, monkeypatch):
+    """A prefill's sparse layer orders each expert's compute after that expert's upload alone (``before_use`` as the
+    layer reads it, in expert order), not after all of them up front; the table points at the admitted slots once the
+    layer has read them."""
+    events = []
+    real_use, real_fetched, real_point = (CpuRefBackend.before_use, CpuRefBackend.fetched_experts,
+                                          CpuRefBackend.point_experts)
+
+    def before_use(self, key):
+        events.append(("use", key))
+        return real_use(self, key)
+
+    def fetched_experts(self, x, weights, chosen, used, weights_of):
+        events.append(("compute", x.shape[0]))
+        out = real_fetched(self, x, weights, chosen, used, weights_of)
+        events.append(("computed", sorted(set(chosen.flatten().tolist()))))
+        return out
+
+    def point_experts(self, host, slots):
+        events.append(("point", sorted(key for key, _ in slots)))
+        return real_point(self, host, slots)
+
+    monkeypatch.setattr(CpuRefBackend, "before_use", before_use)
+    monkeypatch.setattr(CpuRefBackend, "fetched_experts", fetched_experts)
+    monkeypatch.setattr(CpuRefBackend, "point_experts", point_experts)
+    _, table = generate(tiny_moe, tokens=1, expert_policy="expert_lru", expert_budget_mb=24 * EXPERT / 2**20)
+    assert table
+    starts = [i for i, ev in enumerate(events) if ev[0] == "compute"]
+    assert len(starts) == 3  # the prompt's three sparse layers
+    for i in starts:
+        assert events[i][1] == len(PROMPT)
+        j = next(j for j in range(i, len(events)) if events[j][0] == "computed")
+        layer_uses = [ev[1] for ev in events[i + 1:j] if ev[0] == "use"]
+        routed = events[j][1]
+        assert [e for _, e in layer_uses] == routed and len({k[0] for k in layer_uses}) == 1  # each, as it is read
+        assert not any(ev[0] == "point" for ev in events[i:j])
+        point = events[j + 1]
+        assert point == ("point", [(layer_uses[0][0], e) for e in routed])  # then the table, the chunk's admissions
+
+
 def test_a_miss_is_what_the_step_read_from_the_host_copy(tiny_moe):
     """Everything resident (keep off, no expert policy: every expert preloaded): no step reads a host copy. With a
     budget that holds every expert, the misses stop once each routed expert's admission has reached the table."""

@@ -79,9 +79,9 @@ class CudaBackend(Backend):
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
                           "effect here", KestrelNote, stacklevel=2)
         # Compute runs on whatever stream is current (the default one, or a graph's capture stream);
-        # prefetched uploads run on a side stream, ordered against it by events.
-        # (speculative expert prefetch uploads there too).
-        side = self.prefetch_depth or ctx.residency.expert_prefetch
+        # prefetched uploads run on a side stream, ordered against it by events
+        # (speculative expert prefetch uploads there too, and a prompt chunk's routed experts under an expert policy).
+        side = self.prefetch_depth or ctx.residency.expert_prefetch or ctx.residency.expert_policy
         self.copy_stream = torch.cuda.Stream(self.device) if side else None
         self._capture_stream = torch.cuda.Stream(self.device)
         self._said_unpinned = False
@@ -362,7 +362,9 @@ class CudaBackend(Backend):
     def execute(self, plan):
         """Evictions, then fetches in order; a prefetch after a demand upload in the same plan starts once that upload
         is done, so the two do not share the link while the compute waits for the first. With a host ring, the plan's
-        units are staged into it back to back ahead of their uploads."""
+        units are staged into it back to back ahead of their uploads. A prompt chunk's routed experts upload on the side
+        stream, back to back, each with its own event: the layer computes each expert after its upload alone
+        (``before_use``, as it reads it), so the experts already there and those landed run while the rest cross."""
         for resident in plan.evict:
             self.retire(resident)
         if plan.phase == "heard":  # a step behind, for later steps: on the table's stream, which no replay waits for
@@ -378,14 +380,16 @@ class CudaBackend(Backend):
                 ev.record(torch.cuda.current_stream(self.device))
                 self.copy_stream.wait_event(ev)
                 demand = False
-            self.fill_unit(fetch)
-            demand = demand or not fetch.ahead
+            streamed = plan.phase == "prefill" and len(fetch.unit.key) == 2
+            self.fill_unit(fetch, side=streamed)
+            demand = demand or not (fetch.ahead or streamed)
 
-    def fill_unit(self, fetch):
+    def fill_unit(self, fetch, side=False):
         """A prefetch (``fetch.ahead``) uploads on the side stream; a unit needed now uploads on the compute stream,
-        so it does not queue behind the side stream's prefetch."""
+        so it does not queue behind the side stream's prefetch (``side``: on the side stream all the same, waited for
+        by ``before_use``)."""
         try:
-            if self.copy_stream is not None and fetch.ahead:
+            if self.copy_stream is not None and (fetch.ahead or side):
                 for buffer in fetch.buffers:
                     ptr = buffer.data_ptr()
                     waits = self._last_read.pop(ptr, None)  # its last reader, on the compute stream

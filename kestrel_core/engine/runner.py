@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Mapping
 from typing import Callable, Iterable
 
 import attrs
@@ -346,6 +347,10 @@ class Runner:
         if plan is None or not (plan.evict or plan.fetch):
             return
         self.backend.execute(plan)
+        self._follow(plan)
+
+    def _follow(self, plan: Plan) -> None:
+        """The expert table, where there is one, follows a plan the backend has executed."""
         if self.schedule is not None:
             host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
             slots = [(f.unit.key, f.buffers) for f in plan.fetch if is_expert(f.unit.key)]
@@ -444,7 +449,7 @@ class Runner:
         window, backend, cfg = self.window, self.backend, self.cfg
         n = cfg.num_experts
 
-        def decide(chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict]:
+        def decide(chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict, Plan]:
             """``used``: one token's experts in slot order (``sparse_mlp`` reads its weights by slot), else the distinct ones."""
             ids = chosen[0] if chosen.shape[0] == 1 else torch.unique(chosen)  # one token's k experts are distinct
             guess = window.guess_router(layer) if phase == "decode" and chosen.shape[0] == 1 else None
@@ -458,14 +463,14 @@ class Runner:
                 both = torch.cat((ids, torch.unique(guessed) + n)).tolist()
                 used = [e for e in both if e < n]
                 plan, weights = window.route(layer, sorted(used), phase, guess=[e - n for e in both if e >= n])
-            self.execute(plan)
-            for e in used:
-                backend.before_use((layer, e))
-            return used, weights
+            backend.execute(plan)
+            return used, weights, plan
 
         def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            used, routed = decide(chosen, x)
-            return backend.fetched_experts(x, weights, chosen, used, routed)
+            used, routed, plan = decide(chosen, x)
+            out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use))
+            self._follow(plan)  # after the layer read its experts: pointing the table waits for their uploads
+            return out
 
         return experts
 
@@ -627,6 +632,26 @@ class Runner:
             f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
             f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
         )
+
+
+class WaitedWeights(Mapping):
+    """A sparse layer's fetched experts' weights (expert -> buffers), each read after ``before_use`` of its unit: the
+    compute of an expert is ordered after its own upload alone, so a backend that streams a prompt chunk's experts on a
+    side stream computes those already there (and each one landed) while the rest still cross."""
+
+    def __init__(self, weights: dict, layer: int, before_use: Callable) -> None:
+        self._weights, self._layer, self._before_use = weights, layer, before_use
+
+    def __getitem__(self, e: int) -> dict:
+        w = self._weights[e]
+        self._before_use((self._layer, e))
+        return w
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 def _sliced(backend) -> bool:
