@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import types
@@ -166,6 +167,26 @@ def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
     assert entry["auto_over_best"] == pytest.approx(entry["auto"]["summary"]["p50"] / best["summary"]["p50"])
 
 
+def test_moe_prefill_counts_what_each_prefill_streamed_beside_off(models, tmp_path):
+    rec = run_scenario(["moe-prefill", "--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "2", "--prompts",
+                        "16,48", "--chunks", "16,32", "--budget-mib", "0.05", "--reps", "2", "--models", str(models)],
+                       tmp_path)
+    check_stamp(rec, "moe-prefill")
+    result = rec["result"]
+    expert = 3 * 64 * 32 * 4  # a tiny-moe expert in cpu_ref's float32 buffers
+    assert [p["prompt_tokens"] for p in result["prompts"]] == [16, 48] and result["expert_budget_mib"] == 0.05
+    for p in result["prompts"]:
+        assert len(p["off"]) == len(p["cache"]) == 2 and p["ids_equal"]
+        assert all(r["streamed_bytes"] == 0 for r in p["off"])  # everything resident: the preload is not counted
+        assert all(r["streamed_bytes"] == r["expert_misses"] * expert > 0 for r in p["cache"])
+        assert p["cache_p50_ms"] == statistics.median(r["prefill_ms"] for r in p["cache"])
+        assert p["cache_tokens_per_s"] == pytest.approx(p["prompt_tokens"] / p["cache_p50_ms"] * 1e3)
+        assert "over_bound" not in p  # no pinned rate on cpu_ref: no bound
+    chunks = result["chunks"]
+    assert chunks["prompt_tokens"] == 48 and [c["chunk"] for c in chunks["rows"]] == [16, 32]
+    assert all(len(c["ms"]) == 2 and len(c["token_ids"]) == 1 for c in chunks["rows"])  # one id, every repetition
+
+
 def test_peers_say_when_they_are_not_installed(models, tmp_path):
     rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
                         "--models", str(models)], tmp_path)
@@ -180,7 +201,8 @@ def test_peers_say_when_they_are_not_installed(models, tmp_path):
 
 
 GPU_ONLY = [["host-tier"], ["map-register"], ["ring-copy"], ["q8-gemv"], ["stream"], ["moe"], ["moe-host-cost"],
-            ["peers"], ["profile"], ["host-fill", "--dma"], ["keep-auto"], ["expert-rows"]]
+            ["peers"], ["profile"], ["host-fill", "--dma"], ["keep-auto"], ["expert-rows"],
+            ["moe-prefill"]]
 
 
 @NO_GPU

@@ -18,6 +18,8 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                              "copy kernel into device slots, and the DMA copy, in one run"),
     "expert-rows": ("expert_rows", "a batched MoE step's experts: the grouped kernels (each expert read once for "
                                    "the rows routed to it) against the one-row kernels a row, from slots and host"),
+    "moe-prefill": ("moe_prefill", "a MoE prompt's prefill through the expert cache against off per prompt length, "
+                                   "beside the bytes it streamed over the pinned rate, and the prompt chunk swept"),
     "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
                                        "host functions of a decode step (from moe_host_cost.py)"),
     "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "
