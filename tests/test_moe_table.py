@@ -117,6 +117,28 @@ def test_a_prompt_chunk_waits_for_each_expert_as_it_reads_it_and_the_table_follo
         assert point == ("point", [(layer_uses[0][0], e) for e in routed])  # then the table, the chunk's admissions
 
 
+def test_a_heard_routing_brings_no_expert_of_a_layer_that_left_the_window(tiny_moe):
+    """At keep 2 a decode step's layers come and go; the routing a step heard late is for layers that may have left
+    since: their experts stay out (an expert goes with its layer), and they are still counted."""
+    from kestrel_core.hookspecs import hookimpl
+
+    class Orphans:
+        def __init__(self):
+            self.seen, self.orphans = 0, []
+
+        @hookimpl
+        def on_layer_advance(self, window, layer, phase):
+            present = window.resident_units
+            self.seen += 1
+            self.orphans += [k for k in present if len(k) == 2 and (k[0],) not in present]
+
+    watch = Orphans()
+    result, table = generate(tiny_moe, tokens=12, observers=[watch], keep=2, expert_policy="expert_lru",
+                             expert_budget_mb=24 * EXPERT / 2**20)
+    assert table and watch.seen > 0 and watch.orphans == []
+    assert sum(p["expert_hits"] + p["expert_misses"] for p in result.per_token) == 11 * 3 * 2  # every step heard
+
+
 def test_a_miss_is_what_the_step_read_from_the_host_copy(tiny_moe):
     """Everything resident (keep off, no expert policy: every expert preloaded): no step reads a host copy. With a
     budget that holds every expert, the misses stop once each routed expert's admission has reached the table."""
