@@ -177,6 +177,7 @@ def test_moe_prefill_counts_what_each_prefill_streamed_beside_off(models, tmp_pa
     assert [p["prompt_tokens"] for p in result["prompts"]] == [16, 48] and result["expert_budget_mib"] == 0.05
     for p in result["prompts"]:
         assert len(p["off"]) == len(p["cache"]) == 2 and p["ids_equal"]
+        assert p["distinct_ids"] > p["prompt_tokens"] // 2  # a prompt of random ids, not one id repeated
         assert all(r["streamed_bytes"] == 0 for r in p["off"])  # everything resident: the preload is not counted
         assert all(r["streamed_bytes"] == r["expert_misses"] * expert > 0 for r in p["cache"])
         assert p["cache_p50_ms"] == statistics.median(r["prefill_ms"] for r in p["cache"])

@@ -52,7 +52,8 @@ def test_float_experts_match_the_per_expert_math(dtype):
     weights = torch.tensor([[0.5, 0.3, 0.2]], device=DEVICE, dtype=dtype)
     run = grouped_experts.GroupedExperts(H, I, K, dtype, DEVICE)
     got = run(x, weights, ids, table).double().cpu()
-    want = reference(x.cpu(), weights.cpu(), ids.cpu(), [(a.float(), b.float()) for a, b in on_device], dtype)
+    want = reference(x.cpu(), weights.cpu(), ids.cpu(), [(a.float().cpu(), b.float().cpu()) for a, b in on_device],
+                     dtype)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert float((got - want).norm() / want.norm()) < tol
     again = run(x, weights, ids, table).double().cpu()

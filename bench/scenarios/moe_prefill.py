@@ -62,6 +62,12 @@ def _sizes(text: str, flag: str, empty_ok: bool) -> list[int]:
     return out
 
 
+def prompt_of(n: int, vocab: int) -> list[int]:
+    """``n`` ids drawn at random, seeded by ``n``: the same prompt on every run."""
+    rng = random.Random(n)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
 class PrefillStart:
     """The bytes a run had uploaded when its prefill reached its first layer (the preload is before)."""
 
@@ -129,7 +135,7 @@ def run(args, record) -> dict:
     with load(path) as model:
         prefill(model, base, [1] * min(lengths))  # warm-up, not recorded
         for n in lengths:
-            prompt = [random.Random(n).randrange(cfg.vocab_size) for _ in range(n)]
+            prompt = prompt_of(n, cfg.vocab_size)
             off, through = [], []
             for _ in range(args.reps):
                 off.append(prefill(model, base, prompt))
@@ -137,7 +143,7 @@ def run(args, record) -> dict:
                 through.append(prefill(model, cache, prompt))
                 settle()
             off_ms = statistics.median(r["prefill_ms"] for r in off)
-            entry = {"prompt_tokens": n, "off": off, "cache": through, "off_p50_ms": off_ms,
+            entry = {"prompt_tokens": n, "distinct_ids": len(set(prompt)), "off": off, "cache": through, "off_p50_ms": off_ms,
                      "cache_p50_ms": statistics.median(r["prefill_ms"] for r in through),
                      "ids_equal": all(r["token_ids"] == off[0]["token_ids"] for r in off + through)}
             entry["cache_tokens_per_s"] = n / entry["cache_p50_ms"] * 1e3
@@ -154,8 +160,7 @@ def run(args, record) -> dict:
         result["prompts"] = rows
         if chunks:
             longest = rows[-1]
-            prompt = [random.Random(longest["prompt_tokens"]).randrange(cfg.vocab_size)
-                      for _ in range(longest["prompt_tokens"])]
+            prompt = prompt_of(longest["prompt_tokens"], cfg.vocab_size)
             sweep = []
             for chunk in chunks:
                 c = chunked(model, cache, prompt, chunk, args.reps)
