@@ -106,3 +106,30 @@ def test_kestrel_serve_starts_on_a_moe_model_and_answers_each_solo_run(tiny_moe,
             assert list(pool.map(ask, range(3))) == want
     finally:
         server.stop(30)
+
+
+@pytest.mark.parametrize("settings, limit, chunk, why", [
+    (dict(expert_policy="expert_lru", expert_budget_mb=5 * EXPERT / 2**20), None, 8192, "streams its layers' routed"),
+    ({}, None, 512, "the decoding sequences wait"),
+    (dict(expert_policy="expert_lru", expert_budget_mb=5 * EXPERT / 2**20), 16, 16, "--prefill-chunk"),
+])
+def test_the_servers_prompt_chunk_defaults_by_whether_its_chunks_stream_experts(tiny_moe, tmp_path, settings, limit,
+                                                                                  chunk, why):
+    """Where a chunk streams its layers' experts a step costs about as much at 8,192 prompt tokens as at 512 (bench
+    moe-prefill), so the server's default chunk is the larger there; a chunk given is the chunk."""
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.service import READY, Limits, Service
+
+    d = Path(shutil.copytree(tiny_moe, tmp_path / "tiny-moe"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    over = {f"residency__{k}": v for k, v in settings.items()}
+    service = Service(KestrelConfig().override(model=str(d), backend__name="cpu_ref", **over), "m",
+                      Limits(max_batch=2, prefill_chunk=limit))
+    service.load()
+    try:
+        assert service.state == READY, service.load_error
+        assert service.prefill_chunk == chunk and service.scheduler.prefill_chunk == chunk
+        (line,) = [x for x in service.describe() if x.startswith("prefill: ")]
+        assert line.startswith(f"prefill: {chunk:,} prompt tokens a step (") and why in line
+    finally:
+        service.close()

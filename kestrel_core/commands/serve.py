@@ -62,8 +62,9 @@ def add_arguments(p):
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-seq", type=int, help="the context: positions a sequence may use, prompt and generation "
                    "(default: the model's, at most 4096); each of the max-batch KV slots holds this many")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prompt tokens a step takes beside the decoding sequences (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens a step takes beside the decoding sequences (default 512; 8192 for a MoE model "
+                        "under an expert policy, whose chunks stream their experts)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while every slot is taken (default 64); past it, 429")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask for "
@@ -187,7 +188,8 @@ def _checked(args) -> dict:
         served_names(args.served_model_name, "")  # an empty name is refused before anything loads
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    check_batch_flags(args.max_batch, args.prefill_chunk)
+    check_batch_flags(args.max_batch, args.prefill_chunk, left_out="512, or 8192 for a MoE model under an expert "
+                                                                   "policy")
     if args.max_seq is not None and args.max_seq < 2:
         raise ConfigError(f"--max-seq must be at least 2 positions, got {args.max_seq}")
     if args.max_queue < 0:

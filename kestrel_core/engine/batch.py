@@ -42,6 +42,23 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode rows a captured step is m
 SOLO_KV_FIX = "lower max_new_tokens (--max-new-tokens) or shorten the prompt"  # one sequence's KV cache too large
 
 
+# Prompt tokens a step takes beside the decoding rows, by default: where the step's weights stay put, a chunk bounds how
+# long the decoding rows wait; where each chunk streams its layers' routed experts (a MoE model under an expert policy)
+# a step costs about as much at 512 tokens as at 8,192 (on an H100, 8 layers of the 30B-A3B shape at the 4 GiB-eq
+# budget: 180.8 ms a whole 512-token prompt, 264.7 ms a whole 8,192; 8,192 tokens took 3,150 ms in chunks of 512, 269
+# whole: bench/results/moe-prefill_20261206T052705Z.json), so the rows wait least behind the largest chunk there
+PREFILL_CHUNK = 512
+STREAMED_EXPERTS_PREFILL_CHUNK = 8192
+
+
+def default_prefill_chunk(streams_experts: bool) -> tuple[int, str]:
+    """The prompt chunk a server's steps take where none is given, and why."""
+    if streams_experts:
+        return STREAMED_EXPERTS_PREFILL_CHUNK, ("each chunk streams its layers' routed experts, which costs a step about "
+                                                "as much at 512 tokens as at 8,192")
+    return PREFILL_CHUNK, "the decoding sequences wait for at most this many prompt tokens a step"
+
+
 def check_batch(max_batch, prefill_chunk, names: tuple[str, str] = ("max_batch", "prefill_chunk"),
                 left_out: str = "a whole prompt a step") -> None:
     """A ConfigError naming the setting (as its door calls it: ``names``) where ``max_batch`` (1..the largest bucket)

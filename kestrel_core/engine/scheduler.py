@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from kestrel_core.engine.batch import Batch, Request, Sequence, check_batch
+from kestrel_core.engine.batch import PREFILL_CHUNK, Batch, Request, Sequence, check_batch
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.limits import RequestLimits
 
@@ -28,7 +28,7 @@ class QueueFull(KestrelError):
 
 
 class Scheduler:
-    def __init__(self, run, max_batch: int = 8, max_seq: int | None = None, prefill_chunk: int | None = 512,
+    def __init__(self, run, max_batch: int = 8, max_seq: int | None = None, prefill_chunk: int | None = PREFILL_CHUNK,
                  max_queue: int = 64, on_error: Callable[[BaseException], None] | None = None):
         """``max_queue``: requests that may wait for a slot while all ``max_batch`` are taken (0: none wait);
         ``on_error(exc)``: hears, on the batch's thread, the error that ended the batch (a server logs it)."""

@@ -21,6 +21,7 @@ from kestrel_core.config import KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
+from kestrel_core.engine.batch import default_prefill_chunk
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
@@ -41,7 +42,7 @@ log = logging.getLogger("kestrel.serve")
 class Limits:
     max_batch: int = 8
     max_seq: int | None = None  # None: min(the model's positions, DEFAULT_CONTEXT)
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: batch.default_prefill_chunk for the run
     max_queue: int = 64
     max_tokens: int = 4096  # a request's max_tokens, at most
 
@@ -98,7 +99,7 @@ class Service:
 
     def _load(self) -> None:
         self._open()
-        self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.limits.prefill_chunk,
+        self.scheduler = Scheduler(self.run, self.limits.max_batch, self.max_seq, self.prefill_chunk,
                                    self.limits.max_queue, on_error=self._batch_failed)
         self.scheduler.start()
         # One short generation: the window preloads and the memory figures printed at start are measured ones.
@@ -126,6 +127,11 @@ class Service:
                               f"(max_position_embeddings); give at most {positions:,}, or leave it out")
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
+        if self.limits.prefill_chunk is not None:
+            self.prefill_chunk, self.chunk_why = self.limits.prefill_chunk, "--prefill-chunk"
+        else:
+            self.prefill_chunk, why = default_prefill_chunk(model.config.is_moe and self.run.expert_policy is not None)
+            self.chunk_why = f"the default: {why}"
 
     @staticmethod
     def _batch_failed(exc: BaseException) -> None:
@@ -142,7 +148,8 @@ class Service:
                  + (f" expert_policy={run.expert_policy.name}" if run.expert_policy else ""),
                  f"batch: {self.limits.max_batch} sequences of up to {self.max_seq:,} positions, "
                  f"{self.limits.max_queue} more may wait; max_tokens at most "
-                 f"{min(self.limits.max_tokens, self.max_seq - 1):,}"]
+                 f"{min(self.limits.max_tokens, self.max_seq - 1):,}",
+                 f"prefill: {self.prefill_chunk:,} prompt tokens a step ({self.chunk_why})"]
         c = run.counters.snapshot()
         kv = kv_bytes(model.config, self.max_seq, run.backend.dtype, self.limits.max_batch)
         # In host memory the KV cache's pages become resident as positions are written (kvcache._zeros)
