@@ -5,6 +5,8 @@ the same request, so the server's overhead at one client is measured against its
 
     python -m bench batch [--preset demo] [--backend cpu_ref] [--keep 1] [--batches 1,4,16] [--clients 1,8,32]
                           [--tokens 32] [--rows engine,server]
+    python -m bench batch --preset qwen3-30b-a3b --layers 8 --backend cuda --keep off --expert-policy expert_lru \
+                          --expert-budget-mib 683 --batches 1,8,32 --rows engine --prompts 32     # MoE through the table
 
 The engine rows run ``Run.generate_batch`` over the same 16 prompts at each ``--batches`` B (``max_batch`` B), after a
 warm-up batch; B = 1 is one sequence at a time, the baseline. Per row: wall time, tokens/s, bytes uploaded a
@@ -40,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="demo")
     p.add_argument("--backend", default="cpu_ref")
     p.add_argument("--keep", default="1")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
+    p.add_argument("--expert-policy", default="", help="a MoE preset's expert policy (e.g. expert_lru; empty: none)")
+    p.add_argument("--expert-budget-mib", type=float, default=0.0, help="its budget in MiB")
     p.add_argument("--batches", type=numbers(int, 1), default=[1, 4, 16])
     p.add_argument("--clients", type=numbers(int, 1), default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=32)
@@ -69,7 +74,18 @@ def prompt_of(i: int) -> list[int]:
 
 
 def settings(args) -> dict:
-    return {"backend": args.backend, "keep": args.keep if args.keep == "off" else int(args.keep)}
+    out = {"backend": args.backend, "keep": args.keep if args.keep == "off" else int(args.keep)}
+    if args.expert_policy:
+        out.update(expert_policy=args.expert_policy, expert_budget_mb=args.expert_budget_mib)
+    return out
+
+
+def serve_flags(args) -> list[str]:
+    """The same settings as ``kestrel serve``'s flags."""
+    flags = ["--backend", args.backend, "--keep", args.keep]
+    if args.expert_policy:
+        flags += ["--expert-policy", args.expert_policy, "--expert-budget-mb", repr(args.expert_budget_mib)]
+    return flags
 
 
 def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[int]]]:
@@ -139,7 +155,7 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
                    before: list[dict]) -> list[dict]:
     need_openai()
     clients = args.clients
-    server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(max(clients)),
+    server = ServeProcess(path, *serve_flags(args), "--max-batch", str(max(clients)),
                           "--max-seq", str(max_seq), env={"KESTREL_API_KEY": "bench"}, timeout=300)
     rows = []
     try:
@@ -209,7 +225,7 @@ def choices_rows(args, path: Path, record) -> dict:
     choice's ids equal its seed's request's."""
     need_openai()
     n, prompt = args.choices, [(13 * k) % 250 + 1 for k in range(args.choice_prompt)]
-    server = ServeProcess(path, "--backend", args.backend, "--keep", args.keep, "--max-batch", str(n),
+    server = ServeProcess(path, *serve_flags(args), "--max-batch", str(n),
                           "--max-seq", str(args.choice_prompt + args.tokens + 8), env={"KESTREL_API_KEY": "bench"},
                           timeout=300)
     client = server.client("bench", timeout=600)
@@ -256,7 +272,7 @@ def choices_rows(args, path: Path, record) -> dict:
 
 
 def run(args, record) -> dict:
-    path = models.ensure_preset(args.models, args.preset)
+    path = models.ensure_preset(args.models, args.preset, layers=args.layers)
     wanted = args.rows
     engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
     server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
