@@ -188,6 +188,20 @@ def test_moe_prefill_counts_what_each_prefill_streamed_beside_off(models, tmp_pa
     assert all(len(c["ms"]) == 2 and len(c["token_ids"]) == 1 for c in chunks["rows"])  # one id, every repetition
 
 
+def test_bench_batch_counts_what_a_moe_batch_reads_from_host_copies(models, tmp_path):
+    rec = run_scenario(["batch", "--preset", "tiny-moe", "--layers", "2", "--backend", "cpu_ref", "--keep", "off",
+                        "--expert-policy", "expert_lru", "--expert-budget-mib", "0.05", "--batches", "1,4",
+                        "--rows", "engine", "--prompts", "4", "--tokens", "5", "--models", str(models)], tmp_path)
+    rows = rec["result"]["engine"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["ids_equal_one_at_a_time"] for r in rows)
+    for r in rows:  # through the expert table a step reads its misses from host copies: they cross too
+        assert r["bytes_streamed"] > r["bytes_uploaded"] > 0
+        assert r["streamed_per_generated_token"] == pytest.approx(r["bytes_streamed"] / r["tokens"])
+    ratio = rec["result"]["bytes_per_generated_token_over_b1"]
+    assert ratio["1"] == 1.0 and ratio["4"] == pytest.approx(rows[1]["streamed_per_generated_token"]
+                                                             / rows[0]["streamed_per_generated_token"])
+
+
 def test_peers_say_when_they_are_not_installed(models, tmp_path):
     rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
                         "--models", str(models)], tmp_path)
