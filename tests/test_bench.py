@@ -168,24 +168,53 @@ def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
 
 
 def test_moe_prefill_counts_what_each_prefill_streamed_beside_off(models, tmp_path):
-    rec = run_scenario(["moe-prefill", "--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "2", "--prompts",
-                        "16,48", "--chunks", "16,32", "--budget-mib", "0.05", "--reps", "2", "--models", str(models)],
+    from bench.scenarios.moe_prefill import prompt_of
+
+    rec = run_scenario(["moe-prefill", "--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "3", "--prompts",
+                        "16,48", "--chunks", "16,32", "--budget-mib", "0.05", "--reps", "3", "--models", str(models)],
                        tmp_path)
     check_stamp(rec, "moe-prefill")
     result = rec["result"]
     expert = 3 * 64 * 32 * 4  # a tiny-moe expert in cpu_ref's float32 buffers
     assert [p["prompt_tokens"] for p in result["prompts"]] == [16, 48] and result["expert_budget_mib"] == 0.05
     for p in result["prompts"]:
-        assert len(p["off"]) == len(p["cache"]) == 2 and p["ids_equal"]
-        assert p["distinct_ids"] > p["prompt_tokens"] // 2  # a prompt of random ids, not one id repeated
+        assert len(p["off"]) == len(p["cache"]) == 3 and p["ids_equal"]
+        assert p["distinct_ids"] == len(set(prompt_of(p["prompt_tokens"], 512))) > p["prompt_tokens"] // 2
         assert all(r["streamed_bytes"] == 0 for r in p["off"])  # everything resident: the preload is not counted
+        # two sparse layers: what both prefill layers streamed, counted from the first
         assert all(r["streamed_bytes"] == r["expert_misses"] * expert > 0 for r in p["cache"])
         assert p["cache_p50_ms"] == statistics.median(r["prefill_ms"] for r in p["cache"])
+        assert p["off_p50_ms"] == statistics.median(r["prefill_ms"] for r in p["off"])
         assert p["cache_tokens_per_s"] == pytest.approx(p["prompt_tokens"] / p["cache_p50_ms"] * 1e3)
         assert "over_bound" not in p  # no pinned rate on cpu_ref: no bound
     chunks = result["chunks"]
     assert chunks["prompt_tokens"] == 48 and [c["chunk"] for c in chunks["rows"]] == [16, 32]
-    assert all(len(c["ms"]) == 2 and len(c["token_ids"]) == 1 for c in chunks["rows"])  # one id, every repetition
+    for c in chunks["rows"]:
+        assert len(c["ms"]) == 3 and len(c["token_ids"]) == 1  # one id, every repetition
+        assert c["p50_ms"] == statistics.median(c["ms"])
+
+
+def test_moe_prefill_bound_and_id_check(models, tmp_path, monkeypatch):
+    from bench.scenarios import moe_prefill
+
+    assert moe_prefill.over_bound(30.0, 2 * 10**9, 100.0, 10.0) == pytest.approx(1.0)  # 20 ms of bytes + 10 of off
+    real = moe_prefill.prefill
+    cache_rows = []
+
+    def one_cache_row_differs(model, settings, prompt):
+        out = real(model, settings, prompt)
+        if "expert_policy" in settings:
+            cache_rows.append(out)
+            if len(cache_rows) == 2:  # the second repetition's cache row: another first id
+                out["token_ids"] = [out["token_ids"][0] + 1]
+        return out
+
+    monkeypatch.setattr(moe_prefill, "prefill", one_cache_row_differs)
+    rec = run_scenario(["moe-prefill", "--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "2", "--prompts",
+                        "16", "--chunks", "", "--budget-mib", "0.05", "--reps", "2", "--models", str(models)],
+                       tmp_path)
+    (p,) = rec["result"]["prompts"]
+    assert p["ids_equal"] is False and "chunks" not in rec["result"]
 
 
 def test_bench_batch_counts_what_a_moe_batch_reads_from_host_copies(models, tmp_path):

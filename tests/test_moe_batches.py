@@ -133,3 +133,20 @@ def test_the_servers_prompt_chunk_defaults_by_whether_its_chunks_stream_experts(
         assert line.startswith(f"prefill: {chunk:,} prompt tokens a step (") and why in line
     finally:
         service.close()
+
+
+def test_a_servers_prompt_chunk_below_one_is_refused_naming_the_default(tiny_moe, tmp_path):
+    import inspect
+
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.engine.scheduler import Scheduler
+    from kestrel_core.engine.batch import PREFILL_CHUNK
+    from kestrel_core.serve.service import FAILED, Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(tiny_moe), backend__name="cpu_ref"), "m",
+                      Limits(prefill_chunk=0))
+    service.load()
+    assert service.state == FAILED
+    assert str(service.load_error) == ("prefill_chunk must be a whole number >= 1 (or left out: 512, or 8192 for a MoE "
+                                       "model under an expert policy), got 0")
+    assert inspect.signature(Scheduler).parameters["prefill_chunk"].default == PREFILL_CHUNK == 512  # the API's

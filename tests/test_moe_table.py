@@ -106,6 +106,8 @@ def test_a_prompt_chunk_waits_for_each_expert_as_it_reads_it_and_the_table_follo
     assert table
     starts = [i for i, ev in enumerate(events) if ev[0] == "compute"]
     assert len(starts) == 3  # the prompt's three sparse layers
+    kinds = [ev[0] for ev in events if ev[0] in ("compute", "point")]
+    assert kinds[:6] == ["compute", "point"] * 3  # a layer's table follows its compute, once, never before
     for i in starts:
         assert events[i][1] == len(PROMPT)
         j = next(j for j in range(i, len(events)) if events[j][0] == "computed")
@@ -242,3 +244,16 @@ def test_the_expert_decode_flag(tiny_moe, capsys):
     assert ids["table"] == ids["host"]
     assert main([*argv, "--expert-decode", "gpu"]) == 2
     assert "expert_decode must be one of auto, table, host, got 'gpu'" in capsys.readouterr().err
+
+
+def test_waited_weights_wait_for_an_expert_as_it_is_read():
+    from kestrel_core.engine.runner import WaitedWeights
+
+    used = []
+    weights = {3: {"w": 1}, 5: {"w": 2}}
+    ww = WaitedWeights(weights, 7, used.append)
+    assert list(ww) == [3, 5] and len(ww) == 2 and used == []  # listing them waits for none
+    assert ww[5] == {"w": 2} and used == [(7, 5)]
+    with pytest.raises(KeyError):
+        ww[4]
+    assert used == [(7, 5)]

@@ -51,6 +51,9 @@ PREFILL_CHUNK = 512
 STREAMED_EXPERTS_PREFILL_CHUNK = 8192
 
 
+LEFT_OUT_CHUNK = f"{PREFILL_CHUNK}, or {STREAMED_EXPERTS_PREFILL_CHUNK} for a MoE model under an expert policy"
+
+
 def default_prefill_chunk(streams_experts: bool) -> tuple[int, str]:
     """The prompt chunk a server's steps take where none is given, and why."""
     if streams_experts:

@@ -21,7 +21,7 @@ from kestrel_core.config import KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
-from kestrel_core.engine.batch import default_prefill_chunk
+from kestrel_core.engine.batch import LEFT_OUT_CHUNK, check_batch, default_prefill_chunk
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
 from kestrel_core.engine.limits import LimitError, RequestLimits
@@ -112,6 +112,7 @@ class Service:
 
     def _open(self) -> None:
         """The model loaded and its run opened, with room for the batch's KV cache."""
+        check_batch(self.limits.max_batch, self.limits.prefill_chunk, left_out=LEFT_OUT_CHUNK)
         model = self.model = load(model_dir(self.cfg))
         if model.tokenizer is None:
             raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
