@@ -145,6 +145,9 @@ def test_sparse_mlp_sums_a_chunk_as_one_expert_at_a_time_did_bitwise(dtype):
     assert asked == sorted(set(chosen.flatten().tolist())) and 7 not in asked
     used = torch.unique(chosen).tolist()
     assert torch.equal(sparse_mlp(x, w, chosen, experts.__getitem__, used=used), want)
+    asked.clear()  # an expert fetched and routed to by no token (past the largest routed) adds nothing
+    got = sparse_mlp(x, w, chosen, lambda e: asked.append(e) or experts[e % E], used=[*used, E + 1])
+    assert torch.equal(got, want) and asked == [*used, E + 1]
 
 
 # --- runs on cpu_ref -------------------------------------------------------------------

@@ -259,7 +259,7 @@ def sparse_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ex
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens_of, slot_of = order // k, order % k
-    counts = torch.bincount(flat).tolist()
+    counts = torch.bincount(flat, minlength=max(used) + 1 if used else 0).tolist()  # ``used`` may name one unrouted
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
