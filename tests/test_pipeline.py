@@ -21,7 +21,9 @@ from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # serve_helpers
+sys.path.insert(0, str(HERE))  # serve_helpers, pipeline_job
+
+import pipeline_job  # noqa: E402  (the batch a pipeline's tests run under torchrun, run here in one process too)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -48,16 +50,6 @@ def generate_ids(ranks: int, model: Path, keep: str, layers: int) -> list[int]:
     if ranks > 1:
         assert out["pipeline"]["ranks"] == ranks and sum(n for _, n in out["pipeline"]["parts"]) == layers
     return out["token_ids"]
-
-
-def _job():
-    """tests/pipeline_job.py, the batch a pipeline's tests run under torchrun, imported to run it in one process."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import pipeline_job
-    finally:
-        sys.path.remove(str(HERE))
-    return pipeline_job
 
 
 # --- the split and a part's tensors ---------------------------------------------------------------------------------
@@ -150,7 +142,6 @@ def test_generate_over_ranks_gives_one_process_ids(models, name):
 
 
 def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
-    pipeline_job = _job()
     for name, keep in (("tiny", "2"), ("tiny-moe", "off"), ("tiny-llama", "off")):
         out = tmp_path / f"{name}.json"
         done = torchrun(2, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out))
@@ -165,7 +156,6 @@ def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_id
     once; the rows are row-exact, so the cut changes no id. Rank 0 sends each micro-batch on as it is done: a resident
     rank runs its layers once a micro-batch, a windowed one (keep 1) once over every row. Through the expert table
     each rank hears what it hears without micro-batches (each micro-batch's routing lands in its own rows)."""
-    pipeline_job = _job()
     out = tmp_path / "ids.json"
     done = torchrun(3, str(HERE / "pipeline_job.py"), str(models[name]), keep, str(out), "on", str(expert_mb))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -190,7 +180,7 @@ def test_cpu_ranks_take_no_micro_batches_by_default(models, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["micro_batches"] is False and got["sends"] == 0 and got["decode_steps"] > 0
-    assert got["ids"] == _job().run(str(models["tiny"]), "off")
+    assert got["ids"] == pipeline_job.run(str(models["tiny"]), "off")
 
 
 def test_micro_batches_cut_the_rows_evenly_and_in_order():
