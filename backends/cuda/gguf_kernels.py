@@ -309,17 +309,11 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, part:
     ``which`` in ``table`` [experts, 2] int64 addresses) times x ([slots, k] where ``x_per_slot``, else [1, k]), summed
     over S slices of k (``expert_slices``); the caller adds the slices in order. One row a slot: as ``gemv`` reads."""
     expert_rows = _kernels()[2]
-    values, nbytes = block_geometry(qtype)
-    g, l = _CHUNK[qtype]  # noqa: E741
-    nb, per_chunk = k // values, g * l // values
-    nch = -(-nb // per_chunk)
+    nch, kw = _expert_args(which, byte_at, qtype, n, k, x_per_slot, block_n)
     slices, slots = part.shape[0], ids.numel()
     if nch % slices or part.shape[1:] != (slots, n) or part.dtype != torch.float32:
         raise ValueError(f"part must be float32 [{slices} slices dividing {nch} chunks, {slots}, {n}]")
-    expert_rows[(slots, -(-n // block_n), slices)](
-        x, ids, table, part, WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb, NCH=nch,
-        CPS=nch // slices, X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0, BLOCK_N=block_n,
-        num_warps=NUM_WARPS)
+    expert_rows[(slots, -(-n // block_n), slices)](x, ids, table, part, CPS=nch // slices, **kw)
 
 
 def expert_matmul_grouped(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch.Tensor, which: int,
@@ -330,17 +324,24 @@ def expert_matmul_grouped(x: torch.Tensor, runs: tuple, table: torch.Tensor, par
     [rows * slots a row, k]); each pair's partial sums bitwise the one-row call's."""
     expert_rows_grouped = _kernels()[3]
     experts, pairs, ends = runs
+    nch, kw = _expert_args(which, byte_at, qtype, n, k, x_per_slot, block_n)
+    rows, slices, kt = part.shape[:3]
+    if nch % slices or part.shape[3] != n or rows * kt != pairs.numel() or part.dtype != torch.float32:
+        raise ValueError(f"part must be float32 [rows, {slices} slices dividing {nch} chunks, slots, {n}]")
+    expert_rows_grouped[(pairs.numel(), -(-n // block_n), slices)](x, pairs, experts, ends, table, part,
+                                                                     CPS=nch // slices, KT=kt, SLICES=slices, **kw)
+
+
+def _expert_args(which: int, byte_at: int, qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool,
+                 block_n: int) -> tuple[int, dict]:
+    """The chunks of k, and the launch arguments the one-row and the grouped expert kernels share."""
     values, nbytes = block_geometry(qtype)
     g, l = _CHUNK[qtype]  # noqa: E741
     nb, per_chunk = k // values, g * l // values
     nch = -(-nb // per_chunk)
-    rows, slices, kt = part.shape[:3]
-    if nch % slices or part.shape[3] != n or rows * kt != pairs.numel() or part.dtype != torch.float32:
-        raise ValueError(f"part must be float32 [rows, {slices} slices dividing {nch} chunks, slots, {n}]")
-    expert_rows_grouped[(pairs.numel(), -(-n // block_n), slices)](
-        x, pairs, experts, ends, table, part, WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb,
-        NCH=nch, CPS=nch // slices, X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0,
-        BLOCK_N=block_n, KT=kt, SLICES=slices, num_warps=NUM_WARPS)
+    return nch, dict(WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb, NCH=nch,
+                     X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0, BLOCK_N=block_n,
+                     num_warps=NUM_WARPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, **kw) -> torch.Tensor:
