@@ -185,12 +185,9 @@ class GroupedExperts:
         return (y * weights.reshape(self.k, 1)).float().sum(0, keepdim=True).to(self.dtype)
 
     def _block_parts(self, qtype, k: int, n: int, want: int) -> torch.Tensor:
-        """A fixed float32 [slices, k routed, n] buffer of block partial sums (a captured step keeps its address)."""
-        slices = gguf_kernels.expert_slices(qtype, k, want)
-        key = (slices, n)
-        if key not in self._parts:
-            self._parts[key] = torch.empty((slices, self.k, n), dtype=torch.float32, device=self.device)
-        return self._parts[key]
+        """A fixed float32 [slices, k routed, n] buffer of block partial sums (a captured step keeps its address):
+        ``_block_rows_parts``'s of one row."""
+        return self._block_rows_parts(qtype, k, n, want, 1)[0]
 
     def _blocks(self, x, weights, ids, table, layouts) -> torch.Tensor:
         """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry."""
