@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 
-def numbers(kind: type, lowest: float | None = None):
-    """An argparse type: comma-separated ``kind`` values, each at least ``lowest`` where given."""
+def numbers(kind: type, lowest: float | None = None, none_ok: bool = False):
+    """An argparse type: comma-separated ``kind`` values, each at least ``lowest`` where given (``none_ok``: an empty
+    value is an empty list)."""
 
     def parse(text: str) -> list:
         out = []
@@ -22,7 +23,7 @@ def numbers(kind: type, lowest: float | None = None):
             if lowest is not None and value < lowest:
                 raise argparse.ArgumentTypeError(f"{part} is below {lowest}")
             out.append(value)
-        if not out:
+        if not out and not none_ok:
             raise argparse.ArgumentTypeError("no values; give comma-separated ones, e.g. 1,4,16")
         return out
 

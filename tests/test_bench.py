@@ -410,6 +410,9 @@ def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
     (["stream", "--backend", "cpu_ref", "--tokens", "0"], "--tokens must be at least 1, got 0"),
     (["speculative", "--repeats", "-2"], "--repeats must be at least 1, got -2"),
     (["moe", "--backend", "cpu_ref", "--layers", "0"], "--layers must be at least 1, got 0"),
+    (["moe-prefill", "--backend", "cpu_ref", "--prompts", "16,0"], "argument --prompts: 0 is below 1"),
+    (["moe-prefill", "--backend", "cpu_ref", "--chunks", "x"], "argument --chunks: 'x' is not a int"),
+    (["moe-prefill", "--backend", "cpu_ref", "--reps", "0"], "--reps must be at least 1, got 0"),
 ])
 def test_a_bad_option_is_one_line_before_any_work(argv, says, capsys, tmp_path):
     """Counts below one and comma-separated values are refused as argparse refuses, before a checkpoint is written or a

@@ -27,6 +27,7 @@ from bench import models
 from bench.errors import BenchError, cuda_backend_missing
 from bench.log import log
 from bench.observe import observing
+from bench.options import numbers
 from bench.scenarios.stream import settle
 from bench.timing import copy_rates
 from kestrel_core.hookspecs import hookimpl
@@ -39,8 +40,10 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", help="a MoE preset (tiny-moe with --backend cpu_ref)")
     p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--prompts", default="512,2048,8192", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--chunks", default="512,2048,8192", help="prefill_chunk sizes for the longest prompt (empty: none)")
+    p.add_argument("--prompts", type=numbers(int, 1), default=[512, 2048, 8192],
+                   help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--chunks", type=numbers(int, 1, none_ok=True), default=[512, 2048, 8192],
+                   help="prefill_chunk sizes for the longest prompt (empty: none)")
     p.add_argument("--budget-gib", type=float, default=4.0, help="the expert budget at full depth, scaled by depth")
     p.add_argument("--budget-mib", type=float, default=0.0, help="the expert budget outright (0: --budget-gib scaled)")
     p.add_argument("--policy", default="expert_lru")
@@ -50,16 +53,6 @@ def add_arguments(p) -> None:
 def needs_gpu(args) -> str | None:
     return cuda_backend_missing(args, "--backend cpu_ref --preset tiny-moe --layers 2 --prompts 16 --chunks 16 "
                                       "--budget-mib 0.2")
-
-
-def _sizes(text: str, flag: str, empty_ok: bool) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = None
-    if out is None or any(x < 1 for x in out) or (not out and not empty_ok):
-        raise BenchError(f"{flag} {text!r}: whole numbers >= 1, comma-separated")
-    return out
 
 
 def over_bound(prefill_ms: float, streamed_bytes: int, pinned_GBps: float, off_ms: float) -> float:
@@ -116,10 +109,7 @@ def run(args, record) -> dict:
     from kestrel_core import load
     from kestrel_core.tools.presets import PRESETS, preset_config
 
-    lengths = _sizes(args.prompts, "--prompts", empty_ok=False)
-    chunks = _sizes(args.chunks, "--chunks", empty_ok=True)
-    if args.reps < 1:
-        raise BenchError(f"--reps {args.reps}: at least 1")
+    lengths, chunks = args.prompts, args.chunks
     full = PRESETS[args.preset]["num_hidden_layers"]
     layers = min(args.layers, full)
     cfg = preset_config(args.preset, layers=layers)
