@@ -188,6 +188,10 @@ class ResidencyConfig:
     # policy hears the routing a step later); "host", routed on the host at each sparse layer (one sync a layer) and
     # fetched before use; "auto": the table where the backend has one.
     expert_decode: str = attrs.field(default="auto")
+    # Where a decode step reads its experts through the table: land each miss in a free slot as the step reads it, so
+    # it crosses the link once (``engine.landing``; an expert policy that admits every routed expert); false: the
+    # policy's admission uploads it again a step later.
+    expert_landing: bool = True
 
     @expert_fetch.validator
     def _check_expert_fetch(self, _, value: str) -> None:

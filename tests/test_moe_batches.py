@@ -55,9 +55,9 @@ def test_every_decode_step_of_a_batch_reads_the_table_and_the_policy_hears_the_u
     heard = []
     real = run.runner.hear
 
-    def hear(step, routed):
+    def hear(step, routed, landed=None):
         heard.append([len(set(chosen)) for chosen in routed])
-        return real(step, routed)
+        return real(step, routed, landed)
 
     run.runner.hear = hear
     try:

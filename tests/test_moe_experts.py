@@ -73,6 +73,7 @@ def test_a_larger_budget_hits_more(tiny_moe):
 class FakeWindow:
     def __init__(self, nbytes):
         self.resident_units: set = set()
+        self.admits = True
         self.units = {(1, e): type("U", (), {"nbytes": nbytes})() for e in range(8)}
 
 

@@ -192,15 +192,17 @@ def test_an_admission_reads_its_slot_from_the_step_after_next():
     assert [s.read_host((1, 0), k) for k in range(4)] == [False, False, True, True]
 
 
+@pytest.mark.parametrize("landing", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("experts", [2, 4, 8])
-def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts):
-    """Greedy steps are heard a step late, sampled ones at once: the replay models the same schedule."""
+def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts, landing):
+    """Greedy steps are heard a step late, sampled ones at once: the replay models the same schedule, and where the
+    steps land their misses, the same ring."""
     budget_mb = experts * EXPERT / 2**20
     recorder = TraceRecorder()
     with load(tiny_moe) as model:
         with model.open(observers=[recorder], expert_policy="expert_lfu", expert_budget_mb=budget_mb,
-                        temperature=temperature, seed=3) as run:
+                        temperature=temperature, seed=3, expert_landing=landing) as run:
             live = run.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False)
             from kestrel_core.tools.traces import model_info, read_trace
             info = model_info(run)
@@ -214,7 +216,14 @@ def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts)
     assert got["bytes_per_decoded_token"] * got["decode_tokens"] == expert_bytes  # keep off: only experts move
     # what crossed the link twice: a step's read of a host copy, then the admission heard of that expert
     assert (got["bytes_read_host"], got["bytes_reread"]) == (c["bytes_read_host"], c["bytes_reread"])
-    assert 0 < c["bytes_reread"] <= min(c["bytes_read_host"], c["bytes_uploaded"])
+    assert info["landing"] == landing
+    if landing and experts >= 4:  # every miss crosses once: landed (an upload), or read and not admitted
+        assert c["expert_landed"] > 0 and c["bytes_reread"] == 0
+    elif landing:  # a budget of two experts leaves no room for a ring: the admissions read again
+        assert c["expert_landed"] == 0 and c["bytes_reread"] > 0
+    else:
+        assert not info["landing"] and c["expert_landed"] == 0
+        assert 0 < c["bytes_reread"] <= min(c["bytes_read_host"], c["bytes_uploaded"])
     assert read_trace  # the on-disk form is tested in test_moe_traces.py
 
 

@@ -57,7 +57,11 @@ def test_a_replay_counts_what_the_live_run_counted(tiny_moe, trace, policy, expe
 
 
 def test_the_offline_optimum_fetches_no_more_than_any_policy(trace):
+    """Where every miss is admitted. (Where steps land their misses, the ring's room decides which are, so the
+    optimum's eviction order is no longer a bound.)"""
     t = traces.read_trace(trace)
+    assert t["model"]["landing"]
+    t["model"]["landing"] = False
     for experts in (2, 3, 5, 8, 12):
         budget = int(experts * EXPERT_MB * 2**20)
         best = traces.replay(t, traces.ExpertBelady(budget, t["events"]))["bytes_fetched"]

@@ -22,6 +22,8 @@ from kestrel_core.engine.devices import compute_device
 from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.host import meminfo
 from kestrel_core.engine.kvcache import kv_bytes
+from kestrel_core.engine.landing import landings
+from kestrel_core.engine.plan import Fetch
 from kestrel_core.engine.pipeline import host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
@@ -36,6 +38,7 @@ DTYPES = ("float32", "float64")
 class CpuRefBackend(Backend):
     name = "cpu_ref"
     expert_table = True  # a dict: an expert's resident buffers, or (absent) its host copy, the checkpoint mapping
+    lands = True  # a step's misses land in the ring's slots (``engine.landing``), as cuda's kernel lands them
     row_exact = True  # the reference: a token's result is its own, whoever shares its pass (``linear``, attention)
     device_per_rank = False  # a pipeline's ranks on one host share its cores and memory bandwidth
 
@@ -58,6 +61,9 @@ class CpuRefBackend(Backend):
         self.lay_out_units()
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
+        self._ring: list | None = None  # the landing ring's slots (buffers), where the run lands misses
+        self._ring_state = torch.zeros(1, dtype=torch.long)  # its head, then each slot's owner
+        self._ring_tail = 0
         self.load_globals()
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(ctx.backend.threads or usable_cores())  # for this run; close() gives the old count back
@@ -160,10 +166,39 @@ class CpuRefBackend(Backend):
         for key, buffers in slots:
             self._table[key] = {e.name: b for e, b in zip(self.units[key].entries, buffers)}
 
+    def landing_open(self, size):
+        self._ring = [None] * size
+        self._ring_state = torch.full((1 + size,), -1, dtype=torch.long)
+        self._ring_state[0] = 0
+        self._ring_tail = 0
+
+    def landing_fill(self, filled, tail):
+        for position, buffers in filled:
+            self._ring[position % len(self._ring)] = buffers
+        self._ring_tail = tail
+
+    def landing_state(self):
+        return self._ring_state
+
+    def _land(self, layer, chosen):
+        """``engine.landing``'s rule: each routed miss, in expert order, into the ring's next slot while there is one."""
+        state, size, n = self._ring_state, len(self._ring), self.cfg.num_experts
+        head = int(state[0])
+        for e, position in landings(chosen.flatten().tolist(), lambda e: (layer, e) not in self._table, head,
+                                    self._ring_tail):
+            key, buffers = (layer, e), self._ring[position % size]
+            self.fill_unit(Fetch(self.units[key], buffers, ahead=False))
+            self._table[key] = {entry.name: b for entry, b in zip(self.units[key].entries, buffers)}
+            state[1 + position % size] = layer * n + e
+            head = position + 1
+        state[0] = head
+
     def routed_experts(self, layer, x, weights, chosen):
         """Row by row, each in expert order, as ``model.sparse_mlp`` sums one token's experts: bitwise a row's result
         alone on the same weights, whatever the rows beside it. An expert read from its host copy is read once a
-        step, whichever rows it serves."""
+        step, whichever rows it serves. Where the run lands misses, each lands in a ring slot first and is read there."""
+        if self._ring is not None:
+            self._land(layer, chosen)
         out = torch.zeros_like(x)
         host: dict = {}
         for row in range(x.shape[0]):

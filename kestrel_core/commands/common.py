@@ -67,6 +67,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--expert-decode", help="auto (default): the table where the backend has "
                    "one; table: routed experts read through the device's expert table (the step stays one graph); "
                    "host: routed on the host at each sparse layer")
+    g.add_argument("--expert-landing", choices=("on", "off"), help="on (default): a table step lands each miss in a "
+                   "free slot as it reads it (one crossing); off: the policy uploads it again a step later")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
     g.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
@@ -166,6 +168,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__expert_prefetch=args.expert_prefetch,
         residency__expert_fetch=args.expert_fetch,
         residency__expert_decode=args.expert_decode,
+        residency__expert_landing=None if args.expert_landing is None else args.expert_landing == "on",
         generation__prompt=args.prompt,
         generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,

@@ -54,6 +54,7 @@ class Backend:
     expert_table = False  # whether a decode step can read its routed experts through ``routed_experts``
     row_exact = False  # whether a row's result never depends on the rows beside it (``linear`` and attention row by row)
     device_per_rank = True  # a pipeline's ranks each compute on a device of their own (a GPU each)
+    lands = False  # whether a decode step through the table can land its misses in a ring of slots (``engine.landing``)
     expert_table_refusal = "it has none"  # why not, where it cannot (for the error that names it)
 
     def __init__(self, ctx: BackendContext):
@@ -161,6 +162,20 @@ class Backend:
         """One token's routed experts of ``layer`` (``chosen`` [1, k], ``weights`` [1, k]), each read where the table
         points, summed by weight in expert order: the same bytes give the same result wherever they were read."""
         raise NotImplementedError(f"{self.name} has no expert table")
+
+    # --- landing (where ``lands``: ``engine.landing``) ------------------------------------
+    def landing_open(self, size: int) -> None:
+        """A ring of ``size`` expert slots that a decode step through the table lands its misses in, head and tail 0."""
+        raise NotImplementedError(f"{self.name} lands no expert")
+
+    def landing_fill(self, filled: list[tuple[int, tuple]], tail: int) -> None:
+        """In stream order: each (position, buffers) into its slot (position % size), then the ring's tail."""
+        raise NotImplementedError(f"{self.name} lands no expert")
+
+    def landing_state(self) -> torch.Tensor:
+        """The ring as the steps left it, on the device: [1 + size] long, the head then each slot's owner (an expert's
+        flat number, layer * experts + expert; -1 for none yet). A step copies it into its output row."""
+        raise NotImplementedError(f"{self.name} lands no expert")
 
     @staticmethod
     def linear(x: torch.Tensor, w: Any) -> torch.Tensor:

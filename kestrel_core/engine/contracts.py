@@ -27,6 +27,8 @@ class WindowView(Protocol):
     phase: str  # "prefill" or "decode"
     token: int  # the pass over the layers: 0 is the prefill, then one a decoded token
     routed_token: int  # at a decision point: the pass whose routing it is (a table-read decode step is heard later)
+    admits: bool  # at a decision point: whether a routed expert that is not resident will be admitted (a step that
+    # landed its misses is heard with False: ``engine.landing``)
     sparse: list  # per layer: whether it has experts
     prefetch_depth: int  # the layers a backend uploads ahead on a side stream (0 without a window)
 
@@ -102,6 +104,12 @@ class ExpertPolicy(Protocol):
     def on_experts_routed(self, window: WindowView, layer: int, experts: list[int], phase: str) -> Advice | None:
         """After ``layer``'s router chose ``experts``, before they are fetched: an ``Advice`` or None."""
 
+    lands: bool  # optional (default False): it admits every routed expert and evicts by a rank until what is resident
+    # fits its budget, so a decode step may land its own misses (``engine.landing``); it then takes ``hold_back``
+
+    def hold_back(self, nbytes: int) -> None:
+        """Optional, where ``lands``: keep ``nbytes`` of the budget free for the landing ring's slots."""
+
 
 @runtime_checkable
 class Drafting(Protocol):
@@ -143,6 +151,7 @@ class Backend(Protocol):
     captures: bool  # whether ``capture`` can return a replayable decode step
     expert_table: bool  # whether a decode step can read its routed experts through ``routed_experts``
     expert_table_refusal: str  # where it cannot: why (the error for expert_decode = 'table' names it)
+    lands: bool  # whether a table-read decode step can land its misses in a ring of slots (``landing_*``)
     row_exact: bool  # a row's result never depends on the rows beside it: a batch, a prompt, a drafted run change no bit
     device_per_rank: bool  # a pipeline's ranks each compute on a device of their own (not one host's shared cores)
     units: UnitTable  # the run's units, laid out by this backend
@@ -205,6 +214,15 @@ class Backend(Protocol):
     def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Where ``expert_table``: one token's routed experts of ``layer``, each read where the table points."""
 
+    def landing_open(self, size: int) -> None:
+        """Where ``lands``: a ring of ``size`` expert slots, head and tail 0."""
+
+    def landing_fill(self, filled: list, tail: int) -> None:
+        """Where ``lands``: in stream order, each (position, buffers) into slot position % size, then the tail."""
+
+    def landing_state(self) -> torch.Tensor:
+        """Where ``lands``: [1 + size] long on the device, the ring's head then each slot's owner expert."""
+
     def close(self) -> None: ...
 
 
@@ -213,7 +231,12 @@ def _no_advice(window: WindowView, layer: int, experts: list[int], phase: str) -
 
 
 # Members a plugin may leave out, by Protocol: the default that stands in for each.
-OPTIONAL: dict[type, dict[str, Any]] = {Policy: {"on_experts_routed": _no_advice}}
+def _holds_nothing(nbytes: int) -> None:
+    raise AssertionError("hold_back is asked only of an expert policy that lands")
+
+
+OPTIONAL: dict[type, dict[str, Any]] = {Policy: {"on_experts_routed": _no_advice},
+                                        ExpertPolicy: {"lands": False, "hold_back": _holds_nothing}}
 
 
 def member(protocol: type, obj: Any, name: str) -> Any:

@@ -14,9 +14,14 @@ from kestrel_core.engine.plan import Advice
 
 
 class ExpertCache:
-    """Experts under ``budget`` bytes; evict the lowest-ranked resident experts until the routed ones fit."""
+    """Experts under ``budget`` bytes; evict the lowest-ranked resident experts until the routed ones fit.
+
+    It admits every routed expert and evicts by a rank, so a decode step may land its misses itself (``lands``;
+    ``engine.landing``): the run then holds ``hold_back`` bytes of the budget for the landing ring's free slots, and
+    while a landed step is heard (``window.admits`` false) a routed expert not resident asks for no room."""
 
     name = "?"
+    lands = True
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -36,7 +41,7 @@ class ExpertCache:
         units, present = window.units, window.resident_units  # a property that builds a set: read it once
         resident = [k for k in present if len(k) == 2]
         used = sum(units[k].nbytes for k in resident)
-        need = sum(units[k].nbytes for k in routed if k not in present)
+        need = sum(units[k].nbytes for k in routed if k not in present) if window.admits else 0
         victims = []
         for key in sorted((k for k in resident if k not in routed), key=self.rank):
             if used + need <= self.budget:
@@ -44,6 +49,10 @@ class ExpertCache:
             victims.append(key)
             used -= units[key].nbytes
         return Advice(evict=victims) if victims else None
+
+    def hold_back(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of the budget free (a landing ring's slots): what is resident fits in the rest."""
+        self.budget -= nbytes
 
 
 def budget_bytes(budget_mb: float, per_token: int, largest: int) -> int:

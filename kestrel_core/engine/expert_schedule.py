@@ -63,6 +63,12 @@ class ExpertSchedule:
         """Uploading now; read from the slot from the step after the next one launched."""
         self._due[key] = (self.next_step + 1, payload)
 
+    def landed(self, key: UnitKey, step: int) -> None:
+        """Decode step ``step`` landed ``key`` in a slot as it read it (``engine.landing``): a miss in that step, read
+        from its slot from the next."""
+        self._due.pop(key, None)
+        self._start(key, step + 1)
+
     def begin_step(self) -> list[tuple[UnitKey, Any]]:
         """Before launching the next step: the admissions whose slots it reads, with their payloads (the backend points
         the table at them, after their uploads)."""

@@ -105,6 +105,7 @@ class Counters:
     # bytes cross. What crosses the link a token is bytes_uploaded + bytes_read_host.
     bytes_read_host: int = 0
     bytes_reread: int = 0
+    expert_landed: int = 0  # misses a step landed in a slot as it read them (``engine.landing``): uploads, read once
     expert_prefetches: int = 0  # experts uploaded ahead on a speculative guess
     expert_guessed: int = 0  # routed experts at decision points that had a guess (recall's denominator)
     expert_guess_hits: int = 0  # of those, the ones the guess named (recall = expert_guess_hits / expert_guessed)

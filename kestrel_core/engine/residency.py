@@ -45,6 +45,7 @@ class Window:
         self.phase = "prefill"
         self.token = 0
         self.routed_token = 0  # the pass whose routing is being answered: ``token``, or an earlier one heard late
+        self.admits = True  # False while a landed step is heard: a routed expert not resident is not admitted
         self.signatures: list[tuple] = []  # this token's plans, as Plan.signature (no buffer kept alive)
         self.last_signatures: list[tuple] = []  # the previous token's
         self._resident: dict[UnitKey, Resident] = {}
@@ -156,18 +157,48 @@ class Window:
         self._note(plan, [b for r in reads for b in r.buffers])
         return plan, {e: r.weights for e, r in zip(experts, reads)}
 
-    def hear(self, layer: int, experts: list[int], phase: str, token: int, missed: set[int]) -> Plan:
+    def hear(self, layer: int, experts: list[int], phase: str, token: int, missed: set[int],
+             landed: frozenset[int] | None = None) -> Plan:
         """A decode step's routing at a sparse layer, heard once the step is read back (it read its experts through the
         expert table): the same advice as ``route``, a step behind. ``missed``: the routed experts the step read from
         their host copies, its misses. The plan fetches ahead (for later steps) the routed experts that are not resident,
         of a layer still resident (an expert goes with its layer); the runner's schedule brings them to the table.
-        ``token`` is the heard step's."""
+        ``token`` is the heard step's. ``landed``: where the step landed its misses (``engine.landing``), those it
+        landed (resident already, by ``land``); the misses it could not land are not admitted (``admits``)."""
         self.routed_token = token
-        evicted, fetch = self._routed(layer, experts, phase, now=False, missed=missed)
+        self.admits = landed is None
+        try:
+            evicted, fetch = self._routed(layer, experts, phase, now=False, missed=missed, landed=landed or frozenset())
+        finally:
+            self.admits = True
         return Plan(layer, "heard", evicted, tuple(fetch))  # a backend uploads a heard plan where no step waits for it
 
+    def land(self, key: UnitKey, buffers: tuple) -> bool:
+        """A decode step landed expert ``key`` in ``buffers`` (a ring slot's, ``slot``): it is resident from here, its
+        read the upload. False where it was resident already (admitted meanwhile): the slot's buffers are free again."""
+        if key in self._resident:
+            return False
+        unit = self.units[key]
+        self._resident[key] = Resident(unit, buffers, {e.name: b for e, b in zip(self._entries[key], buffers)})
+        self._layers = None
+        c = self.counters
+        c.uploads += len(buffers)
+        c.layer_uploads += 1
+        c.bytes_uploaded += unit.nbytes
+        c.expert_landed += 1
+        c.add_resident(unit.nbytes, len(buffers))
+        return True
+
+    def slot(self, like: UnitKey) -> tuple:
+        """Buffers for one expert of ``like``'s geometry that no unit holds yet (a landing ring's slot)."""
+        return self._alloc(like, self._entries[like])
+
+    def free_slot(self, like: UnitKey, buffers: tuple) -> None:
+        for entry, buf in zip(self._entries[like], buffers):
+            self._release(entry, buf)
+
     def _routed(self, layer: int, experts: list[int], phase: str, now: bool,
-                missed: set[int] | None = None) -> tuple[tuple, list]:
+                missed: set[int] | None = None, landed: frozenset[int] = frozenset()) -> tuple[tuple, list]:
         """Ask the expert policy, the policy and the observers about a routing; count and plan it: (evicted, fetches).
         The routed experts that are not resident come in, for this step (``now``) or ahead, for later ones."""
         routed = {(layer, e) for e in experts}
@@ -185,10 +216,11 @@ class Window:
         c = self.counters
         c.expert_hits += len(routed) - misses
         c.expert_misses += misses
-        if not now and (layer,) not in resident:
-            missing = []  # the layer left since the step: its experts would go with it
-        if missed:  # heard: the step read these from their host copies; an admission of one reads it again
-            c.bytes_read_host += sum(self.units[(layer, e)].nbytes for e in missed)
+        if not now and ((layer,) not in resident or not self.admits):
+            missing = []  # the layer left since the step (its experts would go with it), or the step landed its own
+        if missed:  # heard: the step read these from their host copies (the landed ones into slots: their uploads);
+            # an admission of one reads it again
+            c.bytes_read_host += sum(self.units[(layer, e)].nbytes for e in missed if e not in landed)
             c.bytes_reread += sum(self.units[key].nbytes for key in missing if key[1] in missed)
         fetch = [self._fetch(self.units[key], ahead=not now) for key in missing]
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
@@ -223,17 +255,7 @@ class Window:
     # --- the record -------------------------------------------------------------------------
     def _fetch(self, unit: Unit, ahead: bool) -> Fetch:
         entries = self._entries[unit.key]
-        buffers = []
-        for entry in entries:
-            buf = self.allocator.alloc(entry)
-            if buf is None:
-                raise PluginError(f"allocator {self.allocator.name!r} returned no buffer for {unit.key} {entry.name}")
-            for fn in self._observers.alloc:
-                if fn(entry=entry) is not None:
-                    raise PluginError(f"an observer of alloc returned a value for {unit.key} {entry.name}; observers "
-                                      "return None (a buffer comes from the run's allocator: --allocator)")
-            buffers.append(buf)
-        buffers = tuple(buffers)
+        buffers = self._alloc(unit.key, entries)
         self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(entries, buffers)})
         self._layers = None
         c = self.counters
@@ -243,13 +265,29 @@ class Window:
         c.add_resident(unit.nbytes, len(entries))
         return Fetch(unit, buffers, ahead)
 
+    def _alloc(self, key: UnitKey, entries: tuple) -> tuple:
+        buffers = []
+        for entry in entries:
+            buf = self.allocator.alloc(entry)
+            if buf is None:
+                raise PluginError(f"allocator {self.allocator.name!r} returned no buffer for {key} {entry.name}")
+            for fn in self._observers.alloc:
+                if fn(entry=entry) is not None:
+                    raise PluginError(f"an observer of alloc returned a value for {key} {entry.name}; observers "
+                                      "return None (a buffer comes from the run's allocator: --allocator)")
+            buffers.append(buf)
+        return tuple(buffers)
+
+    def _release(self, entry: Entry, buf: Any) -> None:
+        self.allocator.release(entry, buf)
+        for fn in self._observers.release:
+            fn(entry=entry, buffer=buf)
+
     def _evict(self, key: UnitKey) -> Resident:
         r = self._resident.pop(key)
         self._layers = None
         for entry, buf in zip(self._entries[key], r.buffers):
-            self.allocator.release(entry, buf)
-            for fn in self._observers.release:
-                fn(entry=entry, buffer=buf)
+            self._release(entry, buf)
         c = self.counters
         c.evictions += len(r.buffers)
         c.layer_evictions += 1

@@ -47,6 +47,7 @@ from kestrel_core.engine.expert_cache import budget_bytes
 from kestrel_core.formats.gguf import GGUFCheckpoint
 from kestrel_core.formats.gguf_model import names_gguf, open_gguf
 from kestrel_core.formats.gguf_model import no_tokenizer as gguf_no_tokenizer
+from kestrel_core.engine import landing
 from kestrel_core.engine.host import HostStore
 from kestrel_core.formats.hub import NotCachedError
 from kestrel_core.formats.modeldir import read_model_dir
@@ -207,6 +208,26 @@ def expert_table(res, model: "Model", backend: Backend) -> bool:
         raise ConfigError("expert_prefetch guesses the next layer's experts on the host at each sparse layer, and "
                           "expert_decode = 'table' keeps the host out of the step: use expert_decode = 'host' to guess")
     return True
+
+
+def lands(res, backend: Backend, table: bool, pipeline) -> bool:
+    """Whether a table-read decode step lands its misses (``engine.landing``) under an expert policy that can
+    (``lands``): not with expert_landing off, without the table, where the backend cannot, under a window over the
+    layers (an expert goes with its layer), in a pipeline, or with experts of several sizes (a slot holds any one)."""
+    if not (res.expert_landing and table and backend.lands and pipeline is None and not res.windowed):
+        return False
+    experts = [u for key, u in backend.units.units.items() if len(key) == 2]
+    return len({tuple(e.geometry for e in u.entries) for u in experts}) == 1
+
+
+def landing_slots(policy: ExpertPolicy, backend: Backend, cfg) -> int:
+    """The landing ring's slots under the expert policy's budget (``landing.ring_size``), held back from it."""
+    experts = [u for key, u in backend.units.units.items() if len(key) == 2]
+    size, hold = landing.ring_size(policy.budget, experts[0].nbytes, sum(u.nbytes for u in experts),
+                                   cfg.num_experts_per_tok, sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))))
+    if hold:
+        policy.hold_back(hold)
+    return size
 
 
 class Model:
@@ -383,9 +404,14 @@ class Run:
         except BaseException:
             self.backend.close()
             raise
+        self.lands = lands(res, self.backend, table, self.pipeline)  # a trace keeps it: a replay's policy may land
+        policy_lands = self.expert_policy is not None and member(ExpertPolicy, self.expert_policy, "lands")
+        self.landing_slots = landing_slots(self.expert_policy, self.backend, model.config) if self.lands and \
+            policy_lands else 0
         self.runner = Runner(self.window, self.backend, model.config,
                              StepSettings(graphs=config.backend.graphs == "auto" and self.pipeline is None,
                                           compile=config.backend.compile, expert_table=table,
+                                          landing=self.landing_slots,
                                           micro_batches=micro_batched(config.backend.micro_batches, self.backend)),
                              guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True

@@ -20,6 +20,7 @@ from kestrel_core.engine.contracts import Backend
 from kestrel_core.errors import ConfigError, NonFiniteError
 from kestrel_core.engine.expert_schedule import ExpertSchedule, is_expert
 from kestrel_core.engine.kvcache import KVCache
+from kestrel_core.engine.landing import Landing
 from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, route
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.engine.kvcache import allocate_cache
@@ -37,6 +38,7 @@ class StepSettings:
     compile: bool  # the decode step's layer math through torch.compile
     expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
     micro_batches: bool = False  # in a pipeline, a decode step of several rows goes through the ranks in micro-batches
+    landing: int = 0  # slots of the ring a table-read decode step lands its misses in (``engine.landing``); 0: none
 
 
 @functools.cache
@@ -53,14 +55,18 @@ class DecodeState:
     """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
     addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
     not finite, then (on a run with an expert table) each sparse layer's routed experts of each slot's row, of a step
-    that read it: ``routed`` [sparse layers, slots, k]."""
+    that read it: ``routed`` [sparse layers, slots, k], then (where the step lands its misses) the landing ring's head
+    and each of its ``landing`` slots' owner: ``landed`` [1 + landing]."""
 
-    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0)):
+    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0),
+                 landing: int = 0):
         self.slots = slots
-        self.out = torch.zeros(2 * slots + routed[0] * slots * routed[1], dtype=torch.long, device=device)
+        n = routed[0] * slots * routed[1]
+        self.out = torch.zeros(2 * slots + n + (1 + landing if landing else 0), dtype=torch.long, device=device)
         self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
         self.bad = self.out[slots : 2 * slots]
-        self.routed = self.out[2 * slots :].view(routed[0], slots, routed[1])
+        self.routed = self.out[2 * slots : 2 * slots + n].view(routed[0], slots, routed[1])
+        self.landed = self.out[2 * slots + n :]
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
         self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
         self.slot_ids = torch.arange(slots, device=device)
@@ -155,6 +161,11 @@ class Runner:
         self.counters = window.counters
         self.sparse = [layer for layer in range(cfg.num_hidden_layers) if window.sparse[layer]]
         self.schedule = ExpertSchedule() if settings.expert_table and self.sparse else None
+        self.landing = None
+        if self.schedule is not None and settings.landing:
+            self.landing = Landing(settings.landing, cfg.num_experts)
+            self._slot_like = next(key for key in window.units.units if is_expert(key))  # a slot's geometry: any expert's
+            backend.landing_open(settings.landing)
         self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
         self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
         self.opened = 0  # slots opened on this run
@@ -176,7 +187,8 @@ class Runner:
     def decode_state(self, rope: RopeTable, slots: int, max_seq: int) -> DecodeState:
         """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
         routed = (len(self.sparse), self.cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
-        return DecodeState(self.backend.device, rope, slots, max_seq, routed)
+        return DecodeState(self.backend.device, rope, slots, max_seq, routed,
+                           self.landing.size if self.landing is not None else 0)
 
     # --- a step, as a batch asks for it ----------------------------------------------------------------
     def open_slots(self, slots: int, max_seq: int) -> Slots:
@@ -245,14 +257,42 @@ class Runner:
         self.backend.wait(step.mark)
         row = s.ring[step.index % s.RING].tolist()
         n, heard = s.count, {}
-        if step.table and hear:
-            _, slots, k = s.state.routed.shape
-            routed = [row[i:i + slots * k] for i in range(2 * n, len(row), slots * k)]  # a sparse layer's slots
-            before = self.counters.snapshot()
-            self.hear(step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
-                                          for layer in routed])
-            heard = delta(self.counters.snapshot(), before)
+        if step.table:
+            sparse, slots, k = s.state.routed.shape
+            end = 2 * n + sparse * slots * k
+            routed = [row[i:i + slots * k] for i in range(2 * n, end, slots * k)]  # a sparse layer's slots
+            landed = self.landing.consumed(row[end], row[end + 1:]) if self.landing is not None else None
+            if hear:
+                before = self.counters.snapshot()
+                self.hear(step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
+                                              for layer in routed], landed)
+                heard = delta(self.counters.snapshot(), before)
+            elif landed:
+                self._land(step.decode_index, landed)
         return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
+
+    def _land(self, step: int, landed: list[tuple]) -> frozenset[int]:
+        """Experts decode step ``step`` (or a step before it not read back) landed in the ring, (key, buffers) each:
+        resident from here, read from their slots from the next step; one admitted meanwhile gives its slot's buffers
+        back. The experts made resident."""
+        window, out = self.window, set()
+        for key, buffers in landed:
+            if window.land(key, buffers):
+                self.schedule.landed(key, step)
+                out.add(key[1])
+            else:
+                window.free_slot(self._slot_like, buffers)
+        return frozenset(out)
+
+    def _refill(self) -> None:
+        """Before a decode step is launched: the landing ring's free slots, up to its size ahead of the head heard."""
+        landing, filled = self.landing, []
+        for position in landing.room():
+            buffers = self.window.slot(self._slot_like)
+            landing.filled(position, buffers)
+            filled.append((position, buffers))
+        if filled:
+            self.backend.landing_fill(filled, landing.tail)
 
     def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
         """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
@@ -368,16 +408,22 @@ class Runner:
             self.schedule.evict_now([r.unit.key for r in plan.evict if is_expert(r.unit.key)], plan.layer)
             self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
 
-    def hear(self, step: int, routed: list[list[int]]) -> None:
+    def hear(self, step: int, routed: list[list[int]], landed: list[tuple] | None = None) -> None:
         """Decode step ``step``'s routing, read back (each sparse layer's experts over the rows heard): the window plans
         on their union a step behind (the expert policy hears it, and the experts the step read from their host copies
-        are its misses); the plan's uploads start at once on the
-        side stream, and the table follows them on the schedule."""
+        are its misses); the plan's uploads start at once on the side stream, and the table follows them on the
+        schedule. ``landed``: where the step lands its misses, the (key, buffers) it landed, which become resident
+        layer by layer as each is heard (so that no layer's hearing evicts a later layer's landed experts); the misses
+        it could not land are not admitted."""
         window, schedule = self.window, self.schedule
+        by_layer: dict[int, list] = {}
+        for key, buffers in landed or ():
+            by_layer.setdefault(key[0], []).append((key, buffers))
         for layer, chosen in zip(self.sparse, routed):
             experts = sorted(set(chosen))
             missed = {e for e in experts if schedule.read_host((layer, e), step)}
-            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed)
+            here = None if landed is None else self._land(step, by_layer.pop(layer, ()))
+            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed, landed=here)
             if plan.evict or plan.fetch:
                 self.backend.execute(plan)
                 host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
@@ -387,11 +433,15 @@ class Runner:
                         schedule.admit_heard(f.unit.key, f.buffers)
                 if host:
                     self.backend.point_experts(host, [])
+        for rest in by_layer.values():  # landed by rows not heard (sequences that ended)
+            self._land(step, rest)
 
     def begin_step(self) -> int:
         """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
         decode steps."""
         index, self.decode_steps = self.decode_steps, self.decode_steps + 1
+        if self.landing is not None:
+            self._refill()
         if self.schedule is not None:
             slots = self.schedule.begin_step()
             if slots:
@@ -403,6 +453,10 @@ class Runner:
 
     def release_all(self) -> None:
         self.execute(self.window.release_all())
+        if self.landing is not None:
+            self.backend.synchronize()  # no step lands in a slot any more
+            for buffers in self.landing.drained():
+                self.window.free_slot(self._slot_like, buffers)
 
     # --- the one layer loop ---------------------------------------------------------------------
     def layers(self, h: torch.Tensor, at: Attend, cache: list[KVCache], boundaries: Iterable[Boundary], phase: str,
@@ -502,6 +556,8 @@ class Runner:
             logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
         else:
             logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table)
+        if table is not None and self.landing is not None:
+            state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
             state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))

@@ -17,7 +17,9 @@ import attrs
 
 from kestrel_core.io import newfile
 from kestrel_core.errors import ConfigError
+from kestrel_core.engine.contracts import ExpertPolicy, member
 from kestrel_core.engine.expert_cache import ExpertCache
+from kestrel_core.engine.landing import ring_size
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.formats.modelconfig import loads, shown
@@ -53,7 +55,7 @@ def model_info(run) -> dict:
             "sparse_layers": [layer for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer)],
             "expert_bytes": {f"{k[0]}.{k[1]}": u.nbytes for k, u in run.backend.units.units.items() if len(k) == 2},
             "backend": run.backend.name, "expert_decode": "table" if table else "host",
-            "lag": 1 if run.config.generation.temperature == 0 else 0}
+            "lag": 1 if run.config.generation.temperature == 0 else 0, "landing": run.lands}
 
 
 def check_new(path: str | Path) -> Path:
@@ -176,6 +178,7 @@ class ReplayWindow:
     def __init__(self, sizes: dict[tuple, int]):
         self.units = {key: _Unit(n) for key, n in sizes.items()}
         self.resident_units: set[tuple] = set()
+        self.admits = True
 
 
 class ExpertBelady(ExpertCache):
@@ -203,22 +206,51 @@ def replay(trace: dict, policy: Any) -> dict:
     Where the run's decode steps read the expert table, a step's routing is heard ``lag`` steps late, a miss is a routed
     expert the step read from its host copy, and evictions and admissions reach the table on the run's schedule
     (``expert_schedule``); elsewhere (the prefill, and host-routed decode steps) a miss is a routed expert that was not
-    resident, fetched before use."""
+    resident, fetched before use. Where the run landed its misses (``engine.landing``), so does the replay: a ring of
+    the size the run's rule gives at this budget, refilled before each step up to its size ahead of the steps read
+    back; a step's misses land in it layer by layer, and a miss that finds it empty is not admitted."""
     window = ReplayWindow(trace["sizes"])
     model = trace["model"]
     table = model.get("expert_decode") == "table"
     lag = int(model.get("lag", 1))
     schedule = ExpertSchedule()
+    size = 0
+    if table and model.get("landing") and member(ExpertPolicy, policy, "lands"):
+        sizes = trace["sizes"].values()
+        size, hold = ring_size(policy.budget, max(sizes), sum(sizes), int(model["num_experts_per_tok"]),
+                               len(model["sparse_layers"]))
+        if hold:
+            policy.hold_back(hold)
+    head_after = {-1: 0}  # the ring's head after each decode step
+    room: dict[int, int] = {}  # a step's free slots as it ran, what it has left of them
     hits = misses = 0
     fetched = read_host = reread = 0  # bytes: fetched; read by a step from host copies; fetched after such a read
     decode_bytes: dict[int, int] = {}
     for phase, token, layer, experts in trace["events"]:
         heard = table and phase == "decode"
+        routed = {(layer, e) for e in experts}
+        landed: set = set()
         if heard:
             while schedule.next_step <= token - 1 + lag:  # the steps launched before this one (token - 1) is read back
                 schedule.begin_step()
+            step = token - 1
+            if size:
+                if step not in room:  # filled at its launch up to ``size`` past the head of the steps read back then
+                    head_after[step] = head_after[step - 1]
+                    room[step] = head_after.get(step - 1 - lag, 0) + size - head_after[step - 1]
+                for e in sorted(experts):
+                    if room[step] and schedule.read_host((layer, e), step):
+                        room[step] -= 1
+                        head_after[step] += 1
+                        landed.add((layer, e))
+                for key in sorted(landed):
+                    n = window.units[key].nbytes
+                    fetched += n
+                    decode_bytes[token] = decode_bytes.get(token, 0) + n
+                    window.resident_units.add(key)
+                window.admits = False
         advice = policy.on_experts_routed(window, layer, experts, phase)
-        routed = {(layer, e) for e in experts}
+        window.admits = True
         evicted = []
         for key in (advice.evict if advice else ()):
             if key in routed:
@@ -228,7 +260,9 @@ def replay(trace: dict, policy: Any) -> dict:
                 evicted.append(tuple(key))
         if heard:
             from_host = {key for key in routed if schedule.read_host(key, token - 1)}
-            read_host += sum(window.units[key].nbytes for key in from_host)
+            read_host += sum(window.units[key].nbytes for key in from_host - landed)
+            for key in landed:
+                schedule.landed(key, token - 1)
             schedule.evict_heard(evicted)
         else:
             from_host = {key for key in routed if key not in window.resident_units}
@@ -236,7 +270,7 @@ def replay(trace: dict, policy: Any) -> dict:
         hits += len(routed) - len(from_host)
         misses += len(from_host)
         for key in sorted(routed):
-            if key not in window.resident_units:
+            if key not in window.resident_units and not (heard and size):
                 n = window.units[key].nbytes
                 fetched += n
                 if heard and key in from_host:
