@@ -102,6 +102,7 @@ class CudaBackend(Backend):
         self._grouped = self._set_up_grouped()
         self._experts = self._set_up_expert_table()
         self.expert_table = self._experts is not None
+        self.lands = self.expert_table and self._experts.entry_bytes is not None
         torch.cuda.reset_peak_memory_stats(self.device)
         RawBlock.peak_bytes = RawBlock.live_bytes
         try:
@@ -245,6 +246,15 @@ class CudaBackend(Backend):
 
     def routed_experts(self, layer, x, weights, chosen):
         return self._experts.routed(layer, x, weights, chosen)
+
+    def landing_open(self, size):
+        self._experts.open_ring(size)
+
+    def landing_fill(self, filled, tail):
+        self._experts.ring.fill(filled, tail)
+
+    def landing_state(self):
+        return self._experts.ring.state
 
     # --- host staging --------------------------------------------------------------
     def _set_up_host(self, ctx: BackendContext) -> dict[tuple, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .grouped_experts import GroupedExperts
+from .landing import LandingRing
 
 
 class DeviceExpertTable:
@@ -32,6 +33,13 @@ class DeviceExpertTable:
         self.stream = torch.cuda.Stream(device)  # admissions heard a step behind: no replay waits for them
         self.ready: dict[tuple, torch.cuda.Event] = {}  # expert unit -> its admission's upload event
         self.grouped = grouped
+        sizes = {tuple(e.geometry.nbytes for e in unit.entries) for key, unit in units.units.items() if len(key) == 2}
+        # a miss lands in a slot by a word copy: every expert alike, whole words
+        self.entry_bytes = next(iter(sizes)) if len(sizes) == 1 and all(b % 4 == 0 for b in next(iter(sizes))) else None
+        self.ring: LandingRing | None = None
+
+    def open_ring(self, size: int) -> None:
+        self.ring = LandingRing(size, self.host_ptrs, self.E, self.entry_bytes, self.device)
 
     def point(self, host: list, slots: list, current: torch.cuda.Stream, before_use) -> None:
         """In stream order on ``current``: ``host`` experts at their host copies, ``slots`` (key, buffers) at their buffers,
@@ -83,6 +91,8 @@ class DeviceExpertTable:
         """Each row's routed experts through the table; a row's result is its result alone (a batched step's ids are
         its sequences' solo ids). Several rows read each expert once for all the rows routed to it (``rows``)."""
         table, layouts = self.table[layer], self.layouts.get(layer)
+        if self.ring is not None:
+            self.ring.land(layer, table, chosen)
         if x.shape[0] == 1:
             return self.grouped(x, weights, chosen, table, layouts)
         return self.grouped.rows(x, weights, chosen, table, layouts)
