@@ -135,21 +135,32 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     rec = run_scenario(["moe", *CPU_SCENARIOS["moe"], "--models", str(models)], tmp_path)
     rows = rec["result"]["uniform"]["rows"]
     cache = [r for r in rows if r["expert_policy"]]
-    # 3 budgets x 2 policies: on the table path, and on the host path with and without a guess
-    assert len(cache) == 18 and all(0 <= r["hit_rate"] <= 1 for r in cache)
-    assert {r["expert_decode"] for r in cache} == {"table", "host"}
+    # 3 budgets x 2 policies: on the table path (misses landed, or admitted a step later), and on the host path with
+    # and without a guess
+    assert len(cache) == 24 and all(0 <= r["hit_rate"] <= 1 for r in cache)
+    assert {r["expert_decode"] for r in cache} == {"table", "table-twice", "host"}
     assert all(r["ids_match_baseline"] for r in rows), "an expert budget changes no id"
     assert rec["result"]["targets"]["every_row_ids_match_off"] is True
     for r in cache:  # the table re-reads what its steps read from host copies; the host path reads a miss once
-        table = r["expert_decode"] == "table"
+        table = r["expert_decode"].startswith("table")
         assert (r["bytes_reread_per_token"] <= r["bytes_read_host_per_token"]) and (table or r["bytes_read_host_per_token"] == 0)
         assert r["bytes_streamed_per_token"] == pytest.approx(r["bytes_uploaded_per_token"] + r["bytes_read_host_per_token"])
     shares = rec["result"]["targets"]["table_reread_share"]
-    assert set(shares) == {r["label"] for r in cache if r["expert_decode"] == "table"} and max(shares.values()) > 0
+    assert set(shares) == {r["label"] for r in cache if r["expert_decode"] != "host"} and max(shares.values()) > 0
     for r in cache:
-        if r["expert_decode"] == "table":  # a step reads each miss from its host copy once
+        if r["expert_decode"] == "table-twice":  # a step reads each miss from its host copy once, its admission again
             assert r["bytes_read_host_per_token"] == pytest.approx(r["expert_misses_per_token"] * r["expert_bytes"])
+            assert r["expert_landed_per_token"] == 0
+        if r["expert_decode"] == "table":  # each miss crosses once: landed in a slot (an upload) or read, not admitted
+            assert r["bytes_reread_per_token"] == 0 and shares[r["label"]] == 0
+            assert r["bytes_streamed_per_token"] == pytest.approx(r["expert_misses_per_token"] * r["expert_bytes"])
+            assert r["bytes_read_host_per_token"] == pytest.approx(
+                (r["expert_misses_per_token"] - r["expert_landed_per_token"]) * r["expert_bytes"])
+        if r["expert_decode"] != "host":
             assert shares[r["label"]] == pytest.approx(r["bytes_reread_per_token"] / r["bytes_streamed_per_token"])
+    landing = rec["result"]["targets"]["landing"]
+    assert set(landing) == {r["label"] for r in cache if r["expert_decode"] == "table"}
+    assert any(r["expert_landed_per_token"] > 0 for r in cache if r["expert_decode"] == "table")
     off = rows[0]  # cpu_ref holds the bf16 file's experts in float32: each budget is doubled
     assert off["budget_widening"] == 2.0
     assert {r["expert_budget_bytes"] for r in cache} == {g * 1024 * 2 * 2**20 for g in (2, 4, 8)}  # 4 of 4 layers

@@ -11,7 +11,9 @@ so per-layer and per-token-per-layer figures are the full model's. The expert bu
 One run measures, side by side: the pinned copy rate and the HBM floor (cuda: one token's active weights, attention,
 router, the routed experts and lm_head, read once by F.linear in a CUDA graph); `off` (every unit resident); the expert
 cache at each budget with expert_lru and expert_lfu on each decode path of ``--decode`` (``table``: the step reads its
-experts through the expert table and never waits for the host; ``host``: the host routes each sparse layer and fetches
+experts through the expert table and never waits for the host, and lands each miss in a free slot as it reads it;
+``table-twice``: the same with expert_landing off, the policy uploading a step's misses again a step later, the path
+before landing; ``host``: the host routes each sparse layer and fetches
 before use, also with speculative prefetch), on the uniform router (random weights: the worst case for any cache) and on
 a Zipf-skewed one (``--skew``); whole-layer streaming (asymmetric keep=1, every expert with its layer); q8 experts
 (``--q8-group``); and the peers (transformers resident, accelerate with the experts on the CPU, AirLLM) on the same
@@ -53,7 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--slow-tokens", type=int, default=18, help="new tokens of the slow rows (whole layers, peers)")
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
-    p.add_argument("--decode", default="table,host", help="decode paths of the cache rows: table, host, or both")
+    p.add_argument("--decode", default="table,table-twice,host",
+                   help="decode paths of the cache rows: table (misses landed), table-twice (admitted a step later), host")
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
 
@@ -105,6 +108,7 @@ def kestrel_row(model, args, label: str, tokens: int, warmup: int, **settings) -
         # through the table a miss is read from its host copy in the step, then again by its admission (a re-read)
         bytes_read_host_per_token=sum(p["bytes_read_host"] for p in steady) / max(1, len(steady)),
         bytes_reread_per_token=sum(p["bytes_reread"] for p in steady) / max(1, len(steady)),
+        expert_landed_per_token=sum(p["expert_landed"] for p in steady) / max(1, len(steady)),
         bytes_streamed_per_token=sum(bytes_streamed(p) for p in steady) / max(1, len(steady)),
         peak_streamed_bytes_decode=max(watch.seen[warmup * n_layers:], default=0),
         allocations_after_warmup=sum(p["allocations"] for p in steady),
@@ -119,12 +123,17 @@ def kestrel_row(model, args, label: str, tokens: int, warmup: int, **settings) -
 
 def decode_paths(args) -> list[str]:
     paths = [d.strip() for d in args.decode.split(",") if d.strip()]
-    bad = [d for d in paths if d not in ("table", "host")]
+    bad = [d for d in paths if d not in DECODE_PATHS]
     if bad or not paths:
         from bench.errors import BenchError
 
-        raise BenchError(f"--decode takes table, host or both, got {args.decode!r}")
+        raise BenchError(f"--decode takes some of {', '.join(DECODE_PATHS)}, got {args.decode!r}")
     return paths
+
+
+# a cache row's decode path: through the table, its misses landed where they are read (one crossing) or admitted a
+# step later (``table-twice``, expert_landing off: read again), or routed on the host
+DECODE_PATHS = ("table", "table-twice", "host")
 
 
 def cache_rows(model, args, router: str, scale: float) -> list[dict]:
@@ -135,7 +144,9 @@ def cache_rows(model, args, router: str, scale: float) -> list[dict]:
                 for prefetch in (False, True) if decode == "host" else (False,):  # a guess needs the host
                     r = kestrel_row(model, args, f"{router} {decode} {policy} {gib} GiB-eq pf={int(prefetch)}",
                                     args.tokens, args.warmup, keep="off", expert_policy=policy,
-                                    expert_budget_mb=gib * 1024 * scale, expert_prefetch=prefetch, expert_decode=decode)
+                                    expert_budget_mb=gib * 1024 * scale, expert_prefetch=prefetch,
+                                    expert_decode="table" if decode == "table-twice" else decode,
+                                    expert_landing=decode != "table-twice")
                     r.update(router=router, budget_full_depth_gib=gib, expert_decode=decode)
                     rows.append(r)
     return rows
@@ -261,10 +272,17 @@ def targets(result: dict, cfg) -> dict:
             if sec_off and r.get("stream_bound_ms") is not None:  # the target: <= 1.2 x (off + miss bytes / pinned)
                 bounds[r["label"]] = r["summary"]["p50"] / (sec_off["summary"]["p50"] + r["stream_bound_ms"])
     out["host_over_table"] = table_vs_host
+    # item 1: what landing saves, at the same budget and policy: the bytes crossing a token, and the step's time
+    out["landing"] = {r["label"]: {"crossed_over_twice": r["bytes_streamed_per_token"] / twice["bytes_streamed_per_token"]
+                                   if twice["bytes_streamed_per_token"] else None,
+                                   "p50_over_twice": r["summary"]["p50"] / twice["summary"]["p50"]}
+                      for s in ("uniform", "skewed") for by in [{x["label"]: x for x in result.get(s, {}).get("rows", [])}]
+                      for r in by.values() if r.get("expert_decode") == "table"
+                      for twice in [by.get(r["label"].replace(" table ", " table-twice "))] if twice}
     # item 1's bound: the share of a table row's crossing bytes that were an admission re-reading a step's miss
     out["table_reread_share"] = {r["label"]: r["bytes_reread_per_token"] / r["bytes_streamed_per_token"]
                                  for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])
-                                 if r.get("expert_decode") == "table" and r.get("bytes_streamed_per_token")}
+                                 if r.get("expert_decode", "").startswith("table") and r.get("bytes_streamed_per_token")}
     out["table_over_off_plus_stream_bound"] = bounds
     every = [r for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])]
     out["every_row_ids_match_off"] = all(r.get("ids_match_baseline") for r in every)
