@@ -131,7 +131,9 @@ def expert_bytes():
 
 @pytest.fixture
 def budgeted(moe_dir, register_plugin, expert_bytes):
-    return sampled_run(moe_dir, register_plugin, expert_policy="expert_lru",
+    # expert_landing off: a step that lands a miss maps its pages as any upload does, but the window counts it only
+    # when it hears the step, a step later, and these bounds are page-exact at each decision point
+    return sampled_run(moe_dir, register_plugin, expert_policy="expert_lru", expert_landing=False,
                        expert_budget_mb=BUDGET_EXPERTS * expert_bytes / MiB)
 
 
