@@ -433,8 +433,6 @@ class Runner:
                         schedule.admit_heard(f.unit.key, f.buffers)
                 if host:
                     self.backend.point_experts(host, [])
-        for rest in by_layer.values():  # landed by rows not heard (sequences that ended)
-            self._land(step, rest)
 
     def begin_step(self) -> int:
         """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
