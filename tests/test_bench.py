@@ -166,6 +166,27 @@ def test_moe_on_cpu_ref_counts_hits_and_matches_off(models, tmp_path):
     assert {r["expert_budget_bytes"] for r in cache} == {g * 1024 * 2 * 2**20 for g in (2, 4, 8)}  # 4 of 4 layers
 
 
+def test_moe_runs_its_uniform_rows_on_a_gguf(models, tmp_path):
+    rec = run_scenario(["moe", *CPU_SCENARIOS["moe"], "--gguf", "q8_0", "--decode", "table,table-twice",
+                        "--models", str(models)], tmp_path)
+    assert rec["result"]["gguf"] == "q8_0" and rec["result"]["weight_bytes"] > 0
+    rows = rec["result"]["uniform"]["rows"]
+    assert {r["expert_decode"] for r in rows if r["expert_policy"]} == {"table", "table-twice"}
+    assert rec["result"]["targets"]["every_row_ids_match_off"] is True
+    assert rows[0]["label"] == "uniform off" and rows[0]["token_ids"] == rows[1]["token_ids"]
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--skew", "1.2"], "--gguf writes random blocks: the uniform rows only; set --skew to 0 or empty"),
+    (["--gguf", "Q9"], "--gguf takes a GGUF type (q4_0, q4_1, q4_k, q4_k_m, q5_k, q6_k, q8_0), got 'Q9'"),
+])
+def test_moe_on_a_gguf_refuses_what_it_cannot_run_in_one_line(models, tmp_path, capsys, extra, said):
+    argv = ["moe", *CPU_SCENARIOS["moe"], "--gguf", "q8_0", *extra, "--models", str(models), "--out", str(tmp_path)]
+    assert bench(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1, err
+
+
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
     rec = run_scenario(["keep-auto", *CPU_SCENARIOS["keep-auto"], "--models", str(models)], tmp_path)
     (entry,) = rec["result"]["budgets"]

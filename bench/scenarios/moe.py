@@ -3,6 +3,7 @@ the Qwen3-30B-A3B shape.
 
     python -m bench moe --models /tmp/m --layers 8 [--tokens 41] [--warmup 12] [--skew 1.2] [--q8-group 64]
     python -m bench moe --backend cpu_ref --preset tiny-moe --layers 4 --tokens 8 --warmup 2 --peers ""   # on the CPU
+    python -m bench moe --models /tmp/m --layers 48 --gguf q4_k --skew 0 --q8-group 0 --peers ""   # full depth, 4-bit
 
 ``--layers`` cuts the depth (a device's disk holds about one full model); every layer keeps the full model's shapes,
 so per-layer and per-token-per-layer figures are the full model's. The expert budgets are the full-depth 2, 4 and
@@ -57,6 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
     p.add_argument("--decode", default="table,table-twice,host",
                    help="decode paths of the cache rows: table (misses landed), table-twice (admitted a step later), host")
+    p.add_argument("--gguf", default="", help="the uniform rows on a GGUF of the preset in this type (random valid "
+                   "blocks, e.g. Q4_K: the full depth where bf16 would not fit the disk); no skewed, q8 or peer rows")
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
 
@@ -303,7 +306,17 @@ def run(args, record) -> dict:
 
         raise BenchError(f"preset {args.preset} is not a Mixture-of-Experts model")
     names = peers.parse_names(args.peers if args.peers is not None else
-                              ("transformers,accelerate-experts,airllm" if args.backend == "cuda" else ""))
+                              ("transformers,accelerate-experts,airllm" if args.backend == "cuda" and not args.gguf else ""))
+    if args.gguf:
+        from kestrel_core.formats.gguf_types import TYPE_NAMES
+        from bench.errors import BenchError
+
+        if args.gguf not in TYPE_NAMES:
+            raise BenchError(f"--gguf takes a GGUF type ({', '.join(sorted(TYPE_NAMES))}), got {args.gguf!r}")
+        extra = [flag for flag, on in (("--skew", args.skew), ("--q8-group", args.q8_group), ("--peers", names)) if on]
+        if extra:
+            raise BenchError(f"--gguf writes random blocks: the uniform rows only; set {', '.join(extra)} to 0 or empty "
+                             "(--skew 0 --q8-group 0 --peers '')")
     result: dict = {"preset": args.preset, "backend": args.backend, "layers": layers, "full_depth_layers": full,
                     "budget_scale": scale, "prompt_ids": prompt_for(cfg.vocab_size), "tokens": args.tokens,
                     "warmup_steps": args.warmup, "slow_tokens": args.slow_tokens, "skew": args.skew,
@@ -315,8 +328,13 @@ def run(args, record) -> dict:
         log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
         result["hbm_floor"] = hbm_floor(cfg)
         log(f"HBM floor {result['hbm_floor']['summary']['p50']:.3f} ms ({result['hbm_floor']['TBps']:.2f} TB/s)")
-    path = models.ensure_preset(args.models, args.preset, layers=layers)
-    result["weight_bytes"] = models.weight_bytes(path)
+    if args.gguf:
+        path = models.ensure_gguf(args.models, args.preset, args.gguf, layers=layers)
+        result["gguf"] = args.gguf
+        result["weight_bytes"] = path.stat().st_size
+    else:
+        path = models.ensure_preset(args.models, args.preset, layers=layers)
+        result["weight_bytes"] = models.weight_bytes(path)
     result["uniform"] = section(path, args, "uniform", scale)
     record.save_partial(result)
     if args.skew:
