@@ -70,6 +70,7 @@ def ensure_gguf(root: Path, preset: str, type_name: str, layers: int | None = No
 
     path = Path(root) / f"{preset_dir_name(preset, layers=layers)}-{type_name}.gguf"
     if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         log(f"writing {path} (random {type_name} blocks)")
         write_preset_gguf(preset_config(preset, "bfloat16", layers), path, type_name, preset, random_blocks=True)
     return path
