@@ -25,6 +25,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"where checkpoints are written and found again (default {DEFAULT_ROOT}, or $KESTREL_BENCH_MODELS)")
 
 
+def add_gguf_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", default="", help="run on a GGUF of the preset in this type (random valid blocks, e.g. "
+                   "q4_k: the full depth where bf16 would not fit a device's disk)")
+
+
+def ensure_model(root: Path, preset: str, layers: int | None, gguf: str = "") -> tuple[Path, int]:
+    """The preset's checkpoint (``ensure_preset``), or with ``gguf`` a GGUF of that type (``ensure_gguf``; a type it
+    does not know is refused in one line), and its weight bytes."""
+    if not gguf:
+        path = ensure_preset(root, preset, layers=layers)
+        return path, weight_bytes(path)
+    from bench.errors import BenchError
+    from kestrel_core.formats.gguf_types import TYPE_NAMES
+
+    if gguf not in TYPE_NAMES:
+        raise BenchError(f"--gguf takes a GGUF type ({', '.join(sorted(TYPE_NAMES))}), got {gguf!r}")
+    path = ensure_gguf(root, preset, gguf, layers=layers)
+    return path, path.stat().st_size
+
+
 def _device(device: str | None) -> str:
     if device:
         return device

@@ -249,6 +249,15 @@ def test_moe_prefill_bound_and_id_check(models, tmp_path, monkeypatch):
     assert p["ids_equal"] is False and "chunks" not in rec["result"]
 
 
+def test_moe_prefill_runs_on_a_gguf(models, tmp_path):
+    rec = run_scenario(["moe-prefill", "--backend", "cpu_ref", "--preset", "tiny-moe", "--layers", "2", "--prompts",
+                        "16", "--chunks", "", "--budget-mib", "0.05", "--reps", "2", "--gguf", "q8_0", "--models",
+                        str(models)], tmp_path)
+    assert rec["result"]["gguf"] == "q8_0" and rec["result"]["weight_bytes"] > 0
+    (p,) = rec["result"]["prompts"]
+    assert p["ids_equal"] is True
+
+
 def test_bench_batch_counts_what_a_moe_batch_reads_from_host_copies(models, tmp_path):
     rec = run_scenario(["batch", "--preset", "tiny-moe", "--layers", "2", "--backend", "cpu_ref", "--keep", "off",
                         "--expert-policy", "expert_lru", "--expert-budget-mib", "0.05", "--batches", "1,4",

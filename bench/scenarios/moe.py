@@ -58,8 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
     p.add_argument("--decode", default="table,table-twice,host",
                    help="decode paths of the cache rows: table (misses landed), table-twice (admitted a step later), host")
-    p.add_argument("--gguf", default="", help="the uniform rows on a GGUF of the preset in this type (random valid "
-                   "blocks, e.g. Q4_K: the full depth where bf16 would not fit the disk); no skewed, q8 or peer rows")
+    models.add_gguf_argument(p)  # the uniform rows only: no skewed, q8 or peer rows
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
 
@@ -308,11 +307,8 @@ def run(args, record) -> dict:
     names = peers.parse_names(args.peers if args.peers is not None else
                               ("transformers,accelerate-experts,airllm" if args.backend == "cuda" and not args.gguf else ""))
     if args.gguf:
-        from kestrel_core.formats.gguf_types import TYPE_NAMES
         from bench.errors import BenchError
 
-        if args.gguf not in TYPE_NAMES:
-            raise BenchError(f"--gguf takes a GGUF type ({', '.join(sorted(TYPE_NAMES))}), got {args.gguf!r}")
         extra = [flag for flag, on in (("--skew", args.skew), ("--q8-group", args.q8_group), ("--peers", names)) if on]
         if extra:
             raise BenchError(f"--gguf writes random blocks: the uniform rows only; set {', '.join(extra)} to 0 or empty "
@@ -328,13 +324,8 @@ def run(args, record) -> dict:
         log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
         result["hbm_floor"] = hbm_floor(cfg)
         log(f"HBM floor {result['hbm_floor']['summary']['p50']:.3f} ms ({result['hbm_floor']['TBps']:.2f} TB/s)")
-    if args.gguf:
-        path = models.ensure_gguf(args.models, args.preset, args.gguf, layers=layers)
-        result["gguf"] = args.gguf
-        result["weight_bytes"] = path.stat().st_size
-    else:
-        path = models.ensure_preset(args.models, args.preset, layers=layers)
-        result["weight_bytes"] = models.weight_bytes(path)
+    path, result["weight_bytes"] = models.ensure_model(args.models, args.preset, layers, args.gguf)
+    result["gguf"] = args.gguf or None
     result["uniform"] = section(path, args, "uniform", scale)
     record.save_partial(result)
     if args.skew:

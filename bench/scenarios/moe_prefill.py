@@ -3,6 +3,7 @@ length, beside the bound the link sets (issue 40: within 1.2x of the bytes it st
 prefill), and the prompt chunk's size swept.
 
     python -m bench moe-prefill --models /tmp/m --layers 8 --prompts 512,2048,8192 --chunks 512,2048,8192
+    python -m bench moe-prefill --models /tmp/m --layers 48 --gguf q4_k --prompts 512,2048,8192 --chunks 8192
     python -m bench moe-prefill --backend cpu_ref --preset tiny-moe --layers 2 --prompts 16,48 --chunks 16 \\
         --budget-mib 0.2 --reps 2                                                                   # on the CPU
 
@@ -44,6 +45,7 @@ def add_arguments(p) -> None:
                    help="prompt lengths in tokens, comma-separated")
     p.add_argument("--chunks", type=numbers(int, 1, none_ok=True), default=[512, 2048, 8192],
                    help="prefill_chunk sizes for the longest prompt (empty: none)")
+    models.add_gguf_argument(p)
     p.add_argument("--budget-gib", type=float, default=4.0, help="the expert budget at full depth, scaled by depth")
     p.add_argument("--budget-mib", type=float, default=0.0, help="the expert budget outright (0: --budget-gib scaled)")
     p.add_argument("--policy", default="expert_lru")
@@ -123,7 +125,8 @@ def run(args, record) -> dict:
         result["ceilings"] = copy_rates()
         pinned = result["ceilings"]["pinned_h2d"]["GBps"]
         log(f"pinned h2d {pinned:.1f} GB/s")
-    path = models.ensure_preset(args.models, args.preset, layers=layers)
+    path, result["weight_bytes"] = models.ensure_model(args.models, args.preset, layers, args.gguf)
+    result["gguf"] = args.gguf or None
     base = {"backend": args.backend, "keep": "off"}
     cache = {**base, "expert_policy": args.policy, "expert_budget_mb": budget_mib}
     rows = []
