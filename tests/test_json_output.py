@@ -105,6 +105,57 @@ def test_a_constrained_sequence_leaves_its_batch_companions_ids_as_they_are(run)
     assert [r.token_ids for r in batch[1:]] == solo
 
 
+def test_a_greedy_constrained_row_is_masked_on_the_device_and_gives_the_hosts_ids(run, monkeypatch):
+    """A greedy row held to a grammar takes its argmax among the allowed ids in the step itself: the same ids as the
+    host's choice, and its logits never come to the host. A sampled one is still drawn on the host."""
+    from kestrel_core.engine.batch import Batch
+    from kestrel_core.engine.runner import Runner
+
+    assert run.runner.masks_on_device
+    assert Sampler(GenerationConfig(), Only(3, 10), device_masks=True).masks_on_device
+    assert not Sampler(GenerationConfig(), Only(3, 10), device_masks=True).on_host
+    assert Sampler(GenerationConfig(temperature=1.0), Only(3, 10), device_masks=True).on_host
+    assert Sampler(GenerationConfig(presence_penalty=0.5), Only(3, 10), device_masks=True).on_host
+    asks = [dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=FLAG),
+            dict(prompt_ids=PROMPTS[1], max_new_tokens=40, json_schema=YES_NO),
+            dict(prompt_ids=PROMPTS[2], max_new_tokens=10, stop_at_eos=False)]
+    drawn = []
+    real = Batch._sample_row
+    monkeypatch.setattr(Batch, "_sample_row", lambda self, slot, logits: drawn.append(slot) or real(self, slot, logits))
+    on_device = [r.token_ids for r in run.generate_batch(asks)]
+    assert drawn == []  # no row's logits came to the host
+    monkeypatch.setattr(Runner, "masks_on_device", property(lambda self: False))
+    on_host = [r.token_ids for r in run.generate_batch(asks)]
+    assert drawn  # the host chose the constrained rows' tokens this time
+    assert on_device == on_host
+    assert on_device[1][-1] in run.model.eos_ids  # the enum's value whole, then an end id, as the grammar holds it
+    assert json.loads(run.model.tokenizer.decode(on_device[1][:-1])) in ("yes", "no")
+
+
+class Closing(Only):
+    """Allows one id twice, then none: a grammar that fails mid-value."""
+
+    def allowed(self) -> torch.Tensor:
+        return self.mask if len(self.heard) < 2 else torch.zeros_like(self.mask)
+
+
+def test_a_mask_that_fails_mid_value_ends_its_sequence_and_its_companions_go_on(run):
+    vocab = run.runner.vocab_size
+    closing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
+                           constraint=lambda: Closing(7, vocab))
+    other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
+    sched = Scheduler(run, max_batch=2, max_queue=4)
+    sched.start()
+    try:
+        a, b = sched.submit(closing), sched.submit(other)
+        assert a.finished.wait(60) and b.finished.wait(60)
+    finally:
+        sched.stop(cancel=True)
+    assert a.finish_reason == "error" and "allows no id" in str(a.error) and a.tokens == [7, 7]
+    assert b.error is None and b.tokens == run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6,
+                                                        stop_at_eos=False).token_ids
+
+
 def test_a_grammar_that_fails_to_start_ends_its_request_and_the_scheduler_goes_on(run):
     def broken():
         raise GrammarError("the JSON schema cannot be used: broken")

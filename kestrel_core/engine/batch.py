@@ -203,7 +203,8 @@ class Batch:
         request.check()
         if seq is None:
             seq = Sequence(request)
-        seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None)
+        seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None,
+                                                self.runner.masks_on_device)
         if request.drafter is not None:
             seq.drafting, seq.spec = begin_drafting(request.drafter, request.prompt_ids), SpecStats()
         self.ids += 1
@@ -232,6 +233,7 @@ class Batch:
         verify = self._drafts()
         rows_live = {slot: seq for slot, seq in self.active.items()
                      if seq.decoding and not seq.done and slot not in verify and self._wants_a_row(seq)}
+        masks = self._masks(rows_live)  # a row whose mask fails leaves rows_live, its sequence ended with the error
         prefilling = [s for s in self.active.values()
                       if not s.done and s.leader is None and s.prefilled < len(s.request.prompt_ids)]
         if not rows_live and not prefilling and not verify:
@@ -260,7 +262,8 @@ class Batch:
         # A verify span's rows all come back, and a prompt chunk's where its request asks for the prompt's logprobs.
         every_row = frozenset(i for i, (seq, _, _) in enumerate(spans)
                               if i < len(verify) or seq.request.prompt_logprobs is not None)
-        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), every_row, sampled)
+        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), every_row, sampled,
+                              masks)
         launched = self.runner.step(self.dev, request, self._sample_row)
         for seq in rows_live.values():
             seq.launched += 1
@@ -276,7 +279,8 @@ class Batch:
             else:
                 self._prefilled(seq, sp, launched.span_logits[i], k)
         self.unread.append(k)
-        lag = 0 if sampled or any(seq.drafting is not None for seq in rows_live.values()) else 1
+        # read at once where the host chose a token, where a row's next mask needs its token, or where drafts wait on it
+        lag = 0 if sampled or masks or any(seq.drafting is not None for seq in rows_live.values()) else 1
         while len(self.unread) > lag:
             self._take(self.unread.popleft())
 
@@ -347,6 +351,19 @@ class Batch:
         if not seq.done:
             seq.drafting.accepted(list(seq.request.prompt_ids) + seq.tokens)
             self.runner.place(self.dev, seq.slot, len(seq.request.prompt_ids) + len(seq.tokens) - 1, seq.tokens[-1])
+
+    def _masks(self, rows_live: dict[int, Sequence]) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The masks this step holds its greedy constrained rows to on the device, by slot (``Sampler.mask``); a
+        sequence whose grammar fails ends with the error and leaves ``rows_live``."""
+        out = []
+        for slot, seq in list(rows_live.items()):
+            if seq.sampler.masks_on_device:
+                try:
+                    out.append((slot, seq.sampler.mask(self.runner.vocab_size)))
+                except Exception as exc:  # noqa: BLE001 - one sequence's grammar, not the batch's state
+                    self._fail(seq, exc)
+                    del rows_live[slot]
+        return tuple(out)
 
     def _sample_row(self, slot: int, logits: torch.Tensor) -> int | None:
         """A sampled row's next token, drawn on the host (which reads its logits anyway, so checks them there)."""
@@ -434,6 +451,8 @@ class Batch:
                 continue
             seq.passes.append(k)
             seq.kept.append(1)
+            if seq.sampler.masks_on_device:
+                seq.sampler.chosen(back.tokens[slot])
             lp = p.logprobs.pop(slot, None)
             self._hear_token(seq, back.tokens[slot], _on_host(back.tokens[slot], *lp) if lp else None)
 

@@ -58,8 +58,8 @@ class DecodeState:
     that read it: ``routed`` [sparse layers, slots, k], then (where the step lands its misses) the landing ring's head
     and each of its ``landing`` slots' owner: ``landed`` [1 + landing]."""
 
-    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, routed: tuple[int, int] = (0, 0),
-                 landing: int = 0):
+    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, vocab: int,
+                 routed: tuple[int, int] = (0, 0), landing: int = 0):
         self.slots = slots
         n = routed[0] * slots * routed[1]
         self.out = torch.zeros(2 * slots + n + (1 + landing if landing else 0), dtype=torch.long, device=device)
@@ -67,6 +67,7 @@ class DecodeState:
         self.bad = self.out[slots : 2 * slots]
         self.routed = self.out[2 * slots : 2 * slots + n].view(routed[0], slots, routed[1])
         self.landed = self.out[2 * slots + n :]
+        self.allowed = torch.ones((slots, vocab), dtype=torch.bool, device=device)  # the ids each row's argmax may take
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
         self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
         self.slot_ids = torch.arange(slots, device=device)
@@ -81,13 +82,15 @@ class StepRequest:
     their positions move on), then ``spans``, each a sequence's tokens with their ids (a prompt chunk, or a verify
     pass: the last token and its drafts). ``every_row``: the spans whose every row's logits come back (a verify pass);
     the others give their last row. ``sample``: the slots whose next token the host draws from their logits (the rest
-    take their argmax on the device)."""
+    take their argmax on the device). ``masks``: (slot, [vocab] bool) for the rows whose argmax the device takes among
+    those ids only (a grammar's, ``Sampler.masks_on_device``)."""
 
     rows: int
     live: frozenset[int] = frozenset()
     spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
     every_row: frozenset[int] = frozenset()
     sample: tuple[int, ...] = ()
+    masks: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -134,6 +137,7 @@ class Slots:
                                 pin_memory=backend.device.type == "cuda")
         self.graphs: dict[int, StepGraphs] = {}
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
+        self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
         self.launched = 0
         self.t0 = None  # the mark before its first step
         self.sid = runner.opened  # its number among the run's slots (a pipeline's ranks number them alike)
@@ -187,7 +191,7 @@ class Runner:
     def decode_state(self, rope: RopeTable, slots: int, max_seq: int) -> DecodeState:
         """The device state of ``slots`` KV slots; on a run with an expert table it has room for a step's routing."""
         routed = (len(self.sparse), self.cfg.num_experts_per_tok) if self.schedule is not None else (0, 0)
-        return DecodeState(self.backend.device, rope, slots, max_seq, routed,
+        return DecodeState(self.backend.device, rope, slots, max_seq, self.cfg.vocab_size, routed,
                            self.landing.size if self.landing is not None else 0)
 
     # --- a step, as a batch asks for it ----------------------------------------------------------------
@@ -227,6 +231,7 @@ class Runner:
             window.next_token()
         rows, spans = request.rows, list(request.spans)
         self._set_live(s, request.live, rows)
+        self._set_masks(s, request.masks)
         table = self.reads_table(rows, spans)
         decode_index = self.begin_step() if not spans else -1
         before = counters.snapshot()
@@ -372,6 +377,22 @@ class Runner:
     @property
     def resident_bytes(self) -> int:
         return self.counters.resident_bytes
+
+    @property
+    def masks_on_device(self) -> bool:
+        """Whether a step can hold a greedy row to a grammar's mask before its argmax (not across a pipeline's ranks,
+        where the mask would have to travel: there the host chooses such a row's token)."""
+        return self.pipeline is None
+
+    def _set_masks(self, s: Slots, masks: tuple[tuple[int, torch.Tensor], ...]) -> None:
+        """Each masked row's allowed ids into the device state, in stream order; a slot masked before and not now
+        allows every id again."""
+        now = dict(masks)
+        for slot in s.masked - now.keys():
+            s.state.allowed[slot].fill_(True)
+        for slot, allowed in now.items():
+            s.state.allowed[slot].copy_(allowed, non_blocking=True)
+        s.masked = set(now)
 
     def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
         """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
@@ -557,7 +578,9 @@ class Runner:
         if table is not None and self.landing is not None:
             state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
-            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))
+            # a grammar's row takes its argmax among the ids its mask allows (every id elsewhere: the same argmax)
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows].masked_fill(~state.allowed[:rows], float("-inf")),
+                                                   dim=-1))
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]

@@ -58,13 +58,16 @@ class Constraint(Protocol):
 
 
 class Sampler:
-    def __init__(self, gen: GenerationConfig, constraint: Constraint | None = None):
+    def __init__(self, gen: GenerationConfig, constraint: Constraint | None = None, device_masks: bool = False):
+        """``device_masks``: the step can hold a greedy row to its constraint's mask before its own argmax (the
+        runner's ``masks_on_device``), so such a row's logits never come to the host."""
         check_sampling(gen)
         self.gen, self.constraint = gen, constraint
         self.rng = torch.Generator().manual_seed(gen.seed)
         self.processes = processes(gen)
+        self.masks_on_device = device_masks and constraint is not None and gen.temperature == 0 and not self.processes
         # else the step's own argmax is the token
-        self.on_host = gen.temperature > 0 or self.processes or constraint is not None
+        self.on_host = gen.temperature > 0 or self.processes or (constraint is not None and not self.masks_on_device)
 
     def __call__(self, logits: torch.Tensor, prompt: list[int] = (), generated: list[int] = ()) -> int:
         """logits: [vocab] float32 (any device); ``prompt`` and ``generated``: the sequence's ids so far, which its
@@ -83,13 +86,21 @@ class Sampler:
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with every id the constraint forbids at -inf (a new CPU tensor: the step's stay as they are)."""
+        return logits.float().cpu().masked_fill(~self.mask(logits.shape[-1]), float("-inf"))
+
+    def mask(self, n: int) -> torch.Tensor:
+        """The ids the constraint allows next, of ``n`` ([n] bool, on the CPU): the host's mask, or the one a step
+        applies on the device (``masks_on_device``)."""
         allowed = self.constraint.allowed()
-        n = logits.shape[-1]
         if allowed.numel() != n:
             raise ValueError(f"the constraint covers {allowed.numel()} ids and the logits {n}")
         if not bool(allowed.any()):
             raise ValueError("the constraint allows no id here")
-        return logits.float().cpu().masked_fill(~allowed, float("-inf"))
+        return allowed
+
+    def chosen(self, token: int) -> None:
+        """The step chose ``token`` under this row's mask, on the device: the constraint moves on past it."""
+        self.constraint.accept(token)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sampled token is drawn from: temperature, then top-k, then top-p ([vocab] float32, CPU)."""
