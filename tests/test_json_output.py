@@ -156,6 +156,32 @@ def test_a_mask_that_fails_mid_value_ends_its_sequence_and_its_companions_go_on(
                                                         stop_at_eos=False).token_ids
 
 
+class Refusing(Only):
+    """Allows one id, and fails on hearing it the second time: a matcher that errs on a token the step chose."""
+
+    def accept(self, token: int) -> None:
+        super().accept(token)
+        if len(self.heard) == 2:
+            raise KestrelError("the grammar's matcher failed on a token")
+
+
+def test_a_matcher_that_fails_on_the_devices_token_ends_only_its_sequence(run):
+    vocab = run.runner.vocab_size
+    refusing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
+                            constraint=lambda: Refusing(7, vocab))
+    other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
+    sched = Scheduler(run, max_batch=2, max_queue=4)
+    sched.start()
+    try:
+        a, b = sched.submit(refusing), sched.submit(other)
+        assert a.finished.wait(60) and b.finished.wait(60)
+    finally:
+        sched.stop(cancel=True)
+    assert a.finish_reason == "error" and "matcher failed" in str(a.error) and a.tokens == [7]
+    assert sched.error is None and b.error is None
+    assert b.tokens == run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False).token_ids
+
+
 def test_a_grammar_that_fails_to_start_ends_its_request_and_the_scheduler_goes_on(run):
     def broken():
         raise GrammarError("the JSON schema cannot be used: broken")

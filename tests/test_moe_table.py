@@ -14,6 +14,7 @@ import pytest
 from backends.cpu_ref.backend import CpuRefBackend
 from kestrel_core import load
 from kestrel_core.errors import ConfigError
+from kestrel_core.hookspecs import hookimpl
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 from kestrel_core.tools.quantize import quantize_checkpoint
@@ -266,3 +267,34 @@ def test_waited_weights_wait_for_an_expert_as_it_is_read():
     with pytest.raises(KeyError):
         ww[4]
     assert used == [(7, 5)]
+
+
+class PrefetchEverything:
+    """An observer that advises, at every decision point, the prefetch of every expert of the layer."""
+
+    def __init__(self, n):
+        self.n = n
+
+    @hookimpl
+    def on_experts_routed(self, window, layer, experts, phase):
+        from kestrel_core.engine.plan import Advice
+
+        return Advice(prefetch=[(layer, e) for e in range(self.n)])
+
+
+def test_a_landed_step_admits_nothing_at_its_hearing_not_even_prefetch_advice(tiny_moe, monkeypatch):
+    """Where steps land their misses, what is resident changes only by landing and eviction while a step is heard: an
+    expert admitted then would be pointed at from a later step, while the table may still point at its landed slot."""
+    admitted = []
+    real = ExpertSchedule.admit_heard
+    monkeypatch.setattr(ExpertSchedule, "admit_heard", lambda self, key, payload=None: admitted.append(key) or
+                        real(self, key, payload))
+    budget_mb = 8 * EXPERT / 2**20
+    with load(tiny_moe) as model:
+        for landing in (True, False):
+            with model.open(observers=[PrefetchEverything(model.config.num_experts)], expert_policy="expert_lru",
+                            expert_budget_mb=budget_mb, expert_landing=landing) as run:
+                r = run.generate(prompt_ids=PROMPT, max_new_tokens=8, stop_at_eos=False)
+            assert (r.counters["expert_landed"] > 0) == landing
+            assert bool(admitted) != landing, admitted  # without landing the advice is admitted a step behind
+            admitted.clear()

@@ -452,7 +452,11 @@ class Batch:
             seq.passes.append(k)
             seq.kept.append(1)
             if seq.sampler.masks_on_device:
-                seq.sampler.chosen(back.tokens[slot])
+                try:
+                    seq.sampler.chosen(back.tokens[slot])
+                except Exception as exc:  # noqa: BLE001 - one sequence's grammar, not the batch's state
+                    self._fail(seq, exc)
+                    continue
             lp = p.logprobs.pop(slot, None)
             self._hear_token(seq, back.tokens[slot], _on_host(back.tokens[slot], *lp) if lp else None)
 

@@ -223,6 +223,10 @@ class Window:
             c.bytes_read_host += sum(self.units[(layer, e)].nbytes for e in missed if e not in landed)
             c.bytes_reread += sum(self.units[key].nbytes for key in missing if key[1] in missed)
         fetch = [self._fetch(self.units[key], ahead=not now) for key in missing]
+        if not now and not self.admits:
+            # A landed step admits nothing at its hearing, prefetch advice either: an expert admitted here would be
+            # pointed at from a later step, while the table may still point at a slot the step landed it in
+            ahead = []
         fetch += [self._fetch(self.units[key], ahead=True) for key in ahead if key not in resident and key not in routed]
         return evicted, fetch
 
