@@ -139,21 +139,26 @@ class Closing(Only):
         return self.mask if len(self.heard) < 2 else torch.zeros_like(self.mask)
 
 
-def test_a_mask_that_fails_mid_value_ends_its_sequence_and_its_companions_go_on(run):
-    vocab = run.runner.vocab_size
-    closing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
-                           constraint=lambda: Closing(7, vocab))
+def failing_beside_a_companion(run, constraint):
+    """A constrained request (``constraint()`` its grammar's state) and a plain one in one scheduler's batch: both
+    finished, the scheduler's own error, and the plain one's solo ids."""
+    failing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
+                           constraint=constraint)
     other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
     sched = Scheduler(run, max_batch=2, max_queue=4)
     sched.start()
     try:
-        a, b = sched.submit(closing), sched.submit(other)
+        a, b = sched.submit(failing), sched.submit(other)
         assert a.finished.wait(60) and b.finished.wait(60)
     finally:
         sched.stop(cancel=True)
+    return a, b, sched.error, run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False).token_ids
+
+
+def test_a_mask_that_fails_mid_value_ends_its_sequence_and_its_companions_go_on(run):
+    a, b, error, solo = failing_beside_a_companion(run, lambda: Closing(7, run.runner.vocab_size))
     assert a.finish_reason == "error" and "allows no id" in str(a.error) and a.tokens == [7, 7]
-    assert b.error is None and b.tokens == run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6,
-                                                        stop_at_eos=False).token_ids
+    assert error is None and b.error is None and b.tokens == solo
 
 
 class Refusing(Only):
@@ -166,20 +171,9 @@ class Refusing(Only):
 
 
 def test_a_matcher_that_fails_on_the_devices_token_ends_only_its_sequence(run):
-    vocab = run.runner.vocab_size
-    refusing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
-                            constraint=lambda: Refusing(7, vocab))
-    other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
-    sched = Scheduler(run, max_batch=2, max_queue=4)
-    sched.start()
-    try:
-        a, b = sched.submit(refusing), sched.submit(other)
-        assert a.finished.wait(60) and b.finished.wait(60)
-    finally:
-        sched.stop(cancel=True)
+    a, b, error, solo = failing_beside_a_companion(run, lambda: Refusing(7, run.runner.vocab_size))
     assert a.finish_reason == "error" and "matcher failed" in str(a.error) and a.tokens == [7]
-    assert sched.error is None and b.error is None
-    assert b.tokens == run.generate(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False).token_ids
+    assert error is None and b.error is None and b.tokens == solo
 
 
 def test_a_grammar_that_fails_to_start_ends_its_request_and_the_scheduler_goes_on(run):
