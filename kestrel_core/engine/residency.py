@@ -178,15 +178,8 @@ class Window:
         read the upload. False where it was resident already (admitted meanwhile): the slot's buffers are free again."""
         if key in self._resident:
             return False
-        unit = self.units[key]
-        self._resident[key] = Resident(unit, buffers, {e.name: b for e, b in zip(self._entries[key], buffers)})
-        self._layers = None
-        c = self.counters
-        c.uploads += len(buffers)
-        c.layer_uploads += 1
-        c.bytes_uploaded += unit.nbytes
-        c.expert_landed += 1
-        c.add_resident(unit.nbytes, len(buffers))
+        self._admit(self.units[key], buffers)
+        self.counters.expert_landed += 1
         return True
 
     def slot(self, like: UnitKey) -> tuple:
@@ -258,16 +251,19 @@ class Window:
 
     # --- the record -------------------------------------------------------------------------
     def _fetch(self, unit: Unit, ahead: bool) -> Fetch:
-        entries = self._entries[unit.key]
-        buffers = self._alloc(unit.key, entries)
-        self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(entries, buffers)})
+        buffers = self._alloc(unit.key, self._entries[unit.key])
+        self._admit(unit, buffers)
+        return Fetch(unit, buffers, ahead)
+
+    def _admit(self, unit: Unit, buffers: tuple) -> None:
+        """``unit`` resident in ``buffers``, counted as an upload (a fetch's, or a landed step's read)."""
+        self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(self._entries[unit.key], buffers)})
         self._layers = None
         c = self.counters
-        c.uploads += len(entries)
+        c.uploads += len(buffers)
         c.layer_uploads += 1
         c.bytes_uploaded += unit.nbytes
-        c.add_resident(unit.nbytes, len(entries))
-        return Fetch(unit, buffers, ahead)
+        c.add_resident(unit.nbytes, len(buffers))
 
     def _alloc(self, key: UnitKey, entries: tuple) -> tuple:
         buffers = []
