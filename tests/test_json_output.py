@@ -24,6 +24,7 @@ from kestrel_core.engine.sampling import Sampler
 from kestrel_core.engine.scheduler import Scheduler
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.tools.presets import preset_config, write_checkpoint
+from conftest import BACKENDS, GPU_BACKENDS
 from serve_helpers import assert_openai_error, chat_model
 from tests.real_model import smollm2_gguf  # noqa: F401 - a fixture
 
@@ -75,9 +76,11 @@ def model_dir(request, tmp_path_factory) -> Path:
     return write_checkpoint(preset_config(request.param), tmp_path_factory.mktemp("json") / request.param)
 
 
-@pytest.fixture(scope="module")
-def run(model_dir):
-    with load(model_dir) as model, model.open(backend="cpu_ref") as r:
+@pytest.fixture(scope="module", params=[pytest.param(b, marks=[pytest.mark.cuda] if b in GPU_BACKENDS else [], id=b)
+                                        for b in BACKENDS])
+def run(model_dir, request):
+    """An open run of each preset on each backend under test (cuda takes a greedy row's mask into its captured step)."""
+    with load(model_dir) as model, model.open(backend=request.param) as r:
         yield r
 
 
