@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .grouped_experts import GroupedExperts
-from .landing import LandingRing
+from .landing import LandingRing, write_by_index
 
 
 class DeviceExpertTable:
@@ -21,19 +21,18 @@ class DeviceExpertTable:
         L, E = cfg.num_hidden_layers, cfg.num_experts
         self.E, self.device = E, device
         ptrs = torch.zeros((L, E, 2), dtype=torch.int64)
-        for key, unit in units.units.items():
-            if len(key) == 2:
-                for j, entry in enumerate(unit.entries):  # gate_up, then down (layout.FUSED's order)
-                    ptrs[key[0], key[1], j] = host[entry.source].data_ptr()
+        for unit in units.experts():
+            for j, entry in enumerate(unit.entries):  # gate_up, then down (layout.FUSED's order)
+                ptrs[unit.key[0], unit.key[1], j] = host[entry.source].data_ptr()
         self.host_ptrs = ptrs  # what a host copy's address is, kept for pointing back to it
         # GGUF block experts: each layer's (gate_up, down) layouts, which its grouped kernels are told
-        self.layouts = {key[0]: tuple(e.geometry.layout[1] for e in unit.entries)
-                        for key, unit in units.units.items() if len(key) == 2 and grouped.blocks}
+        self.layouts = {unit.layer: tuple(e.geometry.layout[1] for e in unit.entries)
+                        for unit in units.experts() if grouped.blocks}
         self.table = ptrs.to(device)
         self.stream = torch.cuda.Stream(device)  # admissions heard a step behind: no replay waits for them
         self.ready: dict[tuple, torch.cuda.Event] = {}  # expert unit -> its admission's upload event
         self.grouped = grouped
-        sizes = {tuple(e.geometry.nbytes for e in unit.entries) for key, unit in units.units.items() if len(key) == 2}
+        sizes = {tuple(e.geometry.nbytes for e in unit.entries) for unit in units.experts()}
         # a miss lands in a slot by a word copy: every expert alike, whole words
         self.entry_bytes = next(iter(sizes)) if len(sizes) == 1 and all(b % 4 == 0 for b in next(iter(sizes))) else None
         self.ring: LandingRing | None = None
@@ -63,8 +62,7 @@ class DeviceExpertTable:
             for i, v in zip(flat, vals):
                 table[i].fill_(v)
             return
-        both = torch.tensor(flat + vals, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-        table.index_copy_(0, both[: len(flat)], both[len(flat):])
+        write_by_index(table, flat, vals)
 
     def admit(self, fetch, last_read: dict, copy) -> None:
         """Upload a heard admission on the table's own stream, after the last reader of each of its buffers."""

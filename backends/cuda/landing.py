@@ -77,6 +77,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def write_by_index(target: torch.Tensor, index: list[int], values: list[int]) -> None:
+    """``target[index] = values`` (int64) in stream order: the pairs cross in one copy from page-locked memory where
+    ``target`` is on a GPU, so the host need not wait for the device."""
+    both = torch.tensor(index + values, dtype=torch.int64)
+    if target.device.type == "cuda":
+        both = both.pin_memory()
+    both = both.to(target.device, non_blocking=True)
+    target.index_copy_(0, both[: len(index)], both[len(index):])
+
+
 class LandingRing:
     """The ring of ``size`` slots on ``device`` for experts whose two entries are ``entry_bytes`` each, of a model of
     ``experts`` experts a sparse layer; ``host`` [layers, experts, 2] their host copies' addresses."""
@@ -99,12 +109,8 @@ class LandingRing:
             for j, b in enumerate(buffers):
                 flat.append((position % self.size) * 2 + j)
                 vals.append(b.data_ptr())
-        both = torch.tensor(flat + vals + [tail], dtype=torch.int64)
-        if self.device.type == "cuda":  # page-locked, so the copy is in stream order and the host need not wait
-            both = both.pin_memory()
-        both = both.to(self.device, non_blocking=True)
-        self.ring.view(-1).index_copy_(0, both[: len(flat)], both[len(flat): 2 * len(flat)])
-        self.tail.copy_(both[-1:])
+        write_by_index(self.ring.view(-1), flat, vals)
+        self.tail.fill_(tail)
 
     def land(self, layer: int, table: torch.Tensor, chosen: torch.Tensor) -> None:
         """Layer ``layer``'s routed misses (``chosen`` [rows, k]) into the ring; ``table`` is the layer's [experts, 2]."""
