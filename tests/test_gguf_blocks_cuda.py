@@ -98,7 +98,7 @@ def test_block_experts_run_through_the_expert_table_with_the_ids_of_every_path(t
     with load(path) as model:
         with model.open(backend="cuda", keep="off") as run:
             assert run.backend.expert_table, run.backend.expert_table_refusal
-            experts = [u.nbytes for key, u in run.backend.units.units.items() if len(key) == 2]
+            experts = [u.nbytes for u in run.backend.units.experts()]
             ids["off"] = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=10, stop_at_eos=False).token_ids
         budget = 3 * max(experts) / 2**20  # three of a layer's four experts
         for decode in ("table", "host"):

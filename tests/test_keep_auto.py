@@ -16,6 +16,7 @@ from kestrel_core.cli import main
 from kestrel_core.config import AUTO, KestrelConfig, parse_keep
 from kestrel_core.engine.fit import FitFacts, KVRoom, choose_keep
 from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
+from kestrel_core.formats.units import is_expert
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 
 MIB = 2**20
@@ -144,8 +145,8 @@ def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_
     with load(path) as model:
         cfg = model.config
         size = lambda spec: sum(math.prod(s) for _, s in spec.tensors.values()) * 4  # noqa: E731 - float32 bytes
-        own = [size(s) for s in model.units if len(s.key) == 1]
-        experts = [size(s) for s in model.units if len(s.key) == 2]
+        own = [size(s) for s in model.units if not is_expert(s.key)]
+        experts = [size(s) for s in model.units if is_expert(s.key)]
         fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * 4
         fixed += sum(math.prod(s) for i in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, i).values()) * 4
         with model.open(backend="cpu_ref", keep="off") as run:

@@ -18,6 +18,7 @@ from kestrel_core.hookspecs import hookimpl
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 from kestrel_core.tools.quantize import quantize_checkpoint
+from kestrel_core.formats.units import is_expert
 from kestrel_core.tools.traces import TraceRecorder, replay
 from plugins.experts import ExpertLFU
 
@@ -133,7 +134,7 @@ def test_a_heard_routing_brings_no_expert_of_a_layer_that_left_the_window(tiny_m
         def on_layer_advance(self, window, layer, phase):
             present = window.resident_units
             self.seen += 1
-            self.orphans += [k for k in present if len(k) == 2 and (k[0],) not in present]
+            self.orphans += [k for k in present if is_expert(k) and (k[0],) not in present]
 
     watch = Orphans()
     result, table = generate(tiny_moe, tokens=12, observers=[watch], keep=2, expert_policy="expert_lru",

@@ -21,6 +21,7 @@ from backends.cuda.host.pagecache import cached_fraction, drop_checkpoint, resid
 from backends.cuda.host.tier import PendingFill, PinnedRing, SlotEntry, slot_bytes
 from kestrel_core.formats.tensor_table import unit_specs
 from kestrel_core.formats.modelconfig import read_model_config
+from kestrel_core.formats.units import is_expert
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 from backends.cuda.host.staging import Filler, PartRead, Stager
 from backends.cuda.layout import slot_entries
@@ -222,7 +223,7 @@ def test_expected_units_are_staged_ahead_in_order_without_taking_each_others_slo
     out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
     ckpt = Checkpoint(out)
     entries = entries_of(read_model_config(out))
-    experts = sorted(k for k in entries if len(k) == 2 and k[0] == 1)[:6]  # layer 1 is sparse
+    experts = sorted(k for k in entries if is_expert(k) and k[0] == 1)[:6]  # layer 1 is sparse
     ring = PinnedRing(3, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
     stager = Stager(ring, Filler(ckpt), entries.__getitem__, lookahead=2)
     try:
@@ -252,7 +253,7 @@ def test_small_units_queued_together_are_staged_side_by_side_and_handed_out_in_o
     out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")
     ckpt = Checkpoint(out)
     entries = entries_of(read_model_config(out))
-    experts = sorted(k for k in entries if len(k) == 2 and k[0] == 1)[:5]
+    experts = sorted(k for k in entries if is_expert(k) and k[0] == 1)[:5]
     events = []
     real_start, real_result = PinnedRing.start, PendingFill.result
 
@@ -290,7 +291,7 @@ def test_a_slot_lays_out_one_layout_once_and_every_unit_of_it_fills_it_exactly(t
     out = write_checkpoint(preset_config("tiny-moe"), tmp_path / "tiny-moe")  # bf16: every 2-D part reads itself
     ckpt = Checkpoint(out)
     entries = entries_of(read_model_config(out))
-    experts = sorted(k for k in entries if len(k) == 2)[:4]
+    experts = sorted(k for k in entries if is_expert(k))[:4]
     ring = PinnedRing(1, slot_bytes(entries.values(), DTYPE), DTYPE, threads=2, pin=False)
     filler = Filler(ckpt)
     try:

@@ -30,7 +30,7 @@ from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.engine.model import expert_mlp
-from kestrel_core.formats.units import EntrySpec, Geometry
+from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
 
 DTYPES = ("float32", "float64")
 
@@ -86,7 +86,7 @@ class CpuRefBackend(Backend):
         for spec in ctx.unit_specs:
             nbytes = sum(math.prod(s) for _, s in spec.tensors.values()) * item
             layers[spec.layer] = layers.get(spec.layer, 0) + nbytes
-            (experts if len(spec.key) == 2 else own).append(nbytes)
+            (experts if is_expert(spec.key) else own).append(nbytes)
         cfg = ctx.model
         fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * item
         fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item

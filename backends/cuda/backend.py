@@ -32,7 +32,7 @@ from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_ca
 from backends.cuda.host.staging import Filler, Stager
 from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.kvcache import kv_bytes
-from kestrel_core.formats.units import Unit, UnitTable
+from kestrel_core.formats.units import Unit, UnitTable, is_expert
 
 from . import blocks, grouped_experts, q8
 from .expert_table import DeviceExpertTable
@@ -150,8 +150,8 @@ class CudaBackend(Backend):
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
         free = torch.cuda.mem_get_info(device)[0]
         budget, source, default = fit_budget(ctx.residency.budget_mb, free)
-        own = [u.nbytes for key, u in units.units.items() if len(key) == 1]
-        experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
+        own = [u.nbytes for key, u in units.units.items() if not is_expert(key)]
+        experts = [u.nbytes for u in units.experts()]
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
                         lambda n: streamed_peak(units, ctx.residency, ctx.model, n),
                         **moe_facts(ctx.residency, ctx.model, own, experts),
@@ -220,7 +220,7 @@ class CudaBackend(Backend):
         self._grouped_refusal = grouped_experts.available()
         if self._grouped_refusal is not None:
             return None
-        experts = [u for key, u in self.units.units.items() if len(key) == 2]
+        experts = self.units.experts()
         if {tuple(e.name for e in u.entries) for u in experts} != {("gate_up", "down")}:
             self._grouped_refusal = "an expert's entries are not gate_up and down"
             return None
@@ -390,7 +390,7 @@ class CudaBackend(Backend):
                 ev.record(torch.cuda.current_stream(self.device))
                 self.copy_stream.wait_event(ev)
                 demand = False
-            streamed = plan.phase == "prefill" and len(fetch.unit.key) == 2
+            streamed = plan.phase == "prefill" and is_expert(fetch.unit.key)
             self.fill_unit(fetch, side=streamed)
             demand = demand or not (fetch.ahead or streamed)
 

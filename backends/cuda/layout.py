@@ -13,7 +13,7 @@ from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
 from kestrel_core.formats.tensor_table import global_specs
-from kestrel_core.formats.units import EntrySpec, Geometry
+from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
 
 from . import blocks, q8
 
@@ -104,10 +104,10 @@ class DeviceLayout:
 def streamed_peak(units, residency, cfg, layers: int) -> int:
     """The most streamed bytes ``layers`` resident layers can hold. With an expert policy a sparse layer's experts live
     in its budget (plus one layer's guesses where prefetch is speculative), not in the layer's."""
-    experts = [u.nbytes for key, u in units.units.items() if len(key) == 2]
+    experts = [u.nbytes for u in units.experts()]
     if not experts or not residency.expert_policy:
         return units.peak_bytes(layers)
-    own = sorted((u.nbytes for key, u in units.units.items() if len(key) == 1), reverse=True)
+    own = sorted((u.nbytes for key, u in units.units.items() if not is_expert(key)), reverse=True)
     spare = int(residency.expert_budget_mb * 2**20)
     if residency.expert_prefetch:
         spare += cfg.num_experts_per_tok * max(experts)

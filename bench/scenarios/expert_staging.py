@@ -60,6 +60,7 @@ def run(args, record) -> dict:
     from kestrel_core.formats.checkpoint import Checkpoint
     from kestrel_core.formats.modelconfig import read_model_config
     from kestrel_core.formats.tensor_table import unit_specs
+    from kestrel_core.formats.units import is_expert
     from backends.cuda.host.pagecache import cached_pages, resident_fraction
     from backends.cuda.host.staging import Filler, PartRead, Stager
     from backends.cuda.host.tier import PinnedRing, fill_threads, slot_bytes
@@ -70,7 +71,7 @@ def run(args, record) -> dict:
     warm(path)
     cfg = read_model_config(path)
     entries = {spec.key: slot_entries(spec.tensors) for spec in unit_specs(cfg)}
-    experts = sorted(k for k in entries if len(k) == 2)[: args.experts]
+    experts = sorted(k for k in entries if is_expert(k))[: args.experts]
     threads = args.threads or fill_threads()
     ckpt = Checkpoint(path)
     pin = torch.cuda.is_available()

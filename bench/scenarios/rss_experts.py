@@ -30,6 +30,7 @@ from bench.observe import observing
 from bench.prompt import prompt_for
 from bench.rows import row
 from bench.rss import ResidentRuns, fault_granule
+from kestrel_core.formats.units import is_expert
 from kestrel_core.hookspecs import hookimpl
 
 MiB = 2**20
@@ -62,7 +63,7 @@ class RssSampler:
         runs, bound, units = self.runs.of([n for key in keys for n in self.names_of[key]])
         self.samples.append({"where": where, "phase": phase, "token": window.token, "rss": mapping_rss(self.files),
                              "bound": bound, "unit_mapping_bytes": units, "runs": len(runs),
-                             "experts": sum(len(k) == 2 for k in keys)})
+                             "experts": sum(map(is_expert, keys))})
 
     @hookimpl
     def on_experts_routed(self, window, layer, experts, phase):
@@ -153,7 +154,7 @@ def run(args, record) -> dict:
         specs = unit_specs(cfg)
         names_of = {spec.key: [name for name, _ in spec.tensors.values()] for spec in specs}
         unit_names = {n for names in names_of.values() for n in names}
-        expert_specs = [s for s in specs if len(s.key) == 2]
+        expert_specs = [s for s in specs if is_expert(s.key)]
         one_mapping = sum(table.info(n).nbytes for n, _ in expert_specs[0].tensors.values())
         one_buffer = sum(sh[0] * sh[1] for _, sh in expert_specs[0].tensors.values()) * 4  # cpu_ref float32
         sampler_args = (ResidentRuns(table, unit_names), names_of, files)

@@ -11,6 +11,7 @@ import math
 
 from kestrel_core.errors import ConfigError
 from kestrel_core.engine.plan import Advice
+from kestrel_core.formats.units import is_expert
 
 
 class ExpertCache:
@@ -39,7 +40,7 @@ class ExpertCache:
             self.last[key] = self.clock
             self.uses[key] = self.uses.get(key, 0) + 1
         units, present = window.units, window.resident_units  # a property that builds a set: read it once
-        resident = [k for k in present if len(k) == 2]
+        resident = [k for k in present if is_expert(k)]
         used = sum(units[k].nbytes for k in resident)
         need = sum(units[k].nbytes for k in routed if k not in present) if window.admits else 0
         victims = []

@@ -22,13 +22,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from kestrel_core.formats.units import UnitKey
+from kestrel_core.formats.units import UnitKey, is_expert
 
 NEVER = 1 << 62
-
-
-def is_expert(key: UnitKey) -> bool:
-    return len(key) == 2
 
 
 class ExpertSchedule:

@@ -18,7 +18,7 @@ import numpy as np
 from kestrel_core.engine.contracts import Allocator, BufferFactory, ExpertPolicy, Policy
 from kestrel_core.errors import PluginError
 from kestrel_core.engine.plan import Advice, Boundary, Counters, Entry, Fetch, Observers, Plan, Resident, TokenPlan
-from kestrel_core.formats.units import Unit, UnitKey, UnitTable
+from kestrel_core.formats.units import Unit, UnitKey, UnitTable, is_expert
 
 __all__ = ["Window"]
 
@@ -233,7 +233,7 @@ class Window:
                 raise PluginError(f"preload must return layer numbers (e.g. range(n) or []) or None, got {answer!r}")
             layers.update(self._layer(x, "preload") for x in answer)
         # With an expert policy, experts come in only when routed to: a preload brings the layers' own units.
-        preloaded = (lambda u: len(u.key) == 1) if self.expert_policy is not None else (lambda u: True)
+        preloaded = (lambda u: not is_expert(u.key)) if self.expert_policy is not None else (lambda u: True)
         fetch = tuple(self._fetch(u, ahead=False) for layer in sorted(layers) for u in self.units.of_layer(layer)
                       if u.key not in self._resident and preloaded(u))
         return Plan(-1, "preload", (), fetch) if fetch else None

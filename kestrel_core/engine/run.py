@@ -172,7 +172,7 @@ def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | 
     factory = plugins.lookup("expert_policies", res.expert_policy).factory
     if not res.expert_budget_mb > 0:
         raise ConfigError(f"expert_policy {res.expert_policy!r} needs a budget: set --expert-budget-mb to a number above 0")
-    largest = max(u.nbytes for key, u in units.units.items() if len(key) == 2)
+    largest = max(u.nbytes for u in units.experts())
     budget = budget_bytes(res.expert_budget_mb, cfg.num_experts_per_tok, largest)
     return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
 
@@ -216,13 +216,12 @@ def lands(res, backend: Backend, table: bool, pipeline) -> bool:
     layers (an expert goes with its layer), in a pipeline, or with experts of several sizes (a slot holds any one)."""
     if not (res.expert_landing and table and backend.lands and pipeline is None and not res.windowed):
         return False
-    experts = [u for key, u in backend.units.units.items() if len(key) == 2]
-    return len({tuple(e.geometry for e in u.entries) for u in experts}) == 1
+    return len({tuple(e.geometry for e in u.entries) for u in backend.units.experts()}) == 1
 
 
 def landing_slots(policy: ExpertPolicy, backend: Backend, cfg) -> int:
     """The landing ring's slots under the expert policy's budget (``landing.ring_size``), held back from it."""
-    experts = [u for key, u in backend.units.units.items() if len(key) == 2]
+    experts = backend.units.experts()
     size, hold = landing.ring_size(policy.budget, experts[0].nbytes, sum(u.nbytes for u in experts),
                                    cfg.num_experts_per_tok, sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))))
     if hold:

@@ -18,11 +18,12 @@ import torch
 
 from kestrel_core.engine.contracts import Backend
 from kestrel_core.errors import ConfigError, NonFiniteError
-from kestrel_core.engine.expert_schedule import ExpertSchedule, is_expert
+from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
 from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, route
 from kestrel_core.formats.modelconfig import ModelConfig
+from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.kvcache import allocate_cache
 from kestrel_core.engine.plan import Boundary, Plan, delta
 from kestrel_core.engine.pipeline import Pipeline, micro_batches

@@ -24,6 +24,7 @@ from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.modeldir import ModelFiles
 from kestrel_core.formats.quant import FLOAT_ROLES, METHOD, N_ALIGN, Q8Tensor, QuantInfo, pad_n, q8_names
 from kestrel_core.formats.tensor_table import unit_specs
+from kestrel_core.formats.units import is_expert
 
 
 def names_gguf(model: str | os.PathLike) -> bool:
@@ -79,7 +80,7 @@ def q8_info(ckpt: GGUFCheckpoint, cfg: ModelConfig) -> QuantInfo | None:
     layers, experts = [], []
     for unit in unit_specs(cfg):
         linears = {name: shape for role, (name, shape) in unit.tensors.items() if role not in FLOAT_ROLES}
-        (experts if len(unit.key) == 2 else layers).append(linears)
+        (experts if is_expert(unit.key) else layers).append(linears)
     q8_experts = all(ckpt.info(name).ggml_type == "Q8_0" for linears in experts for name in linears)
     for linears in layers + (experts if q8_experts else []):
         if all(ckpt.info(name).ggml_type == "Q8_0" for name in linears):

@@ -1,8 +1,7 @@
 """Residency units: what the window makes resident or evicts, each measured in bytes.
 
-The model declares its units (``model.unit_specs``): a dense layer is one unit ``(layer,)``;
-a Mixture-of-Experts layer will be ``(layer, "attn")`` plus one ``(layer, "expert", e)`` per
-expert. A backend lays each unit out as the buffers it computes from (``EntrySpec``: a
+The model declares its units (``model.unit_specs``): each layer's own weights are one unit ``(layer,)``,
+and a Mixture-of-Experts layer adds one unit ``(layer, e)`` per expert (``is_expert``). A backend lays each unit out as the buffers it computes from (``EntrySpec``: a
 name, a geometry and the backend's own note of where the bytes come from), which gives the
 unit its size. Units of one model may differ in size: budgets and peaks add real bytes.
 """
@@ -13,7 +12,12 @@ from typing import Any, Iterable
 
 import attrs
 
-UnitKey = tuple  # (layer,) for a dense layer
+UnitKey = tuple  # (layer,) for a layer's own weights, (layer, expert) for an expert
+
+
+def is_expert(key: UnitKey) -> bool:
+    """Whether ``key`` names an expert, (layer, expert), rather than a layer's own weights, (layer,)."""
+    return len(key) == 2
 
 
 @attrs.frozen
@@ -73,6 +77,10 @@ class UnitTable:
 
     def __len__(self) -> int:
         return len(self.units)
+
+    def experts(self) -> list[Unit]:
+        """The expert units, in the table's order."""
+        return [u for key, u in self.units.items() if is_expert(key)]
 
     def of_layer(self, layer: int) -> tuple[Unit, ...]:
         return self.by_layer.get(layer, ())

@@ -53,7 +53,7 @@ def model_info(run) -> dict:
     table = run.runner.schedule is not None
     return {"dir": str(run.model.dir), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
             "sparse_layers": [layer for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer)],
-            "expert_bytes": {f"{k[0]}.{k[1]}": u.nbytes for k, u in run.backend.units.units.items() if len(k) == 2},
+            "expert_bytes": {f"{u.key[0]}.{u.key[1]}": u.nbytes for u in run.backend.units.experts()},
             "backend": run.backend.name, "expert_decode": "table" if table else "host",
             "lag": 1 if run.config.generation.temperature == 0 else 0, "landing": run.lands}
 

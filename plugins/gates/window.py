@@ -11,6 +11,7 @@ from collections import Counter
 
 from kestrel_core.formats.tensor_table import global_specs, small_specs, unit_specs
 from kestrel_core.formats.modelconfig import ModelConfig
+from kestrel_core.formats.units import is_expert
 from kestrel_core import plugins
 
 from .context import GateContext
@@ -231,7 +232,7 @@ def kestrel_entries(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
     for backend in KESTREL_LAYOUTS:
         per_unit = entries_of(backend)
         # (kind, entries a unit) -> units: a layer's own unit (layer,) or an expert (layer, e)
-        groups = Counter(("expert" if len(u.key) > 1 else "layer", per_unit(u.tensors)) for u in units)
+        groups = Counter(("expert" if is_expert(u.key) else "layer", per_unit(u.tensors)) for u in units)
         terms = " + ".join(f"{n} {kind} unit{'s' if n != 1 else ''} x {k}"
                            for (kind, k), n in sorted(groups.items(), key=lambda g: (g[0][0] == "expert", -g[0][1])))
         out[backend] = (sum(k * n for (_, k), n in groups.items()), terms)

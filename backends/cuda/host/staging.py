@@ -33,6 +33,7 @@ import torch
 
 from kestrel_core.formats.checkpoint import DTYPES, Checkpoint
 from kestrel_core.errors import CheckpointError, ConfigError
+from kestrel_core.formats.units import is_expert
 
 from .diskread import CHUNK, HAVE_O_DIRECT, DirectFile, Reader, aligned_empty, direct_io_supported, round_up
 from .pagecache import cached_fraction, range_cached
@@ -302,7 +303,7 @@ class Stager:
             self._cv.notify_all()
 
     def _forecast(self, key: Hashable) -> None:
-        if len(key) != 1:  # an expert: routed, so not forecast
+        if is_expert(key):  # an expert: routed, so not forecast
             return
         if self._pass and key[0] <= self._pass[-1][0]:
             self._last_pass, self._pass = self._pass, []
