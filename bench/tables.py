@@ -590,11 +590,16 @@ def gguf_stream(recs: Records) -> str:
 
 def grammar(recs: Records) -> str:
     """Output held to a JSON schema on the real model against plain greedy decoding, and the libraries' mask cost a
-    token, from the newest complete ``python -m bench grammar`` record."""
-    found = recs.newest("grammar")
-    if found is None:
+    token, from the newest complete ``python -m bench grammar`` record of each backend."""
+    found = [f for backend in ("cpu_ref", "cuda")
+             if (f := recs.newest("grammar", lambda r, b=backend: r["result"].get("backend") == b)) is not None]
+    if not found:
         return "No record yet: `python -m bench grammar` makes one."
-    name, rec = found
+    return "\n\n".join(grammar_record(name, rec) for name, rec in found)
+
+
+def grammar_record(name: str, rec: dict) -> str:
+    """One ``bench grammar`` record's rows, headline and mask costs."""
     res = rec["result"]
     plain = res["rows"][0]["ms_per_token"]["p50"]
     out = [[f"`{r['row']}`", spread(r["ms_per_token"]),
@@ -608,8 +613,9 @@ def grammar(recs: Records) -> str:
     heads = [f"`{n}` {h['over_plain_p50']:.3f}x plain's p50 ({'within' if h['within_target'] else 'over'} the "
              f"target), plain's p50 plus the mask's {h['plain_plus_mask_over_plain_p50']:.3f}x"
              for n, h in res["headline"].items()]
-    return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}, keep {res['keep']}, {res['threads']} "
-            f"threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every repeat's steps "
+    dtype = f" ({res['compute_dtype']})" if "compute_dtype" in res else ""
+    return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}{dtype}, keep {res['keep']}, "
+            f"{res['threads']} threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every repeat's steps "
             f"(p10–p90, n), the grammar's mask and the sampling inside each step; the target is at most "
             f"{res['target']}x plain's.\n\n"
             + table(["row", "decode ms/token", "x plain", "tokens (each repeat)", "valid JSON"], out)

