@@ -20,6 +20,7 @@ between its tokens, p50 and p99 over all of them, and the round's tokens/s. The 
 
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
 import threading
@@ -46,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
     p.add_argument("--expert-policy", default="", help="a MoE preset's expert policy (e.g. expert_lru; empty: none)")
     p.add_argument("--expert-budget-mib", type=float, default=0.0, help="its budget in MiB")
+    p.add_argument("--expert-landing", default="on", type=landings,
+                   help="on, off, or both (on,off): the engine rows at each, one run after the other in this process; "
+                        "the first value's are the record's engine rows")
     p.add_argument("--batches", type=numbers(int, 1), default=[1, 4, 16])
     p.add_argument("--clients", type=numbers(int, 1), default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=32)
@@ -61,6 +65,14 @@ def add_arguments(p) -> None:
                         "one run: what a context a request does not use costs")
 
 
+def landings(text: str) -> list[str]:
+    """``--expert-landing``: on and/or off, comma-separated, in the order given."""
+    got = [p.strip() for p in text.split(",") if p.strip()]
+    if not got or set(got) - {"on", "off"} or len(set(got)) < len(got):
+        raise argparse.ArgumentTypeError(f"{text!r}: give on, off, or on,off")
+    return got
+
+
 def needs_gpu(args) -> str | None:
     if args.backend == "cuda":
         import torch
@@ -74,10 +86,11 @@ def prompt_of(i: int) -> list[int]:
     return [(7 * i + k * 13) % 250 + 1 for k in range(3 + i % 5)]
 
 
-def settings(args) -> dict:
+def settings(args, landing: str | None = None) -> dict:
     out = {"backend": args.backend, "keep": args.keep if args.keep == "off" else int(args.keep)}
     if args.expert_policy:
-        out.update(expert_policy=args.expert_policy, expert_budget_mb=args.expert_budget_mib)
+        out.update(expert_policy=args.expert_policy, expert_budget_mb=args.expert_budget_mib,
+                   expert_landing=(landing or args.expert_landing[0]) == "on")
     return out
 
 
@@ -89,11 +102,11 @@ def serve_flags(args) -> list[str]:
     return flags
 
 
-def engine_rows(args, path: Path, record) -> tuple[list[dict], dict, list[list[int]]]:
+def engine_rows(args, path: Path, record, landing: str | None = None) -> tuple[list[dict], dict, list[list[int]]]:
     from kestrel_core import load
 
     rows = []
-    with load(path) as model, model.open(**settings(args)) as run:
+    with load(path) as model, model.open(**settings(args, landing)) as run:
         reqs = [dict(prompt_ids=prompt_of(i), max_new_tokens=args.tokens, stop_at_eos=False) for i in range(args.prompts)]
         run.generate_batch(reqs[:2], max_batch=2)  # warm-up
         solo = None
@@ -283,9 +296,19 @@ def run(args, record) -> dict:
     path = models.ensure_preset(args.models, args.preset, layers=args.layers)
     wanted = args.rows
     engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
+    landing, same_ids = {args.expert_landing[0]: engine}, {}
+    for other in args.expert_landing[1:] if "engine" in wanted and args.expert_policy else ():
+        log(f"engine rows with expert_landing {other}")
+        landing[other], _, ids = engine_rows(args, path, record, other)
+        same_ids[other] = ids == solo  # the first B's ids: landing changes what is cached, never a result
+        log(f"expert_landing {other}: the first B's ids equal expert_landing {args.expert_landing[0]}'s: "
+            f"{same_ids[other]}")
     server = server_rows(args, path, record, engine, solo) if "server" in wanted else []
     result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,
               "engine": engine, "engine_one_request": base, "server": server}
+    if args.expert_policy:
+        result["expert_landing"] = args.expert_landing
+        result["engine_by_landing"], result["landing_ids_equal"] = landing, same_ids
     if "choices" in wanted:
         result["choices"] = choices_rows(args, path, record)
     seqs = sorted({r["max_seq"] for r in server})
