@@ -34,6 +34,17 @@ class RopeTable:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
+#: The fewest keys a bounded decode step attends over (``key_bound``).
+BOUND_FLOOR = 256
+
+
+def key_bound(need: int, max_seq: int) -> int:
+    """The keys a decode step over whole-cache masks attends over, where its rows need the first ``need``: ``need``
+    rounded up to a power of two, at least ``BOUND_FLOOR``, at most ``max_seq``. A captured step is captured again only
+    as the bound grows through these few sizes, and a short sequence in a long cache reads only the keys in use."""
+    return min(max_seq, max(BOUND_FLOOR, 1 << max(0, need - 1).bit_length()))
+
+
 @attrs.frozen
 class Span:
     """One sequence's rows of a pass beyond the decode rows: ``T`` rows from ``row``, at positions ``start``.. of KV
@@ -86,12 +97,16 @@ class Attend:
     def static(cls, rope: RopeTable, positions: torch.Tensor, slots: torch.Tensor, key_positions: torch.Tensor,
                spans: tuple[Span, ...] = (), span_positions: torch.Tensor | None = None,
                span_slots: torch.Tensor | None = None, row_exact: bool = False,
-               live: torch.Tensor | None = None, sliced: bool = False, first_slot: int = 0) -> "Attend":
+               live: torch.Tensor | None = None, sliced: bool = False, first_slot: int = 0,
+               bound: int | None = None) -> "Attend":
         """Decode rows (row b: slot ``slots[b]`` = ``first_slot`` + b, at ``positions[b]``, long tensors on the
         device: nothing here reads the host, unless ``row_exact``, whose rows attend one at a time over their own
         keys), then optionally ``spans`` at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags
-        (row-exact: a parked row is skipped)."""
+        (row-exact: a parked row is skipped). ``bound``: where no spans ride, the decode rows read only the first
+        ``bound`` keys of their slots (the host holds every live row's position below it; ``key_bound``)."""
         sliced = row_exact and sliced
+        if bound is not None and not spans:
+            key_positions = key_positions[:bound]
         mask = None if sliced else key_positions[None, :] <= positions[:, None]
         rows = positions.shape[0]
         if spans:
@@ -126,10 +141,11 @@ class Attend:
                     continue
                 outs.append(self._alone(q[b], cache, first + b, pos + 1, cfg, scale))
         elif B:
+            S = self.decode_mask.shape[1]  # the whole cache, or the step's bound
             out = F.scaled_dot_product_attention(
                 q[:B, :, None, :],  # [B, heads, 1, hd]
-                cache.k[first:first + B].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads
-                cache.v[first:first + B].transpose(1, 2),
+                cache.k[first:first + B, :S].transpose(1, 2),  # [B, kv_heads, S, hd]: SDPA groups the heads
+                cache.v[first:first + B, :S].transpose(1, 2),
                 attn_mask=self.decode_mask[:, None, None, :],
                 scale=scale,
                 enable_gqa=True,

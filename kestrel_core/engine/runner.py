@@ -21,7 +21,7 @@ from kestrel_core.errors import ConfigError, NonFiniteError
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
-from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, route
+from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound, route
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.kvcache import allocate_cache
@@ -139,6 +139,7 @@ class Slots:
         self.graphs: dict[int, StepGraphs] = {}
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
         self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
+        self.positions = [0] * slots  # the host's copy of each slot's position: placed, then moved on where live
         self.launched = 0
         self.t0 = None  # the mark before its first step
         self.sid = runner.opened  # its number among the run's slots (a pipeline's ranks number them alike)
@@ -242,10 +243,13 @@ class Runner:
             if graphs is None:
                 graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
                                                      on_replay=self.replayed)
-            mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows))
+            bound = self._bound(s, request.live)
+            mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows, bound=bound), bound)
         else:
             mode = "eager"
             span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans, request.every_row)
+        for slot in request.live:  # the step moved each live row on by one, on the device
+            s.positions[slot] += 1
         after = counters.snapshot()
         for slot in request.sample:
             token = sample(slot, state.logits[slot])
@@ -306,6 +310,7 @@ class Runner:
         if token is not None:
             s.state.tokens[slot].fill_(token)
         s.state.positions[slot].fill_(position)
+        s.positions[slot] = position
 
     def copy_prefix(self, s: Slots, src: int, dst: int, n: int) -> None:
         """Slot ``dst``'s first ``n`` positions' keys and values become slot ``src``'s (a prompt both hold), in stream
@@ -394,6 +399,13 @@ class Runner:
         for slot, allowed in now.items():
             s.state.allowed[slot].copy_(allowed, non_blocking=True)
         s.masked = set(now)
+
+    def _bound(self, s: Slots, live: frozenset[int]) -> int | None:
+        """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
+        past every live row's position. None where each row reads its own keys on the host (``_sliced``)."""
+        if _sliced(self.backend) or not live:
+            return None
+        return key_bound(1 + max(s.positions[slot] for slot in live), s.max_seq)
 
     def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
         """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
@@ -564,18 +576,20 @@ class Runner:
         return self._logits(h, torch.tensor([len(ids) - 1], device=h.device))[0]
 
     def decode_step(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                    spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+                    spans: list[tuple[Span, list[int]]] = (), every_row: frozenset[int] = frozenset(),
+                    bound: int | None = None) -> list[torch.Tensor]:
         """One pass: the next token of each of the first ``rows`` slots (greedy: its argmax goes to its slot's token on
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
-        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``)."""
+        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``). ``bound``: a
+        step without spans reads only the first ``bound`` keys of each slot (``Runner._bound``)."""
         table = state if self.reads_table(rows, spans) else None
         wanted: list[range] = []
         if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
-            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table)
+            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table, bound)
         else:
-            logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table)
+            logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table, bound)
         if table is not None and self.landing is not None:
             state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
@@ -588,7 +602,8 @@ class Runner:
         return list(logits[rows:].split([len(w) for w in wanted])) if spans else []
 
     def _one_pass(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                  spans, every_row: frozenset[int], table: DecodeState | None) -> tuple[torch.Tensor, list[range]]:
+                  spans, every_row: frozenset[int], table: DecodeState | None,
+                  bound: int | None = None) -> tuple[torch.Tensor, list[range]]:
         """``decode_step``'s pass over its rows at once: the logits of the decode rows, then of each span's rows it
         keeps (which: the second item)."""
         backend = self.backend
@@ -597,7 +612,7 @@ class Runner:
         live = state.live[:rows] if sliced else None  # a row-exact backend skips a parked row's attention
         if not spans:
             at = Attend.static(state.rope, positions, slots, state.key_positions, row_exact=backend.row_exact, live=live,
-                               sliced=sliced)
+                               sliced=sliced, bound=bound)
             h = self._embedded(state.tokens[:rows])
         else:
             device = backend.device
@@ -616,7 +631,7 @@ class Runner:
         return self._logits(h, picked), wanted
 
     def _micro_batched(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                       layer_fn, table: DecodeState | None) -> torch.Tensor:
+                       layer_fn, table: DecodeState | None, bound: int | None = None) -> torch.Tensor:
         """A pipeline's decode step in micro-batches (``pipeline.micro_batches``), so that the ranks work at once: a
         rank sends each micro-batch's hidden state on as soon as it has run its layers over it, and the next rank starts
         on it while this one runs the next. A rank whose layers are all resident runs its layers once a micro-batch;
@@ -630,7 +645,7 @@ class Runner:
         def attend(lo: int, hi: int) -> Attend:
             return Attend.static(state.rope, state.positions[lo:hi], state.slot_ids[lo:hi], state.key_positions,
                                  row_exact=backend.row_exact, live=state.live[lo:hi] if sliced else None,
-                                 sliced=sliced, first_slot=lo)
+                                 sliced=sliced, first_slot=lo, bound=bound)
 
         def arriving(lo: int, hi: int) -> torch.Tensor:
             if pipe.first:

@@ -36,14 +36,16 @@ class StepGraphs:
         self._graph_key: tuple | None = None
         self._last_key: tuple | None = None
 
-    def __call__(self, step: Callable[[Iterable[Boundary]], None]) -> str:
-        """Plan and run one decode step, ``step(boundaries)`` executing them; how it ran (one of ``results.MODES``)."""
+    def __call__(self, step: Callable[[Iterable[Boundary]], None], shape: Any = None) -> str:
+        """Plan and run one decode step, ``step(boundaries)`` executing them; how it ran (one of ``results.MODES``).
+        ``shape``: what else the step's graph bakes in (its attention's key bound): a step repeats only where it is
+        the same."""
         window, counters = self.window, self.window.counters
         if not self.enabled:
             step(window.boundaries("decode"))
             return "eager"
         token = window.plan_token("decode")
-        key = (tuple(window.signatures), counters.allocations + counters.frees)
+        key = (tuple(window.signatures), counters.allocations + counters.frees, shape)
         last, self._last_key = self._last_key, key
         if self.graph is not None and key == self._graph_key:
             self.backend.replay(self.graph[0])

@@ -1,0 +1,110 @@
+"""A decode step that reads whole KV slots under a mask (the way a captured cuda step attends) reads only the keys in
+use: the first ``key_bound`` of them, past every live row's position by the host's own count. Here cpu_ref is put on
+that path (its rows otherwise read their own keys, sliced on the host), with the floor lowered so the bound moves
+while a short sequence runs: a row that lost even its newest key would change its logits, so a bounded run giving
+the whole cache's logits shows the host's count and the rounding are right, through batches, parked slots, chunked
+prompts and verify passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel_core import load
+from kestrel_core.engine import model as model_math
+from kestrel_core.engine import runner as runner_mod
+from kestrel_core.engine.model import Attend, key_bound
+from kestrel_core.tools.presets import preset_config, write_checkpoint
+
+PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 200]]
+
+
+def test_the_bound_is_the_need_rounded_up_to_a_power_of_two_within_the_floor_and_the_cache():
+    assert [key_bound(n, 4096) for n in (1, 256, 257, 512, 513, 4000, 4096)] == [256, 256, 512, 512, 1024, 4096, 4096]
+    assert key_bound(300, 300) == 300 and key_bound(10, 100) == 100 == key_bound(100, 100)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("bound") / "tiny-moe")
+
+
+def masked(monkeypatch, floor: int) -> list[int | None]:
+    """cpu_ref's decode steps on the whole-cache path with ``BOUND_FLOOR`` ``floor``: the bounds they read, listed."""
+    seen: list[int | None] = []
+    real = Attend.static
+
+    def static(*args, **kwargs):
+        seen.append(kwargs.get("bound"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "_sliced", lambda backend: False)
+    monkeypatch.setattr(model_math, "BOUND_FLOOR", floor)
+    monkeypatch.setattr(Attend, "static", staticmethod(static))
+    return seen
+
+
+def batch(run, **kw):
+    got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=9 + 7 * i, stop_at_eos=False, keep_logits=True)
+                              for i, p in enumerate(PROMPTS)], **kw)
+    return [r.token_ids for r in got], [torch.stack(r.logits) for r in got]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_a_bounded_step_gives_the_whole_caches_ids_and_logits(preset, tiny_ckpt, tiny_moe, monkeypatch):
+    ckpt = tiny_ckpt if preset == "tiny" else tiny_moe
+    with load(ckpt) as model, model.open(dtype="float32", keep=2 if preset == "tiny" else "off") as run:
+        for kw in (dict(max_batch=1), dict(max_batch=3, prefill_chunk=4)):
+            with monkeypatch.context() as m:
+                whole = masked(m, 1 << 20)  # every bound the cache itself
+                want_ids, want_logits = batch(run, **kw)
+            with monkeypatch.context() as m:
+                bounds = masked(m, 1)
+                ids, logits = batch(run, **kw)
+            assert ids == want_ids, kw
+            for a, b in zip(logits, want_logits):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            # step by step (the same steps: the same ids), a bound where the whole cache was read, never more keys
+            assert len(bounds) == len(whole) and all((b is None) == (w is None) for b, w in zip(bounds, whole))
+            pairs = [(b, w) for b, w in zip(bounds, whole) if b is not None]
+            assert all(b <= w for b, w in pairs) and any(b < w for b, w in pairs)
+            # the bound moved up as the sequences grew, a power of two or the cache's size
+            assert len({b for b, _ in pairs}) >= 2 and all(b & (b - 1) == 0 or b == w for b, w in pairs)
+
+
+def test_verify_passes_and_parked_slots_keep_the_hosts_count(tiny_ckpt, monkeypatch):
+    """Drafted sequences ride verify spans (their decode rows parked), then decode again where the span left them."""
+    with load(tiny_ckpt) as model, model.open(dtype="float32", draft="ngram:2", draft_tokens=3) as run:
+        reqs = [dict(prompt_ids=p * 3, max_new_tokens=20, stop_at_eos=False, keep_logits=True) for p in PROMPTS]
+        with monkeypatch.context() as m:
+            masked(m, 1 << 20)
+            want = [(r.token_ids, r.logits) for r in run.generate_batch(reqs, max_batch=4)]
+        with monkeypatch.context() as m:
+            bounds = masked(m, 1)
+            results = run.generate_batch(reqs, max_batch=4)
+            got = [(r.token_ids, r.logits) for r in results]
+        # drafts kept in verify passes, and rows decoded between them where nothing was drafted
+        assert any(r.speculative["accepted"] for r in results) and any(1 in r.tokens_per_step for r in results)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for (_, a), (_, b) in zip(got, want):
+            torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=1e-5, atol=1e-5)
+        # spans unbounded; decode rows bounded, the bound moving as they grow
+        assert None in bounds and len(set(bounds) - {None}) >= 2
+
+
+@pytest.mark.cuda
+def test_a_captured_step_is_captured_again_as_its_bound_grows(tiny_ckpt, monkeypatch):
+    """On cuda each decode step is captured and replayed: the graph bakes its bound in, so a step of a larger bound is
+    not a replay of the smaller one's graph but a step of its own (eager, then captured), and the ids and logits are
+    the whole cache's."""
+    def generate(floor: int):
+        with monkeypatch.context() as m:
+            m.setattr(model_math, "BOUND_FLOOR", floor)
+            return run.generate(prompt_ids=PROMPTS[0], max_new_tokens=40, stop_at_eos=False, keep_logits=True)
+
+    with load(tiny_ckpt) as model, model.open(backend="cuda", dtype="float32") as run:
+        whole, bounded = generate(1 << 20), generate(1)
+    assert bounded.token_ids == whole.token_ids
+    torch.testing.assert_close(torch.stack(bounded.logits), torch.stack(whole.logits), rtol=1e-5, atol=1e-5)
+    # positions 5..44: bounds 8, 16, 32, 64, each one's steps captured once, the rest replayed
+    assert bounded.step_modes.count("captured") == 4 > whole.step_modes.count("captured") == 1, bounded.step_modes
