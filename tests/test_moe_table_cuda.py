@@ -78,10 +78,10 @@ def test_no_decode_step_waits_for_the_host(tiny_moe, monkeypatch):
 
     real = Runner.decode_step
 
-    def decode_step(self, state, cache, boundaries, rows, spans=(), every_row=frozenset()):
+    def decode_step(self, state, cache, boundaries, rows, spans=(), every_row=frozenset(), bound=None):
         if spans:  # a prompt's pass may route on the host
-            return real(self, state, cache, boundaries, rows, spans, every_row)
-        return strictly(real)(self, state, cache, boundaries, rows)
+            return real(self, state, cache, boundaries, rows, spans, every_row, bound)
+        return strictly(real)(self, state, cache, boundaries, rows, bound=bound)
 
     monkeypatch.setattr(Runner, "decode_step", decode_step)
     monkeypatch.setattr(CudaBackend, "replay", strictly(CudaBackend.replay))
