@@ -272,6 +272,36 @@ def test_bench_batch_counts_what_a_moe_batch_reads_from_host_copies(models, tmp_
                                                              / rows[0]["streamed_per_generated_token"])
 
 
+def test_bench_batch_runs_the_engine_rows_at_each_landing_setting_in_turn(models, tmp_path, monkeypatch):
+    """--expert-landing on,off: a run of each, in the order given, every B warmed first (a 4-token batch at B) and the
+    record's engine rows the first run's; landing changes what crosses, never an id."""
+    from kestrel_core.engine.run import Run
+
+    calls = []
+    real = Run.generate_batch
+
+    def spy(self, reqs, max_batch=8, **kw):
+        reqs = list(reqs)
+        calls.append((max_batch, {r["max_new_tokens"] for r in reqs}))
+        return real(self, reqs, max_batch=max_batch, **kw)
+
+    monkeypatch.setattr(Run, "generate_batch", spy)
+    rec = run_scenario(["batch", "--preset", "tiny-moe", "--backend", "cpu_ref", "--keep", "off",
+                        "--expert-policy", "expert_lru", "--expert-budget-mib", "0.2", "--batches", "1,4",
+                        "--rows", "engine", "--prompts", "4", "--tokens", "5", "--expert-landing", "on,off",
+                        "--models", str(models)], tmp_path)
+    res = rec["result"]
+    assert res["expert_landing"] == ["on", "off"]
+    on, off = res["engine_by_landing"]
+    assert (on["expert_landing"], off["expert_landing"]) == ("on", "off") and on["rows"] == res["engine"]
+    assert on["ids_equal_first"] and off["ids_equal_first"]
+    assert [r["batch"] for r in off["rows"]] == [1, 4]
+    # cpu_ref lands misses too: with landing on fewer bytes are uploaded than with it off
+    assert on["rows"][0]["bytes_uploaded"] < off["rows"][0]["bytes_uploaded"]
+    # each run: a 4-token warm-up at each B, then the timed rows of 5 tokens at each B
+    assert calls == [(1, {4}), (4, {4}), (1, {5}), (4, {5})] * 2
+
+
 def test_peers_say_when_they_are_not_installed(models, tmp_path):
     rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
                         "--models", str(models)], tmp_path)
@@ -448,6 +478,7 @@ def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
     (["batch", "--clients", "1,x"], "argument --clients: 'x' is not a int"),
     (["batch", "--rows", "engine,nope"], "nope: give one or more of engine, server"),
     (["batch", "--batches", "0,4"], "argument --batches: 0 is below 1"),
+    (["batch", "--expert-landing", "on,maybe"], "give on or off"),
     (["stream", "--backend", "cpu_ref", "--tokens", "0"], "--tokens must be at least 1, got 0"),
     (["speculative", "--repeats", "-2"], "--repeats must be at least 1, got -2"),
     (["moe", "--backend", "cpu_ref", "--layers", "0"], "--layers must be at least 1, got 0"),

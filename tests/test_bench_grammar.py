@@ -4,11 +4,17 @@ them; and its hand check of a value against a schema. Nothing here depends on ho
 
 from __future__ import annotations
 
-import pytest
+import json
+from argparse import Namespace
 
+import pytest
+import torch
+
+from bench.__main__ import main as bench
 from bench.scenarios import SCENARIOS, grammar
 from kestrel_core.engine.run import load
 from kestrel_core.tools.presets import preset_config, write_checkpoint
+from serve_helpers import chat_model
 
 YES_NO = {"enum": ["yes", "no"]}
 PROMPT = [5, 17, 42]
@@ -76,3 +82,18 @@ def test_the_headline_is_the_rows_p50s(measured):
 def test_the_hand_check_holds_a_value_to_the_people_schema(value, ok):
     assert grammar.conforms(value, grammar.SCHEMAS["schema"]) is ok
     assert grammar.conforms(value, grammar.SCHEMAS["json_object"]) is isinstance(value, dict)
+
+
+def test_the_scenario_runs_on_a_model_given_and_names_it(tiny_ckpt, tmp_path):
+    """``--model DIR`` in place of the real model (a device machine without a network): the record names it, its
+    backend and the run's compute dtype."""
+    d = chat_model(tiny_ckpt, tmp_path / "shape-only")
+    out = tmp_path / "out"
+    assert bench(["grammar", "--model", str(d), "--tokens", "4", "--repeats", "1", "--schemas", "json_object",
+                  "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(next(out.glob("grammar_*.json")).read_text())["result"]
+    assert (res["model"], res["backend"], res["compute_dtype"]) == ("shape-only (--model)", "cpu_ref", "float32")
+    assert [r["row"] for r in res["rows"]] == ["plain", "json_object"]
+    if not torch.cuda.is_available():  # --backend cuda says why it cannot run here, and how to run on the CPU
+        assert "--backend cpu_ref" in grammar.needs_gpu(Namespace(backend="cuda"))
+    assert grammar.needs_gpu(Namespace(backend="cpu_ref")) is None

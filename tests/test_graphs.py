@@ -20,7 +20,9 @@ from torch.utils._pytree import tree_flatten
 
 from backends.cpu_ref.backend import CpuRefBackend
 from cli_helpers import fails, gen
+from kestrel_core import load
 from kestrel_core.hookspecs import hookimpl
+from kestrel_core.engine import model as model_math
 from kestrel_core.engine.plan import Advice
 
 from conftest import PROMPT, run_once
@@ -257,3 +259,19 @@ def test_a_stale_graph_fails_the_id_test(tiny_ckpt, replaying, register_plugin, 
     stale, _ = run_once(tiny_ckpt, "replaying", residency__keep=6, generation__max_new_tokens=12)
     assert stale.step_modes[4:6] == ["eager", "replayed"]  # the old graph, replayed right after the swap
     assert stale.token_ids[:6] == off.token_ids[:6] and stale.token_ids != off.token_ids
+
+
+def test_a_step_whose_key_bound_grew_is_captured_anew(tiny_ckpt, replaying, monkeypatch):
+    """A captured step bakes in how many keys its attention reads (``key_bound``): with the floor at 1 the bound grows
+    8, 16, 32, 45 over 40 tokens, and each bound's steps are captured once (a replay of a smaller bound's graph would
+    drop keys), giving the ids and logits of a run whose every step reads the whole cache."""
+    def generate(floor: int):
+        monkeypatch.setattr(model_math, "BOUND_FLOOR", floor)
+        with load(tiny_ckpt) as model, model.open(backend="replaying", dtype="float32") as run:
+            return run.generate(prompt_ids=[5, 17, 42, 99, 3], max_new_tokens=40, stop_at_eos=False, keep_logits=True)
+
+    whole, bounded = generate(1 << 20), generate(1)
+    assert bounded.token_ids == whole.token_ids
+    torch.testing.assert_close(torch.stack(bounded.logits), torch.stack(whole.logits), rtol=1e-5, atol=1e-5)
+    assert whole.step_modes.count("captured") == 1
+    assert bounded.step_modes.count("captured") == 4, bounded.step_modes

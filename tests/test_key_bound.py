@@ -24,19 +24,34 @@ def test_the_bound_is_the_need_rounded_up_to_a_power_of_two_within_the_floor_and
     assert key_bound(300, 300) == 300 and key_bound(10, 100) == 100 == key_bound(100, 100)
 
 
+def test_each_step_reads_exactly_the_keys_its_live_rows_need_rounded_up(tiny_ckpt, monkeypatch):
+    """One sequence of a 5-token prompt, floor 1: the steps at positions 5, 6 and 7 read 8 keys, those at 8 to 15 read
+    16; each step's mask spans exactly its bound (the prompt's own pass, a span, reads the whole cache)."""
+    widths: list[int] = []
+    with load(tiny_ckpt) as model, model.open(dtype="float32") as run:
+        seen = masked(monkeypatch, 1, widths)
+        run.generate(prompt_ids=PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
+    assert seen == [None] + [8] * 3 + [16] * 8
+    assert widths[1:] == seen[1:] and widths[0] == 5 + 12
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     return write_checkpoint(preset_config("tiny-moe"), tmp_path_factory.mktemp("bound") / "tiny-moe")
 
 
-def masked(monkeypatch, floor: int) -> list[int | None]:
-    """cpu_ref's decode steps on the whole-cache path with ``BOUND_FLOOR`` ``floor``: the bounds they read, listed."""
+def masked(monkeypatch, floor: int, widths: list | None = None) -> list[int | None]:
+    """cpu_ref's decode steps on the whole-cache path with ``BOUND_FLOOR`` ``floor``: the bounds they read, listed
+    (and in ``widths``, how many keys each step's mask spans)."""
     seen: list[int | None] = []
     real = Attend.static
 
     def static(*args, **kwargs):
         seen.append(kwargs.get("bound"))
-        return real(*args, **kwargs)
+        at = real(*args, **kwargs)
+        if widths is not None:
+            widths.append(at.decode_mask.shape[1])
+        return at
 
     monkeypatch.setattr(runner_mod, "_sliced", lambda backend: False)
     monkeypatch.setattr(model_math, "BOUND_FLOOR", floor)
