@@ -302,6 +302,14 @@ def test_bench_batch_runs_the_engine_rows_at_each_landing_setting_in_turn(models
     assert calls == [(1, {4}), (4, {4}), (1, {5}), (4, {5})] * 2
 
 
+def test_bench_batch_refuses_a_landing_setting_without_an_expert_policy(tmp_path, capsys):
+    """Without an expert policy there are no misses to land: --expert-landing is refused, not ignored, before any
+    checkpoint is written."""
+    assert bench(["batch", "--expert-landing", "off", "--rows", "engine", "--out", str(tmp_path / "out"),
+                  "--models", str(tmp_path / "models")]) == 2
+    assert "give --expert-policy" in capsys.readouterr().err and not (tmp_path / "models").exists()
+
+
 def test_peers_say_when_they_are_not_installed(models, tmp_path):
     rec = run_scenario(["peers", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "5", "--peers", "transformers",
                         "--models", str(models)], tmp_path)

@@ -47,9 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
     p.add_argument("--expert-policy", default="", help="a MoE preset's expert policy (e.g. expert_lru; empty: none)")
     p.add_argument("--expert-budget-mib", type=float, default=0.0, help="its budget in MiB")
-    p.add_argument("--expert-landing", default="on", type=landings,
-                   help="on or off, or several in turn (on,off,off,on): the engine rows of each, one run after the other "
-                        "in this process; the first's are the record's engine rows")
+    p.add_argument("--expert-landing", default=None, type=landings,
+                   help="with --expert-policy: on or off, or several in turn (on,off,off,on): the engine rows of "
+                        "each, one run after the other in this process; the first's are the record's engine rows")
     p.add_argument("--batches", type=numbers(int, 1), default=[1, 4, 16])
     p.add_argument("--clients", type=numbers(int, 1), default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=32)
@@ -73,6 +73,11 @@ def landings(text: str) -> list[str]:
     return got
 
 
+def landing_runs(args) -> list[str]:
+    """The landing setting of each engine run, in turn (``--expert-landing``, on where not given)."""
+    return args.expert_landing or ["on"]
+
+
 def needs_gpu(args) -> str | None:
     if args.backend == "cuda":
         import torch
@@ -90,7 +95,7 @@ def settings(args, landing: str | None = None) -> dict:
     out = {"backend": args.backend, "keep": args.keep if args.keep == "off" else int(args.keep)}
     if args.expert_policy:
         out.update(expert_policy=args.expert_policy, expert_budget_mb=args.expert_budget_mib,
-                   expert_landing=(landing or args.expert_landing[0]) == "on")
+                   expert_landing=(landing or landing_runs(args)[0]) == "on")
     return out
 
 
@@ -294,11 +299,14 @@ def choices_rows(args, path: Path, record) -> dict:
 
 
 def run(args, record) -> dict:
+    if args.expert_landing and not args.expert_policy:
+        raise BenchError("--expert-landing sets how an expert policy's misses cross to the device: give --expert-policy "
+                         "and --expert-budget-mib with it, or leave it out")
     path = models.ensure_preset(args.models, args.preset, layers=args.layers)
     wanted = args.rows
     engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
-    landing = [{"expert_landing": args.expert_landing[0], "rows": engine, "ids_equal_first": True}]
-    for other in args.expert_landing[1:] if "engine" in wanted and args.expert_policy else ():
+    landing = [{"expert_landing": landing_runs(args)[0], "rows": engine, "ids_equal_first": True}]
+    for other in landing_runs(args)[1:] if "engine" in wanted and args.expert_policy else ():
         log(f"engine rows with expert_landing {other}")
         rows, _, ids = engine_rows(args, path, record, other)
         # the first B's ids: landing changes what is cached, never a result
@@ -308,7 +316,7 @@ def run(args, record) -> dict:
     result = {"preset": args.preset, "backend": args.backend, "keep": args.keep, "tokens": args.tokens,
               "engine": engine, "engine_one_request": base, "server": server}
     if args.expert_policy:
-        result["expert_landing"] = args.expert_landing
+        result["expert_landing"] = landing_runs(args)
         result["engine_by_landing"] = landing
     if "choices" in wanted:
         result["choices"] = choices_rows(args, path, record)
