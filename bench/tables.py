@@ -615,8 +615,8 @@ def grammar_record(name: str, rec: dict) -> str:
              for n, h in res["headline"].items()]
     dtype = f" ({res['compute_dtype']})" if "compute_dtype" in res else ""
     return (f"From {source_line(name, rec)}: {res['model']}, {res['backend']}{dtype}, keep {res['keep']}, "
-            f"{res['threads']} threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every repeat's steps "
-            f"(p10–p90, n), the grammar's mask and the sampling inside each step; the target is at most "
+            f"{res['threads']} threads, {res['repeats']} repeats interleaved. Decode ms/token is the p50 of every "
+            f"repeat's steps (p10–p90, n), the grammar's mask and the sampling inside each step; the target is at most "
             f"{res['target']}x plain's.\n\n"
             + table(["row", "decode ms/token", "x plain", "tokens (each repeat)", "valid JSON"], out)
             + "\n\nA token held to the schema: " + "; ".join(heads) + "."

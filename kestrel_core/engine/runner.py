@@ -582,12 +582,13 @@ class Runner:
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
-        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``). ``bound``: a
-        step without spans reads only the first ``bound`` keys of each slot (``Runner._bound``)."""
+        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``).
+        ``bound``: a step without spans reads only the first ``bound`` keys of each slot (``Runner._bound``)."""
         table = state if self.reads_table(rows, spans) else None
         wanted: list[range] = []
         if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
-            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table, bound)
+            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table,
+                                         bound)
         else:
             logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table, bound)
         if table is not None and self.landing is not None:

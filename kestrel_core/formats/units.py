@@ -1,9 +1,10 @@
 """Residency units: what the window makes resident or evicts, each measured in bytes.
 
 The model declares its units (``model.unit_specs``): each layer's own weights are one unit ``(layer,)``,
-and a Mixture-of-Experts layer adds one unit ``(layer, e)`` per expert (``is_expert``). A backend lays each unit out as the buffers it computes from (``EntrySpec``: a
-name, a geometry and the backend's own note of where the bytes come from), which gives the
-unit its size. Units of one model may differ in size: budgets and peaks add real bytes.
+and a Mixture-of-Experts layer adds one unit ``(layer, e)`` per expert (``is_expert``). A backend lays
+each unit out as the buffers it computes from (``EntrySpec``: a name, a geometry and the backend's own
+note of where the bytes come from), which gives the unit its size. Units of one model may differ in
+size: budgets and peaks add real bytes.
 """
 
 from __future__ import annotations
