@@ -1,81 +1,161 @@
 """A batched MoE decode step's experts: the grouped kernels (each routed expert read once for all the rows routed to
-it) against the one-row kernels called once a row, on the Qwen3-30B-A3B expert shape.
+it) against the one-row kernels called once a row, on the Qwen3-30B-A3B expert shape; and what reading a miss over
+the link costs each kind of expert.
 
-    python -m bench expert-rows [--rows 1,4,8,32] [--reps 20]
+    python -m bench expert-rows [--rows 1,4,8,32] [--reps 20] [--kinds bf16,q8,q4_k] [--where device,host,copied,dma]
 
-In one run, for bf16 and q8 experts, each held on the device (slots) and in pinned host memory (the table's host
-copies, read over the link): for each row count R, R tokens routed uniformly at random to 8 of 128 experts; the
-device time of the grouped call (``GroupedExperts.rows``) and of the row loop, each captured in a CUDA graph and
-replayed (``graph_times``: launches stay out), whether the two give bitwise the same output, how many distinct
-experts the rows routed to, and the bytes each reads (the union's against every row's). The headline: the row loop's
-p50 over the grouped call's, per R.
+In one run, for each kind of expert (bf16, q8, GGUF Q4_K blocks) and each place the experts are read from: for each
+row count R, R tokens routed uniformly at random to 8 of 128 experts; the device time of the grouped call
+(``GroupedExperts.rows``) and of the row loop, each captured in a CUDA graph and replayed (``graph_times``: launches
+stay out), whether the two give bitwise the same output, how many distinct experts the rows routed to, and the bytes
+each reads (the union's against every row's). The headline: the row loop's p50 over the grouped call's, per R.
+
+The places: ``device`` (slots), ``host`` (the table's pinned host copies, which the kernels read over the link),
+``copied`` (the routed experts first copied from their host copies into device slots by the landing ring's copy
+kernel, ``backends.cuda.landing``, then read there: what a landed miss costs) and ``dma`` (the same through the copy
+engine, one ``copy_`` an entry). Each of ``host``, ``copied`` and ``dma`` gives its GB/s over the link (the union's
+bytes over the grouped call's time, the copy's included), the gate for how a step should read its misses.
 """
 
 from __future__ import annotations
 
 from bench.errors import cuda_missing
-from bench.options import numbers
+from bench.options import names, numbers
 from bench.stats import summary
 from bench.timing import graph_times
 
 H, I, E, K = 2048, 768, 128, 8  # noqa: E741  (Qwen3-30B-A3B: hidden, an expert's intermediate size, experts, routed)
+KINDS = ("bf16", "q8", "q4_k")
+WHERE = ("device", "host", "copied", "dma")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 4, 8, 32])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kinds", type=names(KINDS), default=set(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--where", type=names(WHERE), default=set(WHERE), help=f"comma-separated, of {', '.join(WHERE)}")
 
 
 def needs_gpu(args) -> str | None:
     return cuda_missing()
 
 
-def _experts(q8: bool, where: str):
-    """E experts (bf16 or q8 byte buffers, pinned on the host or on the device), a table of their addresses, the bytes
-    of one, and the q8 paddings."""
+def _entries(kind: str, g) -> list[tuple]:
+    """E experts' two entries as byte tensors on the CPU, and each kernel's extra: q8's paddings, Q4_K's layouts."""
+    import numpy as np
     import torch
 
     from kestrel_core.formats import quant
 
-    g = torch.Generator().manual_seed(0)
     held = []
+    rng = np.random.default_rng(0)
     for _ in range(E):
         pair = []
-        for w in (torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5):
-            if q8:
+        for n, k in ((2 * I, H), (H, I)):
+            if kind == "q4_k":
+                from gguf import GGMLQuantizationType
+
+                from kestrel_core.tools.presets import random_blocks_of
+
+                pair.append(torch.from_numpy(random_blocks_of(GGMLQuantizationType.Q4_K, n, k, rng)).reshape(-1))
+                continue
+            w = torch.randn(n, k, generator=g) / k**0.5
+            if kind == "q8":
                 qweight, scales = quant.quantize(w, 32)
-                raw = torch.cat([qweight.view(torch.uint8).reshape(-1), scales.view(torch.uint8).reshape(-1)])
+                pair.append(torch.cat([qweight.view(torch.uint8).reshape(-1), scales.view(torch.uint8).reshape(-1)]))
             else:
-                raw = w.to(torch.bfloat16).view(torch.uint8).reshape(-1)
-            pair.append(raw.pin_memory() if where == "host" else raw.to("cuda"))
+                pair.append(w.to(torch.bfloat16).view(torch.uint8).reshape(-1))
         held.append(pair)
+    return held
+
+
+def _runner(kind: str):
+    """The grouped kernels for ``kind``, and the layouts a call is told (Q4_K blocks)."""
+    import torch
+
+    from backends.cuda.grouped_experts import GroupedExperts
+    from kestrel_core.formats import quant
+
+    if kind == "q8":
+        return GroupedExperts(H, I, K, torch.bfloat16, torch.device("cuda"), (32, quant.pad_n(2 * I), quant.pad_n(H))), None
+    if kind == "q4_k":
+        layouts = ((("Q4_K", 2 * I),), (("Q4_K", H),))
+        return GroupedExperts(H, I, K, torch.bfloat16, torch.device("cuda"), blocks=True), layouts
+    return GroupedExperts(H, I, K, torch.bfloat16, torch.device("cuda")), None
+
+
+def _placed(entries: list, where: str) -> tuple[list, "torch.Tensor"]:
+    """The entries where the grouped call reads them: on the device, or pinned on the host (``host``, ``copied``,
+    ``dma``: the table points at the host copies); and the table of their addresses."""
+    import torch
+
+    held = [[t.to("cuda") if where == "device" else t.pin_memory() for t in pair] for pair in entries]
     table = torch.tensor([[a.data_ptr(), b.data_ptr()] for a, b in held], dtype=torch.int64, device="cuda")
-    n_pad = (quant.pad_n(2 * I), quant.pad_n(H)) if q8 else None
-    return held, table, sum(t.numel() for t in held[0]), n_pad
+    return held, table
+
+
+def _staged(held: list, table, ids, where: str):
+    """For ``copied`` and ``dma``: a function that copies the routed experts (distinct, ascending) from their host
+    copies into device slots (the landing ring's copy kernel, or one ``copy_`` an entry), and the table the grouped
+    call then reads, pointing those experts at their slots."""
+    import torch
+
+    from backends.cuda import landing
+
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    slots = [[torch.empty_like(t, device="cuda") for t in held[e]] for e in routed]
+    staged = table.clone()
+    for e, pair in zip(routed, slots):
+        staged[e, 0], staged[e, 1] = pair[0].data_ptr(), pair[1].data_ptr()
+    if where == "dma":
+        def copy():
+            for e, pair in zip(routed, slots):
+                for dst, src in zip(pair, held[e]):
+                    dst.copy_(src, non_blocking=True)
+        return copy, staged
+    if any(t.numel() % 4 for t in held[0]):
+        raise ValueError("the ring's copy kernel moves whole 4-byte words")
+    words = tuple(t.numel() // 4 for t in held[0])
+    nout = landing._pow2(len(routed))
+    out = torch.full((nout, 3), -1, dtype=torch.int64)
+    for j, (e, pair) in enumerate(zip(routed, slots)):
+        out[j] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
+    out = out.to("cuda")
+    kernel = landing._kernels()[1]
+
+    def copy():
+        kernel[(nout, 2, landing.GROUP)](out, table, words[0], words[1], GROUP=landing.GROUP, BLOCK=landing.BLOCK)
+    return copy, staged
 
 
 def run(args, record) -> dict:
     import torch
 
-    from backends.cuda.grouped_experts import GroupedExperts
-
     out: dict = {"shape": {"hidden": H, "intermediate": I, "experts": E, "routed": K}, "rows": args.rows}
-    for kind in ("bf16", "q8"):
-        for where in ("device", "host"):
-            held, table, expert_bytes, n_pad = _experts(kind == "q8", where)
-            run_ = GroupedExperts(H, I, K, torch.bfloat16, torch.device("cuda"), (32, *n_pad) if kind == "q8" else None)
+    for kind in (k for k in KINDS if k in args.kinds):
+        entries = _entries(kind, torch.Generator().manual_seed(0))
+        expert_bytes = sum(t.numel() for t in entries[0])
+        run_, layouts = _runner(kind)
+        out[f"{kind} expert_bytes"] = expert_bytes
+        for where in (w for w in WHERE if w in args.where):
+            held, table = _placed(entries, where)
             g = torch.Generator().manual_seed(1)
             rows = []
             for r in args.rows:
                 ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(r)]).to("cuda")
                 x = torch.randn(r, H, generator=g).to("cuda", torch.bfloat16)
                 w = torch.softmax(torch.randn(r, K, generator=g), dim=-1).to("cuda", torch.bfloat16)
+                copy, read = (None, table) if where in ("device", "host") else _staged(held, table, ids, where)
 
                 def loop():
-                    return torch.cat([run_(x[i:i + 1], w[i:i + 1], ids[i:i + 1], table) for i in range(r)])
+                    if copy is not None:
+                        copy()
+                    return torch.cat([run_(x[i:i + 1], w[i:i + 1], ids[i:i + 1], read, layouts) for i in range(r)])
 
                 def grouped():
-                    return run_.rows(x, w, ids, table)
+                    if copy is not None:
+                        copy()
+                    return run_.rows(x, w, ids, read, layouts)
 
                 same = bool(torch.equal(loop(), grouped()))
                 t_loop = graph_times(loop, calls=2, reps=args.reps)
@@ -85,10 +165,13 @@ def run(args, record) -> dict:
                        "loop_bytes": r * K * expert_bytes, "grouped_bytes": distinct * expert_bytes,
                        "loop_ms": t_loop, "loop": summary(t_loop), "grouped_ms": t_grouped, "grouped": summary(t_grouped)}
                 row["loop_over_grouped"] = row["loop"]["p50"] / row["grouped"]["p50"]
+                if where != "device":  # the union crossed the link once within the grouped call's time
+                    row["link_GBps"] = distinct * expert_bytes / row["grouped"]["p50"] / 1e6
                 rows.append(row)
+                link = f", {row['link_GBps']:.1f} GB/s over the link" if "link_GBps" in row else ""
                 print(f"{kind} {where:6} R={r:3} experts {distinct:3}/{r * K:3} bitwise {same}: loop "
                       f"{row['loop']['p50']:.3f} ms, grouped {row['grouped']['p50']:.3f} ms "
-                      f"({row['loop_over_grouped']:.2f}x)", flush=True)
+                      f"({row['loop_over_grouped']:.2f}x){link}", flush=True)
             out[f"{kind} {where}"] = rows
             record.save_partial(out)
             held.clear()
