@@ -14,7 +14,6 @@ import torch
 from kestrel_core import load
 from kestrel_core.errors import BudgetError
 from kestrel_core.hookspecs import hookimpl
-from kestrel_core.formats.units import is_expert
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -85,7 +84,7 @@ def test_the_expert_cache_allocates_nothing_after_warm_up(tiny_moe, register_plu
         assert p["layer_uploads"] == p["expert_misses"] + p["expert_prefetches"]
         assert p["bytes_uploaded"] == p["layer_uploads"] * EXPERT_BF16
     with load(tiny_moe) as model, model.open(backend="cuda", keep="off") as run:
-        own = sum(u.nbytes for key, u in run.backend.units.units.items() if not is_expert(key))
+        own = sum(u.nbytes for u in run.backend.units.own())
     guess = 2 * EXPERT_BF16 if prefetch else 0  # top-2: one layer's guesses
     # From the second decoded token on (a prefill fetches each expert its prompt routes to, once):
     assert max(watch.seen[4:]) <= own + budget + guess

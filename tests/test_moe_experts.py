@@ -108,6 +108,19 @@ def test_an_unknown_expert_policy_lists_the_available(tiny_moe):
         model.open(expert_policy="lru", expert_budget_mb=1.0)
 
 
+def test_the_unit_table_parts_into_the_experts_and_the_layers_own_units(tiny_moe):
+    from kestrel_core.formats.units import is_expert
+
+    with load(tiny_moe) as model, model.open(keep="off") as run:
+        units, cfg = run.backend.units, model.config
+        experts, own = units.experts(), units.own()
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.moe_layer(i)]
+    assert [u.key for u in experts] == [(i, e) for i in moe_layers for e in range(cfg.num_experts)]
+    assert own and not any(is_expert(u.key) for u in own)
+    assert {u.layer for u in own} == set(range(cfg.num_hidden_layers))  # every layer keeps its own units
+    assert sorted(map(str, (u.key for u in experts + own))) == sorted(map(str, units.units))
+
+
 def test_a_dense_model_has_no_experts(tiny_ckpt):
     with load(tiny_ckpt) as model, pytest.raises(ConfigError, match="is for Mixture-of-Experts models"):
         model.open(expert_policy="expert_lru", expert_budget_mb=1.0)

@@ -150,7 +150,7 @@ class CudaBackend(Backend):
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
         free = torch.cuda.mem_get_info(device)[0]
         budget, source, default = fit_budget(ctx.residency.budget_mb, free)
-        own = [u.nbytes for key, u in units.units.items() if not is_expert(key)]
+        own = [u.nbytes for u in units.own()]
         experts = [u.nbytes for u in units.experts()]
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
                         lambda n: streamed_peak(units, ctx.residency, ctx.model, n),

@@ -13,7 +13,7 @@ from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
 from kestrel_core.formats.tensor_table import global_specs
-from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
+from kestrel_core.formats.units import EntrySpec, Geometry
 
 from . import blocks, q8
 
@@ -107,7 +107,7 @@ def streamed_peak(units, residency, cfg, layers: int) -> int:
     experts = [u.nbytes for u in units.experts()]
     if not experts or not residency.expert_policy:
         return units.peak_bytes(layers)
-    own = sorted((u.nbytes for key, u in units.units.items() if not is_expert(key)), reverse=True)
+    own = sorted((u.nbytes for u in units.own()), reverse=True)
     spare = int(residency.expert_budget_mb * 2**20)
     if residency.expert_prefetch:
         spare += cfg.num_experts_per_tok * max(experts)

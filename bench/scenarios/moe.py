@@ -39,7 +39,6 @@ from bench.prompt import prompt_for
 from bench.rows import compare_ids, row
 from bench.timing import copy_rates
 from kestrel_core.engine.plan import bytes_streamed
-from kestrel_core.formats.units import is_expert
 from kestrel_core.hookspecs import hookimpl
 
 FULL_BUDGETS_GIB = (2, 4, 8)
@@ -83,7 +82,7 @@ class DecodeResidency:
 def unit_bytes(run, res) -> dict:
     """A layer's own units' bytes and the largest expert's, from the run's unit table."""
     units = run.backend.units
-    return {"own_unit_bytes": sum(u.nbytes for key, u in units.units.items() if not is_expert(key)),
+    return {"own_unit_bytes": sum(u.nbytes for u in units.own()),
             "expert_bytes": max((u.nbytes for u in units.experts()), default=0)}
 
 

@@ -83,6 +83,10 @@ class UnitTable:
         """The expert units, in the table's order."""
         return [u for key, u in self.units.items() if is_expert(key)]
 
+    def own(self) -> list[Unit]:
+        """The layers' own units (every unit but the experts), in the table's order."""
+        return [u for key, u in self.units.items() if not is_expert(key)]
+
     def of_layer(self, layer: int) -> tuple[Unit, ...]:
         return self.by_layer.get(layer, ())
 
