@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .grouped_experts import GroupedExperts
-from .landing import LandingRing, write_by_index
+from .index_write import write_by_index
+from .landing import LandingRing
 
 
 class DeviceExpertTable:

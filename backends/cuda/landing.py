@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from .index_write import write_by_index
+
 BLOCK = 4096  # int32 words a copy block moves (16 KB)
 GROUP = 16  # programs that share one entry's copy
 
@@ -75,16 +77,6 @@ def _kernels():
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def write_by_index(target: torch.Tensor, index: list[int], values: list[int]) -> None:
-    """``target[index] = values`` (int64) in stream order: the pairs cross in one copy from page-locked memory where
-    ``target`` is on a GPU, so the host need not wait for the device."""
-    both = torch.tensor(index + values, dtype=torch.int64)
-    if target.device.type == "cuda":
-        both = both.pin_memory()
-    both = both.to(target.device, non_blocking=True)
-    target.index_copy_(0, both[: len(index)], both[len(index):])
 
 
 class LandingRing:
