@@ -125,6 +125,7 @@ def _staged(held: list, table, ids, where: str):
 
     def copy():
         kernel[(nout, 2, landing.GROUP)](out, table, words[0], words[1], GROUP=landing.GROUP, BLOCK=landing.BLOCK)
+    copy.slots = slots  # the table points at them: they live as long as the call that writes them
     return copy, staged
 
 
