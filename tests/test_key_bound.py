@@ -41,13 +41,14 @@ def tiny_moe(tmp_path_factory):
 
 
 def masked(monkeypatch, floor: int, widths: list | None = None) -> list[int | None]:
-    """cpu_ref's decode steps on the whole-cache path with ``BOUND_FLOOR`` ``floor``: the bounds they read, listed
-    (and in ``widths``, how many keys each step's mask spans)."""
+    """cpu_ref's decode steps on the whole-cache path with ``BOUND_FLOOR`` ``floor``: the bounds they read, listed,
+    None for a step with spans (and in ``widths``, how many keys each step's mask spans)."""
     seen: list[int | None] = []
     real = Attend.static
 
     def static(*args, **kwargs):
-        seen.append(kwargs.get("bound"))
+        spans = args[4] if len(args) > 4 else kwargs.get("spans", ())
+        seen.append(None if spans else kwargs.get("bound"))  # a step with spans reads what the cache holds
         at = real(*args, **kwargs)
         if widths is not None:
             widths.append(at.decode_mask.shape[1])

@@ -185,7 +185,7 @@ class Batch:
         """``fix``: what the caller's user changes where the KV cache of ``slots`` x ``max_seq`` cannot be had."""
         self.runner, self.slots, self.max_seq, self.prefill_chunk = runner, slots, max_seq, prefill_chunk
         try:
-            self.dev = runner.open_slots(slots, max_seq)
+            self.dev = runner.open_slots(slots, max_seq, fix)
         except BudgetError as exc:
             raise BudgetError(f"{exc}; {fix}") from None
         self.free = list(range(slots))
@@ -228,7 +228,7 @@ class Batch:
             seq = self.waiting.popleft()
             seq.slot = self.free.pop(0)
             self.active[seq.slot] = seq
-            self.runner.place(self.dev, seq.slot, self.park)
+            self.runner.park(self.dev, seq.slot)
             self._share_prefill(seq)
         verify = self._drafts()
         rows_live = {slot: seq for slot, seq in self.active.items()
@@ -284,13 +284,6 @@ class Batch:
         while len(self.unread) > lag:
             self._take(self.unread.popleft())
 
-    @property
-    def park(self) -> int:
-        """The position a slot's decode row writes at while its sequence does not decode (a prompt in chunks, a verify
-        span): the last, which no sequence reaches (``add`` holds prompt + max_new_tokens to max_seq, and a sequence's
-        last token is never fed back, so the highest position written is max_seq - 2)."""
-        return self.max_seq - 1
-
     def _wants_a_row(self, seq: Sequence) -> bool:
         """Whether a decoding sequence needs another token (a greedy row read a step late counts its step launched)."""
         if seq.drafting is not None:  # read back at once: its tokens are all known
@@ -319,7 +312,7 @@ class Batch:
             seq.spec.draft_ms += (time.perf_counter() - t0) * 1e3
             if draft:
                 out[slot] = (draft, probs)
-                self.runner.place(self.dev, slot, self.park)  # its decode row, if the step has one, writes nowhere read
+                self.runner.park(self.dev, slot)  # its decode row, if the step has one, writes nowhere read
         return out
 
     def _verified(self, seq: Sequence, span: Span, ids: tuple[int, ...], probs, logits: torch.Tensor, k: int) -> None:

@@ -102,10 +102,10 @@ class Attend:
         """Decode rows (row b: slot ``slots[b]`` = ``first_slot`` + b, at ``positions[b]``, long tensors on the
         device: nothing here reads the host, unless ``row_exact``, whose rows attend one at a time over their own
         keys), then optionally ``spans`` at ``span_positions`` of ``span_slots``; ``live``: the decode rows' live flags
-        (row-exact: a parked row is skipped). ``bound``: where no spans ride, the decode rows read only the first
-        ``bound`` keys of their slots (the host holds every live row's position below it; ``key_bound``)."""
+        (row-exact: a parked row is skipped). ``bound``: the rows read only the first ``bound`` keys of their slots
+        (the host holds every position they reach below it: ``key_bound``, or what a grown cache holds)."""
         sliced = row_exact and sliced
-        if bound is not None and not spans:
+        if bound is not None:
             key_positions = key_positions[:bound]
         mask = None if sliced else key_positions[None, :] <= positions[:, None]
         rows = positions.shape[0]
@@ -155,8 +155,10 @@ class Attend:
             if self.key_positions is not None and self.sliced:  # row-exact: each row as a decode row of its slot
                 outs += [self._alone(q[s.row + r], cache, s.slot, s.start + r + 1, cfg, scale) for r in range(s.T)]
                 continue
-            if self.key_positions is not None:  # row-exact in a step that may be captured: the whole cache, masked
-                k_s, v_s = cache.k[s.slot : s.slot + 1].transpose(1, 2), cache.v[s.slot : s.slot + 1].transpose(1, 2)
+            if self.key_positions is not None:  # row-exact in a step that may be captured: the keys held, masked
+                n = self.key_positions.shape[0]
+                k_s = cache.k[s.slot : s.slot + 1, :n].transpose(1, 2)
+                v_s = cache.v[s.slot : s.slot + 1, :n].transpose(1, 2)
                 for r in range(s.T):
                     seen = (self.key_positions <= s.start + r)[None, None, None, :]
                     out = F.scaled_dot_product_attention(q[s.row + r][None, :, None, :], k_s, v_s, attn_mask=seen,

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from kestrel_core.engine.contracts import Backend
-from kestrel_core.errors import ConfigError, NonFiniteError
+from kestrel_core.errors import BudgetError, ConfigError, NonFiniteError
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
@@ -120,6 +120,14 @@ class Readback:
     heard: dict[str, int]
 
 
+def first_capacity(max_seq: int, device: torch.device) -> int:
+    """The positions each KV slot holds when a batch opens: in host memory all ``max_seq`` (zero pages the kernel maps
+    as they are written: the memory follows the writes by itself), on a device the fewest a bounded step reads
+    (``key_bound``), grown as the sequences reach further (``Slots.reach``), so the memory follows the positions in
+    use, not ``max_seq``."""
+    return max_seq if device.type == "cpu" else key_bound(1, max_seq)
+
+
 class Slots:
     """A batch's side on the compute device: ``slots`` KV slots of ``max_seq`` positions, the decode state, the ring
     its steps are read back through and the captured steps, one a row count. Made by ``Runner.open_slots``; only the
@@ -127,27 +135,66 @@ class Slots:
 
     RING = 4  # steps a read may lag behind (greedy reads one late)
 
-    def __init__(self, runner: "Runner", slots: int, max_seq: int):
+    def __init__(self, runner: "Runner", slots: int, max_seq: int, fix: str = ""):
         backend, cfg = runner.backend, runner.cfg
         self.runner = runner
-        self.count, self.max_seq = slots, max_seq
-        self.cache = allocate_cache(cfg, max_seq, backend.dtype, backend.device, slots)
-        self.rope = RopeTable(cfg, max_seq, backend.dtype, backend.device)
+        self.count, self.max_seq, self.fix = slots, max_seq, fix
+        self.capacity = first_capacity(max_seq, backend.device)  # the positions a slot's cache holds now (``reach``)
+        # one row past them, where a parked slot's decode row writes (``park``)
+        self.cache = allocate_cache(cfg, self.capacity + 1, backend.dtype, backend.device, slots)
+        self.rope = RopeTable(cfg, max_seq + 1, backend.dtype, backend.device)
         self.state = runner.decode_state(self.rope, slots, max_seq)
         self.ring = torch.zeros((self.RING, self.state.out.numel()), dtype=torch.long,
                                 pin_memory=backend.device.type == "cuda")
         self.graphs: dict[int, StepGraphs] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}  # by row count: where its captured step's logits go
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
         self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
         self.positions = [0] * slots  # the host's copy of each slot's position: placed, then moved on where live
+        self.parked: set[int] = set()  # the slots placed at the park (``Runner.park``)
         self.launched = 0
         self.t0 = None  # the mark before its first step
         self.sid = runner.opened  # its number among the run's slots (a pipeline's ranks number them alike)
 
-    def close(self) -> None:
+    def reach(self, need: int) -> None:
+        """Hold at least ``need`` positions a slot. A cache that holds fewer grows to the key bound over them (a power
+        of two from ``BOUND_FLOOR``, at most ``max_seq``: ``key_bound``), its written keys and values copied over, so
+        it grows a few times a run at most; every captured step baked the old buffers' addresses in, so each is
+        dropped and captured again; a parked slot moves to the new park. One that cannot be had is a BudgetError
+        naming the caller's fix."""
+        if need <= self.capacity:
+            return
+        runner = self.runner
+        backend, cfg = runner.backend, runner.cfg
+        size = key_bound(need, self.max_seq)
+        try:
+            grown = allocate_cache(cfg, size + 1, backend.dtype, backend.device, self.count)
+        except BudgetError as exc:
+            raise BudgetError(f"{exc} (the cache grows as its sequences reach further){'; ' + self.fix if self.fix else ''}"
+                              ) from None
+        for old, new in zip(self.cache, grown):
+            new.k[:, :self.capacity].copy_(old.k[:, :self.capacity])
+            new.v[:, :self.capacity].copy_(old.v[:, :self.capacity])
+        self.drop_graphs()
+        self.cache, self.capacity = grown, size
+        for slot in self.parked:
+            self.state.positions[slot].fill_(self.park)
+            self.positions[slot] = self.park
+
+    @property
+    def park(self) -> int:
+        """Where a parked slot's decode row writes (a prompt in chunks, a verify span, a slot with no sequence yet): the
+        cache's row past the positions it holds, which no step reads."""
+        return self.capacity
+
+    def drop_graphs(self) -> None:
         for graphs in self.graphs.values():
             graphs.close()
         self.graphs.clear()
+        self.graph_logits.clear()
+
+    def close(self) -> None:
+        self.drop_graphs()
         if self.runner is not None:  # the run may step another batch now
             self.runner, runner = None, self.runner
             runner.tell("close", self.sid)
@@ -197,10 +244,11 @@ class Runner:
                            self.landing.size if self.landing is not None else 0)
 
     # --- a step, as a batch asks for it ----------------------------------------------------------------
-    def open_slots(self, slots: int, max_seq: int) -> Slots:
+    def open_slots(self, slots: int, max_seq: int, fix: str = "") -> Slots:
         """The device side of a batch of ``slots`` sequences of up to ``max_seq`` positions each. A run steps one
         batch at a time (its window holds one token's plans): a second, from another thread or a scheduler's, is
-        refused at once, until the first closes its slots."""
+        refused at once, until the first closes its slots. ``fix``: what the caller's user changes where the KV cache
+        cannot grow as far as its sequences reach (``Slots.reach``)."""
         if self.pipeline is not None and not self.leads and not self.following:
             raise ConfigError(f"this is rank {self.pipeline.rank} of a pipeline, which follows rank 0's steps: call "
                               "run.follow() on it (rank 0 generates, serves or runs the batch job)")
@@ -209,7 +257,7 @@ class Runner:
                               "one batch at a time; open a second run with model.open(...), or submit the request to "
                               "the Scheduler")
         try:
-            s = Slots(self, slots, max_seq)
+            s = Slots(self, slots, max_seq, fix)
         except BaseException:
             self._busy.release()
             raise
@@ -232,6 +280,7 @@ class Runner:
         else:
             window.next_token()
         rows, spans = request.rows, list(request.spans)
+        s.reach(max([1 + s.positions[slot] for slot in request.live] + [sp.start + sp.T for sp, _ in spans], default=1))
         self._set_live(s, request.live, rows)
         self._set_masks(s, request.masks)
         table = self.reads_table(rows, spans)
@@ -245,9 +294,14 @@ class Runner:
                                                      on_replay=self.replayed)
             bound = self._bound(s, request.live)
             mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows, bound=bound), bound)
+            if mode == "captured":  # a replay writes its logits where the capture's went
+                s.graph_logits[rows] = state.logits
+            elif mode == "replayed":
+                state.logits = s.graph_logits[rows]
         else:
             mode = "eager"
-            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans, request.every_row)
+            span_logits = self.decode_step(state, s.cache, window.boundaries("prefill"), rows, spans, request.every_row,
+                                           bound=s.capacity)
         for slot in request.live:  # the step moved each live row on by one, on the device
             s.positions[slot] += 1
         after = counters.snapshot()
@@ -311,6 +365,15 @@ class Runner:
             s.state.tokens[slot].fill_(token)
         s.state.positions[slot].fill_(position)
         s.positions[slot] = position
+        s.parked.discard(slot)
+
+    def park(self, s: Slots, slot: int) -> None:
+        """``slot``'s decode row, where a step has one, writes where no step reads (``Slots.park``) until it is placed
+        again: its sequence does not decode this step (a prompt in chunks, a verify span)."""
+        self.tell("park", s.sid, slot)
+        s.state.positions[slot].fill_(s.park)
+        s.positions[slot] = s.park
+        s.parked.add(slot)
 
     def copy_prefix(self, s: Slots, src: int, dst: int, n: int) -> None:
         """Slot ``dst``'s first ``n`` positions' keys and values become slot ``src``'s (a prompt both hold), in stream
@@ -345,7 +408,7 @@ class Runner:
                         steps.pop((s.sid, step.index - 2 * s.RING), None)  # a step rank 0 never read back
                     elif name == "read":
                         self.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
-                    elif name in ("place", "copy_prefix", "nonfinite"):
+                    elif name in ("place", "park", "copy_prefix", "nonfinite"):
                         getattr(self, name)(slots[args[0]], *args[1:])
                     else:
                         raise RuntimeError(f"rank 0 told an unknown runner call {name!r}: run one kestrel on every rank")
@@ -403,9 +466,9 @@ class Runner:
     def _bound(self, s: Slots, live: frozenset[int]) -> int | None:
         """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
         past every live row's position. None where each row reads its own keys on the host (``_sliced``)."""
-        if _sliced(self.backend) or not live:
+        if _sliced(self.backend):
             return None
-        return key_bound(1 + max(s.positions[slot] for slot in live), s.max_seq)
+        return key_bound(1 + max((s.positions[slot] for slot in live), default=0), s.max_seq)
 
     def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
         """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
@@ -583,7 +646,8 @@ class Runner:
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
         with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``).
-        ``bound``: a step without spans reads only the first ``bound`` keys of each slot (``Runner._bound``)."""
+        ``bound``: the rows read only the first ``bound`` keys of each slot (a decode step's key bound,
+        ``Runner._bound``; a step with spans, what the cache holds, ``Slots.capacity``)."""
         table = state if self.reads_table(rows, spans) else None
         wanted: list[range] = []
         if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
@@ -620,7 +684,8 @@ class Runner:
             span_positions = torch.cat([torch.arange(s.start, s.start + s.T, device=device) for s, _ in spans])
             span_slots = torch.cat([torch.full((s.T,), s.slot, dtype=torch.long, device=device) for s, _ in spans])
             at = Attend.static(state.rope, positions, slots, state.key_positions, tuple(s for s, _ in spans),
-                               span_positions, span_slots, row_exact=backend.row_exact, live=live, sliced=sliced)
+                               span_positions, span_slots, row_exact=backend.row_exact, live=live, sliced=sliced,
+                               bound=bound)
             ids = [t for _, chunk in spans for t in chunk]
             h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
