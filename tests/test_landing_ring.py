@@ -100,3 +100,43 @@ def test_the_host_record_refuses_a_head_it_never_filled():
     record.filled(0, ("a",))
     with pytest.raises(RuntimeError, match="head read back as 2, outside 0..1"):
         record.consumed(2, [1, 2])
+
+
+def test_misses_past_the_rings_room_are_staged_for_the_step_then_read_from_their_host_copies_again():
+    """One free slot and two staging slots: miss 1 lands, 5 and 7 are copied into the staging slots and read there
+    for the step (their table rows point at them until ``restore``), 9 is read in place; nothing staged is owned."""
+    host, ptrs = model()
+    table = ptrs.to(DEVICE).clone()
+    ring = LandingRing(4, ptrs, E, tuple(4 * w for w in WORDS), DEVICE, staged=2)
+    free = slots(1)
+    ring.fill([(0, free[0])], 1)
+    chosen = torch.tensor([[7, 9, 1], [1, 5, 7]], device=DEVICE)
+    landed = ring.land(0, table[0], chosen)
+    staging = ring.staging_slots
+    assert table[0, 1].tolist() == [b.data_ptr() for b in free[0]]
+    assert table[0, 5].tolist() == [b.data_ptr() for b in staging[0]]
+    assert table[0, 7].tolist() == [b.data_ptr() for b in staging[1]]
+    assert table[0, 9].tolist() == ptrs[0, 9].tolist()  # past the staging slots too: read from its host copy
+    for slot, e in ((free[0], 1), (staging[0], 5), (staging[1], 7)):
+        assert all(torch.equal(a, b) for a, b in zip(slot, host[0][e]))
+    state = ring.state.tolist()
+    assert state[0] == 1 and state[1] == 1 and state[2:] == [-1, -1, -1]  # only the landing is owned
+    ring.restore(0, table[0], landed)
+    assert table[0, 1].tolist() == [b.data_ptr() for b in free[0]]  # landed: stays in its slot
+    assert [table[0, e].tolist() for e in (5, 7, 9)] == [ptrs[0, e].tolist() for e in (5, 7, 9)]
+    assert torch.equal(table[1], ptrs[1].to(DEVICE))  # another layer's rows untouched
+
+
+def test_with_no_room_in_the_ring_every_miss_up_to_the_staging_slots_is_staged():
+    host, ptrs = model()
+    table = ptrs.to(DEVICE).clone()
+    ring = LandingRing(2, ptrs, E, tuple(4 * w for w in WORDS), DEVICE, staged=3)
+    landed = ring.land(1, table[1], torch.tensor([[8, 2, 4, 6]], device=DEVICE))  # the ring empty (tail 0)
+    staging = ring.staging_slots
+    assert [table[1, e].tolist() for e in (2, 4, 6)] == [[b.data_ptr() for b in s] for s in staging]
+    assert table[1, 8].tolist() == ptrs[1, 8].tolist()
+    for slot, e in zip(staging, (2, 4, 6)):
+        assert all(torch.equal(a, b) for a, b in zip(slot, host[1][e]))
+    assert ring.state.tolist()[0] == 0
+    ring.restore(1, table[1], landed)
+    assert torch.equal(table, ptrs.to(DEVICE))

@@ -299,3 +299,19 @@ def test_a_landed_step_admits_nothing_at_its_hearing_not_even_prefetch_advice(ti
             assert (r.counters["expert_landed"] > 0) == landing
             assert bool(admitted) != landing, admitted  # without landing the advice is admitted a step behind
             admitted.clear()
+
+
+def test_the_ring_and_its_staging_slots_come_out_of_the_expert_budget():
+    """(ring, staging, bytes held back) at budgets of tiny-moe's experts (8 a layer, 4 layers, top-2): the policy always
+    keeps a token's routed experts; staging takes up to one token's in what is left; no landing where no ring fits,
+    and no miss to stage where the budget holds every expert."""
+    from kestrel_core.engine.landing import ring_size
+
+    def sizes(n):
+        return ring_size(n * EXPERT, EXPERT, 32 * EXPERT, 2, 4)
+
+    assert sizes(2) == (0, 0, 0) and sizes(3) == (0, 0, 0)
+    assert sizes(4) == (1, 1, 2 * EXPERT)
+    assert sizes(5) == (1, 2, 3 * EXPERT)
+    assert sizes(8) == (2, 2, 4 * EXPERT)
+    assert sizes(32) == (0, 0, 0) and sizes(40) == (8, 0, 0)

@@ -166,7 +166,7 @@ class CpuRefBackend(Backend):
         for key, buffers in slots:
             self._table[key] = {e.name: b for e, b in zip(self.units[key].entries, buffers)}
 
-    def landing_open(self, size):
+    def landing_open(self, size, staged=0):  # a step reads its host copies where they are: nothing to stage
         self._ring = [None] * size
         self._ring_state = torch.full((1 + size,), -1, dtype=torch.long)
         self._ring_state[0] = 0

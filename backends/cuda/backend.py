@@ -247,8 +247,8 @@ class CudaBackend(Backend):
     def routed_experts(self, layer, x, weights, chosen):
         return self._experts.routed(layer, x, weights, chosen)
 
-    def landing_open(self, size):
-        self._experts.open_ring(size)
+    def landing_open(self, size, staged=0):
+        self._experts.open_ring(size, staged)
 
     def landing_fill(self, filled, tail):
         self._experts.ring.fill(filled, tail)

@@ -38,8 +38,8 @@ class DeviceExpertTable:
         self.entry_bytes = next(iter(sizes)) if len(sizes) == 1 and all(b % 4 == 0 for b in next(iter(sizes))) else None
         self.ring: LandingRing | None = None
 
-    def open_ring(self, size: int) -> None:
-        self.ring = LandingRing(size, self.host_ptrs, self.E, self.entry_bytes, self.device)
+    def open_ring(self, size: int, staged: int = 0) -> None:
+        self.ring = LandingRing(size, self.host_ptrs, self.E, self.entry_bytes, self.device, staged)
 
     def point(self, host: list, slots: list, current: torch.cuda.Stream, before_use) -> None:
         """In stream order on ``current``: ``host`` experts at their host copies, ``slots`` (key, buffers) at their buffers,
@@ -90,8 +90,11 @@ class DeviceExpertTable:
         """Each row's routed experts through the table; a row's result is its result alone (a batched step's ids are
         its sequences' solo ids). Several rows read each expert once for all the rows routed to it (``rows``)."""
         table, layouts = self.table[layer], self.layouts.get(layer)
-        if self.ring is not None:
-            self.ring.land(layer, table, chosen)
+        landed = self.ring.land(layer, table, chosen) if self.ring is not None else None
         if x.shape[0] == 1:
-            return self.grouped(x, weights, chosen, table, layouts)
-        return self.grouped.rows(x, weights, chosen, table, layouts)
+            y = self.grouped(x, weights, chosen, table, layouts)
+        else:
+            y = self.grouped.rows(x, weights, chosen, table, layouts)
+        if landed is not None:
+            self.ring.restore(layer, table, landed)
+        return y

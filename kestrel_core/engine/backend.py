@@ -164,8 +164,10 @@ class Backend:
         raise NotImplementedError(f"{self.name} has no expert table")
 
     # --- landing (where ``lands``: ``engine.landing``) ------------------------------------
-    def landing_open(self, size: int) -> None:
-        """A ring of ``size`` expert slots that a decode step through the table lands its misses in, head and tail 0."""
+    def landing_open(self, size: int, staged: int = 0) -> None:
+        """A ring of ``size`` expert slots that a decode step through the table lands its misses in, head and tail 0;
+        and up to ``staged`` slots beside it that a step may copy the misses it cannot land into, read there for that
+        step alone (where the link reads faster so: the results are the same bytes')."""
         raise NotImplementedError(f"{self.name} lands no expert")
 
     def landing_fill(self, filled: list[tuple[int, tuple]], tail: int) -> None:

@@ -214,8 +214,8 @@ class Backend(Protocol):
     def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Where ``expert_table``: one token's routed experts of ``layer``, each read where the table points."""
 
-    def landing_open(self, size: int) -> None:
-        """Where ``lands``: a ring of ``size`` expert slots, head and tail 0."""
+    def landing_open(self, size: int, staged: int = 0) -> None:
+        """Where ``lands``: a ring of ``size`` expert slots, head and tail 0, and up to ``staged`` staging slots."""
 
     def landing_fill(self, filled: list, tail: int) -> None:
         """Where ``lands``: in stream order, each (position, buffers) into slot position % size, then the tail."""

@@ -39,16 +39,23 @@ def landings(experts: Iterable[int], miss: Callable[[int], bool], head: int, tai
     return out
 
 
-def ring_size(budget: int, expert_bytes: int, total: int, per_token: int, sparse_layers: int) -> tuple[int, int]:
-    """The ring's slots under an expert ``budget`` of experts of ``expert_bytes`` each (``total`` in all), and the bytes
-    the expert policy holds back for them: two steps' routed experts, at most ``SHARE`` of the budget, and no more
-    than leaves the policy one token's routed experts. A budget that holds every expert has a ring only in the room
-    it leaves over, and holds nothing back. (0, 0): no landing."""
+def ring_size(budget: int, expert_bytes: int, total: int, per_token: int,
+              sparse_layers: int) -> tuple[int, int, int]:
+    """The ring's slots under an expert ``budget`` of experts of ``expert_bytes`` each (``total`` in all), the staging
+    slots beside it, and the bytes the expert policy holds back for both. The ring: two steps' routed experts, at
+    most ``SHARE`` of the budget, and no more than leaves the policy one token's routed experts. The staging slots: a
+    backend may copy a layer's misses that find the ring empty into them for the step alone (cuda: a copy reads the
+    link faster than its expert kernels do), up to one token's routed experts, in the room the policy's token leaves.
+    A budget that holds every expert has no miss: a ring only in the room it leaves over, no staging, nothing held
+    back. (0, 0, 0): no landing."""
     slots = budget // expert_bytes
     size = max(0, min(STEPS * per_token * sparse_layers, slots // SHARE, slots - per_token))
     if budget >= total:
-        return min(size, (budget - total) // expert_bytes), 0
-    return size, size * expert_bytes
+        return min(size, (budget - total) // expert_bytes), 0, 0
+    if not size:
+        return 0, 0, 0
+    staged = max(0, min(per_token, slots - per_token - size))
+    return size, staged, (size + staged) * expert_bytes
 
 
 class Landing:

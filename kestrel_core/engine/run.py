@@ -219,14 +219,16 @@ def lands(res, backend: Backend, table: bool, pipeline) -> bool:
     return len({tuple(e.geometry for e in u.entries) for u in backend.units.experts()}) == 1
 
 
-def landing_slots(policy: ExpertPolicy, backend: Backend, cfg) -> int:
-    """The landing ring's slots under the expert policy's budget (``landing.ring_size``), held back from it."""
+def landing_slots(policy: ExpertPolicy, backend: Backend, cfg) -> tuple[int, int]:
+    """The landing ring's slots and its staging slots under the expert policy's budget (``landing.ring_size``), held
+    back from it."""
     experts = backend.units.experts()
-    size, hold = landing.ring_size(policy.budget, experts[0].nbytes, sum(u.nbytes for u in experts),
-                                   cfg.num_experts_per_tok, sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))))
+    size, staged, hold = landing.ring_size(policy.budget, experts[0].nbytes, sum(u.nbytes for u in experts),
+                                           cfg.num_experts_per_tok,
+                                           sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))))
     if hold:
         policy.hold_back(hold)
-    return size
+    return size, staged
 
 
 class Model:
@@ -405,12 +407,12 @@ class Run:
             raise
         self.lands = lands(res, self.backend, table, self.pipeline)  # a trace keeps it: a replay's policy may land
         policy_lands = self.expert_policy is not None and member(ExpertPolicy, self.expert_policy, "lands")
-        self.landing_slots = landing_slots(self.expert_policy, self.backend, model.config) if self.lands and \
-            policy_lands else 0
+        self.landing_slots, staged = landing_slots(self.expert_policy, self.backend, model.config) \
+            if self.lands and policy_lands else (0, 0)
         self.runner = Runner(self.window, self.backend, model.config,
                              StepSettings(graphs=config.backend.graphs == "auto" and self.pipeline is None,
                                           compile=config.backend.compile, expert_table=table,
-                                          landing=self.landing_slots,
+                                          landing=self.landing_slots, staged=staged,
                                           micro_batches=micro_batched(config.backend.micro_batches, self.backend)),
                              guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True

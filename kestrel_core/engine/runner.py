@@ -40,6 +40,7 @@ class StepSettings:
     expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
     micro_batches: bool = False  # in a pipeline, a decode step of several rows goes through the ranks in micro-batches
     landing: int = 0  # slots of the ring a table-read decode step lands its misses in (``engine.landing``); 0: none
+    staged: int = 0  # slots beside the ring a backend may copy the misses it cannot land into (``landing.ring_size``)
 
 
 @functools.cache
@@ -218,7 +219,7 @@ class Runner:
         if self.schedule is not None and settings.landing:
             self.landing = Landing(settings.landing, cfg.num_experts)
             self._slot_like = next(key for key in window.units.units if is_expert(key))  # a slot's geometry: any expert's
-            backend.landing_open(settings.landing)
+            backend.landing_open(settings.landing, settings.staged)
         self.decode_steps = 0  # decode steps launched on this run (the expert schedule numbers them so)
         self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
         self.opened = 0  # slots opened on this run

@@ -217,8 +217,8 @@ def replay(trace: dict, policy: Any) -> dict:
     size = 0
     if table and model.get("landing") and member(ExpertPolicy, policy, "lands"):
         sizes = trace["sizes"].values()
-        size, hold = ring_size(policy.budget, max(sizes), sum(sizes), int(model["num_experts_per_tok"]),
-                               len(model["sparse_layers"]))
+        size, _, hold = ring_size(policy.budget, max(sizes), sum(sizes), int(model["num_experts_per_tok"]),
+                                  len(model["sparse_layers"]))
         if hold:
             policy.hold_back(hold)
     head_after = {-1: 0}  # the ring's head after each decode step
