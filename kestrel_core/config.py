@@ -192,6 +192,9 @@ class ResidencyConfig:
     # it crosses the link once (``engine.landing``; an expert policy that admits every routed expert); false: the
     # policy's admission uploads it again a step later.
     expert_landing: bool = True
+    # With landing: the misses a step cannot land are copied into staging slots beside the ring and read there for the
+    # step (cuda: a copy reads the link faster than the expert kernels read in place); false: read in place.
+    expert_staging: bool = True
 
     @expert_fetch.validator
     def _check_expert_fetch(self, _, value: str) -> None:

@@ -315,3 +315,28 @@ def test_the_ring_and_its_staging_slots_come_out_of_the_expert_budget():
     assert sizes(5) == (1, 2, 3 * EXPERT)
     assert sizes(8) == (2, 2, 4 * EXPERT)
     assert sizes(32) == (0, 0, 0) and sizes(40) == (8, 0, 0)
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_expert_staging_sets_the_staging_slots_and_changes_no_id(tiny_moe, staging):
+    with load(tiny_moe) as model, model.open(expert_policy="expert_lru", expert_budget_mb=8 * EXPERT / 2**20,
+                                            expert_staging=staging) as run:
+        settings = run.runner.settings
+        got = run.generate(prompt_ids=PROMPT, max_new_tokens=10, stop_at_eos=False)
+    assert (settings.landing, settings.staged) == ((2, 2) if staging else (2, 0))
+    want, _ = generate(tiny_moe, tokens=10)
+    assert got.token_ids == want.token_ids
+
+
+def test_the_expert_staging_flag(tiny_moe, capsys):
+    from kestrel_core.cli import main
+
+    argv = ["generate", "--model", str(tiny_moe), "--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--ignore-eos",
+            "--expert-policy", "expert_lfu", "--expert-budget-mb", str(8 * EXPERT / 2**20), "--json"]
+    ids = {}
+    for mode in ("on", "off"):
+        assert main([*argv, "--expert-staging", mode]) == 0
+        ids[mode] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert ids["on"] == ids["off"]
+    assert main([*argv, "--expert-staging", "maybe"]) == 2
+    assert "--expert-staging: invalid choice: 'maybe'" in capsys.readouterr().err

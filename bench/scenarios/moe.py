@@ -12,9 +12,10 @@ so per-layer and per-token-per-layer figures are the full model's. The expert bu
 One run measures, side by side: the pinned copy rate and the HBM floor (cuda: one token's active weights, attention,
 router, the routed experts and lm_head, read once by F.linear in a CUDA graph); `off` (every unit resident); the expert
 cache at each budget with expert_lru and expert_lfu on each decode path of ``--decode`` (``table``: the step reads its
-experts through the expert table and never waits for the host, and lands each miss in a free slot as it reads it;
-``table-twice``: the same with expert_landing off, the policy uploading a step's misses again a step later, the path
-before landing; ``host``: the host routes each sparse layer and fetches
+experts through the expert table and never waits for the host, lands each miss in a free slot as it reads it, and
+copies those past the ring into staging slots; ``table-unstaged``: the same with expert_staging off, the misses past
+the ring read in place; ``table-twice``: the same with expert_landing off, the policy uploading a step's misses again
+a step later, the path before landing; ``host``: the host routes each sparse layer and fetches
 before use, also with speculative prefetch), on the uniform router (random weights: the worst case for any cache) and on
 a Zipf-skewed one (``--skew``); whole-layer streaming (asymmetric keep=1, every expert with its layer); q8 experts
 (``--q8-group``); and the peers (transformers resident, accelerate with the experts on the CPU, AirLLM) on the same
@@ -57,7 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent of the skewed router (0: no skewed rows)")
     p.add_argument("--q8-group", type=int, default=64, help="q8 group size (0: no q8 rows)")
     p.add_argument("--decode", default="table,table-twice,host",
-                   help="decode paths of the cache rows: table (misses landed), table-twice (admitted a step later), host")
+                   help="decode paths of the cache rows: table (misses landed, the rest staged), table-unstaged (the "
+                        "rest read in place), table-twice (admitted a step later), host")
     models.add_gguf_argument(p)  # the uniform rows only: no skewed, q8 or peer rows
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
@@ -133,9 +135,10 @@ def decode_paths(args) -> list[str]:
     return paths
 
 
-# a cache row's decode path: through the table, its misses landed where they are read (one crossing) or admitted a
-# step later (``table-twice``, expert_landing off: read again), or routed on the host
-DECODE_PATHS = ("table", "table-twice", "host")
+# a cache row's decode path: through the table, its misses landed where they are read (one crossing) and those past
+# the ring staged (``table``) or read in place (``table-unstaged``, expert_staging off), or admitted a step later
+# (``table-twice``, expert_landing off: read again), or routed on the host
+DECODE_PATHS = ("table", "table-unstaged", "table-twice", "host")
 
 
 def cache_rows(model, args, router: str, scale: float) -> list[dict]:
@@ -147,8 +150,8 @@ def cache_rows(model, args, router: str, scale: float) -> list[dict]:
                     r = kestrel_row(model, args, f"{router} {decode} {policy} {gib} GiB-eq pf={int(prefetch)}",
                                     args.tokens, args.warmup, keep="off", expert_policy=policy,
                                     expert_budget_mb=gib * 1024 * scale, expert_prefetch=prefetch,
-                                    expert_decode="table" if decode == "table-twice" else decode,
-                                    expert_landing=decode != "table-twice")
+                                    expert_decode="host" if decode == "host" else "table",
+                                    expert_landing=decode != "table-twice", expert_staging=decode != "table-unstaged")
                     r.update(router=router, budget_full_depth_gib=gib, expert_decode=decode)
                     rows.append(r)
     return rows
@@ -281,6 +284,11 @@ def targets(result: dict, cfg) -> dict:
                       for s in ("uniform", "skewed") for by in [{x["label"]: x for x in result.get(s, {}).get("rows", [])}]
                       for r in by.values() if r.get("expert_decode") == "table"
                       for twice in [by.get(r["label"].replace(" table ", " table-twice "))] if twice}
+    # staging: the misses past the ring copied into staging slots, over the same row reading them in place
+    out["staging"] = {r["label"]: r["summary"]["p50"] / unstaged["summary"]["p50"]
+                      for s in ("uniform", "skewed") for by in [{x["label"]: x for x in result.get(s, {}).get("rows", [])}]
+                      for r in by.values() if r.get("expert_decode") == "table"
+                      for unstaged in [by.get(r["label"].replace(" table ", " table-unstaged "))] if unstaged}
     # item 1's bound: the share of a table row's crossing bytes that were an admission re-reading a step's miss
     out["table_reread_share"] = {r["label"]: r["bytes_reread_per_token"] / r["bytes_streamed_per_token"]
                                  for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])

@@ -69,6 +69,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    "host: routed on the host at each sparse layer")
     g.add_argument("--expert-landing", choices=("on", "off"), help="on (default): a table step lands each miss in a "
                    "free slot as it reads it (one crossing); off: the policy uploads it again a step later")
+    g.add_argument("--expert-staging", choices=("on", "off"), help="on (default): with landing, the misses a step "
+                   "cannot land are copied to staging slots and read there (cuda); off: read in place over the link")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package)")
     g.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
@@ -169,6 +171,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         residency__expert_fetch=args.expert_fetch,
         residency__expert_decode=args.expert_decode,
         residency__expert_landing=None if args.expert_landing is None else args.expert_landing == "on",
+        residency__expert_staging=None if args.expert_staging is None else args.expert_staging == "on",
         generation__prompt=args.prompt,
         generation__prompt_ids=prompt_ids,
         generation__max_new_tokens=args.max_new_tokens,

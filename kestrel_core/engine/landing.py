@@ -40,12 +40,13 @@ def landings(experts: Iterable[int], miss: Callable[[int], bool], head: int, tai
 
 
 def ring_size(budget: int, expert_bytes: int, total: int, per_token: int,
-              sparse_layers: int) -> tuple[int, int, int]:
+              sparse_layers: int, staging: bool = True) -> tuple[int, int, int]:
     """The ring's slots under an expert ``budget`` of experts of ``expert_bytes`` each (``total`` in all), the staging
     slots beside it, and the bytes the expert policy holds back for both. The ring: two steps' routed experts, at
     most ``SHARE`` of the budget, and no more than leaves the policy one token's routed experts. The staging slots: a
     backend may copy a layer's misses that find the ring empty into them for the step alone (cuda: a copy reads the
-    link faster than its expert kernels do), up to one token's routed experts, in the room the policy's token leaves.
+    link faster than its expert kernels do), up to one token's routed experts, in the room the policy's token leaves
+    (none without ``staging``).
     A budget that holds every expert has no miss: a ring only in the room it leaves over, no staging, nothing held
     back. (0, 0, 0): no landing."""
     slots = budget // expert_bytes
@@ -54,7 +55,7 @@ def ring_size(budget: int, expert_bytes: int, total: int, per_token: int,
         return min(size, (budget - total) // expert_bytes), 0, 0
     if not size:
         return 0, 0, 0
-    staged = max(0, min(per_token, slots - per_token - size))
+    staged = max(0, min(per_token, slots - per_token - size)) if staging else 0
     return size, staged, (size + staged) * expert_bytes
 
 

@@ -219,13 +219,13 @@ def lands(res, backend: Backend, table: bool, pipeline) -> bool:
     return len({tuple(e.geometry for e in u.entries) for u in backend.units.experts()}) == 1
 
 
-def landing_slots(policy: ExpertPolicy, backend: Backend, cfg) -> tuple[int, int]:
+def landing_slots(policy: ExpertPolicy, backend: Backend, cfg, staging: bool) -> tuple[int, int]:
     """The landing ring's slots and its staging slots under the expert policy's budget (``landing.ring_size``), held
     back from it."""
     experts = backend.units.experts()
     size, staged, hold = landing.ring_size(policy.budget, experts[0].nbytes, sum(u.nbytes for u in experts),
                                            cfg.num_experts_per_tok,
-                                           sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))))
+                                           sum(map(cfg.moe_layer, range(cfg.num_hidden_layers))), staging)
     if hold:
         policy.hold_back(hold)
     return size, staged
@@ -407,7 +407,7 @@ class Run:
             raise
         self.lands = lands(res, self.backend, table, self.pipeline)  # a trace keeps it: a replay's policy may land
         policy_lands = self.expert_policy is not None and member(ExpertPolicy, self.expert_policy, "lands")
-        self.landing_slots, staged = landing_slots(self.expert_policy, self.backend, model.config) \
+        self.landing_slots, staged = landing_slots(self.expert_policy, self.backend, model.config, res.expert_staging) \
             if self.lands and policy_lands else (0, 0)
         self.runner = Runner(self.window, self.backend, model.config,
                              StepSettings(graphs=config.backend.graphs == "auto" and self.pipeline is None,

@@ -55,7 +55,8 @@ def model_info(run) -> dict:
             "sparse_layers": [layer for layer in range(cfg.num_hidden_layers) if cfg.moe_layer(layer)],
             "expert_bytes": {f"{u.key[0]}.{u.key[1]}": u.nbytes for u in run.backend.units.experts()},
             "backend": run.backend.name, "expert_decode": "table" if table else "host",
-            "lag": 1 if run.config.generation.temperature == 0 else 0, "landing": run.lands}
+            "lag": 1 if run.config.generation.temperature == 0 else 0, "landing": run.lands,
+            "staging": run.config.residency.expert_staging}
 
 
 def check_new(path: str | Path) -> Path:
@@ -218,7 +219,7 @@ def replay(trace: dict, policy: Any) -> dict:
     if table and model.get("landing") and member(ExpertPolicy, policy, "lands"):
         sizes = trace["sizes"].values()
         size, _, hold = ring_size(policy.budget, max(sizes), sum(sizes), int(model["num_experts_per_tok"]),
-                                  len(model["sparse_layers"]))
+                                  len(model["sparse_layers"]), bool(model.get("staging", True)))
         if hold:
             policy.hold_back(hold)
     head_after = {-1: 0}  # the ring's head after each decode step
