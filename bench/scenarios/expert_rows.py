@@ -34,6 +34,25 @@ def add_arguments(p) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--kinds", type=names(KINDS), default=set(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--where", type=names(WHERE), default=set(WHERE), help=f"comma-separated, of {', '.join(WHERE)}")
+    p.add_argument("--copy-plans", type=plans, default=[],
+                   help="GROUP:BLOCK:WARPS,... the landing ring's copy kernel alone at each (programs an entry, int32 "
+                        "words a block, warps), at each row count, for the kinds given (e.g. 16:4096:4,64:2048:4)")
+
+
+def plans(text: str) -> list[tuple[int, int, int]]:
+    """An argparse type: comma-separated GROUP:BLOCK:WARPS, each a whole number >= 1, BLOCK and WARPS powers of two."""
+    import argparse
+
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            g, b, w = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: give GROUP:BLOCK:WARPS, e.g. 16:4096:4") from None
+        if min(g, b, w) < 1 or b & (b - 1) or w & (w - 1):
+            raise argparse.ArgumentTypeError(f"{part!r}: each at least 1, BLOCK and WARPS powers of two")
+        out.append((g, b, w))
+    return out
 
 
 def needs_gpu(args) -> str | None:
@@ -117,9 +136,9 @@ def _staged(held: list, table, ids, where: str):
         raise ValueError("the ring's copy kernel moves whole 4-byte words")
     words = tuple(t.numel() // 4 for t in held[0])
     nout = landing._pow2(len(routed))
-    out = torch.full((nout, 3), -1, dtype=torch.int64)
+    out = torch.full((nout, 4), -1, dtype=torch.int64)  # the ring's landing list: expert, its two slots, staged
     for j, (e, pair) in enumerate(zip(routed, slots)):
-        out[j] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
+        out[j, :3] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
     out = out.to("cuda")
     kernel = landing._kernels()[1]
 
@@ -177,4 +196,46 @@ def run(args, record) -> dict:
             record.save_partial(out)
             held.clear()
             torch.cuda.empty_cache()
+        if args.copy_plans:
+            out[f"{kind} copy plans"] = copy_plans(entries, args, record, kind)
+            record.save_partial(out)
     return out
+
+
+def copy_plans(entries: list, args, record, kind: str) -> list[dict]:
+    """The landing ring's copy kernel alone, moving R rows' routed experts from pinned host copies into device slots,
+    at each plan of ``--copy-plans``; every repetition kept, GB/s at the median."""
+    import torch
+
+    from backends.cuda import landing
+
+    held, table = _placed(entries, "host")
+    kernel = landing._kernels()[1]
+    words = tuple(t.numel() // 4 for t in held[0])
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for r in args.rows:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(r)])
+        routed = sorted(set(ids.reshape(-1).tolist()))
+        slots = [[torch.empty_like(t, device="cuda") for t in held[e]] for e in routed]
+        nout = landing._pow2(len(routed))
+        out = torch.full((nout, 4), -1, dtype=torch.int64)
+        for j, (e, pair) in enumerate(zip(routed, slots)):
+            out[j, :3] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
+        out = out.to("cuda")
+        nbytes = len(routed) * sum(t.numel() for t in held[0])
+        for group, block, warps in args.copy_plans:
+            def copy():
+                kernel[(nout, 2, group)](out, table, words[0], words[1], GROUP=group, BLOCK=block, num_warps=warps)
+            copy()
+            same = all(torch.equal(d.cpu(), s) for e, pair in zip(routed, slots) for d, s in zip(pair, held[e]))
+            t = graph_times(copy, calls=2, reps=args.reps)
+            row = {"rows": r, "experts": len(routed), "plan": f"{group}:{block}:{warps}", "bytes": nbytes,
+                   "copied_right": same, "ms": t, "summary": summary(t), "GBps": nbytes / summary(t)["p50"] / 1e6}
+            rows.append(row)
+            print(f"{kind} copy plan {row['plan']:>11} R={r:3} experts {len(routed):3}: {row['summary']['p50']:.3f} ms, "
+                  f"{row['GBps']:.1f} GB/s, right {same}", flush=True)
+        del slots
+    held.clear()
+    torch.cuda.empty_cache()
+    return rows
