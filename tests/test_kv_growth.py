@@ -144,7 +144,7 @@ def test_a_cuda_cache_opens_at_the_floor_and_grows_under_captured_steps(tiny_ckp
         before = torch.cuda.memory_allocated()
         with Batch(run.runner, 8, 4096) as opened:
             taken = torch.cuda.memory_allocated() - before
-            assert opened.dev.capacity == 256 and opened.dev.cache[0].k.shape[1] == 256
+            assert opened.dev.capacity == 256 and opened.dev.cache[0].k.shape[1] == 256 + 1  # and the park
         assert kv_bytes(cfg, 256, torch.float32, 8) <= taken < kv_bytes(cfg, 4096, torch.float32, 8) / 4
         with pytest.MonkeyPatch.context() as m:
             m.setattr(runner_mod.Slots, "reach", reach)
