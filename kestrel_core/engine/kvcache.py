@@ -51,10 +51,11 @@ def kv_bytes(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, slots: int = 1)
 
 
 def allocate_cache(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device: torch.device,
-                   slots: int = 1) -> list[KVCache]:
-    """A run's static KV cache; one that cannot be had is a BudgetError (without the fix: the door that asked for
-    these sizes names its own settings), checked before touching host memory."""
-    need = kv_bytes(cfg, max_seq, dtype, slots)
+                   slots: int = 1, spare: int = 0) -> list[KVCache]:
+    """A run's static KV cache of ``max_seq`` positions a slot and ``spare`` more that no sequence reaches (a parked
+    row's); one that cannot be had is a BudgetError (without the fix: the door that asked for these sizes names its
+    own settings), checked before touching host memory."""
+    need = kv_bytes(cfg, max_seq + spare, dtype, slots)
     avail = meminfo().get("MemAvailable") if device.type == "cpu" else None
     too_big = BudgetError(
         f"the KV cache for {slots} x {max_seq:,} positions needs {need / 2**20:,.0f} MiB, more than {device} can give"
@@ -63,7 +64,7 @@ def allocate_cache(cfg: ModelConfig, max_seq: int, dtype: torch.dtype, device: t
     if avail is not None and need > avail:
         raise too_big  # zero-filling it would page the machine into the OOM killer
     try:
-        return KVCache.allocate(cfg, max_seq, dtype, device, slots)
+        return KVCache.allocate(cfg, max_seq + spare, dtype, device, slots)
     except (torch.cuda.OutOfMemoryError, MemoryError):
         raise too_big from None
     except RuntimeError as exc:

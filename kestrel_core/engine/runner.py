@@ -142,7 +142,7 @@ class Slots:
         self.count, self.max_seq, self.fix = slots, max_seq, fix
         self.capacity = first_capacity(max_seq, backend.device)  # the positions a slot's cache holds now (``reach``)
         # one row past them, where a parked slot's decode row writes (``park``)
-        self.cache = allocate_cache(cfg, self.capacity + 1, backend.dtype, backend.device, slots)
+        self.cache = allocate_cache(cfg, self.capacity, backend.dtype, backend.device, slots, spare=1)
         self.rope = RopeTable(cfg, max_seq + 1, backend.dtype, backend.device)
         self.state = runner.decode_state(self.rope, slots, max_seq)
         self.ring = torch.zeros((self.RING, self.state.out.numel()), dtype=torch.long,
@@ -169,7 +169,7 @@ class Slots:
         backend, cfg = runner.backend, runner.cfg
         size = key_bound(need, self.max_seq)
         try:
-            grown = allocate_cache(cfg, size + 1, backend.dtype, backend.device, self.count)
+            grown = allocate_cache(cfg, size, backend.dtype, backend.device, self.count, spare=1)
         except BudgetError as exc:
             raise BudgetError(f"{exc} (the cache grows as its sequences reach further){'; ' + self.fix if self.fix else ''}"
                               ) from None
