@@ -33,8 +33,11 @@ class ExpertBytes:
 
     @hookimpl
     def on_layer_advance(self, window, layer, phase):
+        experts = {k: window.units[k].nbytes for k in window.resident_units if len(k) == 2}
+        # the window's own running record of them agrees at every boundary
+        assert dict(window.resident_experts) == experts and window.resident_expert_bytes == sum(experts.values())
         if phase == "decode":
-            self.seen.append(sum(window.units[k].nbytes for k in window.resident_units if len(k) == 2))
+            self.seen.append(sum(experts.values()))
 
 
 @pytest.mark.parametrize("policy", ["expert_lru", "expert_lfu"])
@@ -75,6 +78,14 @@ class FakeWindow:
         self.resident_units: set = set()
         self.admits = True
         self.units = {(1, e): type("U", (), {"nbytes": nbytes})() for e in range(8)}
+
+    @property
+    def resident_experts(self):
+        return {k: self.units[k].nbytes for k in self.resident_units}
+
+    @property
+    def resident_expert_bytes(self):
+        return sum(self.resident_experts.values())
 
 
 def _route(policy, window, experts):

@@ -11,7 +11,6 @@ import math
 
 from kestrel_core.errors import ConfigError
 from kestrel_core.engine.plan import Advice
-from kestrel_core.formats.units import is_expert
 
 
 class ExpertCache:
@@ -39,16 +38,17 @@ class ExpertCache:
         for key in routed:
             self.last[key] = self.clock
             self.uses[key] = self.uses.get(key, 0) + 1
-        units, present = window.units, window.resident_units  # a property that builds a set: read it once
-        resident = [k for k in present if is_expert(k)]
-        used = sum(units[k].nbytes for k in resident)
-        need = sum(units[k].nbytes for k in routed if k not in present) if window.admits else 0
+        held = window.resident_experts  # kept by the window as experts come and go: asked at every sparse layer
+        used = window.resident_expert_bytes
+        need = sum(window.units[k].nbytes for k in routed if k not in held) if window.admits else 0
+        if used + need <= self.budget:  # the common answer: nothing to rank
+            return None
         victims = []
-        for key in sorted((k for k in resident if k not in routed), key=self.rank):
+        for key in sorted((k for k in held if k not in routed), key=self.rank):
             if used + need <= self.budget:
                 break
             victims.append(key)
-            used -= units[key].nbytes
+            used -= held[key]
         return Advice(evict=victims) if victims else None
 
     def hold_back(self, nbytes: int) -> None:

@@ -10,7 +10,8 @@ repeats its buffers too.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Callable
 
 import numpy as np
@@ -49,6 +50,8 @@ class Window:
         self.signatures: list[tuple] = []  # this token's plans, as Plan.signature (no buffer kept alive)
         self.last_signatures: list[tuple] = []  # the previous token's
         self._resident: dict[UnitKey, Resident] = {}
+        self._experts: dict[UnitKey, int] = {}  # the resident expert units and their bytes, kept as they change
+        self._expert_bytes = 0
         self._idle: dict[tuple[int, str], Plan] = {}
         self._layers: frozenset[int] | None = frozenset()
         self._entries = {u.key: tuple(Entry(u.layer, e.name, e.geometry, factory, u.key) for e in u.entries)
@@ -71,6 +74,16 @@ class Window:
     @property
     def resident_bytes(self) -> int:
         return sum(r.unit.nbytes for r in self._resident.values())
+
+    @property
+    def resident_experts(self) -> Mapping[UnitKey, int]:
+        """The resident expert units and each one's bytes (a live, read-only view: an expert policy asks at every
+        sparse layer, and this costs nothing to read)."""
+        return MappingProxyType(self._experts)
+
+    @property
+    def resident_expert_bytes(self) -> int:
+        return self._expert_bytes
 
     def horizon(self, layer: int) -> list[int]:
         """The layers a prefetching backend wants next after ``layer`` (the loop wraps to the next token)."""
@@ -259,6 +272,9 @@ class Window:
         """``unit`` resident in ``buffers``, counted as an upload (a fetch's, or a landed step's read)."""
         self._resident[unit.key] = Resident(unit, buffers, {e.name: b for e, b in zip(self._entries[unit.key], buffers)})
         self._layers = None
+        if is_expert(unit.key):
+            self._experts[unit.key] = unit.nbytes
+            self._expert_bytes += unit.nbytes
         c = self.counters
         c.uploads += len(buffers)
         c.layer_uploads += 1
@@ -286,6 +302,8 @@ class Window:
     def _evict(self, key: UnitKey) -> Resident:
         r = self._resident.pop(key)
         self._layers = None
+        if key in self._experts:
+            self._expert_bytes -= self._experts.pop(key)
         for entry, buf in zip(self._entries[key], r.buffers):
             self._release(entry, buf)
         c = self.counters

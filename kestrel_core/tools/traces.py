@@ -174,12 +174,21 @@ class _Unit:
 
 
 class ReplayWindow:
-    """The part of a run's window an expert policy reads (``resident_units``, ``units``), without a model."""
+    """The part of a run's window an expert policy reads (``resident_units``, ``resident_experts``, ``units``), without
+    a model: every resident unit of a replay is an expert."""
 
     def __init__(self, sizes: dict[tuple, int]):
         self.units = {key: _Unit(n) for key, n in sizes.items()}
         self.resident_units: set[tuple] = set()
         self.admits = True
+
+    @property
+    def resident_experts(self) -> dict[tuple, int]:
+        return {key: self.units[key].nbytes for key in self.resident_units}
+
+    @property
+    def resident_expert_bytes(self) -> int:
+        return sum(self.units[key].nbytes for key in self.resident_units)
 
 
 class ExpertBelady(ExpertCache):
