@@ -187,6 +187,14 @@ def test_moe_on_a_gguf_refuses_what_it_cannot_run_in_one_line(models, tmp_path, 
     assert said in err and len(err.splitlines()) == 1, err
 
 
+def test_moe_refuses_slow_rows_of_one_token_before_any_row(tmp_path, capsys):
+    """A slow row times its decode steps after the first: one token leaves none, and the run failed on that row's
+    figure after every other row had run; it is refused before any checkpoint is written."""
+    assert bench(["moe", *CPU_SCENARIOS["moe"], "--slow-tokens", "1", "--models", str(tmp_path / "models"),
+                  "--out", str(tmp_path / "out")]) == 2
+    assert "--slow-tokens must be at least 2" in capsys.readouterr().err and not (tmp_path / "models").exists()
+
+
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
     rec = run_scenario(["keep-auto", *CPU_SCENARIOS["keep-auto"], "--models", str(models)], tmp_path)
     (entry,) = rec["result"]["budgets"]

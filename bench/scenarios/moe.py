@@ -118,7 +118,8 @@ def kestrel_row(model, args, label: str, tokens: int, warmup: int, **settings) -
         allocations_after_warmup=sum(p["allocations"] for p in steady),
         mapping_rss_bytes=r["memory"].get("mapping_rss_bytes"))
     hr = f"{100 * r['hit_rate']:5.1f}%" if r["hit_rate"] is not None else "  -   "
-    log(f"{label:44} p50 {r['summary']['p50']:8.2f} ms (n={r['summary']['n']}) "
+    p50 = f"{r['summary']['p50']:8.2f}" if r["summary"]["n"] else "       -"  # no step timed: no figure
+    log(f"{label:44} p50 {p50} ms (n={r['summary']['n']}) "
         f"{r['bytes_streamed_per_token'] / 1e6:9.1f} MB/tok crossed ({r['bytes_reread_per_token'] / 1e6:.1f} re-read) "
         f"hit {hr} allocs*={r['allocations_after_warmup']}")
     gc.collect()
@@ -302,7 +303,12 @@ def targets(result: dict, cfg) -> dict:
 
 
 def run(args, record) -> dict:
+    from bench.errors import BenchError
     from kestrel_core.tools.presets import PRESETS, preset_config
+
+    if args.slow_tokens < 2:  # a slow row's first decode step is left out: one token leaves none to time
+        raise BenchError(f"--slow-tokens must be at least 2 (a slow row times the decode steps after its first), "
+                         f"got {args.slow_tokens}")
 
     full = PRESETS[args.preset]["num_hidden_layers"]
     layers = min(args.layers, full)
