@@ -47,3 +47,16 @@ def test_a_small_host_buffer_is_zeroed_too():
         junk = np.full(4096 + 64, 0xAB, dtype=np.uint8)
         del junk
         assert float(_zeros((2, 16, 2, 32), torch.float32, "cpu").abs().sum()) == 0
+
+
+def test_a_cache_with_a_spare_row_is_refused_where_only_its_positions_would_fit(monkeypatch):
+    """The park's spare row counts against the memory there is: a cache of 64 positions and a spare where exactly 64
+    fit is refused before any is touched, naming the 64 positions asked for; 63 and a spare fit."""
+    from kestrel_core.engine import kvcache
+    from kestrel_core.errors import BudgetError
+
+    cfg = preset_config("tiny")
+    monkeypatch.setattr(kvcache, "meminfo", lambda: {"MemAvailable": kv_bytes(cfg, 64, torch.float32, 2)})
+    with pytest.raises(BudgetError, match="the KV cache for 2 x 64 positions needs"):
+        allocate_cache(cfg, 64, torch.float32, torch.device("cpu"), 2, spare=1)
+    assert allocate_cache(cfg, 63, torch.float32, torch.device("cpu"), 2, spare=1)[0].k.shape[1] == 64

@@ -194,21 +194,22 @@ def test_an_admission_reads_its_slot_from_the_step_after_next():
     assert [s.read_host((1, 0), k) for k in range(4)] == [False, False, True, True]
 
 
-@pytest.mark.parametrize("landing", [True, False])
+@pytest.mark.parametrize("landing, staging", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("experts", [2, 4, 8])
-def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts, landing):
+@pytest.mark.parametrize("experts", [2, 4, 5, 8])
+def test_replay_counts_what_the_live_run_counted(tiny_moe, temperature, experts, landing, staging):
     """Greedy steps are heard a step late, sampled ones at once: the replay models the same schedule, and where the
-    steps land their misses, the same ring."""
+    steps land their misses, the same ring (and the same budget held back for the staging slots, or none)."""
     budget_mb = experts * EXPERT / 2**20
     recorder = TraceRecorder()
     with load(tiny_moe) as model:
         with model.open(observers=[recorder], expert_policy="expert_lfu", expert_budget_mb=budget_mb,
-                        temperature=temperature, seed=3, expert_landing=landing) as run:
+                        temperature=temperature, seed=3, expert_landing=landing, expert_staging=staging) as run:
             live = run.generate(prompt_ids=PROMPT, max_new_tokens=16, stop_at_eos=False)
             from kestrel_core.tools.traces import model_info, read_trace
             info = model_info(run)
     assert info["expert_decode"] == "table" and info["lag"] == (1 if temperature == 0 else 0)
+    assert info["staging"] == staging
     trace = {"model": info, "sizes": {tuple(map(int, k.split("."))): v for k, v in info["expert_bytes"].items()},
              "events": recorder.events}
     got = replay(trace, ExpertLFU(budget=int(budget_mb * 2**20)))
