@@ -121,3 +121,26 @@ def test_drop_around_keeps_the_kept_tensors_and_drops_their_neighbours(demo_ckpt
         assert torch.equal(ckpt.view(same[0]).clone(), ckpt.view(same[0]))  # a dropped tensor reads back
     finally:
         ckpt.close()
+
+
+def test_the_granule_index_keeps_exactly_the_kept_tensors_that_overlap_the_windows():
+    """``drop_around`` finds the tensors to keep through the index; here against a pass over every kept tensor, on
+    random layouts: nested spans (a fused tensor and its slices), empty ones, tensors across several granules."""
+    import random
+
+    from kestrel_core.formats.checkpoint import GranuleIndex, merge_spans
+
+    rng = random.Random(7)
+    for _ in range(200):
+        granule = rng.choice([4, 16, 64])
+        spans = []
+        for i in range(rng.randint(1, 30)):
+            start = rng.randint(0, 400)
+            spans.append((f"t{i}", start, start + rng.choice([0, 1, 3, granule, 5 * granule + 1, rng.randint(0, 90)])))
+        index = GranuleIndex(spans, granule)
+        windows = merge_spans([((s // granule) * granule, -(-e // granule) * granule)
+                               for _, s, e in rng.sample(spans, rng.randint(1, len(spans)))])
+        keep = {n for n, _, _ in spans if rng.random() < 0.5}
+        want = merge_spans([(s, e) for n, s, e in spans  # an empty tensor keeps no byte: the index leaves it out
+                            if n in keep and s < e and any(s < hi and e > lo for lo, hi in windows)])
+        assert index.kept(windows, keep) == want

@@ -13,6 +13,7 @@ import re
 import stat
 import struct
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -200,6 +201,30 @@ def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+class GranuleIndex:
+    """Which tensors of one file overlap each ``granule``-sized stretch of it, built once: the tensors to keep around a
+    drop are then found among those of the stretches dropped, not by a pass over every kept tensor (a Mixture-of-Experts
+    model keeps thousands, and a drop comes with every expert's fill and eviction)."""
+
+    def __init__(self, spans: Iterable[tuple[str, int, int]], granule: int):
+        self.granule = granule
+        self._at: dict[int, list[tuple[str, int, int]]] = {}
+        for name, start, end in spans:  # an empty tensor holds no byte to keep
+            for g in range(start // granule, -(-end // granule)) if start < end else ():
+                self._at.setdefault(g, []).append((name, start, end))
+
+    def kept(self, windows: list[tuple[int, int]], keep: set[str]) -> list[tuple[int, int]]:
+        """The byte spans of the ``keep`` tensors that overlap the granule-aligned ``windows`` (merged and sorted)."""
+        out, seen = [], set()
+        for lo, hi in windows:
+            for g in range(lo // self.granule, -(-hi // self.granule)):
+                for name, start, end in self._at.get(g, ()):
+                    if name in keep and name not in seen and start < hi and end > lo:
+                        seen.add(name)
+                        out.append((start, end))
+        return merge_spans(out)
+
+
 def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``spans`` less ``holes`` (both merged and sorted)."""
     out = []
@@ -269,6 +294,7 @@ class Checkpoint:
         self.metadata = {k: v for f in self.files.values() for k, v in f.metadata.items()}
         # per-expert name -> (the fused tensor it is a slice of, the slice's own TensorInfo)
         self._alias: dict[str, tuple[str, TensorInfo]] = self._fused_experts()
+        self._granule_index: dict[tuple[str, int], GranuleIndex] = {}  # by (file, granule): ``drop_around``'s
 
     def _fused_experts(self) -> dict[str, tuple[str, TensorInfo]]:
         """Serve each expert of a fused 3-D layer (``FUSED_GATE_UP``, ``FUSED_DOWN``) under its per-expert name.
@@ -378,14 +404,18 @@ class Checkpoint:
             by_file.setdefault(self.file_of(n), []).append((lo, hi))
         for f, windows in by_file.items():
             windows = merge_spans(windows)
-            kept = []
-            for n in keep:
-                if self.file_of(n) is not f:
-                    continue
-                info = self.info(n)
-                if any(info.start < hi and info.end > lo for lo, hi in windows):
-                    kept.append((info.start, info.end))
-            f.drop_pages(_subtract(windows, merge_spans(kept)))
+            f.drop_pages(_subtract(windows, self._granules(f, granule).kept(windows, keep)))
+
+    def _granules(self, f: SafetensorsFile, granule: int) -> GranuleIndex:
+        """``f``'s tensors (a fused expert tensor and each expert's slice of it alike) by granule, made on first use."""
+        key = (f.path.name, granule)
+        index = self._granule_index.get(key)
+        if index is None:
+            names = [n for n, where in self._where.items() if where is f]
+            names += [n for n, (src, _) in self._alias.items() if self._where[src] is f]
+            index = self._granule_index[key] = GranuleIndex(((n, self.info(n).start, self.info(n).end)
+                                                             for n in names), granule)
+        return index
 
     def unmap_all(self) -> None:
         """Every page of every file out of the mapping (the page cache keeps them)."""

@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from kestrel_core.formats import gguf_quants as gq
-from kestrel_core.formats.checkpoint import FAULT_GRANULE, _subtract, mapping_rss, merge_spans
+from kestrel_core.formats.checkpoint import FAULT_GRANULE, GranuleIndex, _subtract, mapping_rss, merge_spans
 from kestrel_core.errors import CheckpointError, ConfigError, KestrelNote
 from kestrel_core.formats.gguf_header import CORRUPT, HeaderProblem, Stored, read_header
 from kestrel_core.formats.modelconfig import ModelConfig, parse_model_config
@@ -200,6 +200,7 @@ class GGUFCheckpoint:
         except ConfigError as exc:
             raise CheckpointError(f"{exc}{_gguf_keys(str(exc), self.arch)}") from None
         self._infos = self._name_tensors()
+        self._granule_index: dict[int, GranuleIndex] = {}  # by granule: ``drop_around``'s
         self._validate()
         self.files = {self.path.name: GGUFFile(self.path, size)}
         self._file = self.files[self.path.name]
@@ -599,9 +600,11 @@ class GGUFCheckpoint:
         """As Checkpoint.drop_around: the granule-aligned stretches around ``names``, less the ``keep`` tensors' bytes."""
         windows = merge_spans([((self.info(n).start // granule) * granule, -(-self.info(n).end // granule) * granule)
                                for n in names])
-        kept = [(i.start, i.end) for i in (self.info(n) for n in keep)
-                if any(i.start < hi and i.end > lo for lo, hi in windows)]
-        self._file.drop_pages(_subtract(windows, merge_spans(kept)))
+        index = self._granule_index.get(granule)
+        if index is None:  # every tensor by granule, made on first use (a stored tensor and its slices alike)
+            index = self._granule_index[granule] = GranuleIndex(((n, i.start, i.end) for n, i in self._infos.items()),
+                                                                granule)
+        self._file.drop_pages(_subtract(windows, index.kept(windows, keep)))
 
     def unmap_all(self) -> None:
         self._file.drop_pages([(0, self._file.size)])
