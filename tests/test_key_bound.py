@@ -60,9 +60,10 @@ def masked(monkeypatch, floor: int, widths: list | None = None) -> list[int | No
     return seen
 
 
-def batch(run, **kw):
+def batch(run, prompts=PROMPTS, **kw):
+    """``prompts`` as one batch job, the i-th for 9 + 7i tokens, logits kept: each one's ids and stacked logits."""
     got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=9 + 7 * i, stop_at_eos=False, keep_logits=True)
-                              for i, p in enumerate(PROMPTS)], **kw)
+                              for i, p in enumerate(prompts)], **kw)
     return [r.token_ids for r in got], [torch.stack(r.logits) for r in got]
 
 

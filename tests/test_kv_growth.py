@@ -15,6 +15,7 @@ from kestrel_core.engine import runner as runner_mod
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.errors import BudgetError
 from test_graphs import replaying  # noqa: F401  (the fixture: cpu_ref whose steps are captured and replayed)
+from test_key_bound import batch  # the same batch job, over this file's prompts
 
 PROMPTS = [[5, 17, 42, 99, 3], [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15] * 3, [100, 200]]
 
@@ -36,22 +37,16 @@ def growing(monkeypatch, floor: int) -> list[int]:
     return held
 
 
-def batch(run, **kw):
-    got = run.generate_batch([dict(prompt_ids=p, max_new_tokens=9 + 7 * i, stop_at_eos=False, keep_logits=True)
-                              for i, p in enumerate(PROMPTS)], **kw)
-    return [r.token_ids for r in got], [torch.stack(r.logits) for r in got]
-
-
 @pytest.mark.parametrize("steps", ["cpu_ref", "replaying"])
 def test_a_cache_that_grows_gives_the_ids_and_logits_of_one_that_held_every_position(tiny_ckpt, replaying,
                                                                                      monkeypatch, steps):
     """Four sequences, two slots, prompts chunked: a long prompt joins while a short sequence decodes, so the cache
     grows under a decode row whose bound did not move (its captured step must be captured again)."""
     with load(tiny_ckpt) as model, model.open(backend=steps, dtype="float32") as run:
-        want = batch(run, max_batch=2, prefill_chunk=4)
+        want = batch(run, PROMPTS, max_batch=2, prefill_chunk=4)
         with monkeypatch.context() as m:
             held = growing(m, 4)
-            got = batch(run, max_batch=2, prefill_chunk=4)
+            got = batch(run, PROMPTS, max_batch=2, prefill_chunk=4)
     assert got[0] == want[0]
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
