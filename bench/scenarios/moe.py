@@ -282,14 +282,10 @@ def targets(result: dict, cfg) -> dict:
     out["landing"] = {r["label"]: {"crossed_over_twice": r["bytes_streamed_per_token"] / twice["bytes_streamed_per_token"]
                                    if twice["bytes_streamed_per_token"] else None,
                                    "p50_over_twice": r["summary"]["p50"] / twice["summary"]["p50"]}
-                      for s in ("uniform", "skewed") for by in [{x["label"]: x for x in result.get(s, {}).get("rows", [])}]
-                      for r in by.values() if r.get("expert_decode") == "table"
-                      for twice in [by.get(r["label"].replace(" table ", " table-twice "))] if twice}
+                      for r, twice in table_twins(result, "table-twice")}
     # staging: the misses past the ring copied into staging slots, over the same row reading them in place
     out["staging"] = {r["label"]: r["summary"]["p50"] / unstaged["summary"]["p50"]
-                      for s in ("uniform", "skewed") for by in [{x["label"]: x for x in result.get(s, {}).get("rows", [])}]
-                      for r in by.values() if r.get("expert_decode") == "table"
-                      for unstaged in [by.get(r["label"].replace(" table ", " table-unstaged "))] if unstaged}
+                      for r, unstaged in table_twins(result, "table-unstaged")}
     # item 1's bound: the share of a table row's crossing bytes that were an admission re-reading a step's miss
     out["table_reread_share"] = {r["label"]: r["bytes_reread_per_token"] / r["bytes_streamed_per_token"]
                                  for s in ("uniform", "skewed") for r in result.get(s, {}).get("rows", [])
@@ -300,6 +296,16 @@ def targets(result: dict, cfg) -> dict:
     out["allocations_after_warmup_max"] = max((r["allocations_after_warmup"] for r in every if r["expert_policy"]),
                                               default=None)
     return out
+
+
+def table_twins(result: dict, path: str):
+    """Each ``table`` row with its twin on decode path ``path`` at the same budget and policy, where that ran."""
+    for s in ("uniform", "skewed"):
+        by = {x["label"]: x for x in result.get(s, {}).get("rows", [])}
+        for r in by.values():
+            twin = by.get(r["label"].replace(" table ", f" {path} ")) if r.get("expert_decode") == "table" else None
+            if twin:
+                yield r, twin
 
 
 def run(args, record) -> dict:
