@@ -135,6 +135,27 @@ def test_a_greedy_constrained_row_is_masked_on_the_device_and_gives_the_hosts_id
     assert json.loads(run.model.tokenizer.decode(on_device[1][:-1])) in ("yes", "no")
 
 
+def test_a_masked_rows_grammar_runs_while_the_next_pass_computes(run, monkeypatch):
+    """A grammar's next mask needs the token before it; the host reads that token, moves the grammar on and makes the
+    mask only once the next step's pass is launched (the device computes it meanwhile), so each step is read back
+    after the next one's pass, as a plain greedy row's is, never before it: no wait a token. Its ids are the host's."""
+    from kestrel_core.engine.runner import Runner
+
+    events = []
+    real_pass, real_read = Runner.decode_step, Runner.read
+    monkeypatch.setattr(Runner, "decode_step", lambda self, *a, **k: events.append("pass") or real_pass(self, *a, **k))
+    monkeypatch.setattr(Runner, "read", lambda self, s, step, *a, **k: events.append(f"read {step.index}")
+                        or real_read(self, s, step, *a, **k))
+    got = run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=FLAG)])[0]
+    decode = events[events.index("pass") + 1:]  # after the prompt's pass
+    assert len([e for e in decode if e == "pass"]) >= 4
+    for k in range(1, len(got.token_ids) - 1):  # step k (step 0 is the prompt's) is read after step k + 1's pass
+        assert decode.index(f"read {k}") > [i for i, e in enumerate(decode) if e == "pass"][k], decode
+    monkeypatch.setattr(Runner, "masks_on_device", property(lambda self: False))
+    assert got.token_ids == run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40,
+                                                     json_schema=FLAG)])[0].token_ids
+
+
 class Closing(Only):
     """Allows one id twice, then none: a grammar that fails mid-value."""
 

@@ -4,9 +4,10 @@ the grammar against plain greedy decoding, in one run (issue 42).
     python -m bench grammar [--backend cpu_ref|cuda] [--keep off] [--tokens 128] [--repeats 5]
                             [--schemas schema,json_object]
 
-On cuda a greedy constrained row takes its argmax under its mask inside the step (the mask copied to the device in
-stream order), and each such step is read back at once, since the next mask needs its token; plain rows are read a
-step late.
+On cuda a greedy constrained row takes its argmax under its mask on the device, after the step's pass: the host reads
+the step before back, moves the grammar on and makes the mask while the pass computes, then copies the mask up (from
+pinned memory, in stream order) and the argmax is taken again under it. Like plain rows, each step is read a step
+late.
 
 One chat prompt asks for three people as JSON. Rows, interleaved repeat by repeat on one open run (a warm-up
 generate of each first):

@@ -233,7 +233,6 @@ class Batch:
         verify = self._drafts()
         rows_live = {slot: seq for slot, seq in self.active.items()
                      if seq.decoding and not seq.done and slot not in verify and self._wants_a_row(seq)}
-        masks = self._masks(rows_live)  # a row whose mask fails leaves rows_live, its sequence ended with the error
         prefilling = [s for s in self.active.values()
                       if not s.done and s.leader is None and s.prefilled < len(s.request.prompt_ids)]
         if not rows_live and not prefilling and not verify:
@@ -262,9 +261,10 @@ class Batch:
         # A verify span's rows all come back, and a prompt chunk's where its request asks for the prompt's logprobs.
         every_row = frozenset(i for i, (seq, _, _) in enumerate(spans)
                               if i < len(verify) or seq.request.prompt_logprobs is not None)
-        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), every_row, sampled,
-                              masks)
-        launched = self.runner.step(self.dev, request, self._sample_row)
+        request = StepRequest(rows, frozenset(rows_live), tuple((sp, ids) for _, sp, ids in spans), every_row, sampled)
+        masked = {slot: seq for slot, seq in rows_live.items() if seq.sampler.masks_on_device}
+        launched = self.runner.step(self.dev, request, self._sample_row,
+                                    (lambda: self._masks(masked)) if masked else None)
         for seq in rows_live.values():
             seq.launched += 1
         k = len(self.passes)
@@ -279,8 +279,8 @@ class Batch:
             else:
                 self._prefilled(seq, sp, launched.span_logits[i], k)
         self.unread.append(k)
-        # read at once where the host chose a token, where a row's next mask needs its token, or where drafts wait on it
-        lag = 0 if sampled or masks or any(seq.drafting is not None for seq in rows_live.values()) else 1
+        # read at once where the host chose a token or where drafts wait on it (a masked row's is read in the next step)
+        lag = 0 if sampled or any(seq.drafting is not None for seq in rows_live.values()) else 1
         while len(self.unread) > lag:
             self._take(self.unread.popleft())
 
@@ -345,17 +345,22 @@ class Batch:
             seq.drafting.accepted(list(seq.request.prompt_ids) + seq.tokens)
             self.runner.place(self.dev, seq.slot, len(seq.request.prompt_ids) + len(seq.tokens) - 1, seq.tokens[-1])
 
-    def _masks(self, rows_live: dict[int, Sequence]) -> tuple[tuple[int, torch.Tensor], ...]:
-        """The masks this step holds its greedy constrained rows to on the device, by slot (``Sampler.mask``); a
-        sequence whose grammar fails ends with the error and leaves ``rows_live``."""
+    def _masks(self, masked: dict[int, Sequence]) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The masks this step holds its greedy constrained rows to on the device, by slot (``Sampler.mask``), asked
+        by ``Runner.step`` once the step's pass is launched, so this runs beside it: every step not read yet is read
+        first (each grammar moves on past its row's last token), then each row whose sequence goes on gets its mask.
+        A sequence that ended there, or whose grammar fails here (it ends with the error), rode the step as a row read
+        past its end: dropped."""
+        while self.unread:
+            self._take(self.unread.popleft())
         out = []
-        for slot, seq in list(rows_live.items()):
-            if seq.sampler.masks_on_device:
-                try:
-                    out.append((slot, seq.sampler.mask(self.runner.vocab_size)))
-                except Exception as exc:  # noqa: BLE001 - one sequence's grammar, not the batch's state
-                    self._fail(seq, exc)
-                    del rows_live[slot]
+        for slot, seq in masked.items():
+            if seq.done:
+                continue
+            try:
+                out.append((slot, seq.sampler.mask(self.runner.vocab_size)))
+            except Exception as exc:  # noqa: BLE001 - one sequence's grammar, not the batch's state
+                self._fail(seq, exc)
         return tuple(out)
 
     def _sample_row(self, slot: int, logits: torch.Tensor) -> int | None:

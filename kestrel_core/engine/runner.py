@@ -84,15 +84,13 @@ class StepRequest:
     their positions move on), then ``spans``, each a sequence's tokens with their ids (a prompt chunk, or a verify
     pass: the last token and its drafts). ``every_row``: the spans whose every row's logits come back (a verify pass);
     the others give their last row. ``sample``: the slots whose next token the host draws from their logits (the rest
-    take their argmax on the device). ``masks``: (slot, [vocab] bool) for the rows whose argmax the device takes among
-    those ids only (a grammar's, ``Sampler.masks_on_device``)."""
+    take their argmax on the device; a grammar's row among the ids its mask allows, ``Runner.step``'s ``masks``)."""
 
     rows: int
     live: frozenset[int] = frozenset()
     spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
     every_row: frozenset[int] = frozenset()
     sample: tuple[int, ...] = ()
-    masks: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -151,6 +149,8 @@ class Slots:
         self.graph_logits: dict[int, torch.Tensor] = {}  # by row count: where its captured step's logits go
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
         self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
+        self.mask_rows: torch.Tensor | None = None  # host rows the masks go up from (pinned on cuda), made at the first
+        self.mask_mark = None  # after the last pick's uploads from them
         self.positions = [0] * slots  # the host's copy of each slot's position: placed, then moved on where live
         self.parked: set[int] = set()  # the slots placed at the park (``Runner.park``)
         self.launched = 0
@@ -267,10 +267,18 @@ class Runner:
         return s
 
     def step(self, s: Slots, request: StepRequest,
-             sample: Callable[[int, torch.Tensor], int | None] | None = None) -> Launched:
+             sample: Callable[[int, torch.Tensor], int | None] | None = None,
+             masks: Callable[[], tuple[tuple[int, torch.Tensor], ...]] | None = None) -> Launched:
         """Launch one step on ``s``: the window's token, its plans (the first step's preload), the pass (replayed,
-        captured or eager), then each sampled slot's token (``sample(slot, logits)``; None leaves the argmax), and
-        the copy of the step's output row to the host, which ``read`` waits for."""
+        captured or eager), then each masked row's token (``masks()``, below), each sampled slot's token
+        (``sample(slot, logits)``; None leaves the argmax), and the copy of the step's output row to the host, which
+        ``read`` waits for.
+
+        ``masks()`` is asked once the pass is launched, so the host's work for it runs while the device computes the
+        pass: it gives (slot, [vocab] bool) for the decode rows whose token is their argmax among the ids a grammar
+        allows (``Sampler.masks_on_device``). A grammar's next mask needs the token before, so the batch reads its
+        earlier steps back in there; the step's argmax is then taken again on the device under the masks (``_pick``),
+        before the output row is copied: the mask costs no wait and no host round trip a token."""
         window, backend, counters, state = self.window, self.backend, self.counters, s.state
         self.guard()  # a file truncated under its mapping would fault the process (SIGBUS) at the next touch
         self.tell("step", s.sid, request, now=True)
@@ -283,7 +291,6 @@ class Runner:
         rows, spans = request.rows, list(request.spans)
         s.reach(max([1 + s.positions[slot] for slot in request.live] + [sp.start + sp.T for sp, _ in spans], default=1))
         self._set_live(s, request.live, rows)
-        self._set_masks(s, request.masks)
         table = self.reads_table(rows, spans)
         decode_index = self.begin_step() if not spans else -1
         before = counters.snapshot()
@@ -306,6 +313,8 @@ class Runner:
         for slot in request.live:  # the step moved each live row on by one, on the device
             s.positions[slot] += 1
         after = counters.snapshot()
+        if masks is not None:
+            self._pick(s, masks(), rows)
         for slot in request.sample:
             token = sample(slot, state.logits[slot])
             if token is not None:
@@ -454,15 +463,28 @@ class Runner:
         where the mask would have to travel: there the host chooses such a row's token)."""
         return self.pipeline is None
 
-    def _set_masks(self, s: Slots, masks: tuple[tuple[int, torch.Tensor], ...]) -> None:
-        """Each masked row's allowed ids into the device state, in stream order; a slot masked before and not now
-        allows every id again."""
-        now = dict(masks)
+    def _pick(self, s: Slots, masks: tuple[tuple[int, torch.Tensor], ...], rows: int) -> None:
+        """The step's decode rows' argmax again, each masked row's among the ids its mask allows (every id elsewhere:
+        the same argmax), in stream order after the pass. A mask goes up from a host row (pinned on cuda, so the
+        upload does not wait for the pass); the rows are written again only once the last pick's uploads ran."""
+        now, state, backend = dict(masks), s.state, self.backend
+        if not now and not s.masked:
+            return
+        if s.mask_mark is not None:
+            backend.wait(s.mask_mark)
+        if s.mask_rows is None:
+            s.mask_rows = torch.empty(state.allowed.shape, dtype=torch.bool,
+                                      pin_memory=backend.device.type == "cuda")
         for slot in s.masked - now.keys():
-            s.state.allowed[slot].fill_(True)
+            state.allowed[slot].fill_(True)
         for slot, allowed in now.items():
-            s.state.allowed[slot].copy_(allowed, non_blocking=True)
+            s.mask_rows[slot].copy_(allowed)
+            state.allowed[slot].copy_(s.mask_rows[slot], non_blocking=True)
         s.masked = set(now)
+        if now:
+            state.tokens[:rows].copy_(torch.argmax(state.logits.masked_fill(~state.allowed[:rows], float("-inf")),
+                                                   dim=-1))
+        s.mask_mark = backend.mark()
 
     def _bound(self, s: Slots, live: frozenset[int]) -> int | None:
         """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
@@ -659,9 +681,7 @@ class Runner:
         if table is not None and self.landing is not None:
             state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
-            # a grammar's row takes its argmax among the ids its mask allows (every id elsewhere: the same argmax)
-            state.tokens[:rows].copy_(torch.argmax(logits[:rows].masked_fill(~state.allowed[:rows], float("-inf")),
-                                                   dim=-1))
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))  # a grammar's rows: ``Runner._pick``
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
