@@ -501,6 +501,9 @@ def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
     (["moe-prefill", "--backend", "cpu_ref", "--prompts", "16,0"], "argument --prompts: 0 is below 1"),
     (["moe-prefill", "--backend", "cpu_ref", "--chunks", "x"], "argument --chunks: 'x' is not a int"),
     (["moe-prefill", "--backend", "cpu_ref", "--reps", "0"], "--reps must be at least 1, got 0"),
+    (["expert-rows", "--copy-plans", "16:4096"], "'16:4096': give GROUP:BLOCK:WARPS"),
+    (["expert-rows", "--copy-plans", "16:4096:4,16:3000:4"], "'16:3000:4': each at least 1, BLOCK and WARPS powers"),
+    (["expert-rows", "--copy-plans", "0:4096:4"], "'0:4096:4': each at least 1"),
 ])
 def test_a_bad_option_is_one_line_before_any_work(argv, says, capsys, tmp_path):
     """Counts below one and comma-separated values are refused as argparse refuses, before a checkpoint is written or a

@@ -103,6 +103,8 @@ def test_keep_off_in_the_config_means_no_window(tiny_ckpt, tmp_path, capsys):
      ('[residency]\nkeep = "some"\n', "keep"),
      ('[generation]\ntemperature = "hot"\n', "temperature must be float"),
      ("[generation]\nstop_at_eos = 1\n", "stop_at_eos must be bool"),
+     ('[residency]\nexpert_staging = "off"\n', "expert_staging must be bool"),
+     ("[residency]\nexpert_landing = 0\n", "expert_landing must be bool"),
      ("[generation]\nprompt_ids = [1, true]\n", "prompt_ids must be a list of integers"),
      ("[generation]\nprompt_ids = [1.5]\n", "prompt_ids must be a list of integers"),
      ("model = 5\n", "model must be a path string")],

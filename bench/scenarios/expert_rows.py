@@ -113,6 +113,22 @@ def _placed(entries: list, where: str) -> tuple[list, "torch.Tensor"]:
     return held, table
 
 
+def _landing_list(held: list, ids):
+    """The routed experts of ``ids`` (distinct, ascending), a pair of device slots each, and the landing ring's list
+    the copy kernel reads (on the device: a row an expert, padded to a power of two with -1: expert, its two slots'
+    addresses, staged)."""
+    import torch
+
+    from backends.cuda import landing
+
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    slots = [[torch.empty_like(t, device="cuda") for t in held[e]] for e in routed]
+    out = torch.full((landing._pow2(len(routed)), 4), -1, dtype=torch.int64)
+    for j, (e, pair) in enumerate(zip(routed, slots)):
+        out[j, :3] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
+    return routed, slots, out.to("cuda")
+
+
 def _staged(held: list, table, ids, where: str):
     """For ``copied`` and ``dma``: a function that copies the routed experts (distinct, ascending) from their host
     copies into device slots (the landing ring's copy kernel, or one ``copy_`` an entry), and the table the grouped
@@ -121,8 +137,7 @@ def _staged(held: list, table, ids, where: str):
 
     from backends.cuda import landing
 
-    routed = sorted(set(ids.reshape(-1).tolist()))
-    slots = [[torch.empty_like(t, device="cuda") for t in held[e]] for e in routed]
+    routed, slots, out = _landing_list(held, ids)
     staged = table.clone()
     for e, pair in zip(routed, slots):
         staged[e, 0], staged[e, 1] = pair[0].data_ptr(), pair[1].data_ptr()
@@ -135,15 +150,11 @@ def _staged(held: list, table, ids, where: str):
     if any(t.numel() % 4 for t in held[0]):
         raise ValueError("the ring's copy kernel moves whole 4-byte words")
     words = tuple(t.numel() // 4 for t in held[0])
-    nout = landing._pow2(len(routed))
-    out = torch.full((nout, 4), -1, dtype=torch.int64)  # the ring's landing list: expert, its two slots, staged
-    for j, (e, pair) in enumerate(zip(routed, slots)):
-        out[j, :3] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
-    out = out.to("cuda")
     kernel = landing._kernels()[1]
 
     def copy():
-        kernel[(nout, 2, landing.GROUP)](out, table, words[0], words[1], GROUP=landing.GROUP, BLOCK=landing.BLOCK)
+        kernel[(out.shape[0], 2, landing.GROUP)](out, table, words[0], words[1], GROUP=landing.GROUP,
+                                                 BLOCK=landing.BLOCK)
     copy.slots = slots  # the table points at them: they live as long as the call that writes them
     return copy, staged
 
@@ -216,13 +227,8 @@ def copy_plans(entries: list, args, record, kind: str) -> list[dict]:
     rows = []
     for r in args.rows:
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(r)])
-        routed = sorted(set(ids.reshape(-1).tolist()))
-        slots = [[torch.empty_like(t, device="cuda") for t in held[e]] for e in routed]
-        nout = landing._pow2(len(routed))
-        out = torch.full((nout, 4), -1, dtype=torch.int64)
-        for j, (e, pair) in enumerate(zip(routed, slots)):
-            out[j, :3] = torch.tensor([e, pair[0].data_ptr(), pair[1].data_ptr()])
-        out = out.to("cuda")
+        routed, slots, out = _landing_list(held, ids)
+        nout = out.shape[0]
         nbytes = len(routed) * sum(t.numel() for t in held[0])
         for group, block, warps in args.copy_plans:
             def copy():
