@@ -289,7 +289,8 @@ class Runner:
         else:
             window.next_token()
         rows, spans = request.rows, list(request.spans)
-        s.reach(max([1 + s.positions[slot] for slot in request.live] + [sp.start + sp.T for sp, _ in spans], default=1))
+        furthest = 1 + max((s.positions[slot] for slot in request.live), default=0)  # past every live row's position
+        s.reach(max([furthest] + [sp.start + sp.T for sp, _ in spans]))
         self._set_live(s, request.live, rows)
         table = self.reads_table(rows, spans)
         decode_index = self.begin_step() if not spans else -1
@@ -300,7 +301,7 @@ class Runner:
             if graphs is None:
                 graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
                                                      on_replay=self.replayed)
-            bound = self._bound(s, request.live)
+            bound = self._bound(s, furthest)
             mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows, bound=bound), bound)
             if mode == "captured":  # a replay writes its logits where the capture's went
                 s.graph_logits[rows] = state.logits
@@ -486,12 +487,13 @@ class Runner:
                                                    dim=-1))
         s.mask_mark = backend.mark()
 
-    def _bound(self, s: Slots, live: frozenset[int]) -> int | None:
+    def _bound(self, s: Slots, furthest: int) -> int | None:
         """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
-        past every live row's position. None where each row reads its own keys on the host (``_sliced``)."""
+        the first ``furthest``, past every live row's position, rounded up. None where each row reads its own keys on
+        the host (``_sliced``)."""
         if _sliced(self.backend):
             return None
-        return key_bound(1 + max((s.positions[slot] for slot in live), default=0), s.max_seq)
+        return key_bound(furthest, s.max_seq)
 
     def _set_live(self, s: Slots, live: frozenset[int], rows: int) -> None:
         """Each of the first ``rows`` slots moves on this step where its sequence decodes (a device write on a change)."""
