@@ -4,7 +4,11 @@ the Python API on rank 0, which the other ranks follow; rank 0 writes each seque
 Given a micro-batches setting after the path (and optionally an expert_lru budget in MiB), it also counts: rank 0's
 JSON is then {"ids", "sends", "pieces", "decode_steps", "micro_batches"} (micro-batches sent on; layer passes over a
 micro-batch past the first row; decode steps; the run's resolved setting), and every rank writes
-``<path>.rank<R>.json`` with its expert counters and the same counts."""
+``<path>.rank<R>.json`` with its expert counters and the same counts.
+
+With ``GROW_FLOOR`` in the environment, every rank's KV cache opens at the key bound of one position with that floor
+and grows as on a device (``runner.Slots.reach``), and every rank writes the capacities its cache held, in order, to
+``<path>.rank<R>.grown.json``."""
 
 from __future__ import annotations
 
@@ -42,6 +46,24 @@ def run(model_dir: str, keep: str, micro: str = "auto", expert_mb: float = 0.0,
         return got
 
 
+def growing(floor: int, held: list[int]) -> None:
+    """Each rank's cache opens at one position's key bound (``floor`` the bound's floor) and grows; ``held`` gets the
+    capacities it held, in order."""
+    from kestrel_core.engine import model as model_math
+    from kestrel_core.engine import runner as runner_mod
+
+    reach = runner_mod.Slots.reach
+
+    def recorded(self, need):
+        reach(self, need)
+        if not held or held[-1] != self.capacity:
+            held.append(self.capacity)
+
+    model_math.BOUND_FLOOR = floor
+    runner_mod.first_capacity = lambda max_seq, device: model_math.key_bound(1, max_seq)
+    runner_mod.Slots.reach = recorded
+
+
 def counting(counts: dict) -> None:
     """Count rank 0's micro-batches sent on, and its layer passes over a micro-batch past the first row."""
     from kestrel_core.engine.pipeline import Pipeline
@@ -68,8 +90,14 @@ if __name__ == "__main__":
     counts = None if micro is None else {"sends": 0, "pieces": 0}
     if counts is not None:
         counting(counts)
+    held: list[int] = []
+    if os.environ.get("GROW_FLOOR"):
+        growing(int(os.environ["GROW_FLOOR"]), held)
     ids = run(model_dir, keep, micro or "auto", float(sys.argv[5]) if len(sys.argv) > 5 else 0.0, counts)
     rank = os.environ.get("RANK", "0")
+    if os.environ.get("GROW_FLOOR"):
+        with open(f"{out}.rank{rank}.grown.json", "w") as f:
+            json.dump(held, f)
     if counts is not None:
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump(counts, f)

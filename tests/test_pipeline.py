@@ -149,6 +149,19 @@ def test_a_batch_over_two_ranks_gives_one_process_ids(models, tmp_path):
         assert json.loads(out.read_text()) == pipeline_job.run(str(models[name]), keep)
 
 
+def test_a_batch_whose_caches_grow_over_two_ranks_gives_one_process_ids(models, tmp_path):
+    """Each rank's KV cache grows as a device's does (``Slots.reach``, on the step rank 0 tells it): every rank's cache
+    grows through the same capacities, a parked slot moves with it, and the ids are one process's with a cache that
+    held every position from the start."""
+    for name in ("tiny", "tiny-moe"):
+        out = tmp_path / f"{name}.json"
+        done = torchrun(2, str(HERE / "pipeline_job.py"), str(models[name]), "off", str(out), env={"GROW_FLOOR": "4"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(out.read_text()) == pipeline_job.run(str(models[name]), "off")
+        held = [json.loads(Path(f"{out}.rank{r}.grown.json").read_text()) for r in range(2)]
+        assert held[0] == held[1] and held[0][0] == 4 and len(held[0]) >= 3, held
+
+
 @pytest.mark.parametrize("name, keep, expert_mb", [("tiny", "off", 0), ("tiny", "1", 0), ("tiny-moe", "off", 0.05)])
 def test_a_batch_over_three_ranks_runs_in_micro_batches_and_gives_one_process_ids(models, tmp_path, name, keep,
                                                                                   expert_mb):
