@@ -27,6 +27,7 @@ from kestrel_core.tools.presets import preset_config, write_checkpoint
 from conftest import BACKENDS, GPU_BACKENDS
 from serve_helpers import assert_openai_error, chat_model
 from tests.real_model import smollm2_gguf  # noqa: F401 - a fixture
+from test_graphs import replaying  # noqa: F401 - a fixture (cpu_ref whose steps are captured and replayed)
 
 YES_NO = {"enum": ["yes", "no"]}
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -135,25 +136,59 @@ def test_a_greedy_constrained_row_is_masked_on_the_device_and_gives_the_hosts_id
     assert json.loads(run.model.tokenizer.decode(on_device[1][:-1])) in ("yes", "no")
 
 
+def overlapped(run, monkeypatch) -> None:
+    """A greedy row held to FLAG: each of its steps is read back after the next step's pass is launched (a "pass"
+    event once a step's pass is launched: eager, captured or replayed), and its ids are the host's choice's."""
+    from kestrel_core.engine.runner import Runner
+    from kestrel_core.engine.step_graphs import StepGraphs
+
+    events, inside = [], []
+    real_pass, real_graphs, real_read = Runner.decode_step, StepGraphs.__call__, Runner.read
+
+    def decode_step(self, *a, **k):
+        out = real_pass(self, *a, **k)
+        if not inside:  # a step with spans: no graphs around it
+            events.append("pass")
+        return out
+
+    def graphs(self, *a, **k):
+        inside.append(1)
+        try:
+            return real_graphs(self, *a, **k)
+        finally:
+            inside.pop()
+            events.append("pass")
+
+    ask = dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=FLAG)
+    with monkeypatch.context() as m:
+        m.setattr(Runner, "decode_step", decode_step)
+        m.setattr(StepGraphs, "__call__", graphs)
+        m.setattr(Runner, "read", lambda self, s, step, *a, **k: events.append(f"read {step.index}")
+                  or real_read(self, s, step, *a, **k))
+        got = run.generate_batch([ask])[0]
+    decode = events[events.index("pass") + 1:]  # after the prompt's pass
+    passes = [i for i, e in enumerate(decode) if e == "pass"]
+    assert len(passes) >= 4, decode
+    for k in range(1, len(got.token_ids) - 1):  # step k (step 0 is the prompt's) is read after step k + 1's pass
+        assert decode.index(f"read {k}") > passes[k], decode
+    with monkeypatch.context() as m:
+        m.setattr(Runner, "masks_on_device", property(lambda self: False))
+        assert got.token_ids == run.generate_batch([ask])[0].token_ids
+
+
 def test_a_masked_rows_grammar_runs_while_the_next_pass_computes(run, monkeypatch):
     """A grammar's next mask needs the token before it; the host reads that token, moves the grammar on and makes the
     mask only once the next step's pass is launched (the device computes it meanwhile), so each step is read back
     after the next one's pass, as a plain greedy row's is, never before it: no wait a token. Its ids are the host's."""
-    from kestrel_core.engine.runner import Runner
+    overlapped(run, monkeypatch)
 
-    events = []
-    real_pass, real_read = Runner.decode_step, Runner.read
-    monkeypatch.setattr(Runner, "decode_step", lambda self, *a, **k: events.append("pass") or real_pass(self, *a, **k))
-    monkeypatch.setattr(Runner, "read", lambda self, s, step, *a, **k: events.append(f"read {step.index}")
-                        or real_read(self, s, step, *a, **k))
-    got = run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=FLAG)])[0]
-    decode = events[events.index("pass") + 1:]  # after the prompt's pass
-    assert len([e for e in decode if e == "pass"]) >= 4
-    for k in range(1, len(got.token_ids) - 1):  # step k (step 0 is the prompt's) is read after step k + 1's pass
-        assert decode.index(f"read {k}") > [i for i, e in enumerate(decode) if e == "pass"][k], decode
-    monkeypatch.setattr(Runner, "masks_on_device", property(lambda self: False))
-    assert got.token_ids == run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40,
-                                                     json_schema=FLAG)])[0].token_ids
+
+def test_a_masked_row_in_captured_steps_is_picked_after_each_replay(model_dir, replaying, monkeypatch):
+    """The same where the decode steps are captured and replayed (cpu_ref recording its steps as cuda captures them):
+    the argmax under the mask is taken after each replay, outside the graph."""
+    with load(model_dir) as model, model.open(backend="replaying") as r:
+        overlapped(r, monkeypatch)
+    assert "replay" in replaying.log
 
 
 class Closing(Only):
