@@ -280,6 +280,26 @@ def test_bench_batch_counts_what_a_moe_batch_reads_from_host_copies(models, tmp_
                                                              / rows[0]["streamed_per_generated_token"])
 
 
+def test_bench_batch_server_rows_record_the_servers_kv_cache_from_its_metrics(models, tmp_path):
+    """Each server row keeps the server's memory once warm and after the row: its resident memory, and from its
+    /metrics the KV cache's bytes (cpu_ref: every slot's positions and the park row, float32) and the device's peak
+    (none on cpu_ref)."""
+    pytest.importorskip("openai")
+    from kestrel_core.engine.kvcache import kv_bytes
+    from kestrel_core.tools.presets import preset_config
+
+    rec = run_scenario(["batch", "--preset", "tiny", "--backend", "cpu_ref", "--keep", "off", "--rows", "server",
+                        "--clients", "1,2", "--tokens", "3", "--repeats", "1", "--prompts", "2",
+                        "--models", str(models)], tmp_path)
+    rows = rec["result"]["server"]
+    assert [r["clients"] for r in rows] == [1, 2]
+    for r in rows:
+        want = kv_bytes(preset_config("tiny"), r["max_seq"] + 1, torch.float32, 2)
+        for when in ("after_warmup", "after_row"):
+            got = r["server_memory"][when]
+            assert got["kv_cache_bytes"] == want and got["device_peak_bytes"] is None and got["rss_bytes"] > 0
+
+
 def test_bench_batch_runs_the_engine_rows_at_each_landing_setting_in_turn(models, tmp_path, monkeypatch):
     """--expert-landing on,off: a run of each, in the order given, every B warmed first (a 4-token batch at B) and the
     record's engine rows the first run's; landing changes what crosses, never an id."""

@@ -148,3 +148,20 @@ def test_a_cuda_cache_opens_at_the_floor_and_grows_under_captured_steps(tiny_ckp
         want = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=300, stop_at_eos=False)
     assert held == [256, 305]
     assert got.token_ids == want.token_ids and got.steps["captured"] >= 2, got.steps
+
+
+def test_the_cache_bytes_follow_its_growth(tiny_ckpt, monkeypatch):
+    """What the server's /metrics reports as the KV cache's bytes (``Slots.cache_bytes``): every slot's positions and
+    the park row, keys and values, as the cache grows."""
+    with load(tiny_ckpt) as model, model.open(backend="cpu_ref", dtype="float32") as run:
+        growing(monkeypatch, 4)
+        s = run.runner.open_slots(3, 64)
+        try:
+            sizes = []
+            for need in (1, 5, 9, 40):
+                s.reach(need)
+                sizes.append((s.capacity, s.cache_bytes))
+        finally:
+            s.close()
+        cfg = run.runner.cfg
+    assert sizes == [(c, kv_bytes(cfg, c + 1, torch.float32, 3)) for c in (4, 8, 16, 64)]

@@ -3,15 +3,19 @@ text format, each metric with its HELP, behind the API key; its counters move by
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.serve_process import ServeProcess
 from serve_helpers import chat_model
+from kestrel_core.engine.kvcache import kv_bytes
+from kestrel_core.formats.modelconfig import parse_model_config
 from kestrel_core.serve.metrics import ServeMetrics, route_of
 
 KEY = "metrics-key-1"
@@ -19,7 +23,7 @@ MAX_BATCH = 4
 FAMILIES = {  # name: type
     "kestrel_requests": "counter", "kestrel_prompt_tokens": "counter", "kestrel_generation_tokens": "counter",
     "kestrel_requests_running": "gauge", "kestrel_requests_waiting": "gauge", "kestrel_batch_occupancy": "gauge",
-    "kestrel_bytes_streamed_per_token": "gauge", "kestrel_bytes_streamed": "counter",
+    "kestrel_bytes_streamed_per_token": "gauge", "kestrel_bytes_streamed": "counter", "kestrel_kv_cache_bytes": "gauge",
     "kestrel_time_to_first_token_seconds": "histogram", "kestrel_inter_token_latency_seconds": "histogram"}
 
 
@@ -57,6 +61,10 @@ def server(model_dir):
     s.stop(30)
 
 
+def config(model: str):
+    return parse_model_config(json.loads((Path(model) / "config.json").read_text()))
+
+
 def value(families: dict, name: str, sample: str | None = None, **labels) -> float:
     """The value of ``sample`` (default: the family's own name, or its _total) whose labels include ``labels``; 0
     where none has been recorded."""
@@ -76,6 +84,10 @@ def test_every_metric_is_there_with_its_help_and_type(server):
         assert f"# HELP {name}" in text
     assert value(families, "kestrel_requests_running") == 0 and value(families, "kestrel_requests_waiting") == 0
     assert value(families, "kestrel_bytes_streamed") > 0  # the warm-up token's
+    # in host memory the cache holds every slot's --max-seq positions and the park row, keys and values, float32
+    assert value(families, "kestrel_kv_cache_bytes") == kv_bytes(config(server.path), 2048 + 1, torch.float32,
+                                                                 MAX_BATCH)
+    assert "kestrel_device_peak_bytes" not in families  # cpu_ref reports no device memory
     assert not any(name.startswith(("python_", "process_")) for name in families)  # not the global registry's
 
 

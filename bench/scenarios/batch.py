@@ -178,6 +178,23 @@ def server_rows(args, path: Path, record, engine: list[dict], solo: list[list[in
     return rows
 
 
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def memory(server: ServeProcess) -> dict:
+    """The server process's resident memory (now and its high-water mark), and from its /metrics the bytes its KV
+    cache holds and the device memory's peak (None where the backend reports none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer bench"}, timeout=30).text
+    got = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+           if f.name in ("kestrel_kv_cache_bytes", "kestrel_device_peak_bytes")}
+    return {**process_memory(server.proc.pid), "kv_cache_bytes": got.get("kestrel_kv_cache_bytes"),
+            "device_peak_bytes": got.get("kestrel_device_peak_bytes")}
+
+
 def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list[int]], max_seq: int,
                    before: list[dict]) -> list[dict]:
     need_openai()
@@ -189,7 +206,7 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
         client = server.client("bench", timeout=600)
         name = str(path)
         one_stream(client, name, 0, 4, threading.Barrier(1))  # warm-up
-        warm = process_memory(server.proc.pid)
+        warm = memory(server)
         for n in clients:
             rounds = []
             for _ in range(args.repeats):
@@ -219,12 +236,14 @@ def server_rows_at(args, path: Path, record, engine: list[dict], solo: list[list
                    "ttft_ms": percentiles(ttft), "between_tokens_ms": percentiles(gaps),
                    "ids_compared": sum(len(r["ids_equal_engine"]) for r in rounds),
                    "ids_equal_engine": all(all(r["ids_equal_engine"]) for r in rounds),
-                   # the server's memory once warm, and after this row (its high-water mark since it started)
-                   "server_memory": {"after_warmup": warm, "after_row": process_memory(server.proc.pid)}}
+                   # the server's memory once warm, and after this row (its high-water marks since it started)
+                   "server_memory": {"after_warmup": warm, "after_row": memory(server)}}
             rows.append(row)
             log(f"server {n:3} clients, max_seq {max_seq}: {row['tokens_per_s_p50']:8.1f} tokens/s, first token p50 "
                 f"{row['ttft_ms']['p50']:.1f} p99 {row['ttft_ms']['p99']:.1f} ms, between p50 "
-                f"{row['between_tokens_ms']['p50']:.2f} p99 {row['between_tokens_ms']['p99']:.2f} ms")
+                f"{row['between_tokens_ms']['p50']:.2f} p99 {row['between_tokens_ms']['p99']:.2f} ms, KV cache "
+                f"{mib(row['server_memory']['after_row']['kv_cache_bytes'])}, device peak "
+                f"{mib(row['server_memory']['after_row']['device_peak_bytes'])}")
             record.save_partial({"engine": engine, "server": before + rows})
     finally:
         server.stop()

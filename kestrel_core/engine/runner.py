@@ -183,6 +183,11 @@ class Slots:
             self.positions[slot] = self.park
 
     @property
+    def cache_bytes(self) -> int:
+        """The bytes the KV cache holds now (every slot's ``capacity`` positions and the spare row, keys and values)."""
+        return sum(c.k.nbytes + c.v.nbytes for c in self.cache)
+
+    @property
     def park(self) -> int:
         """Where a parked slot's decode row writes (a prompt in chunks, a verify span, a slot with no sequence yet): the
         cache's row past the positions it holds, which no step reads."""

@@ -114,6 +114,12 @@ class Scheduler:
     def running(self) -> int:
         return len(self._batch.active) if self._batch else 0
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The bytes the batch's KV cache holds now (0 before the batch opens)."""
+        batch = self._batch
+        return batch.dev.cache_bytes if batch is not None else 0
+
     # --- the batch's thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:

@@ -3,7 +3,7 @@ servers in one process keep theirs apart), and the middleware that counts every 
 
 Counted when a request ends (its usage): prompt and generated tokens, time to first token and between tokens (each
 choice's tokens as the batch made them, from the request's arrival). Read at each scrape: the sequences running and
-waiting, the batch's occupancy and the bytes the run has streamed.
+waiting, the batch's occupancy, the bytes the run has streamed, the KV cache's bytes and the device memory's peak.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def route_of(path: str) -> str:
 
 
 class ServeMetrics:
-    """``live()``: the figures read at a scrape (``running``, ``waiting``, ``occupancy``, ``bytes_streamed``; empty
-    while the model loads)."""
+    """``live()``: the figures read at a scrape (``running``, ``waiting``, ``occupancy``, ``bytes_streamed``,
+    ``kv_cache_bytes``, and ``device_peak_bytes`` where the backend reports it; empty while the model loads)."""
 
     def __init__(self, live: Callable[[], dict[str, float]]):
         self.registry = r = CollectorRegistry()
@@ -89,7 +89,13 @@ class _Live:
                 gauge("kestrel_batch_occupancy", "Sequences in the batch, each riding every step, over its slots "
                       "(--max-batch)", "occupancy"),
                 CounterMetricFamily("kestrel_bytes_streamed", "Weight bytes that crossed from the host (uploads, and "
-                                    "host copies an expert-table step read) since the model loaded (its warm-up token included)", value=f.get("bytes_streamed", 0))]
+                                    "host copies an expert-table step read) since the model loaded (its warm-up token included)", value=f.get("bytes_streamed", 0)),
+                gauge("kestrel_kv_cache_bytes", "Bytes the batch's KV cache holds now: every slot's positions (on a "
+                      "device it opens small and grows as the sequences reach further; in host memory it holds "
+                      "--max-seq positions, its pages resident as they are written)", "kv_cache_bytes"),
+                *([gauge("kestrel_device_peak_bytes", "The device memory's high-water mark since the model loaded "
+                         "(weights, KV cache and workspaces)", "device_peak_bytes")]
+                  if "device_peak_bytes" in f else [])]
 
 
 class CountResponses:

@@ -284,14 +284,18 @@ class Service:
         return {"running": s.running, "waiting": s.waiting} if s is not None else {}
 
     def figures(self) -> dict[str, float]:
-        """What /metrics reads at a scrape: the batch's sequences and the bytes the run has streamed (none while the
-        model loads)."""
+        """What /metrics reads at a scrape: the batch's sequences, the bytes the run has streamed, the KV cache's bytes
+        and, where the backend reports one, the device memory's peak (none while the model loads)."""
         s, run = self.scheduler, self.run
         if s is None or run is None:
             return {}
         running = s.running
-        return {"running": running, "waiting": s.waiting, "occupancy": running / s.max_batch,
-                "bytes_streamed": bytes_streamed(run.runner.snapshot())}
+        out = {"running": running, "waiting": s.waiting, "occupancy": running / s.max_batch,
+               "bytes_streamed": bytes_streamed(run.runner.snapshot()), "kv_cache_bytes": s.kv_cache_bytes}
+        peak = run.backend.memory_stats().get("device_peak_bytes")
+        if peak is not None:
+            out["device_peak_bytes"] = peak
+        return out
 
     @property
     def health(self) -> str:
