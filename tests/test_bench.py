@@ -195,6 +195,16 @@ def test_moe_refuses_slow_rows_of_one_token_before_any_row(tmp_path, capsys):
     assert "--slow-tokens must be at least 2" in capsys.readouterr().err and not (tmp_path / "models").exists()
 
 
+def test_batch_refuses_a_max_seq_past_the_presets_positions_before_any_row(tmp_path, capsys):
+    """The server would refuse it at its start, after the server rows before it had run: refused before a checkpoint
+    is written, naming the preset's positions."""
+    assert bench(["batch", "--preset", "demo", "--rows", "server", "--max-seqs", "256,4096",
+                  "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--max-seqs 4,096 is past the demo preset's 2,048 positions" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "models").exists()
+
+
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):
     rec = run_scenario(["keep-auto", *CPU_SCENARIOS["keep-auto"], "--models", str(models)], tmp_path)
     (entry,) = rec["result"]["budgets"]

@@ -321,6 +321,14 @@ def run(args, record) -> dict:
     if args.expert_landing and not args.expert_policy:
         raise BenchError("--expert-landing sets how an expert policy's misses cross to the device: give --expert-policy "
                          "and --expert-budget-mib with it, or leave it out")
+    if "server" in args.rows and args.max_seqs:
+        from kestrel_core.tools.presets import preset_config
+
+        most = preset_config(args.preset).max_position_embeddings
+        past = [m for m in args.max_seqs if m > most]
+        if past:  # the server would refuse it at start, after every row before it had run
+            raise BenchError(f"--max-seqs {past[0]:,} is past the {args.preset} preset's {most:,} positions "
+                             f"(max_position_embeddings): give at most {most:,}, or a preset with more")
     path = models.ensure_preset(args.models, args.preset, layers=args.layers)
     wanted = args.rows
     engine, base, solo = engine_rows(args, path, record) if "engine" in wanted else ([], None, [])
