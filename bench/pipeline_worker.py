@@ -15,16 +15,16 @@ from bench.rss import process_memory
 
 
 def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int = 1, micro: str = "auto") -> None:
+
     import torch
 
     from kestrel_core import load
 
-    torch.set_num_threads(threads)
     prompts = [[(13 * k + 7 * i) % 250 + 1 for k in range(16)] for i in range(batch)]
     prompt = prompts[0]
     wall_s = None
     with load(model) as m, m.open(backend="cpu_ref", keep=keep if keep == "off" else int(keep),
-                                          micro_batches=micro) as run:
+                                          micro_batches=micro, threads=threads) as run:  # the run sets its threads
         res = None
         if run.follows:  # a later rank: it makes rank 0's steps (both generates) until rank 0 closes its run
             run.follow()
@@ -39,6 +39,7 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int 
             res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False)
         pipe = run.pipeline.to_json() if run.pipeline is not None else {"rank": 0, "ranks": 1, "parts": []}
         peak_resident = run.counters.snapshot()["peak_resident_bytes"]
+        computed_on = torch.get_num_threads()
     rank = int(os.environ.get("RANK", "0"))
     if batch > 1 and res is not None:  # the batch's ids, and its tokens over its wall time
         figures = {"token_ids": [r.token_ids for r in res], "wall_s": wall_s,
@@ -48,7 +49,7 @@ def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int 
                    "prefill_ms": res and res.prefill_ms}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({  # the ids and times: rank 0's, which chose every step
         "rank": rank, "pipeline": pipe, **figures, "peak_rss_bytes": process_memory()["peak_rss_bytes"],
-        "peak_resident_bytes": peak_resident}))
+        "peak_resident_bytes": peak_resident, "threads": computed_on}))
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ class BackendConfig:
     compile: bool = False  # run the decode step's layer math through torch.compile (fused kernels; the first step compiles)
     # pinned host MiB for streamed weights (cuda; fractions allowed); 0: all where half the RAM holds them, else a ring
     host_budget_mb: float = attrs.field(default=0.0, validator=_check(_real_in(0), _MIB_OR_DEFAULT))
-    # cpu_ref: the torch threads a run computes on; 0: the cores this process may use (os.sched_getaffinity)
+    # cpu_ref: the torch threads a run computes on; 0: the cores this process may use (os.sched_getaffinity), shared
+    # among the ranks of a pipeline on this host
     threads: int = attrs.field(default=0, validator=_check(_int_in(0, 4096), "a whole number of threads, 0..4096 (0: the cores this process may use)"))
     # ranks: a decode step of several rows goes through the pipeline in micro-batches, so the ranks work at once; "auto":
     # on for cuda (a device a rank), off for cpu_ref (the ranks of one host share its cores and memory bandwidth)

@@ -3,7 +3,8 @@ the Python API on rank 0, which the other ranks follow; rank 0 writes each seque
 
 Given a micro-batches setting after the path (and optionally an expert_lru budget in MiB), it also counts: rank 0's
 JSON is then {"ids", "sends", "pieces", "decode_steps", "micro_batches"} (micro-batches sent on; layer passes over a
-micro-batch past the first row; decode steps; the run's resolved setting), and every rank writes
+micro-batch past the first row; decode steps; the run's resolved setting; the torch threads it computed on), and
+every rank writes
 ``<path>.rank<R>.json`` with its expert counters and the same counts.
 
 With ``GROW_FLOOR`` in the environment, every rank's KV cache opens at the key bound of one position with that floor
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+import torch
 
 from kestrel_core import load
 
@@ -42,7 +45,7 @@ def run(model_dir: str, keep: str, micro: str = "auto", expert_mb: float = 0.0,
         if counts is not None:
             snap = r.runner.snapshot()
             counts.update({k: snap[k] for k in COUNTERS}, decode_steps=r.runner.decode_steps,
-                          micro_batches=r.runner.settings.micro_batches)
+                          micro_batches=r.runner.settings.micro_batches, threads=torch.get_num_threads())
         return got
 
 

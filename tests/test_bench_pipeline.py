@@ -32,6 +32,8 @@ def test_one_process_then_two_ranks_each_with_its_own_figures(tmp_path, monkeypa
     assert all(b < whole for b in two["peak_resident_bytes_per_rank"]) and sum(two["peak_resident_bytes_per_rank"]) > whole
     assert two["ids_equal_one_process"] and one["ms_per_token"]["n"] == 5  # 6 tokens: the first from the prefill
     assert result["over_one_process"]["2"] == two["ms_per_token"]["p50"] / one["ms_per_token"]["p50"]
+    # every rank computed on the --threads asked (the run sets its threads: one set before it opened would not hold)
+    assert [rank["threads"] for row in (one, two) for rank in row["runs"][0]] == [1, 1, 1]
 
 
 def test_a_batch_row_gives_tokens_per_second_and_ids_equal_one_process(tmp_path, monkeypatch):

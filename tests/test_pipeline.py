@@ -194,6 +194,11 @@ def test_cpu_ranks_take_no_micro_batches_by_default(models, tmp_path):
     got = json.loads(out.read_text())
     assert got["micro_batches"] is False and got["sends"] == 0 and got["decode_steps"] > 0
     assert got["ids"] == pipeline_job.run(str(models["tiny"]), "off")
+    # each rank computes on its share of the host's cores, not on every core (the ranks' threads would wait on each other)
+    from backends.cpu_ref.backend import usable_cores
+
+    for r in range(2):
+        assert json.loads(Path(f"{out}.rank{r}.json").read_text())["threads"] == max(1, usable_cores() // 2)
 
 
 def test_micro_batches_cut_the_rows_evenly_and_in_order():

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from backends.cpu_ref.backend import usable_cores
+from backends.cpu_ref.backend import default_threads, usable_cores
 from kestrel_core import load
 from kestrel_core.cli import main
 from kestrel_core.errors import ConfigError
@@ -21,14 +21,22 @@ def test_a_run_computes_on_its_threads_and_gives_the_count_back(tiny_ckpt):
     with load(tiny_ckpt) as model:
         for n in (1, 2, 0):
             with model.open(backend="cpu_ref", threads=n) as run:
-                assert torch.get_num_threads() == (n or usable_cores())
+                assert torch.get_num_threads() == (n or default_threads())
                 ids[n] = run.generate(prompt_ids=[5, 17, 42], max_new_tokens=8, stop_at_eos=False).token_ids
             assert torch.get_num_threads() == before
     assert ids[1] == ids[2] == ids[0]
 
 
-def test_the_default_is_the_cores_this_process_may_use():
+def test_the_default_is_the_cores_this_process_may_use_shared_among_this_hosts_ranks(monkeypatch):
     assert usable_cores() == len(os.sched_getaffinity(0))
+    assert default_threads() == usable_cores()  # one process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two hosts of two ranks: each rank takes half of its host's cores
+    assert default_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than cores: one thread each, not none
+    assert default_threads() == 1
 
 
 @pytest.mark.parametrize("bad, says", [(-1, "must be a whole number of threads, 0..4096"), (5000, "0..4096"),

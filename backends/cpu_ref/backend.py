@@ -24,7 +24,7 @@ from kestrel_core.engine.host import meminfo
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.landing import landings
 from kestrel_core.engine.plan import Fetch
-from kestrel_core.engine.pipeline import host_share
+from kestrel_core.engine.pipeline import host_ranks, host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
@@ -66,7 +66,7 @@ class CpuRefBackend(Backend):
         self._ring_tail = 0
         self.load_globals()
         self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(ctx.backend.threads or usable_cores())  # for this run; close() gives the old count back
+        torch.set_num_threads(ctx.backend.threads or default_threads())  # for this run; close() gives the old count back
 
     def close(self):
         super().close()
@@ -223,6 +223,13 @@ class CpuRefBackend(Backend):
 def _names(unit) -> list[str]:
     """The checkpoint tensors behind a unit's entries."""
     return [n for e in unit.entries for n in (e.source.stored if isinstance(e.source, quant.Q8Tensor) else (e.source,))]
+
+
+def default_threads() -> int:
+    """The torch threads a run computes on where none are given: the cores this process may use, shared among the
+    ranks of a pipeline on this host (each rank computing on every core would make the ranks' threads wait on each
+    other), at least 1."""
+    return max(1, usable_cores() // host_ranks())
 
 
 def usable_cores() -> int:

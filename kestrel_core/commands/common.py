@@ -55,7 +55,7 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     g = p.add_argument_group("cpu_ref")
     g.add_argument("--threads", type=int, help="the torch threads it computes on (default: the cores this process may "
-                   "use; on a busy machine fewer are faster)")
+                   "use, shared among the ranks of a pipeline on this host; on a busy machine fewer are faster)")
     g = p.add_argument_group("Mixture-of-Experts")
     g.add_argument("--expert-policy", help=f"the expert policy: {_names('expert_policies')} (default: none, an expert "
                    "stays until its layer goes)")
