@@ -60,6 +60,8 @@ def growing(floor: int, held: list[int]) -> None:
     def recorded(self, need):
         reach(self, need)
         if not held or held[-1] != self.capacity:
+            # a parked slot writes past what the grown cache holds, on the host's count and the device's
+            assert all(self.positions[p] == self.park == int(self.state.positions[p]) for p in self.parked)
             held.append(self.capacity)
 
     model_math.BOUND_FLOOR = floor

@@ -195,6 +195,13 @@ def test_moe_refuses_slow_rows_of_one_token_before_any_row(tmp_path, capsys):
     assert "--slow-tokens must be at least 2" in capsys.readouterr().err and not (tmp_path / "models").exists()
 
 
+def batch_args(*argv: str):
+    from bench.__main__ import parser_for
+    from bench.scenarios import module
+
+    return parser_for("batch", module("batch")).parse_args(list(argv))
+
+
 def test_batch_refuses_a_max_seq_past_the_presets_positions_before_any_row(tmp_path, capsys):
     """The server would refuse it at its start, after the server rows before it had run: refused before a checkpoint
     is written, naming the preset's positions."""
@@ -203,6 +210,19 @@ def test_batch_refuses_a_max_seq_past_the_presets_positions_before_any_row(tmp_p
     err = capsys.readouterr().err
     assert "--max-seqs 4,096 is past the demo preset's 2,048 positions" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "models").exists()
+
+
+
+def test_batch_takes_a_max_seq_of_the_presets_whole_positions(tmp_path, monkeypatch, capsys):
+    """2,048 on the demo preset (its max_position_embeddings) is taken: the run goes on to write its checkpoint."""
+    from bench.scenarios import batch
+
+    def reached(*a, **k):
+        raise RuntimeError("reached the checkpoint")
+
+    monkeypatch.setattr(batch.models, "ensure_preset", reached)
+    with pytest.raises(RuntimeError, match="reached the checkpoint"):
+        batch.run(batch_args("--preset", "demo", "--rows", "server", "--max-seqs", "256,2048"), None)
 
 
 def test_keep_auto_sets_auto_beside_every_hand_picked_keep(models, tmp_path):

@@ -220,6 +220,46 @@ def test_a_mask_that_fails_mid_value_ends_its_sequence_and_its_companions_go_on(
     assert error is None and b.error is None and b.tokens == solo
 
 
+def test_a_slot_a_masked_sequence_left_allows_every_id_to_the_next(run):
+    """Two slots: the enum's sequence ends, a plain one takes its slot while the other keeps its mask: the plain one's
+    ids are its solo ids (a mask left on the slot would hold it to the enum's end ids)."""
+    plain = dict(prompt_ids=PROMPTS[2], max_new_tokens=10, stop_at_eos=False)
+    got = run.generate_batch([dict(prompt_ids=PROMPTS[0], max_new_tokens=40, json_schema=YES_NO),
+                              dict(prompt_ids=PROMPTS[1], max_new_tokens=40, json_schema=FLAG), plain], max_batch=2)
+    assert json.loads(run.model.tokenizer.decode(got[0].token_ids[:-1])) in ("yes", "no")
+    assert got[2].token_ids == run.generate(**plain).token_ids
+
+
+class Ending(Only):
+    """Allows one id, then only an end id, then none: a grammar whose value is whole."""
+
+    def __init__(self, allowed: int, end: int, vocab: int):
+        super().__init__(allowed, vocab)
+        self.end = torch.zeros(vocab, dtype=torch.bool)
+        self.end[end] = True
+
+    def allowed(self) -> torch.Tensor:
+        return [self.mask, self.end][len(self.heard)] if len(self.heard) < 2 else torch.zeros_like(self.mask)
+
+
+def test_a_masked_sequence_that_ends_asks_no_mask_past_its_end(run):
+    """Its end id is read back in the step after it was chosen, once the next step's pass was launched: the sequence
+    has ended there, and its grammar (which allows nothing past the end) is not asked for another mask."""
+    end = min(run.model.eos_ids)
+    ask = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8),
+                       constraint=lambda: Ending(7, end, run.runner.vocab_size))
+    other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
+    sched = Scheduler(run, max_batch=2, max_queue=4)
+    sched.start()
+    try:
+        a, b = sched.submit(ask), sched.submit(other)
+        assert a.finished.wait(60) and b.finished.wait(60)
+    finally:
+        sched.stop(cancel=True)
+    assert (a.finish_reason, a.error, a.tokens) == ("stop", None, [7, end])
+    assert sched.error is None and b.error is None
+
+
 class Refusing(Only):
     """Allows one id, and fails on hearing it the second time: a matcher that errs on a token the step chose."""
 

@@ -187,3 +187,24 @@ def test_route_labels_are_bounded():
     assert route_of("/v1/completions") == "/v1/completions"
     assert route_of("/v1/models/tiny") == "/v1/models/{name}"
     assert route_of("/wp-admin/x") == "other" and route_of("/v1/completions/x") == "other"
+
+
+def test_the_device_peak_is_a_gauge_where_the_backend_reports_one():
+    """cuda reports its device memory's peak (``memory_stats``): the scrape carries it, and the KV cache's bytes."""
+    import types
+
+    from kestrel_core.serve.service import Service
+
+    backend = types.SimpleNamespace(memory_stats=lambda: {"device_peak_bytes": 3 * 2**30, "budget_bytes": 1})
+    runner = types.SimpleNamespace(snapshot=lambda: {"bytes_uploaded": 5, "bytes_read_host": 7})
+    fake = types.SimpleNamespace(scheduler=types.SimpleNamespace(running=1, waiting=0, max_batch=4,
+                                                                 kv_cache_bytes=2**20),
+                                 run=types.SimpleNamespace(runner=runner, backend=backend))
+    figures = Service.figures(fake)
+    assert figures["device_peak_bytes"] == 3 * 2**30 and figures["kv_cache_bytes"] == 2**20
+    assert figures["bytes_streamed"] == 12
+    families = {f.name: f for f in text_string_to_metric_families(ServeMetrics(lambda: figures).exposition()[0]
+                                                                   .decode())}
+    assert families["kestrel_device_peak_bytes"].type == "gauge"
+    assert value(families, "kestrel_device_peak_bytes") == 3 * 2**30
+    assert value(families, "kestrel_kv_cache_bytes") == 2**20
