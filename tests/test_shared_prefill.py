@@ -27,10 +27,10 @@ def prompt_tokens_stepped(run, monkeypatch) -> list[int]:
     seen: list[int] = []
     step = run.runner.step
 
-    def spy(s, request, sample=None):
+    def spy(s, request, *rest):
         for span, ids in request.spans:
             seen.extend(ids)
-        return step(s, request, sample)
+        return step(s, request, *rest)
 
     monkeypatch.setattr(run.runner, "step", spy)
     return seen
