@@ -149,7 +149,7 @@ class Slots:
         self.graph_logits: dict[int, torch.Tensor] = {}  # by row count: where its captured step's logits go
         self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
         self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
-        self.mask_rows: torch.Tensor | None = None  # host rows the masks go up from (pinned on cuda), made at the first
+        self.mask_rows: torch.Tensor | None = None  # host rows the masks go up from (pinned on cuda), made at a first mask
         self.mask_mark = None  # after the last pick's uploads from them
         self.positions = [0] * slots  # the host's copy of each slot's position: placed, then moved on where live
         self.parked: set[int] = set()  # the slots placed at the park (``Runner.park``)
