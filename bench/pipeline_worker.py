@@ -15,7 +15,6 @@ from bench.rss import process_memory
 
 
 def main(model: str, keep: str, tokens: int, threads: int, out: str, batch: int = 1, micro: str = "auto") -> None:
-
     import torch
 
     from kestrel_core import load
