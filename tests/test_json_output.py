@@ -198,10 +198,10 @@ class Closing(Only):
         return self.mask if len(self.heard) < 2 else torch.zeros_like(self.mask)
 
 
-def failing_beside_a_companion(run, constraint):
-    """A constrained request (``constraint()`` its grammar's state) and a plain one in one scheduler's batch: both
-    finished, the scheduler's own error, and the plain one's solo ids."""
-    failing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=False),
+def failing_beside_a_companion(run, constraint, stop_at_eos: bool = False):
+    """A constrained request (``constraint()`` its grammar's state; ending at an end id where ``stop_at_eos``) and a
+    plain one in one scheduler's batch: both finished, the scheduler's own error, and the plain one's solo ids."""
+    failing = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8, stop_at_eos=stop_at_eos),
                            constraint=constraint)
     other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
     sched = Scheduler(run, max_batch=2, max_queue=4)
@@ -246,18 +246,9 @@ def test_a_masked_sequence_that_ends_asks_no_mask_past_its_end(run):
     """Its end id is read back in the step after it was chosen, once the next step's pass was launched: the sequence
     has ended there, and its grammar (which allows nothing past the end) is not asked for another mask."""
     end = min(run.model.eos_ids)
-    ask = attrs.evolve(run.request(prompt_ids=PROMPTS[0], max_new_tokens=8),
-                       constraint=lambda: Ending(7, end, run.runner.vocab_size))
-    other = run.request(prompt_ids=PROMPTS[1], max_new_tokens=6, stop_at_eos=False)
-    sched = Scheduler(run, max_batch=2, max_queue=4)
-    sched.start()
-    try:
-        a, b = sched.submit(ask), sched.submit(other)
-        assert a.finished.wait(60) and b.finished.wait(60)
-    finally:
-        sched.stop(cancel=True)
+    a, b, error, solo = failing_beside_a_companion(run, lambda: Ending(7, end, run.runner.vocab_size), stop_at_eos=True)
     assert (a.finish_reason, a.error, a.tokens) == ("stop", None, [7, end])
-    assert sched.error is None and b.error is None
+    assert error is None and b.error is None and b.tokens == solo
 
 
 class Refusing(Only):
