@@ -16,11 +16,13 @@ import torch
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
-from backends.cuda import blocks, gguf_kernels  # noqa: E402
+from backends.cuda import blocks, gguf_int8, gguf_kernels  # noqa: E402
 from backends.cuda.layout import fusion  # noqa: E402
 from kestrel_core import load  # noqa: E402
 from kestrel_core.errors import CheckpointError  # noqa: E402
+from kestrel_core.formats import gguf_quants  # noqa: E402
 from kestrel_core.formats.gguf_model import block_tensors  # noqa: E402
+from tests.test_gguf_int8 import exact as int8_exact  # noqa: E402
 from tests.gguf_files import K_DIMS, K_TYPES, LLAMA_TYPES, T, write_model  # noqa: E402
 
 # every linear a block type: q/k/v of three types (one segment each), gate Q5_K beside up Q6_K
@@ -119,10 +121,19 @@ def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invarian
         w, want = w.to(DEVICE), want.to(DEVICE)
         x = torch.randn(5, w.k, generator=gen).to(DEVICE)
         y = blocks.block_linear(x, w)
-        ref = x.double() @ want.double().T
-        bound = 1e-6 * (x.abs().double() @ want.abs().double().T) + 1e-12
         assert y.shape == (5, w.n) and y.dtype == torch.float32
-        assert bool(((y.double() - ref).abs() <= bound).all()), (key, name)
+        row = 0
+        for seg in w.segments:  # each segment's columns: the int8 kernels' types against their own arithmetic
+            cols, wseg = y[:, row:row + seg.n], want[row:row + seg.n]
+            if seg.qtype in gguf_int8.TYPES:
+                raw = w.segment(seg).cpu()
+                deq = gguf_quants.dequantize(raw, seg.qtype, (seg.n, w.k))
+                assert torch.equal(deq, wseg.cpu())  # the segment's blocks are the rows of its view
+                ref, scale = int8_exact(seg.qtype, raw, deq, x)
+            else:
+                ref, scale = x.cpu().double() @ wseg.cpu().double().T, x.abs().cpu().double() @ wseg.abs().cpu().double().T
+            assert bool(((cols.cpu().double() - ref).abs() <= 1e-6 * scale + 1e-12).all()), (key, name, seg.qtype.name)
+            row += seg.n
         for m in range(5):
             assert torch.equal(blocks.block_linear(x[m:m + 1], w)[0], y[m]), (key, name, m)
         assert blocks.block_linear(x[None, :2], w).shape == (1, 2, w.n)  # leading dims kept

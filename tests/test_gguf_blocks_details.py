@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.cuda import blocks, gguf_kernels
+from backends.cuda import blocks, gguf_int8, gguf_kernels
 
 
 def test_rows_are_padded_to_a_power_of_two_then_to_whole_launches(monkeypatch):
@@ -18,6 +18,7 @@ def test_rows_are_padded_to_a_power_of_two_then_to_whole_launches(monkeypatch):
         return x[:, :1].float().expand(-1, n) + torch.arange(n)  # each row its own values: padding rows give zeros
 
     monkeypatch.setattr(gguf_kernels, "matmul", matmul)
+    monkeypatch.setattr(gguf_int8, "matmul", matmul)
     w = blocks.BlockWeight.empty(256, (("Q4_K", 4), ("Q6_K", 2)))
     want = {1: 1, 2: 2, 3: 4, 5: 8, 33: 64, 64: 64, 65: 128, 128: 128, 129: 192, 200: 256}
     for m, rows in want.items():
@@ -27,6 +28,24 @@ def test_rows_are_padded_to_a_power_of_two_then_to_whole_launches(monkeypatch):
         assert seen == [rows, rows], m  # one matmul a segment, each given the padded rows
         assert y.shape == (m, 6) and torch.equal(y[:, 0], torch.arange(m, dtype=torch.float32)), m
     assert gguf_kernels.MAX_ROWS == 64
+
+
+def test_q4_k_and_q6_k_segments_run_the_int8_kernels_the_rest_the_float_ones(monkeypatch):
+    """The kernel follows a segment's type and address, never the rows: a Q4_K segment at an address that is no
+    multiple of 4 runs the float kernel at every row count."""
+    calls = []
+    for mod in (gguf_kernels, gguf_int8):
+        monkeypatch.setattr(mod, "matmul", lambda x, weight, qtype, n, k, mod=mod: calls.append(
+            (mod.__name__.rsplit(".", 1)[1], qtype.name, weight.data_ptr() % 4)) or torch.zeros(x.shape[0], n))
+    w = blocks.BlockWeight.empty(256, (("Q4_K", 2), ("Q8_0", 2), ("Q6_K", 2)))
+    for m in (1, 3, 70):
+        calls.clear()
+        blocks.block_linear(torch.zeros(m, 256), w)
+        assert [c[:2] for c in calls] == [("gguf_int8", "Q4_K"), ("gguf_kernels", "Q8_0"), ("gguf_int8", "Q6_K")]
+    odd = blocks.BlockWeight.empty(256, (("Q6_K", 1), ("Q4_K", 2)))  # Q6_K's 210 bytes put Q4_K's at 2 mod 4
+    calls.clear()
+    blocks.block_linear(torch.zeros(2, 256), odd)
+    assert [c[:2] for c in calls] == [("gguf_int8", "Q6_K"), ("gguf_kernels", "Q4_K")] and calls[1][2] == 2
 
 
 def test_a_buffer_refuses_another_row_width():

@@ -10,7 +10,9 @@ stored ones. The geometry names every segment's type and rows, so a pooled buffe
 the same layout.
 
 ``block_linear`` runs one kernel launch a segment (up to 64 rows a launch; more rows run as further launches)
-and writes each segment's columns of the output. The kernel reduces each row in one order whatever the number of
+and writes each segment's columns of the output. Q4_K and Q6_K segments (a Q4_K_M file's) run the int8 kernels
+(``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's decode GEMV), the other types the
+float kernels; the choice follows the segment's type and address alone, never the rows. The kernel reduces each row in one order whatever the number of
 rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
 pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
 """
@@ -26,7 +28,7 @@ from gguf import GGMLQuantizationType
 from kestrel_core.formats.gguf_model import BlockTensor
 from kestrel_core.formats.units import Geometry
 
-from . import gguf_kernels
+from . import gguf_int8, gguf_kernels
 
 DTYPE = "gguf-blocks"
 TYPES = gguf_kernels.TYPES
@@ -192,6 +194,14 @@ def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     rows = (1 << (m - 1).bit_length() if m <= top else -(-m // top) * top) if m else 0
     if rows != m:  # padding rows change no other row's bits; they bound the kernels compiled to 7 a type
         x2 = torch.cat([x2, x2.new_zeros((rows - m, w.k))])
-    outs = [gguf_kernels.matmul(x2, w.segment(s), s.qtype, s.n, w.k) for s in w.segments]
+    outs = [segment_matmul(x2, w.segment(s), s.qtype, s.n, w.k) for s in w.segments]
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return y[:m].to(x.dtype).reshape(*lead, w.n)
+
+
+def segment_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    """One segment's product: the int8 kernel where it computes the type and can read the segment's address as its
+    words, else the float kernel. Both reduce a row in one order for any number of rows."""
+    if qtype in gguf_int8.TYPES and gguf_int8.aligned(raw, qtype):
+        return gguf_int8.matmul(x, raw, qtype, n, k)
+    return gguf_kernels.matmul(x, raw, qtype, n, k)

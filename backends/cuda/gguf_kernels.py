@@ -233,6 +233,11 @@ def _kernels():
     return gguf_rows, add_slices, expert_rows, expert_rows_grouped
 
 
+def add_slices_kernel():
+    """The epilogue that adds K slices' float32 partial sums in slice order (``add_slices``)."""
+    return _kernels()[1]
+
+
 def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None,
          split: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, K slices, chunks a slice) for W [n, k] of ``qtype``: from the weight's shape alone, never from M,
@@ -246,7 +251,7 @@ def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None
     return bn, -(-nch // cps), cps
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, qtype, n: int, k: int) -> None:
+def check(x: torch.Tensor, weight: torch.Tensor, qtype, n: int, k: int) -> None:
     if qtype not in _CHUNK:
         raise ValueError(f"no GGUF kernel for {getattr(qtype, 'name', qtype)}; these run: "
                          + ", ".join(t.name for t in TYPES))
@@ -269,7 +274,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     whole blocks, ggml's layout). Row m of y is bitwise the result for x[m] alone, for any M. ``block_n``, ``split``
     and ``num_warps`` override the plan (for measuring: a row's bits depend on them, so keep them fixed across M)."""
     rows, add_slices = _kernels()[:2]
-    _check(x, weight, qtype, n, k)
+    check(x, weight, qtype, n, k)
     x = x.contiguous()
     m_all = x.shape[0]
     y = out if out is not None else torch.empty((m_all, n), dtype=torch.float32, device=x.device)

@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64], help="the M of each timed call (1 to 64)")
     p.add_argument("--plans", default="auto",
                    help="kernel plans to time, comma-separated: 'auto' (the launcher's) or BLOCK_N:SPLIT:WARPS")
+    p.add_argument("--int8-plans", default="auto",
+                   help="the int8 kernels' plans (Q4_K, Q6_K), comma-separated: 'auto' or BLOCK_N:SB:SPLIT:WARPS "
+                        "(SB super-blocks a step, SPLIT 0 the launcher's); empty: no int8 rows")
     p.add_argument("--no-baseline", action="store_true", help="leave out dequant+linear and bf16 linear")
     p.add_argument("--graph-reps", type=int, default=30)
     p.add_argument("--eager-reps", type=int, default=100)
@@ -96,6 +99,23 @@ def parse_plans(text: str) -> list[dict]:
     return plans
 
 
+def parse_int8_plans(text: str) -> list[dict]:
+    """Each int8 plan as ``gguf_int8.matmul``'s overrides: {} for 'auto', else block_n, sb, split, num_warps."""
+    plans = []
+    for part in filter(None, text.split(",")):
+        if part == "auto":
+            plans.append({})
+            continue
+        try:
+            bn, sb, split, warps = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise BenchError(f"--int8-plans: {part!r} is neither 'auto' nor BLOCK_N:SB:SPLIT:WARPS") from None
+        if min(bn, sb, warps) < 1 or split < 0 or any(v & (v - 1) for v in (bn, sb, warps)):
+            raise BenchError(f"--int8-plans: {part!r}: BLOCK_N, SB and WARPS are powers of two, SPLIT 0 or more")
+        plans.append({"block_n": bn, "sb": sb, "num_warps": warps, **({"split": split} if split else {})})
+    return plans
+
+
 def random_weight(qtype, n: int, k: int, seed: int):
     """Valid ``qtype`` blocks for W [n, k] on the GPU: random quant bits, float16 scales finite and small."""
     import torch
@@ -125,12 +145,12 @@ def timed(fn, graph_reps: int, eager_reps: int = 0) -> dict:
 
 
 def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[dict], d2d: float, baseline: bool,
-               graph_reps: int, eager_reps: int) -> list[dict]:
+               graph_reps: int, eager_reps: int, int8_plans: list[dict] = ()) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
     from kestrel_core.formats.gguf_quants import dequantize
-    from backends.cuda import gguf_kernels
+    from backends.cuda import gguf_int8, gguf_kernels
 
     stored = gguf_kernels.stored_bytes(qtype, n, k)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 64 * 2**20
@@ -156,25 +176,32 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
 
     out = []
     base = {"type": qtype.name, "layers": label, "n": n, "k": k, "stored_bytes": stored, "weight_sets": len(sets)}
-    for kw in plans:
+    kinds = [("kernel", gguf_kernels, kw) for kw in plans]
+    if qtype in gguf_int8.TYPES:
+        kinds += [("int8", gguf_int8, kw) for kw in int8_plans]
+    for variant, mod, kw in kinds:
         # correctness once a plan: the float64 product, and every row of each batch against that row alone
-        ys = {m: gguf_kernels.matmul(x[:m], first, qtype, n, k, **kw) for m in rows}
-        alone = torch.stack([gguf_kernels.gemv(x[i], first, qtype, n, k, **kw) for i in range(max(rows))])
+        ys = {m: mod.matmul(x[:m], first, qtype, n, k, **kw) for m in rows}
+        alone = torch.cat([mod.matmul(x[i:i + 1], first, qtype, n, k, **kw) for i in range(max(rows))])
         rel = {m: float((y.double() - want[:m]).norm() / want[:m].norm()) for m, y in ys.items()}
         invariant = all(torch.equal(y, alone[:m]) for m, y in ys.items())
         del ys, alone
-        chosen = gguf_kernels.plan(qtype, n, k, kw.get("block_n"), kw.get("split"))
-        warps = kw.get("num_warps", gguf_kernels.NUM_WARPS)
+        if mod is gguf_int8:
+            chosen = gguf_int8.plan(qtype, n, k, kw.get("block_n"), kw.get("sb"), kw.get("split"))
+            warps = kw.get("num_warps", gguf_int8.DEFAULT_PLAN[qtype][3])
+        else:
+            chosen = gguf_kernels.plan(qtype, n, k, kw.get("block_n"), kw.get("split"))
+            warps = kw.get("num_warps", gguf_kernels.NUM_WARPS)
         for m in rows:
             xm = x[:m]
-            t = timed(rotate(lambda w: lambda: gguf_kernels.matmul(xm, w, qtype, n, k, **kw)), graph_reps,
+            t = timed(rotate(lambda w: lambda: mod.matmul(xm, w, qtype, n, k, **kw)), graph_reps,
                       eager_reps if m == 1 else 0)
             gbps = stored / t["device"]["p50"] / 1e6
-            out.append({**base, "variant": "kernel", "m": m, "plan_asked": kw or "auto", "plan": list(chosen),
+            out.append({**base, "variant": variant, "m": m, "plan_asked": kw or "auto", "plan": list(chosen),
                         "num_warps": warps, **t, "GBps": gbps, "fraction_of_d2d": gbps / d2d,
                         "rel_error_vs_float64": rel[m], "batch_invariant": invariant})
             eager = f" | eager {t['eager']['p50'] * 1e3:6.1f} us" if m == 1 else ""
-            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} kernel {chosen}x{warps} {t['device']['p50'] * 1e3:8.1f} us "
+            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6} {chosen}x{warps} {t['device']['p50'] * 1e3:8.1f} us "
                 f"{gbps:6.0f} GB/s {100 * gbps / d2d:4.0f}% of d2d{eager}" + ("" if invariant else " NOT INVARIANT"))
     if baseline:
         bf16_sets = copies(deq.to(torch.bfloat16))
@@ -205,8 +232,9 @@ def verdict(rows: list[dict]) -> dict:
     its speed-up on the baseline at each M; and, over every plan, whether each was batch invariant."""
     out = {}
     for t in sorted({r["type"] for r in rows}):
-        kernel = [r for r in rows if r["type"] == t and r["variant"] == "kernel"]
-        auto = [r for r in kernel if r["plan_asked"] == "auto"]
+        kernel = [r for r in rows if r["type"] == t and r["variant"] in ("kernel", "int8")]
+        auto = [r for r in kernel if r["plan_asked"] == "auto" and r["variant"] == "kernel"]
+        int8 = [r for r in kernel if r["plan_asked"] == "auto" and r["variant"] == "int8"]
         one = [r["fraction_of_d2d"] for r in auto if r["m"] == 1 and (r["n"], r["k"]) in QWEN3_8B.values()]
         speedup: dict[str, list[float]] = {}
         for r in auto:
@@ -214,7 +242,10 @@ def verdict(rows: list[dict]) -> dict:
                       and (b["n"], b["k"]) == (r["n"], r["k"])), None)
             if b:
                 speedup.setdefault(str(r["m"]), []).append(b["device"]["p50"] / r["device"]["p50"])
+        one8 = [r["fraction_of_d2d"] for r in int8 if r["m"] == 1 and (r["n"], r["k"]) in QWEN3_8B.values()]
         out[t] = {"min_fraction_of_d2d_8b_m1": min(one) if one else None,
+                  "int8_min_fraction_of_d2d_8b_m1": min(one8) if one8 else None,
+                  "int8_median_fraction_of_d2d_8b_m1": statistics.median(one8) if one8 else None,
                   "median_fraction_of_d2d_8b_m1": statistics.median(one) if one else None,
                   "min_speedup_vs_dequant_linear": {m: min(v) for m, v in speedup.items()},
                   "batch_invariant": all(r["batch_invariant"] for r in kernel),
@@ -241,6 +272,7 @@ def run(args, record) -> dict:
         raise BenchError(f"--rows: each M is 1 to {gguf_kernels.MAX_ROWS}")
     shapes = parse_shapes(args.shapes)
     plans = parse_plans(args.plans)
+    int8_plans = parse_int8_plans(args.int8_plans)
     ceilings = copy_rates()
     d2d = ceilings["d2d_read_plus_write"]["GBps"]
     log(f"device-to-device copy {d2d:.0f} GB/s (read + write)")
@@ -248,7 +280,7 @@ def run(args, record) -> dict:
     for qtype in types:
         for label, (n, k) in shapes.items():
             result["rows"] += shape_rows(qtype, label, n, k, rows_m, plans, d2d, not args.no_baseline,
-                                         args.graph_reps, args.eager_reps)
+                                         args.graph_reps, args.eager_reps, int8_plans)
             record.save_partial(result)
     result["verdict"] = verdict(result["rows"])
     return result

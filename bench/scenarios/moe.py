@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import gc
 
-from bench import models, peers
+from bench import llama_cpp, models, peers
 from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.observe import observing
@@ -61,6 +61,9 @@ def add_arguments(p) -> None:
                    help="decode paths of the cache rows: table (misses landed, the rest staged), table-unstaged (the "
                         "rest read in place), table-twice (admitted a step later), host")
     models.add_gguf_argument(p)  # the uniform rows only: no skewed, q8 or peer rows
+    p.add_argument("--rows", choices=("all", "off"), default="all",
+                   help="off: each section's off row alone (no cache or whole-layer rows, no targets)")
+    llama_cpp.add_argument(p)
     p.add_argument("--peers", default=None,
                    help="comma-separated (default on cuda: transformers,accelerate-experts,airllm; on cpu_ref none)")
 
@@ -198,8 +201,8 @@ def section(path, args, router: str, scale: float) -> dict:
         cfg = model.config
         file_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * DTYPE_BYTES[cfg.torch_dtype]
         off["budget_widening"] = widen = off["expert_bytes"] / file_expert if off["expert_bytes"] else 1.0
-        rows = [off] + cache_rows(model, args, router, scale * widen)
-        if router == "uniform":
+        rows = [off] + (cache_rows(model, args, router, scale * widen) if args.rows == "all" else [])
+        if router == "uniform" and args.rows == "all":
             pf = int(args.backend == "cuda")
             whole = kestrel_row(model, args, f"uniform whole-layer asymmetric keep=1 pf={pf}", args.slow_tokens, 1,
                                 keep=1, expert_fetch="layer", pool_slots=4096, prefetch=pf)
@@ -344,10 +347,21 @@ def run(args, record) -> dict:
         log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
         result["hbm_floor"] = hbm_floor(cfg)
         log(f"HBM floor {result['hbm_floor']['summary']['p50']:.3f} ms ({result['hbm_floor']['TBps']:.2f} TB/s)")
+    bins = llama_cpp.check(args)
     path, result["weight_bytes"] = models.ensure_model(args.models, args.preset, layers, args.gguf)
     result["gguf"] = args.gguf or None
     result["uniform"] = section(path, args, "uniform", scale)
     record.save_partial(result)
+    if bins is not None:
+        from kestrel_core import load
+
+        settings = {"backend": args.backend, "keep": "off", **({"budget_mb": BIG} if args.backend == "cuda" else {})}
+        with load(path) as model:
+            result["llama_cpp"] = llama_cpp.compare(
+                bins, model, path, settings, shape=f"{args.preset} ({layers} of {full} layers)", file_type=args.gguf,
+                batches=llama_cpp.batches_of(args.llama_cpp_batches), log=log)
+        result["vs_llama_cpp"] = result["llama_cpp"]["rows"]
+        record.save_partial(result)
     if args.skew:
         skewed = models.ensure_preset(args.models, args.preset, layers=layers, router_skew=args.skew)
         result["skewed"] = section(skewed, args, "skewed", scale)
@@ -372,6 +386,7 @@ def run(args, record) -> dict:
         for r in result.get(sec, {}).get("rows", []):
             if pinned and "bytes_streamed_per_token" in r:  # moving its bytes at the pinned rate, a miss crossing once
                 r["stream_bound_ms"] = (r["bytes_streamed_per_token"] - r["bytes_reread_per_token"]) / (pinned * 1e9) * 1e3
-    result["targets"] = targets(result, cfg)
-    log(f"targets: {result['targets']}")
+    if args.rows == "all":
+        result["targets"] = targets(result, cfg)
+        log(f"targets: {result['targets']}")
     return result

@@ -17,7 +17,10 @@ eager), one after the other:
 - ``--q8-group G``: the q8 GEMV kernel on the two target shapes, then off (and --compile's off) on a q8 copy, and
   with ``--rows sweep`` asymmetric keep 4 and 1 with prefetch 0 and 1;
 - ``--interleave R``: off against asymmetric keep=L, run after run for R rounds, so drift hits both alike;
-- ``--peers``: transformers and accelerate on the same weights (``bench.peers``).
+- ``--peers``: transformers and accelerate on the same weights (``bench.peers``);
+- ``--llama-cpp BIN_DIR`` (with ``--gguf``): kestrel's GGUF off at B = 1, 8 and 64 and its 512-token prefill, then
+  llama.cpp's llama-bench (tg128, pp512) and llama-batched-bench on the same file (``bench.llama_cpp``); the pairs go
+  in ``vs_llama_cpp``. ``--rows none`` leaves the bf16 rows out.
 
 Every row keeps every decode step's time and mode. Its figure is the p50 (with p10, p90, n) over its replayed steps,
 or over its eager steps after the first where it replayed none; the captured and eager steps are listed apart. Each
@@ -30,7 +33,8 @@ from __future__ import annotations
 
 import gc
 
-from bench import models, peers
+from bench import llama_cpp, models, peers
+from bench.errors import BenchError
 from bench.errors import cuda_backend_missing
 from bench.log import log
 from bench.prompt import prompt_for
@@ -46,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
     p.add_argument("--dtype", default="", help="the backend's compute dtype (kestrel.toml's [backend] dtype)")
     p.add_argument("--tokens", type=int, default=34, help="new tokens a row generates (decode steps: one fewer)")
-    p.add_argument("--rows", choices=("headline", "sweep"), default="headline")
+    p.add_argument("--rows", choices=("headline", "sweep", "none"), default="headline",
+                   help="none: no bf16 rows (nor its checkpoint): --gguf's section alone")
     p.add_argument("--graphs", default=None, help="graphs modes, each row in each: auto,off (default on cuda), auto")
     p.add_argument("--compile", action="store_true", help="also off and keep=1 with torch.compile'd layers")
     p.add_argument("--q8-group", type=int, default=0, help="also the q8 rows, on a copy quantized with this group")
@@ -57,6 +62,7 @@ def add_arguments(p) -> None:
                    help=f"comma-separated, of {', '.join(peers.NAMES)} (default on cuda: "
                         "transformers,transformers-static,accelerate; on cpu_ref none)")
     p.add_argument("--peer-tokens", type=int, default=4, help="new tokens of the slow peers (accelerate, airllm)")
+    llama_cpp.add_argument(p)
 
 
 def needs_gpu(args) -> str | None:
@@ -217,17 +223,28 @@ def run(args, record) -> dict:
 
     cuda = args.backend == "cuda"
     graphs_modes = (args.graphs or ("auto,off" if cuda else "auto")).split(",")
+    bins = llama_cpp.check(args)
+    if args.rows == "none":
+        if not args.gguf:
+            raise BenchError("--rows none leaves only --gguf's section: give --gguf TYPE")
+        if args.q8_group or args.compile or args.peers:
+            raise BenchError("--rows none runs no bf16 model: leave out --q8-group, --compile and --peers")
     peer_names = peers.parse_names(args.peers if args.peers is not None else
-                                   ("transformers,transformers-static,accelerate" if cuda else ""))
-    rounds = args.interleave if args.interleave is not None else (3 if cuda else 0)
-    path = models.ensure_preset(args.models, args.preset, layers=args.layers)
+                                   ("transformers,transformers-static,accelerate" if cuda and args.rows != "none"
+                                    else ""))
+    rounds = args.interleave if args.interleave is not None else (3 if cuda and args.rows != "none" else 0)
     result: dict = {"preset": args.preset, "layers": args.layers, "backend": args.backend,
-                    "tokens": args.tokens, "graphs_modes": graphs_modes, "row_set": args.rows,
-                    "model": {"path": str(path), "weight_bytes": models.weight_bytes(path)}}
+                    "tokens": args.tokens, "graphs_modes": graphs_modes, "row_set": args.rows}
     if cuda:
         result["ceilings"] = copy_rates()
         log(f"pinned h2d {result['ceilings']['pinned_h2d']['GBps']:.1f} GB/s")
     pinned = result["ceilings"]["pinned_h2d"]["GBps"] if cuda else None
+    if args.rows == "none":
+        result["gguf"] = gguf_section(args, pinned, {}, bins)
+        result["vs_llama_cpp"] = result["gguf"].get("llama_cpp", {}).get("rows")
+        return result
+    path = models.ensure_preset(args.models, args.preset, layers=args.layers)
+    result["model"] = {"path": str(path), "weight_bytes": models.weight_bytes(path)}
     with load(path) as model:
         cfg = model.config
         result["model"].update(dtype=cfg.torch_dtype, layers=cfg.num_hidden_layers)
@@ -254,7 +271,8 @@ def run(args, record) -> dict:
         result["q8"] = q8_section(path, args, pinned, bf16_off, result.get("ceilings"))
         record.save_partial(result)
     if args.gguf:
-        result["gguf"] = gguf_section(args, pinned, bf16_off)
+        result["gguf"] = gguf_section(args, pinned, bf16_off, bins)
+        result["vs_llama_cpp"] = result["gguf"].get("llama_cpp", {}).get("rows")
         record.save_partial(result)
     if peer_names:
         result["peers"] = peer_rows(path, args, prompt, peer_names, rows.baselines.get("plain"))
@@ -291,10 +309,10 @@ def q8_section(path, args, pinned, bf16_off: dict, ceilings: dict | None) -> dic
     return out
 
 
-def gguf_section(args, pinned, bf16_off: dict) -> dict:
+def gguf_section(args, pinned, bf16_off: dict, bins: llama_cpp.Binaries | None = None) -> dict:
     """The preset as a GGUF of ``--gguf`` (random valid blocks; on cuda held and computed as its blocks): off and
     asymmetric keep=1 with prefetch 1, each against bf16 off of the same run (target: off <= 0.40x) and keep=1 against
-    its bytes a token over the pinned copy rate (target <= 1.1x)."""
+    its bytes a token over the pinned copy rate (target <= 1.1x); with ``bins``, off beside llama.cpp on the file."""
     from kestrel_core import load
     from kestrel_core.formats.gguf_types import parse_type
 
@@ -308,6 +326,11 @@ def gguf_section(args, pinned, bf16_off: dict) -> dict:
         rows = Rows(gmodel, args, pinned, prefix=f"{type_name} ")
         out["rows"] = rows.rows
         rows.run([{"keep": "off"}, {"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0}], modes)
+        if bins is not None:
+            settings = {"backend": args.backend, "keep": "off", **({"dtype": args.dtype} if args.dtype else {})}
+            out["llama_cpp"] = llama_cpp.compare(bins, gmodel, gpath, settings, shape=args.preset + (
+                f" ({args.layers} layers)" if args.layers else ""), file_type=type_name,
+                batches=llama_cpp.batches_of(args.llama_cpp_batches), log=log)
     targets = []
     for r in out["rows"]:
         if "summary" not in r:

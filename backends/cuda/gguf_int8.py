@@ -1,0 +1,294 @@
+"""GGUF blocks times activations quantized to int8, summed by int8 dot products: the decode GEMV (1 to 8 rows a
+launch) for Q4_K and Q6_K, the types of a Q4_K_M file.
+
+Why: the float path (``gguf_kernels``) turns every 4-bit value into a float32 before its product, about four
+instructions a weight, and reads at 14 to 20% of the device copy rate. Here, as in llama.cpp's ``mmvq``, each input
+row is first quantized per 32 values (``quantize_rows``: int8 values, a float32 scale ``d = max|x| / 127`` and the
+block's float32 sum), and a 32-bit word of weight quants meets a word of those int8 values in one ``dp4a`` (four byte
+products and their sum). A word of Q4_K holds eight 4-bit values: its low nibbles (``w & 0x0F0F0F0F``) and high
+nibbles are two dp4a each. The integer sums are exact; each 16- or 32-value group's sum is turned into float32 once,
+times the group's scales.
+
+Q4_K: ``y = sum_g d*sc_g * dx_g * sum(q * xq) - dmin*m_g * sum_g(x)`` (the min's term takes the block's exact float
+sum of x). Q6_K: ``y = sum_g d*sc_g * dx * sum((q - 32) * xq)``.
+
+The order of every float operation is fixed by the weight's shape alone: a program keeps per-row float32 partial sums
+[rows, BLOCK_N, T] (T runs of the super-blocks it walks at once), adds each super-block's terms into them elementwise,
+and ends with a fixed pairwise tree over T (``tree_sum``, spelt with ``tl.split``, not ``tl.sum`` whose order follows
+the layout). Integer sums are exact in any order. So row m of a batch is bitwise row m alone, for any M and any rows
+beside it; more than 8 rows run as launches of 8.
+
+``dp4a`` is PTX; under Triton's interpreter (CI) ``dot4`` spells the same integer arithmetic out, so the two are
+bitwise one (a cuda test holds the GPU's dp4a to the spelt-out twin). Weights are read as 32-bit words (Q4_K's
+144-byte blocks are whole words) or as 16-bit halves joined (Q6_K's 210-byte blocks are not).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from gguf import GGMLQuantizationType
+
+from kestrel_core.formats.gguf_quants import block_geometry
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_K, T.Q6_K)
+MAX_ROWS = 8  # rows a launch: the rows' partial sums are held together; more rows run as more launches
+QUANT_BLOCK = 32  # values of x sharing one int8 scale
+# qtype -> default (BLOCK_N, super-blocks a step, programs wanted, warps); the plan is the weight's shape's alone
+DEFAULT_PLAN = {T.Q4_K: (16, 1, 1024, 4), T.Q6_K: (16, 1, 1024, 4)}
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot4(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of the four signed bytes of a and of b (int32 words): ``dp4a`` on a GPU; the same
+        exact integer arithmetic spelt out where ``ASM`` is off (Triton's interpreter runs no PTX)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            s = c
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            return s
+
+    @triton.jit
+    def tree_sum(acc, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, LOG_T: tl.constexpr):
+        """acc [BM, BN, T] (T = 2 ** LOG_T) summed over T by a fixed pairwise tree (element 2i with 2i + 1, then
+        again): the same additions in the same order whatever the layout, so a row's bits do not follow BM."""
+        for i in tl.static_range(LOG_T):
+            lo, hi = tl.split(tl.reshape(acc, (BM, BN, T >> (i + 1), 2)))
+            acc = lo + hi
+        return tl.reshape(acc, (BM, BN))
+
+    @triton.jit
+    def f16_lo(word):
+        """The float16 in the low half of an int32 word, as float32."""
+        return (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    globals().update(dot4=dot4, tree_sum=tree_sum, f16_lo=f16_lo)  # Triton finds called functions in the globals
+
+    @triton.jit
+    def quantize_rows(x, xq, xd, xs, K, NB, BLOCKS: tl.constexpr):
+        """Row m of x [M, K] as int8 xq [M, K] per 32 values: d = max|x| / 127 (xd [M, NB]), q = round(x / d)
+        (half away from zero), and each block's float32 sum of x (xs [M, NB])."""
+        m, pb = tl.program_id(0), tl.program_id(1)
+        b = pb * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        lane = tl.arange(0, 32)[None, :]
+        ok = b < NB
+        v = tl.load(x + m * K + b * 32 + lane, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+        d = tl.div_rn(amax, 127.0)
+        safe = tl.where(d > 0, d, 1.0)
+        r = tl.div_rn(v, safe[:, None])
+        q = tl.where(r >= 0, tl.floor(r + 0.5), -tl.floor(0.5 - r))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(xq + m * K + b * 32 + lane, q.to(tl.int8), mask=ok)
+        bb = pb * BLOCKS + tl.arange(0, BLOCKS)
+        tl.store(xd + m * NB + bb, d, mask=bb < NB)
+        tl.store(xs + m * NB + bb, tl.sum(v, axis=1), mask=bb < NB)
+
+    @triton.jit
+    def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr,
+                 SB: tl.constexpr, LOG_T: tl.constexpr, ASM: tl.constexpr):
+        """out[s, m, n] = row n of a Q4_K W (int32 words [N, ROW_WORDS]: a super-block is 36 words, d|dmin, three of
+        scales and mins, 32 of quants) times row m of x, over the super-blocks of slice s (SPS each, SB at a step).
+        Axes: [rows, BN outputs, T = SB * 4 runs of 64 values, 8 words a run]."""
+        pn, s = tl.program_id(0), tl.program_id(1)
+        T: tl.constexpr = SB * 4
+        n = pn * BN + tl.arange(0, BN)
+        n4 = n[None, :, None, None]
+        t4 = tl.arange(0, T)[None, None, :, None]
+        j4 = tl.arange(0, 8)[None, None, None, :]
+        m4 = tl.arange(0, BM)[:, None, None, None]
+        sb4, r4 = t4 // 4, t4 % 4  # the super-block of the step, the run in it
+        n3, t3 = n[None, :, None], tl.arange(0, T)[None, None, :]
+        m3 = tl.arange(0, BM)[:, None, None]
+        sb3, r3 = t3 // 4, t3 % 4
+        wrow = w + n4.to(tl.int64) * ROW_WORDS
+        wrow3 = w + n3.to(tl.int64) * ROW_WORDS
+        XW = NSB * 64  # words of xq a row
+        NB = NSB * 8  # 32-value blocks a row
+        acc = tl.zeros((BM, BN, T), dtype=tl.float32)
+        first = s * SPS
+        for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
+            c4 = c0 + sb4
+            ok4 = (n4 < N) & (c4 < NSB)
+            qs = tl.load(wrow + c4 * 36 + 4 + r4 * 8 + j4, mask=ok4, other=0)  # [1, BN, T, 8]
+            xok = (m4 < M) & (c4 < NSB)
+            xlo = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + j4, mask=xok, other=0)  # [BM, 1, T, 8]
+            xhi = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + 8 + j4, mask=xok, other=0)
+            zero = tl.zeros((BM, BN, T, 8), dtype=tl.int32)
+            ilo = tl.sum(dot4(qs & 0x0F0F0F0F, xlo, zero, ASM), axis=3)  # exact: any order
+            ihi = tl.sum(dot4((qs >> 4) & 0x0F0F0F0F, xhi, zero, ASM), axis=3)
+            c3 = c0 + sb3
+            ok3 = (n3 < N) & (c3 < NSB)
+            head = tl.load(wrow3 + c3 * 36, mask=ok3, other=0)  # d | dmin << 16
+            d = f16_lo(head)
+            dmin = f16_lo(head >> 16)
+            g = 2 * r3  # the low nibbles' group; the high nibbles' is g + 1
+            sh = 8 * (g % 4)  # groups g and g + 1 share a word of each scale array: bytes g % 4 and g % 4 + 1
+            a = tl.load(wrow3 + c3 * 36 + 1, mask=ok3, other=0)
+            b = tl.load(wrow3 + c3 * 36 + 2, mask=ok3, other=0)
+            e = tl.load(wrow3 + c3 * 36 + 3, mask=ok3, other=0)
+            a0, a1 = (a >> sh) & 255, (a >> (sh + 8)) & 255
+            b0, b1 = (b >> sh) & 255, (b >> (sh + 8)) & 255
+            e0, e1 = (e >> sh) & 255, (e >> (sh + 8)) & 255
+            low = g < 4
+            sc0 = tl.where(low, a0 & 63, (e0 & 15) | ((a0 >> 6) << 4))
+            mn0 = tl.where(low, b0 & 63, (e0 >> 4) | ((b0 >> 6) << 4))
+            sc1 = tl.where(low, a1 & 63, (e1 & 15) | ((a1 >> 6) << 4))
+            mn1 = tl.where(low, b1 & 63, (e1 >> 4) | ((b1 >> 6) << 4))
+            xb = m3 * NB + c3 * 8 + g  # x's block of the low nibbles' group
+            xok3 = (m3 < M) & (c3 < NSB)
+            dx0 = tl.load(xd + xb, mask=xok3, other=0.0)
+            dx1 = tl.load(xd + xb + 1, mask=xok3, other=0.0)
+            sx0 = tl.load(xs + xb, mask=xok3, other=0.0)
+            sx1 = tl.load(xs + xb + 1, mask=xok3, other=0.0)
+            term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
+            term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
+            acc = acc + term
+        y = tree_sum(acc, BM, BN, T, LOG_T)
+        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
+        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+
+    @triton.jit
+    def q6k_rows(w, xq, xd, out, N, M, ROW_HALVES, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
+                 LOG_U: tl.constexpr, ASM: tl.constexpr):
+        """``q4k_rows`` for Q6_K (int16 halves [N, ROW_HALVES]; a super-block is 105 halves: ql[128], qh[64], 16 int8
+        scales, d). Axes: [rows, BN outputs, U = SB * 8 units, 4 words]; unit (sb, h, p, jh) holds values
+        128h + 32t + 16jh + 4jl .. + 3 for t = p (the ql bytes' low nibbles) and t = p + 2 (their high nibbles)."""
+        pn, s = tl.program_id(0), tl.program_id(1)
+        U: tl.constexpr = SB * 8
+        n = pn * BN + tl.arange(0, BN)
+        n4 = n[None, :, None, None]
+        u4 = tl.arange(0, U)[None, None, :, None]
+        jl = tl.arange(0, 4)[None, None, None, :]
+        m4 = tl.arange(0, BM)[:, None, None, None]
+        sb4, h4, p4, jh4 = u4 // 8, (u4 // 4) % 2, (u4 // 2) % 2, u4 % 2
+        n3, u3 = n[None, :, None], tl.arange(0, U)[None, None, :]
+        m3 = tl.arange(0, BM)[:, None, None]
+        sb3, h3, p3, jh3 = u3 // 8, (u3 // 4) % 2, (u3 // 2) % 2, u3 % 2
+        wrow = w + n4.to(tl.int64) * ROW_HALVES
+        wrow3 = w + n3.to(tl.int64) * ROW_HALVES
+        XW = NSB * 64
+        NB = NSB * 8
+        acc = tl.zeros((BM, BN, U), dtype=tl.float32)
+        first = s * SPS
+        for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
+            c4 = c0 + sb4
+            ok4 = (n4 < N) & (c4 < NSB)
+            at = wrow + c4 * 105
+            ql_at = at + 32 * h4 + 16 * p4 + 8 * jh4 + 2 * jl  # halves: bytes 64h + 32p + 16jh + 4jl
+            qh_at = at + 64 + 16 * h4 + 8 * jh4 + 2 * jl  # bytes 128 + 32h + 16jh + 4jl
+            ql = (tl.load(ql_at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(ql_at + 1, mask=ok4, other=0).to(tl.int32) << 16)
+            qh = (tl.load(qh_at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(qh_at + 1, mask=ok4, other=0).to(tl.int32) << 16)
+            qa = (ql & 0x0F0F0F0F) | (((qh >> (2 * p4)) & 0x03030303) << 4)  # t = p
+            qb = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * p4 + 4)) & 0x03030303) << 4)  # t = p + 2
+            xok = (m4 < M) & (c4 < NSB)
+            xa = tl.load(xq + m4 * XW + c4 * 64 + 32 * h4 + 8 * p4 + 4 * jh4 + jl, mask=xok, other=0)
+            xb = tl.load(xq + m4 * XW + c4 * 64 + 32 * h4 + 8 * (p4 + 2) + 4 * jh4 + jl, mask=xok, other=0)
+            minus32 = tl.full((BM, BN, U, 4), -522133280, tl.int32)  # 0xE0E0E0E0: -32 in each byte
+            zero = tl.zeros((BM, BN, U, 4), dtype=tl.int32)
+            ia = tl.sum(dot4(qa, xa, dot4(minus32, xa, zero, ASM), ASM), axis=3)  # sum (q - 32) * xq, exact
+            ib = tl.sum(dot4(qb, xb, dot4(minus32, xb, zero, ASM), ASM), axis=3)
+            c3 = c0 + sb3
+            ok3 = (n3 < N) & (c3 < NSB)
+            at3 = wrow3 + c3 * 105
+            d = tl.load(at3 + 104, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            sc_at = at3 + 96 + 4 * h3 + p3  # scale 8h + 2t + jh sits in half 96 + 4h + t, byte jh
+            sa = (tl.load(sc_at, mask=ok3, other=0).to(tl.int32) << (24 - 8 * jh3)) >> 24
+            sb_ = (tl.load(sc_at + 2, mask=ok3, other=0).to(tl.int32) << (24 - 8 * jh3)) >> 24
+            xok3 = (m3 < M) & (c3 < NSB)
+            dxa = tl.load(xd + m3 * NB + c3 * 8 + 4 * h3 + p3, mask=xok3, other=0.0)
+            dxb = tl.load(xd + m3 * NB + c3 * 8 + 4 * h3 + p3 + 2, mask=xok3, other=0.0)
+            term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
+            term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
+            acc = acc + term
+        y = tree_sum(acc, BM, BN, U, LOG_U)
+        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
+        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+
+    return quantize_rows, q4k_rows, q6k_rows
+
+
+def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None, sb: int | None = None,
+         split: int | None = None, programs: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, super-blocks a step, K slices, super-blocks a slice) for W [n, k]: from its shape alone, never from
+    the rows, so every batch sums a row in one order. K is sliced until about ``programs`` programs cover W."""
+    bn0, sb0, want_programs, _ = DEFAULT_PLAN[qtype]
+    bn, step = block_n or bn0, sb or sb0
+    if bn & (bn - 1) or step & (step - 1):
+        raise ValueError(f"BLOCK_N ({bn}) and super-blocks a step ({step}) must each be a power of two")
+    nsb = k // 256
+    steps = -(-nsb // step)
+    want = split if split is not None else -(-(programs or want_programs) // -(-n // bn))
+    per = -(-steps // max(1, min(want, steps))) * step  # super-blocks a slice: whole steps
+    return bn, step, -(-nsb // per), per
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
+           out: torch.Tensor | None = None, block_n: int | None = None, sb: int | None = None,
+           split: int | None = None, num_warps: int | None = None, asm: bool | None = None) -> torch.Tensor:
+    """y [M, n] float32 = x [M, k] @ W.T, W [n, k] as ``qtype`` blocks (uint8, ggml's layout), x quantized to int8
+    per 32 values first. Row m of y is bitwise the result for x[m] alone, for any M. The plan's overrides are for
+    measuring (a row's bits follow the plan); ``asm`` False runs the spelt-out dot4 on a GPU too."""
+    from backends.cuda.gguf_kernels import add_slices_kernel, check
+
+    check(x, weight, qtype, n, k)
+    if qtype not in TYPES:
+        raise ValueError(f"no int8 GGUF kernel for {qtype.name}; these run: {', '.join(t.name for t in TYPES)}")
+    if not aligned(weight, qtype):
+        raise ValueError(f"{qtype.name} blocks are read as {'4' if qtype == T.Q4_K else '2'}-byte words: the weight's "
+                         "address must be a multiple of that (gguf_kernels.matmul reads any address)")
+    quantize_rows, q4k, q6k = _kernels()
+    asm = (x.is_cuda and not interpreted()) if asm is None else asm
+    x = x.contiguous()
+    m_all = x.shape[0]
+    y = out if out is not None else torch.empty((m_all, n), dtype=torch.float32, device=x.device)
+    if y.shape != (m_all, n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{m_all}, {n}]")
+    nb = k // QUANT_BLOCK
+    xq = torch.empty((m_all, k), dtype=torch.int8, device=x.device)
+    xd = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
+    xs = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
+    quantize_rows[(m_all, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, num_warps=1)
+    bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
+    warps = num_warps or DEFAULT_PLAN[qtype][3]
+    nsb, row_bytes = k // 256, (k // 256) * block_geometry(qtype)[1]
+    words = weight.view(torch.int32) if qtype == T.Q4_K else weight.view(torch.int16)
+    row_units = row_bytes // words.element_size()
+    for at in range(0, m_all, MAX_ROWS):
+        m = min(MAX_ROWS, m_all - at)
+        dst = y[at:at + m]
+        part = dst if slices == 1 else torch.empty((slices, m, n), dtype=torch.float32, device=x.device)
+        bm = 1 << (m - 1).bit_length()
+        xw = xq[at:at + m].view(torch.int32)
+        grid = (-(-n // bn), slices)
+        if qtype == T.Q4_K:
+            q4k[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
+                      LOG_T=(4 * step).bit_length() - 1, ASM=asm, num_warps=warps)
+        else:
+            q6k[grid](words, xw, xd[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
+                      LOG_U=(8 * step).bit_length() - 1, ASM=asm,
+                      num_warps=warps)
+        if slices > 1:
+            add_slices_kernel()[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
+    return y
+
+
+def aligned(weight: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
+    """Whether ``weight``'s bytes can be read as this kernel's words (Q4_K: 4-byte aligned; Q6_K: 2-byte)."""
+    size = 4 if qtype == T.Q4_K else 2
+    return weight.data_ptr() % size == 0 and weight.numel() % size == 0

@@ -1,0 +1,152 @@
+"""The int8-activation GGUF kernels (backends/cuda/gguf_int8.py): x quantized per 32 values, int8 dot products.
+
+Held to the exact product of the dequantized weight with the quantized x (what the kernel computes, up to float32
+rounding: within 1e-6 of sum |x| |w| an output), and to the float product within what quantizing x costs; each row of
+a batch bitwise the row alone (batches of 1 to 8, and 11 as two launches); ``dot4`` spelt out against numpy's bytes;
+on a GPU the dp4a instruction against the spelt-out twin, bitwise. In Triton's interpreter without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from kestrel_core.formats import gguf_quants  # noqa: E402
+from backends.cuda import gguf_int8, gguf_kernels  # noqa: E402
+from tests.test_gguf_kernels import DEVICE, N, inputs, weight  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="needs Triton")
+TOL = 1e-6  # of sum |x^| |w|, each output, against the exact product with the quantized x
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as the kernel quantizes it, dequantized: float64 [M, K]; x's exact float64 value) — d = max|x| / 127 a block
+    of 32, q = x / d rounded half away from zero."""
+    x = x.cpu().double()
+    b = x.reshape(x.shape[0], -1, 32)
+    d = (b.abs().amax(-1, keepdim=True).float() / 127).double()  # float32, as the kernel holds it
+    r = torch.where(d > 0, (b.float() / torch.where(d > 0, d, torch.ones_like(d)).float()).double(),
+                    torch.zeros_like(b))  # float32's quotient, as the kernel's
+    q = torch.sign(r) * torch.floor(r.abs() + 0.5)
+    return (q * d).reshape(x.shape), x
+
+
+def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernel's arithmetic in float64, sum |x^| |w| an output). Q4_K's min term takes x's exact sums: its weight
+    splits into d*sc*q (meets x^) and -dmin*m (meets x), the second read off blocks whose quants are zeroed."""
+    xhat, x64 = quantized(x)
+    w = deq.double()
+    if qtype == T.Q4_K:
+        blocks = raw.cpu().clone().reshape(-1, 144)
+        blocks[:, 16:] = 0
+        mins = gguf_quants.dequantize(blocks.reshape(raw.shape), qtype, tuple(deq.shape)).double()  # -dmin*m
+        want = xhat @ (w - mins).T + x64 @ mins.T
+        scale = xhat.abs() @ (w - mins).abs().T + x64.abs() @ mins.abs().T
+    else:
+        want, scale = xhat @ w.T, xhat.abs() @ w.abs().T
+    return want, scale
+
+
+def check(y: torch.Tensor, qtype, raw, deq, x) -> None:
+    want, scale = exact(qtype, raw, deq, x)
+    err = (y.cpu().double() - want).abs()
+    assert bool((err <= TOL * scale + 1e-30).all()), f"worst {float((err / scale).max()):.3g} of sum |x^||w|"
+    ref = x.cpu().double() @ deq.double().T  # quantizing x costs about 0.5% here (random x and weights)
+    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("qtype", gguf_int8.TYPES, ids=lambda t: t.name)
+def test_rows_match_the_exact_product_and_each_row_run_alone(qtype, dtype):
+    raw, deq = weight(qtype)
+    k = deq.shape[1]
+    x = inputs(11, k, dtype, seed=int(qtype) + 7)
+    y = gguf_int8.matmul(x, raw, qtype, N, k)  # 11 rows: launches of 8 and 3
+    assert y.shape == (11, N) and y.dtype == torch.float32
+    check(y, qtype, raw, deq, x)
+    for m in (1, 2, 3, 5, 8):
+        assert torch.equal(gguf_int8.matmul(x[:m], raw, qtype, N, k), y[:m])
+    for row in (0, 3, 7, 8, 10):
+        assert torch.equal(gguf_int8.matmul(x[row:row + 1], raw, qtype, N, k)[0], y[row]), f"row {row}"
+    other = inputs(3, k, dtype, seed=99)  # different companions: row 0 unchanged
+    assert torch.equal(gguf_int8.matmul(torch.cat([x[:1], other]), raw, qtype, N, k)[0], y[0])
+
+
+@pytest.mark.parametrize("qtype", gguf_int8.TYPES, ids=lambda t: t.name)
+def test_forced_plans_compute_the_same_product(qtype):
+    k = 8 * 256
+    raw, deq = weight(qtype, 20, k)
+    x = inputs(3, k, torch.float32, seed=3)
+    for block_n, sb, split in ((None, None, None), (8, 2, 1), (4, 4, 2), (16, 1, 3)):
+        y = gguf_int8.matmul(x, raw, qtype, 20, k, block_n=block_n, sb=sb, split=split)
+        check(y, qtype, raw, deq, x)
+        assert torch.equal(y[2], gguf_int8.matmul(x[2:], raw, qtype, 20, k, block_n=block_n, sb=sb, split=split)[0])
+
+
+def test_one_hot_rows_pick_single_weights():
+    """x with a single 1 a row quantizes exactly (d = 1/127, q = 127): y[m, n] = W[n, k_m] up to float32 rounding of
+    d * sc * dx * 127 (Q6_K; Q4_K's min meets x's exact sum)."""
+    for qtype in gguf_int8.TYPES:
+        raw, deq = weight(qtype)
+        k = deq.shape[1]
+        picks = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:8]
+        x = torch.zeros(8, k)
+        x[torch.arange(8), picks] = 1.0
+        y = gguf_int8.matmul(x.to(DEVICE), raw, qtype, N, k).cpu()
+        torch.testing.assert_close(y, deq[:, picks].T, rtol=1e-6, atol=1e-6 * float(deq.abs().max()))
+
+
+def test_zero_rows_give_zero():
+    raw, deq = weight(T.Q4_K)
+    y = gguf_int8.matmul(torch.zeros(2, deq.shape[1], device=DEVICE), raw, T.Q4_K, N, deq.shape[1])
+    assert not bool(y.any())
+
+
+def test_dot4_spelt_out_is_the_signed_byte_dot_product():
+    import triton
+    import triton.language as tl
+
+    global dot4  # Triton finds a called function in the caller's module globals
+    gguf_int8._kernels()
+    dot4 = gguf_int8.dot4
+
+    @triton.jit
+    def apply(a, b, c, out, ASM: tl.constexpr):
+        i = tl.arange(0, 64)
+        tl.store(out + i, dot4(tl.load(a + i), tl.load(b + i), tl.load(c + i), ASM))
+
+    rng = np.random.default_rng(5)
+    a, b, c = (torch.from_numpy(rng.integers(-2**31, 2**31, 64, dtype=np.int64).astype(np.int32)) for _ in range(3))
+    c = c // 4  # room for the products' sum
+    want = c.long() + (a.view(torch.int8).view(64, 4).long() * b.view(torch.int8).view(64, 4).long()).sum(1)
+    for asm in ((False, True) if torch.cuda.is_available() else (False,)):
+        out = torch.empty(64, dtype=torch.int32, device=DEVICE)
+        apply[(1,)](a.to(DEVICE), b.to(DEVICE), c.to(DEVICE), out, ASM=asm)
+        assert torch.equal(out.cpu().long(), want), f"asm={asm}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dp4a instruction runs on a GPU")
+@pytest.mark.parametrize("qtype", gguf_int8.TYPES, ids=lambda t: t.name)
+def test_dp4a_is_bitwise_its_spelt_out_twin(qtype):
+    raw, deq = weight(qtype, 64, 4 * 256)
+    x = inputs(5, 4 * 256, torch.bfloat16, seed=6)
+    y = gguf_int8.matmul(x, raw, qtype, 64, 4 * 256)
+    assert torch.equal(y, gguf_int8.matmul(x, raw, qtype, 64, 4 * 256, asm=False))
+
+
+def test_refuses_what_it_cannot_compute():
+    raw, deq = weight(T.Q4_0)
+    with pytest.raises(ValueError, match="no int8 GGUF kernel for Q4_0"):
+        gguf_int8.matmul(inputs(1, deq.shape[1], torch.float32), raw, T.Q4_0, N, deq.shape[1])
+    raw, deq = weight(T.Q4_K)
+    with pytest.raises(ValueError, match="power of two"):
+        gguf_int8.matmul(inputs(1, deq.shape[1], torch.float32), raw, T.Q4_K, N, deq.shape[1], sb=3)
