@@ -188,6 +188,9 @@ def add_argument(p) -> None:
                    help="also llama.cpp's llama-bench and llama-batched-bench from BIN_DIR on the same GGUF file, in "
                         "this run (needs --gguf); the comparison goes in the record's vs_llama_cpp")
     p.add_argument("--llama-cpp-batches", default="1,8,64", help="the batches B of that comparison")
+    p.add_argument("--llama-cpp-lengths", default="128:128:512", metavar="PROMPT:GEN:PREFILL",
+                   help="the batched rows' prompt and new tokens a sequence (llama-batched-bench's -npp, -ntg; "
+                        "llama-bench's tg is GEN) and the prefill row's prompt (llama-bench's pp)")
 
 
 def check(args) -> Binaries | None:
@@ -196,35 +199,45 @@ def check(args) -> Binaries | None:
         return None
     if not args.gguf:
         raise BenchError("--llama-cpp runs llama.cpp on kestrel's GGUF file: give --gguf TYPE too")
-    batches_of(args.llama_cpp_batches)
+    options(args)
     return Binaries.find(args.llama_cpp)
 
 
-def batches_of(text: str) -> tuple[int, ...]:
+def options(args) -> dict:
+    """The comparison's batches and lengths from ``--llama-cpp-batches`` and ``--llama-cpp-lengths``."""
     try:
-        out = tuple(int(v) for v in text.split(","))
+        batches = tuple(int(v) for v in args.llama_cpp_batches.split(","))
     except ValueError:
-        out = ()
-    if not out or min(out) < 1 or out[0] != 1:
-        raise BenchError(f"--llama-cpp-batches: comma-separated batches from 1 (e.g. 1,8,64), got {text!r}")
-    return out
+        batches = ()
+    if not batches or min(batches) < 1 or batches[0] != 1:
+        raise BenchError(f"--llama-cpp-batches: comma-separated batches from 1 (e.g. 1,8,64), "
+                         f"got {args.llama_cpp_batches!r}")
+    try:
+        prompt, gen, prefill = (int(v) for v in args.llama_cpp_lengths.split(":"))
+    except ValueError:
+        prompt = gen = prefill = 0
+    if min(prompt, gen, prefill) < 1:
+        raise BenchError(f"--llama-cpp-lengths: PROMPT:GEN:PREFILL, each at least 1 (e.g. 128:128:512), "
+                         f"got {args.llama_cpp_lengths!r}")
+    return {"batches": batches, "prompt": prompt, "gen": gen, "prefill": prefill}
 
 
-def compare(bins: Binaries, model, path: Path, settings: dict, *, shape: str, file_type: str,
-            batches: tuple[int, ...], log) -> dict:
-    """kestrel's rows on the open ``model`` (``kestrel_rows``), then llama.cpp's on its file ``path``, and the pairs."""
+def compare(bins: Binaries, model, path: Path, settings: dict, *, shape: str, file_type: str, args, log) -> dict:
+    """kestrel's rows on the open ``model`` (``kestrel_rows``), then llama.cpp's on its file ``path``, and the pairs,
+    at the batches and lengths ``options(args)`` gives."""
     import torch
 
-    ours = kestrel_rows(model, settings, batches)
+    o = options(args)
+    ours = kestrel_rows(model, settings, o["batches"], o["prompt"], o["gen"], o["prefill"])
     for r in ours:
         log(f"kestrel {r['phase']:7} B={r['rows']:<3} {r['tokens_per_s']:9.1f} tokens/s")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the peer's process needs the card's memory
-    peer = bins.bench(path) + bins.batched(path, batches)
+    peer = bins.bench(path, o["prefill"], o["gen"]) + bins.batched(path, o["batches"], o["prompt"], o["gen"])
     for r in peer:
         log(f"{r['program']:19} {r['phase']:7} B={r['rows']:<3} {r['tokens_per_s']:9.1f} tokens/s")
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    rows = versus(ours, peer, shape=shape, file_type=file_type, card=card)
+    rows = versus(ours, peer, shape=shape, file_type=file_type.upper(), card=card)
     for r in rows:
         log(f"vs llama.cpp: {r['phase']:7} B={r['rows']:<3} x{r['ratio']:.3f} (target {r['target']}x) met={r['met']}")
-    return {"kestrel": ours, "llama_cpp": peer, "rows": rows, "card": card}
+    return {"kestrel": ours, "llama_cpp": peer, "rows": rows, "card": card, "options": {**o, "batches": list(o["batches"])}}

@@ -359,7 +359,7 @@ def run(args, record) -> dict:
         with load(path) as model:
             result["llama_cpp"] = llama_cpp.compare(
                 bins, model, path, settings, shape=f"{args.preset} ({layers} of {full} layers)", file_type=args.gguf,
-                batches=llama_cpp.batches_of(args.llama_cpp_batches), log=log)
+                args=args, log=log)
         result["vs_llama_cpp"] = result["llama_cpp"]["rows"]
         record.save_partial(result)
     if args.skew:

@@ -330,7 +330,7 @@ def gguf_section(args, pinned, bf16_off: dict, bins: llama_cpp.Binaries | None =
             settings = {"backend": args.backend, "keep": "off", **({"dtype": args.dtype} if args.dtype else {})}
             out["llama_cpp"] = llama_cpp.compare(bins, gmodel, gpath, settings, shape=args.preset + (
                 f" ({args.layers} layers)" if args.layers else ""), file_type=type_name,
-                batches=llama_cpp.batches_of(args.llama_cpp_batches), log=log)
+                args=args, log=log)
     targets = []
     for r in out["rows"]:
         if "summary" not in r:
