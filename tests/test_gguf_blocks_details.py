@@ -30,9 +30,9 @@ def test_rows_are_padded_to_a_power_of_two_then_to_whole_launches(monkeypatch):
     assert gguf_kernels.MAX_ROWS == 64
 
 
-def test_q4_k_and_q6_k_segments_run_the_int8_kernels_the_rest_the_float_ones(monkeypatch):
-    """The kernel follows a segment's type and address, never the rows: a Q4_K segment at an address that is no
-    multiple of 4 runs the float kernel at every row count."""
+def test_segments_run_the_int8_kernels_where_their_address_is_whole_words(monkeypatch):
+    """The kernel follows a segment's type and address, never the rows: a Q4_K segment (read as 4-byte words) at an
+    address that is no multiple of 4 runs the float kernel at every row count."""
     calls = []
     for mod in (gguf_kernels, gguf_int8):
         monkeypatch.setattr(mod, "matmul", lambda x, weight, qtype, n, k, mod=mod: calls.append(
@@ -41,11 +41,12 @@ def test_q4_k_and_q6_k_segments_run_the_int8_kernels_the_rest_the_float_ones(mon
     for m in (1, 3, 70):
         calls.clear()
         blocks.block_linear(torch.zeros(m, 256), w)
-        assert [c[:2] for c in calls] == [("gguf_int8", "Q4_K"), ("gguf_kernels", "Q8_0"), ("gguf_int8", "Q6_K")]
+        assert [c[:2] for c in calls] == [("gguf_int8", "Q4_K"), ("gguf_int8", "Q8_0"), ("gguf_int8", "Q6_K")]
     odd = blocks.BlockWeight.empty(256, (("Q6_K", 1), ("Q4_K", 2)))  # Q6_K's 210 bytes put Q4_K's at 2 mod 4
-    calls.clear()
-    blocks.block_linear(torch.zeros(2, 256), odd)
-    assert [c[:2] for c in calls] == [("gguf_int8", "Q6_K"), ("gguf_kernels", "Q4_K")] and calls[1][2] == 2
+    for m in (1, 5):
+        calls.clear()
+        blocks.block_linear(torch.zeros(m, 256), odd)
+        assert [c[:2] for c in calls] == [("gguf_int8", "Q6_K"), ("gguf_kernels", "Q4_K")] and calls[1][2] == 2
 
 
 def test_a_buffer_refuses_another_row_width():

@@ -41,14 +41,15 @@ def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the kernel's arithmetic in float64, sum |x^| |w| an output). Q4_K's min term takes x's exact sums: its weight
-    splits into d*sc*q (meets x^) and -dmin*m (meets x), the second read off blocks whose quants are zeroed."""
+    """(the kernel's arithmetic in float64, sum |x^| |w| an output). A min's term takes x's exact sums: such a weight
+    splits into d*q (meets x^) and the min (meets x), the second read off blocks whose quants are zeroed."""
     xhat, x64 = quantized(x)
     w = deq.double()
-    if qtype == T.Q4_K:
-        blocks = raw.cpu().clone().reshape(-1, 144)
-        blocks[:, 16:] = 0
-        mins = gguf_quants.dequantize(blocks.reshape(raw.shape), qtype, tuple(deq.shape)).double()  # -dmin*m
+    quants_at = {T.Q4_K: 16, T.Q5_K: 16, T.Q4_1: 4}  # the types with a min: where their quant bytes start
+    if qtype in quants_at:
+        blocks = raw.cpu().clone().reshape(-1, gguf_quants.block_geometry(qtype)[1])
+        blocks[:, quants_at[qtype]:] = 0
+        mins = gguf_quants.dequantize(blocks.reshape(raw.shape), qtype, tuple(deq.shape)).double()
         want = xhat @ (w - mins).T + x64 @ mins.T
         scale = xhat.abs() @ (w - mins).abs().T + x64.abs() @ mins.abs().T
     else:
@@ -94,7 +95,7 @@ def test_forced_plans_compute_the_same_product(qtype):
 
 def test_one_hot_rows_pick_single_weights():
     """x with a single 1 a row quantizes exactly (d = 1/127, q = 127): y[m, n] = W[n, k_m] up to float32 rounding of
-    d * sc * dx * 127 (Q6_K; Q4_K's min meets x's exact sum)."""
+    d * sc * dx * 127 (a min meets x's exact sum)."""
     for qtype in gguf_int8.TYPES:
         raw, deq = weight(qtype)
         k = deq.shape[1]
@@ -144,9 +145,8 @@ def test_dp4a_is_bitwise_its_spelt_out_twin(qtype):
 
 
 def test_refuses_what_it_cannot_compute():
-    raw, deq = weight(T.Q4_0)
-    with pytest.raises(ValueError, match="no int8 GGUF kernel for Q4_0"):
-        gguf_int8.matmul(inputs(1, deq.shape[1], torch.float32), raw, T.Q4_0, N, deq.shape[1])
+    with pytest.raises(ValueError, match="no GGUF kernel for BF16"):
+        gguf_int8.matmul(inputs(1, 64, torch.float32), torch.zeros(N * 128, dtype=torch.uint8), T.BF16, N, 64)
     raw, deq = weight(T.Q4_K)
     with pytest.raises(ValueError, match="power of two"):
         gguf_int8.matmul(inputs(1, deq.shape[1], torch.float32), raw, T.Q4_K, N, deq.shape[1], sb=3)

@@ -10,9 +10,9 @@ stored ones. The geometry names every segment's type and rows, so a pooled buffe
 the same layout.
 
 ``block_linear`` runs one kernel launch a segment (up to 64 rows a launch; more rows run as further launches)
-and writes each segment's columns of the output. Q4_K and Q6_K segments (a Q4_K_M file's) run the int8 kernels
-(``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's decode GEMV), the other types the
-float kernels; the choice follows the segment's type and address alone, never the rows. The kernel reduces each row in one order whatever the number of
+and writes each segment's columns of the output. A segment runs the int8 kernels (``gguf_int8``: x quantized per
+32 values, int8 dot products, as llama.cpp's decode GEMV) where its address is whole words of its type, else the
+float kernels (``gguf_kernels``); the choice follows the segment's type and address alone, never the rows. The kernel reduces each row in one order whatever the number of
 rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
 pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
 """

@@ -1,28 +1,28 @@
-"""GGUF blocks times activations quantized to int8, summed by int8 dot products: the decode GEMV (1 to 8 rows a
-launch) for Q4_K and Q6_K, the types of a Q4_K_M file.
+"""GGUF blocks times activations quantized to int8, summed by int8 dot products: the GEMV of decode and batches (1 to
+8 rows a launch, more as further launches) for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
 
 Why: the float path (``gguf_kernels``) turns every 4-bit value into a float32 before its product, about four
 instructions a weight, and reads at 14 to 20% of the device copy rate. Here, as in llama.cpp's ``mmvq``, each input
 row is first quantized per 32 values (``quantize_rows``: int8 values, a float32 scale ``d = max|x| / 127`` and the
 block's float32 sum), and a 32-bit word of weight quants meets a word of those int8 values in one ``dp4a`` (four byte
-products and their sum). A word of Q4_K holds eight 4-bit values: its low nibbles (``w & 0x0F0F0F0F``) and high
-nibbles are two dp4a each. The integer sums are exact; each 16- or 32-value group's sum is turned into float32 once,
-times the group's scales.
+products and their sum). A word of 4-bit quants holds eight values: its low nibbles (``w & 0x0F0F0F0F``) and high
+nibbles are a dp4a each; a fifth or sixth bit is OR-ed into each byte first (Q5_K, Q6_K), and an offset (Q4_0's 8,
+Q6_K's 32) is a dp4a of x against that byte in every lane. The integer sums are exact; each 16- or 32-value group's
+sum is turned into float32 once, times the group's scales.
 
-Q4_K: ``y = sum_g d*sc_g * dx_g * sum(q * xq) - dmin*m_g * sum_g(x)`` (the min's term takes the block's exact float
-sum of x). Q6_K: ``y = sum_g d*sc_g * dx * sum((q - 32) * xq)``.
+``y = sum_g d_g * dx_g * sum(q * xq)``, plus for the types with a min (Q4_1, Q4_K, Q5_K) ``m_g * sum_g(x)`` with the
+block's exact float sum of x.
 
 The order of every float operation is fixed by the weight's shape alone: a program keeps per-row float32 partial sums
-[rows, BLOCK_N, T] (T runs of the super-blocks it walks at once), adds each super-block's terms into them elementwise,
-and ends with a fixed pairwise tree over T (``tree_sum``, spelt with ``tl.split``, not ``tl.sum`` whose order follows
-the layout). Integer sums are exact in any order. So row m of a batch is bitwise row m alone, for any M and any rows
-beside it; more than 8 rows run as launches of 8.
+[rows, BLOCK_N, T] (T groups of the blocks it walks at once), adds each step's terms into them elementwise, and ends
+with a fixed pairwise tree over T (``tree_sum``, spelt with ``tl.split``, not ``tl.sum`` whose order follows the
+layout). Integer sums are exact in any order. So row m of a batch is bitwise row m alone, for any M and any rows
+beside it.
 
 ``dp4a`` is PTX; under Triton's interpreter (CI) ``dot4`` spells the same integer arithmetic out, so the two are
-bitwise one (a cuda test holds the GPU's dp4a to the spelt-out twin). Weights are read as 32-bit words (Q4_K's
-144-byte blocks are whole words) or as 16-bit halves joined (Q6_K's 210-byte blocks are not).
+bitwise one (a cuda test holds the GPU's dp4a to the spelt-out twin). Q4_K's and Q5_K's blocks (144 and 176 bytes)
+are read as 32-bit words; the others' (18, 20, 34, 210 bytes) as 16-bit halves joined in pairs.
 """
-
 from __future__ import annotations
 
 import functools
@@ -34,11 +34,14 @@ from gguf import GGMLQuantizationType
 from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_K, T.Q6_K)
+TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+WORDS = (T.Q4_K, T.Q5_K)  # read as 32-bit words (blocks of whole words); the rest as 16-bit halves
 MAX_ROWS = 8  # rows a launch: the rows' partial sums are held together; more rows run as more launches
 QUANT_BLOCK = 32  # values of x sharing one int8 scale
-# qtype -> default (BLOCK_N, super-blocks a step, programs wanted, warps); the plan is the weight's shape's alone
-DEFAULT_PLAN = {T.Q4_K: (16, 1, 1024, 4), T.Q6_K: (16, 1, 1024, 4)}
+# qtype -> default (BLOCK_N, units a step, programs wanted, warps), a unit a super-block of 256 values (K-quants) or a
+# block of 32 (the rest); the plan is the weight's shape's alone
+DEFAULT_PLAN = {T.Q4_K: (16, 1, 1024, 4), T.Q5_K: (16, 1, 1024, 4), T.Q6_K: (16, 1, 1024, 4),
+                T.Q8_0: (16, 8, 1024, 4), T.Q4_0: (16, 8, 1024, 4), T.Q4_1: (16, 8, 1024, 4)}
 
 
 def interpreted() -> bool:
@@ -101,10 +104,11 @@ def _kernels():
 
     @triton.jit
     def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr,
-                 SB: tl.constexpr, LOG_T: tl.constexpr, ASM: tl.constexpr):
+                 SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr, ASM: tl.constexpr):
         """out[s, m, n] = row n of a Q4_K W (int32 words [N, ROW_WORDS]: a super-block is 36 words, d|dmin, three of
         scales and mins, 32 of quants) times row m of x, over the super-blocks of slice s (SPS each, SB at a step).
-        Axes: [rows, BN outputs, T = SB * 4 runs of 64 values, 8 words a run]."""
+        FIVE: Q5_K (44 words: eight words of fifth bits, qh, before the quants; value l of group g takes bit g of
+        qh byte l). Axes: [rows, BN outputs, T = SB * 4 runs of 64 values, 8 words a run]."""
         pn, s = tl.program_id(0), tl.program_id(1)
         T: tl.constexpr = SB * 4
         n = pn * BN + tl.arange(0, BN)
@@ -125,23 +129,30 @@ def _kernels():
         for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
             c4 = c0 + sb4
             ok4 = (n4 < N) & (c4 < NSB)
-            qs = tl.load(wrow + c4 * 36 + 4 + r4 * 8 + j4, mask=ok4, other=0)  # [1, BN, T, 8]
+            BW: tl.constexpr = 44 if FIVE else 36  # words a super-block
+            qs = tl.load(wrow + c4 * BW + (12 if FIVE else 4) + r4 * 8 + j4, mask=ok4, other=0)  # [1, BN, T, 8]
+            qlo = qs & 0x0F0F0F0F
+            qhi = (qs >> 4) & 0x0F0F0F0F
+            if FIVE:
+                qh = tl.load(wrow + c4 * BW + 4 + j4, mask=ok4, other=0)
+                qlo = qlo | (((qh >> (2 * r4)) & 0x01010101) << 4)
+                qhi = qhi | (((qh >> (2 * r4 + 1)) & 0x01010101) << 4)
             xok = (m4 < M) & (c4 < NSB)
             xlo = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + j4, mask=xok, other=0)  # [BM, 1, T, 8]
             xhi = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + 8 + j4, mask=xok, other=0)
             zero = tl.zeros((BM, BN, T, 8), dtype=tl.int32)
-            ilo = tl.sum(dot4(qs & 0x0F0F0F0F, xlo, zero, ASM), axis=3)  # exact: any order
-            ihi = tl.sum(dot4((qs >> 4) & 0x0F0F0F0F, xhi, zero, ASM), axis=3)
+            ilo = tl.sum(dot4(qlo, xlo, zero, ASM), axis=3)  # exact: any order
+            ihi = tl.sum(dot4(qhi, xhi, zero, ASM), axis=3)
             c3 = c0 + sb3
             ok3 = (n3 < N) & (c3 < NSB)
-            head = tl.load(wrow3 + c3 * 36, mask=ok3, other=0)  # d | dmin << 16
+            head = tl.load(wrow3 + c3 * BW, mask=ok3, other=0)  # d | dmin << 16
             d = f16_lo(head)
             dmin = f16_lo(head >> 16)
             g = 2 * r3  # the low nibbles' group; the high nibbles' is g + 1
             sh = 8 * (g % 4)  # groups g and g + 1 share a word of each scale array: bytes g % 4 and g % 4 + 1
-            a = tl.load(wrow3 + c3 * 36 + 1, mask=ok3, other=0)
-            b = tl.load(wrow3 + c3 * 36 + 2, mask=ok3, other=0)
-            e = tl.load(wrow3 + c3 * 36 + 3, mask=ok3, other=0)
+            a = tl.load(wrow3 + c3 * BW + 1, mask=ok3, other=0)
+            b = tl.load(wrow3 + c3 * BW + 2, mask=ok3, other=0)
+            e = tl.load(wrow3 + c3 * BW + 3, mask=ok3, other=0)
             a0, a1 = (a >> sh) & 255, (a >> (sh + 8)) & 255
             b0, b1 = (b >> sh) & 255, (b >> (sh + 8)) & 255
             e0, e1 = (e >> sh) & 255, (e >> (sh + 8)) & 255
@@ -220,18 +231,79 @@ def _kernels():
         m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
         tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
 
-    return quantize_rows, q4k_rows, q6k_rows
+    @triton.jit
+    def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, QT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, ASM: tl.constexpr):
+        """``q4k_rows`` for the 32-value blocks (int16 halves [N, ROW_HALVES]): Q8_0 (17 halves: d, 32 int8), Q4_0 (9:
+        d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8) and Q4_1 (10: d, m, Q4_0's
+        nibbles, d * q + m). Slice s walks BPS blocks, TB at a step. Axes: [rows, BN outputs, TB blocks, 4 words]."""
+        pn, s = tl.program_id(0), tl.program_id(1)
+        n = pn * BN + tl.arange(0, BN)
+        n4 = n[None, :, None, None]
+        b4 = tl.arange(0, TB)[None, None, :, None]
+        j4 = tl.arange(0, 4)[None, None, None, :]
+        m4 = tl.arange(0, BM)[:, None, None, None]
+        n3, b3 = n[None, :, None], tl.arange(0, TB)[None, None, :]
+        m3 = tl.arange(0, BM)[:, None, None]
+        if QT == "Q8_0":
+            BH: tl.constexpr = 17
+            Q0: tl.constexpr = 1
+        elif QT == "Q4_0":
+            BH: tl.constexpr = 9
+            Q0: tl.constexpr = 1
+        else:
+            BH: tl.constexpr = 10
+            Q0: tl.constexpr = 2
+        wrow = w + n4.to(tl.int64) * ROW_HALVES
+        wrow3 = w + n3.to(tl.int64) * ROW_HALVES
+        XW = NB * 8  # words of xq a row
+        acc = tl.zeros((BM, BN, TB), dtype=tl.float32)
+        first = s * BPS
+        for c0 in range(first, tl.minimum(first + BPS, NB), TB):
+            c4 = c0 + b4
+            ok4 = (n4 < N) & (c4 < NB)
+            xok = (m4 < M) & (c4 < NB)
+            zero = tl.zeros((BM, BN, TB, 4), dtype=tl.int32)
+            at = wrow + c4 * BH + Q0 + 2 * j4
+            qa = (tl.load(at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 1, mask=ok4, other=0).to(tl.int32) << 16)
+            xa = tl.load(xq + m4 * XW + c4 * 8 + j4, mask=xok, other=0)
+            xb = tl.load(xq + m4 * XW + c4 * 8 + 4 + j4, mask=xok, other=0)
+            if QT == "Q8_0":  # words 0-3 and 4-7 of the block's int8 values
+                qb = (tl.load(at + 8, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 9, mask=ok4, other=0).to(tl.int32) << 16)
+                isum = tl.sum(dot4(qb, xb, dot4(qa, xa, zero, ASM), ASM), axis=3)
+            elif QT == "Q4_0":  # (q - 8): -8 in each byte is 0xF8
+                minus8 = tl.full((BM, BN, TB, 4), -117901064, tl.int32)
+                lo = dot4(qa & 0x0F0F0F0F, xa, dot4(minus8, xa, zero, ASM), ASM)
+                isum = tl.sum(dot4((qa >> 4) & 0x0F0F0F0F, xb, dot4(minus8, xb, lo, ASM), ASM), axis=3)
+            else:
+                isum = tl.sum(dot4((qa >> 4) & 0x0F0F0F0F, xb, dot4(qa & 0x0F0F0F0F, xa, zero, ASM), ASM), axis=3)
+            c3 = c0 + b3
+            ok3 = (n3 < N) & (c3 < NB)
+            xok3 = (m3 < M) & (c3 < NB)
+            d = tl.load(wrow3 + c3 * BH, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            dx = tl.load(xd + m3 * NB + c3, mask=xok3, other=0.0)
+            term = d * dx * isum.to(tl.float32)
+            if QT == "Q4_1":
+                mn = tl.load(wrow3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                term = term + mn * tl.load(xs + m3 * NB + c3, mask=xok3, other=0.0)
+            acc = acc + term
+        y = tree_sum(acc, BM, BN, TB, LOG_T)
+        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
+        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+
+    return quantize_rows, q4k_rows, q6k_rows, block32_rows
 
 
 def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None, sb: int | None = None,
          split: int | None = None, programs: int | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_N, super-blocks a step, K slices, super-blocks a slice) for W [n, k]: from its shape alone, never from
-    the rows, so every batch sums a row in one order. K is sliced until about ``programs`` programs cover W."""
+    """(BLOCK_N, units a step, K slices, units a slice) for W [n, k], a unit its type's block (256 values for the
+    K-quants, else 32): from its shape alone, never from the rows, so every batch sums a row in one order. K is sliced
+    until about ``programs`` programs cover W."""
     bn0, sb0, want_programs, _ = DEFAULT_PLAN[qtype]
     bn, step = block_n or bn0, sb or sb0
     if bn & (bn - 1) or step & (step - 1):
         raise ValueError(f"BLOCK_N ({bn}) and super-blocks a step ({step}) must each be a power of two")
-    nsb = k // 256
+    nsb = k // block_geometry(qtype)[0]
     steps = -(-nsb // step)
     want = split if split is not None else -(-(programs or want_programs) // -(-n // bn))
     per = -(-steps // max(1, min(want, steps))) * step  # super-blocks a slice: whole steps
@@ -250,9 +322,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     if qtype not in TYPES:
         raise ValueError(f"no int8 GGUF kernel for {qtype.name}; these run: {', '.join(t.name for t in TYPES)}")
     if not aligned(weight, qtype):
-        raise ValueError(f"{qtype.name} blocks are read as {'4' if qtype == T.Q4_K else '2'}-byte words: the weight's "
+        raise ValueError(f"{qtype.name} blocks are read as {'4' if qtype in WORDS else '2'}-byte words: the weight's "
                          "address must be a multiple of that (gguf_kernels.matmul reads any address)")
-    quantize_rows, q4k, q6k = _kernels()
+    quantize_rows, q4k, q6k, block32 = _kernels()
     asm = (x.is_cuda and not interpreted()) if asm is None else asm
     x = x.contiguous()
     m_all = x.shape[0]
@@ -266,8 +338,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     quantize_rows[(m_all, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, num_warps=1)
     bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
     warps = num_warps or DEFAULT_PLAN[qtype][3]
-    nsb, row_bytes = k // 256, (k // 256) * block_geometry(qtype)[1]
-    words = weight.view(torch.int32) if qtype == T.Q4_K else weight.view(torch.int16)
+    values, nbytes = block_geometry(qtype)
+    nsb, row_bytes = k // values, (k // values) * nbytes
+    words = weight.view(torch.int32) if qtype in WORDS else weight.view(torch.int16)
     row_units = row_bytes // words.element_size()
     for at in range(0, m_all, MAX_ROWS):
         m = min(MAX_ROWS, m_all - at)
@@ -276,9 +349,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         bm = 1 << (m - 1).bit_length()
         xw = xq[at:at + m].view(torch.int32)
         grid = (-(-n // bn), slices)
-        if qtype == T.Q4_K:
+        if qtype in WORDS:
             q4k[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
-                      LOG_T=(4 * step).bit_length() - 1, ASM=asm, num_warps=warps)
+                      LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, ASM=asm, num_warps=warps)
+        elif qtype != T.Q6_K:
+            block32[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, QT=qtype.name,
+                          BM=bm, BN=bn, TB=step, LOG_T=step.bit_length() - 1, ASM=asm, num_warps=warps)
         else:
             q6k[grid](words, xw, xd[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
                       LOG_U=(8 * step).bit_length() - 1, ASM=asm,
@@ -290,5 +366,5 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
 
 def aligned(weight: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
     """Whether ``weight``'s bytes can be read as this kernel's words (Q4_K: 4-byte aligned; Q6_K: 2-byte)."""
-    size = 4 if qtype == T.Q4_K else 2
+    size = 4 if qtype in WORDS else 2
     return weight.data_ptr() % size == 0 and weight.numel() % size == 0
