@@ -28,22 +28,30 @@ pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="ne
 TOL = 1e-6  # of sum |x^| |w|, each output, against the exact product with the quantized x
 
 
-def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def half_away(r: torch.Tensor) -> torch.Tensor:
+    return torch.sign(r) * torch.floor(r.abs() + 0.5)
+
+
+def quantized(x: torch.Tensor, digits: int = gguf_int8.DIGITS) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as the kernel quantizes it, dequantized: float64 [M, K]; x's exact float64 value) — d = max|x| / 127 a block
-    of 32, q = x / d rounded half away from zero."""
+    of 32 (float32), q1 = x / d rounded half away from zero, and with two digits q2 = (x / d - q1) * 254 rounded, the
+    value (q1 * 254 + q2) * (d / 254)."""
     x = x.cpu().double()
-    b = x.reshape(x.shape[0], -1, 32)
-    d = (b.abs().amax(-1, keepdim=True).float() / 127).double()  # float32, as the kernel holds it
-    r = torch.where(d > 0, (b.float() / torch.where(d > 0, d, torch.ones_like(d)).float()).double(),
-                    torch.zeros_like(b))  # float32's quotient, as the kernel's
-    q = torch.sign(r) * torch.floor(r.abs() + 0.5)
-    return (q * d).reshape(x.shape), x
+    b = x.reshape(x.shape[0], -1, 32).float()
+    d = b.abs().amax(-1, keepdim=True) / 127
+    r = torch.where(d > 0, b / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(b))  # float32, as the kernel
+    q = half_away(r)
+    if digits == 2:
+        q = q * 254 + half_away((r - q) * 254)
+        d = d / 254
+    return (q.double() * d.double()).reshape(x.shape), x
 
 
-def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor,
+          digits: int = gguf_int8.DIGITS) -> tuple[torch.Tensor, torch.Tensor]:
     """(the kernel's arithmetic in float64, sum |x^| |w| an output). A min's term takes x's exact sums: such a weight
     splits into d*q (meets x^) and the min (meets x), the second read off blocks whose quants are zeroed."""
-    xhat, x64 = quantized(x)
+    xhat, x64 = quantized(x, digits)
     w = deq.double()
     quants_at = {T.Q4_K: 16, T.Q5_K: 16, T.Q4_1: 4}  # the types with a min: where their quant bytes start
     if qtype in quants_at:
@@ -57,12 +65,15 @@ def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor) -> tuple
     return want, scale
 
 
-def check(y: torch.Tensor, qtype, raw, deq, x) -> None:
-    want, scale = exact(qtype, raw, deq, x)
+def check(y: torch.Tensor, qtype, raw, deq, x, digits: int = gguf_int8.DIGITS) -> float:
+    """y against the kernel's exact arithmetic; its error against x's own product, relative (returned)."""
+    want, scale = exact(qtype, raw, deq, x, digits)
     err = (y.cpu().double() - want).abs()
     assert bool((err <= TOL * scale + 1e-30).all()), f"worst {float((err / scale).max()):.3g} of sum |x^||w|"
-    ref = x.cpu().double() @ deq.double().T  # quantizing x costs about 0.5% here (random x and weights)
-    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 2e-2
+    ref = x.cpu().double() @ deq.double().T
+    rel = float((y.cpu().double() - ref).norm() / ref.norm())
+    assert rel < (2e-2 if digits == 1 else 1e-4)  # one digit: about 0.5% here (random x and weights); two: about 2e-5
+    return rel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -91,6 +102,23 @@ def test_forced_plans_compute_the_same_product(qtype):
         y = gguf_int8.matmul(x, raw, qtype, 20, k, block_n=block_n, sb=sb, split=split)
         check(y, qtype, raw, deq, x)
         assert torch.equal(y[2], gguf_int8.matmul(x[2:], raw, qtype, 20, k, block_n=block_n, sb=sb, split=split)[0])
+
+
+@pytest.mark.parametrize("qtype", gguf_int8.TYPES, ids=lambda t: t.name)
+def test_one_digit_is_llama_cpps_quantization_and_two_digits_near_float(qtype):
+    """One int8 digit a value (x to 1/254 of its block's largest, as llama.cpp's q8_1) costs about 100x the error of
+    two: each against its own exact arithmetic, each row bitwise alone."""
+    raw, deq = weight(qtype)
+    k = deq.shape[1]
+    x = inputs(3, k, torch.float32, seed=11)
+    rel = {}
+    for digits in (1, 2):
+        y = gguf_int8.matmul(x, raw, qtype, N, k, digits=digits)
+        rel[digits] = check(y, qtype, raw, deq, x, digits)
+        assert torch.equal(gguf_int8.matmul(x[1:2], raw, qtype, N, k, digits=digits)[0], y[1])
+    assert rel[2] * 30 < rel[1]
+    with pytest.raises(ValueError, match="digits must be 1 or 2"):
+        gguf_int8.matmul(x, raw, qtype, N, k, digits=3)
 
 
 def test_one_hot_rows_pick_single_weights():

@@ -38,6 +38,9 @@ TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 WORDS = (T.Q4_K, T.Q5_K)  # read as 32-bit words (blocks of whole words); the rest as 16-bit halves
 MAX_ROWS = 8  # rows a launch: the rows' partial sums are held together; more rows run as more launches
 QUANT_BLOCK = 32  # values of x sharing one int8 scale
+# int8 digits a value of x: 1 (as llama.cpp: x to 1/254 of its block's largest) or 2 (x1 * 254 + x2: to 1/64516 of it,
+# float32-like; two dp4a where one would do). The gate: bench gguf-gemv --int8-plans with :D
+DIGITS = 2
 # qtype -> default (BLOCK_N, units a step, programs wanted, warps), a unit a super-block of 256 values (K-quants) or a
 # block of 32 (the rest); the plan is the weight's shape's alone
 DEFAULT_PLAN = {T.Q4_K: (16, 1, 1024, 4), T.Q5_K: (16, 1, 1024, 4), T.Q6_K: (16, 1, 1024, 4),
@@ -67,6 +70,25 @@ def _kernels():
             return s
 
     @triton.jit
+    def dot2(q, x1, x2, c, DIGITS: tl.constexpr, ASM: tl.constexpr):
+        """c + q . x for x held as DIGITS int8 digits a value (x1, or x1 * 254 + x2): exact in int32."""
+        if DIGITS == 2:
+            return dot4(q, x2, c + 254 * dot4(q, x1, c * 0, ASM), ASM)
+        else:
+            return dot4(q, x1, c, ASM)
+
+    @triton.jit
+    def x_words(xq, at, mask, XW, DIGITS: tl.constexpr):
+        """The int8 words of x at word ``at`` of digit 1, and of digit 2 (XW words further; digit 1's where
+        there is one digit)."""
+        x1 = tl.load(xq + at, mask=mask, other=0)
+        if DIGITS == 2:
+            x2 = tl.load(xq + at + XW, mask=mask, other=0)
+        else:
+            x2 = x1
+        return x1, x2
+
+    @triton.jit
     def tree_sum(acc, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, LOG_T: tl.constexpr):
         """acc [BM, BN, T] (T = 2 ** LOG_T) summed over T by a fixed pairwise tree (element 2i with 2i + 1, then
         again): the same additions in the same order whatever the layout, so a row's bits do not follow BM."""
@@ -80,12 +102,13 @@ def _kernels():
         """The float16 in the low half of an int32 word, as float32."""
         return (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
-    globals().update(dot4=dot4, tree_sum=tree_sum, f16_lo=f16_lo)  # Triton finds called functions in the globals
+    globals().update(dot4=dot4, dot2=dot2, x_words=x_words, tree_sum=tree_sum, f16_lo=f16_lo)  # Triton finds called functions in the globals
 
     @triton.jit
-    def quantize_rows(x, xq, xd, xs, K, NB, BLOCKS: tl.constexpr):
-        """Row m of x [M, K] as int8 xq [M, K] per 32 values: d = max|x| / 127 (xd [M, NB]), q = round(x / d)
-        (half away from zero), and each block's float32 sum of x (xs [M, NB])."""
+    def quantize_rows(x, xq, xd, xs, K, NB, BLOCKS: tl.constexpr, DIGITS: tl.constexpr):
+        """Row m of x [M, K] as int8 digits xq [M, DIGITS, K] per 32 values: with d = max|x| / 127, the first digit
+        q1 = round(x / d) (half away from zero), the second q2 = round((x / d - q1) * 254); xd [M, NB] is the scale
+        of the digits' integer (d, or d / 254 for q1 * 254 + q2), xs [M, NB] each block's float32 sum of x."""
         m, pb = tl.program_id(0), tl.program_id(1)
         b = pb * BLOCKS + tl.arange(0, BLOCKS)[:, None]
         lane = tl.arange(0, 32)[None, :]
@@ -97,14 +120,19 @@ def _kernels():
         r = tl.div_rn(v, safe[:, None])
         q = tl.where(r >= 0, tl.floor(r + 0.5), -tl.floor(0.5 - r))
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(xq + m * K + b * 32 + lane, q.to(tl.int8), mask=ok)
+        tl.store(xq + m * (DIGITS * K) + b * 32 + lane, q.to(tl.int8), mask=ok)
         bb = pb * BLOCKS + tl.arange(0, BLOCKS)
+        if DIGITS == 2:
+            e = (r - q) * 254.0  # in [-127, 127]: |r - q| <= 1/2
+            q2 = tl.where(e >= 0, tl.floor(e + 0.5), -tl.floor(0.5 - e))
+            tl.store(xq + m * (DIGITS * K) + K + b * 32 + lane, q2.to(tl.int8), mask=ok)
+            d = tl.div_rn(d, 254.0)
         tl.store(xd + m * NB + bb, d, mask=bb < NB)
         tl.store(xs + m * NB + bb, tl.sum(v, axis=1), mask=bb < NB)
 
     @triton.jit
     def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr,
-                 SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr, ASM: tl.constexpr):
+                 SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
         """out[s, m, n] = row n of a Q4_K W (int32 words [N, ROW_WORDS]: a super-block is 36 words, d|dmin, three of
         scales and mins, 32 of quants) times row m of x, over the super-blocks of slice s (SPS each, SB at a step).
         FIVE: Q5_K (44 words: eight words of fifth bits, qh, before the quants; value l of group g takes bit g of
@@ -138,11 +166,11 @@ def _kernels():
                 qlo = qlo | (((qh >> (2 * r4)) & 0x01010101) << 4)
                 qhi = qhi | (((qh >> (2 * r4 + 1)) & 0x01010101) << 4)
             xok = (m4 < M) & (c4 < NSB)
-            xlo = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + j4, mask=xok, other=0)  # [BM, 1, T, 8]
-            xhi = tl.load(xq + m4 * XW + c4 * 64 + r4 * 16 + 8 + j4, mask=xok, other=0)
+            xlo, xlo2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + j4, xok, XW, DIGITS)  # [BM, 1, T, 8]
+            xhi, xhi2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + 8 + j4, xok, XW, DIGITS)
             zero = tl.zeros((BM, BN, T, 8), dtype=tl.int32)
-            ilo = tl.sum(dot4(qlo, xlo, zero, ASM), axis=3)  # exact: any order
-            ihi = tl.sum(dot4(qhi, xhi, zero, ASM), axis=3)
+            ilo = tl.sum(dot2(qlo, xlo, xlo2, zero, DIGITS, ASM), axis=3)  # exact: any order
+            ihi = tl.sum(dot2(qhi, xhi, xhi2, zero, DIGITS, ASM), axis=3)
             c3 = c0 + sb3
             ok3 = (n3 < N) & (c3 < NSB)
             head = tl.load(wrow3 + c3 * BW, mask=ok3, other=0)  # d | dmin << 16
@@ -176,7 +204,7 @@ def _kernels():
 
     @triton.jit
     def q6k_rows(w, xq, xd, out, N, M, ROW_HALVES, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
-                 LOG_U: tl.constexpr, ASM: tl.constexpr):
+                 LOG_U: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
         """``q4k_rows`` for Q6_K (int16 halves [N, ROW_HALVES]; a super-block is 105 halves: ql[128], qh[64], 16 int8
         scales, d). Axes: [rows, BN outputs, U = SB * 8 units, 4 words]; unit (sb, h, p, jh) holds values
         128h + 32t + 16jh + 4jl .. + 3 for t = p (the ql bytes' low nibbles) and t = p + 2 (their high nibbles)."""
@@ -208,12 +236,13 @@ def _kernels():
             qa = (ql & 0x0F0F0F0F) | (((qh >> (2 * p4)) & 0x03030303) << 4)  # t = p
             qb = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * p4 + 4)) & 0x03030303) << 4)  # t = p + 2
             xok = (m4 < M) & (c4 < NSB)
-            xa = tl.load(xq + m4 * XW + c4 * 64 + 32 * h4 + 8 * p4 + 4 * jh4 + jl, mask=xok, other=0)
-            xb = tl.load(xq + m4 * XW + c4 * 64 + 32 * h4 + 8 * (p4 + 2) + 4 * jh4 + jl, mask=xok, other=0)
+            xa, xa2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * p4 + 4 * jh4 + jl, xok, XW, DIGITS)
+            xb, xb2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * (p4 + 2) + 4 * jh4 + jl, xok, XW,
+                              DIGITS)
             minus32 = tl.full((BM, BN, U, 4), -522133280, tl.int32)  # 0xE0E0E0E0: -32 in each byte
             zero = tl.zeros((BM, BN, U, 4), dtype=tl.int32)
-            ia = tl.sum(dot4(qa, xa, dot4(minus32, xa, zero, ASM), ASM), axis=3)  # sum (q - 32) * xq, exact
-            ib = tl.sum(dot4(qb, xb, dot4(minus32, xb, zero, ASM), ASM), axis=3)
+            ia = tl.sum(dot2(qa, xa, xa2, dot2(minus32, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)  # exact
+            ib = tl.sum(dot2(qb, xb, xb2, dot2(minus32, xb, xb2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
             c3 = c0 + sb3
             ok3 = (n3 < N) & (c3 < NSB)
             at3 = wrow3 + c3 * 105
@@ -233,7 +262,8 @@ def _kernels():
 
     @triton.jit
     def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, QT: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, ASM: tl.constexpr):
+                     BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, DIGITS: tl.constexpr,
+                     ASM: tl.constexpr):
         """``q4k_rows`` for the 32-value blocks (int16 halves [N, ROW_HALVES]): Q8_0 (17 halves: d, 32 int8), Q4_0 (9:
         d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8) and Q4_1 (10: d, m, Q4_0's
         nibbles, d * q + m). Slice s walks BPS blocks, TB at a step. Axes: [rows, BN outputs, TB blocks, 4 words]."""
@@ -266,17 +296,19 @@ def _kernels():
             zero = tl.zeros((BM, BN, TB, 4), dtype=tl.int32)
             at = wrow + c4 * BH + Q0 + 2 * j4
             qa = (tl.load(at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 1, mask=ok4, other=0).to(tl.int32) << 16)
-            xa = tl.load(xq + m4 * XW + c4 * 8 + j4, mask=xok, other=0)
-            xb = tl.load(xq + m4 * XW + c4 * 8 + 4 + j4, mask=xok, other=0)
+            xa, xa2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 8 + j4, xok, XW, DIGITS)
+            xb, xb2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 8 + 4 + j4, xok, XW, DIGITS)
             if QT == "Q8_0":  # words 0-3 and 4-7 of the block's int8 values
                 qb = (tl.load(at + 8, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 9, mask=ok4, other=0).to(tl.int32) << 16)
-                isum = tl.sum(dot4(qb, xb, dot4(qa, xa, zero, ASM), ASM), axis=3)
+                isum = tl.sum(dot2(qb, xb, xb2, dot2(qa, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
             elif QT == "Q4_0":  # (q - 8): -8 in each byte is 0xF8
                 minus8 = tl.full((BM, BN, TB, 4), -117901064, tl.int32)
-                lo = dot4(qa & 0x0F0F0F0F, xa, dot4(minus8, xa, zero, ASM), ASM)
-                isum = tl.sum(dot4((qa >> 4) & 0x0F0F0F0F, xb, dot4(minus8, xb, lo, ASM), ASM), axis=3)
+                lo = dot2(qa & 0x0F0F0F0F, xa, xa2, dot2(minus8, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
+                isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(minus8, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM),
+                              axis=3)
             else:
-                isum = tl.sum(dot4((qa >> 4) & 0x0F0F0F0F, xb, dot4(qa & 0x0F0F0F0F, xa, zero, ASM), ASM), axis=3)
+                isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(qa & 0x0F0F0F0F, xa, xa2, zero, DIGITS, ASM),
+                                   DIGITS, ASM), axis=3)
             c3 = c0 + b3
             ok3 = (n3 < N) & (c3 < NB)
             xok3 = (m3 < M) & (c3 < NB)
@@ -312,7 +344,8 @@ def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
            out: torch.Tensor | None = None, block_n: int | None = None, sb: int | None = None,
-           split: int | None = None, num_warps: int | None = None, asm: bool | None = None) -> torch.Tensor:
+           split: int | None = None, num_warps: int | None = None, asm: bool | None = None,
+           digits: int = DIGITS) -> torch.Tensor:
     """y [M, n] float32 = x [M, k] @ W.T, W [n, k] as ``qtype`` blocks (uint8, ggml's layout), x quantized to int8
     per 32 values first. Row m of y is bitwise the result for x[m] alone, for any M. The plan's overrides are for
     measuring (a row's bits follow the plan); ``asm`` False runs the spelt-out dot4 on a GPU too."""
@@ -332,10 +365,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     if y.shape != (m_all, n) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"out must be contiguous float32 [{m_all}, {n}]")
     nb = k // QUANT_BLOCK
-    xq = torch.empty((m_all, k), dtype=torch.int8, device=x.device)
+    if digits not in (1, 2):
+        raise ValueError(f"digits must be 1 or 2 (int8 digits a value of x), got {digits}")
+    xq = torch.empty((m_all, digits, k), dtype=torch.int8, device=x.device)
     xd = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
     xs = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
-    quantize_rows[(m_all, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, num_warps=1)
+    quantize_rows[(m_all, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, DIGITS=digits, num_warps=1)
     bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
     warps = num_warps or DEFAULT_PLAN[qtype][3]
     values, nbytes = block_geometry(qtype)
@@ -347,17 +382,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         dst = y[at:at + m]
         part = dst if slices == 1 else torch.empty((slices, m, n), dtype=torch.float32, device=x.device)
         bm = 1 << (m - 1).bit_length()
-        xw = xq[at:at + m].view(torch.int32)
+        xw = xq[at:at + m].view(torch.int32)  # [m, digits, k / 4]
         grid = (-(-n // bn), slices)
         if qtype in WORDS:
             q4k[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
-                      LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, ASM=asm, num_warps=warps)
+                      LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, DIGITS=digits, ASM=asm,
+                      num_warps=warps)
         elif qtype != T.Q6_K:
             block32[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, QT=qtype.name,
-                          BM=bm, BN=bn, TB=step, LOG_T=step.bit_length() - 1, ASM=asm, num_warps=warps)
+                          BM=bm, BN=bn, TB=step, LOG_T=step.bit_length() - 1, DIGITS=digits, ASM=asm,
+                          num_warps=warps)
         else:
             q6k[grid](words, xw, xd[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
-                      LOG_U=(8 * step).bit_length() - 1, ASM=asm,
+                      LOG_U=(8 * step).bit_length() - 1, DIGITS=digits, ASM=asm,
                       num_warps=warps)
         if slices > 1:
             add_slices_kernel()[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)

@@ -57,8 +57,8 @@ def add_arguments(p) -> None:
     p.add_argument("--plans", default="auto",
                    help="kernel plans to time, comma-separated: 'auto' (the launcher's) or BLOCK_N:SPLIT:WARPS")
     p.add_argument("--int8-plans", default="auto",
-                   help="the int8 kernels' plans (Q4_K, Q6_K), comma-separated: 'auto' or BLOCK_N:SB:SPLIT:WARPS "
-                        "(SB super-blocks a step, SPLIT 0 the launcher's); empty: no int8 rows")
+                   help="the int8 kernels' plans, comma-separated: 'auto', 'auto:DIGITS' or BLOCK_N:SB:SPLIT:WARPS[:DIGITS] "
+                        "(SB blocks a step, SPLIT 0 the launcher's, DIGITS int8 digits a value of x); empty: none")
     p.add_argument("--no-baseline", action="store_true", help="leave out dequant+linear and bf16 linear")
     p.add_argument("--graph-reps", type=int, default=30)
     p.add_argument("--eager-reps", type=int, default=100)
@@ -106,13 +106,20 @@ def parse_int8_plans(text: str) -> list[dict]:
         if part == "auto":
             plans.append({})
             continue
+        if part in ("auto:1", "auto:2"):
+            plans.append({"digits": int(part[-1])})
+            continue
         try:
-            bn, sb, split, warps = (int(v) for v in part.split(":"))
+            bn, sb, split, warps, *digits = (int(v) for v in part.split(":"))
         except ValueError:
-            raise BenchError(f"--int8-plans: {part!r} is neither 'auto' nor BLOCK_N:SB:SPLIT:WARPS") from None
-        if min(bn, sb, warps) < 1 or split < 0 or any(v & (v - 1) for v in (bn, sb, warps)):
-            raise BenchError(f"--int8-plans: {part!r}: BLOCK_N, SB and WARPS are powers of two, SPLIT 0 or more")
-        plans.append({"block_n": bn, "sb": sb, "num_warps": warps, **({"split": split} if split else {})})
+            bn = sb = split = warps = 0
+            digits = []
+        if (min(bn, sb, warps) < 1 or split < 0 or any(v & (v - 1) for v in (bn, sb, warps)) or len(digits) > 1
+                or (digits and digits[0] not in (1, 2))):
+            raise BenchError(f"--int8-plans: {part!r}: give 'auto', 'auto:DIGITS' or BLOCK_N:SB:SPLIT:WARPS[:DIGITS], "
+                             "BLOCK_N, SB and WARPS powers of two, SPLIT 0 or more, DIGITS 1 or 2")
+        plans.append({"block_n": bn, "sb": sb, "num_warps": warps, **({"split": split} if split else {}),
+                      **({"digits": digits[0]} if digits else {})})
     return plans
 
 
@@ -199,9 +206,11 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
             gbps = stored / t["device"]["p50"] / 1e6
             out.append({**base, "variant": variant, "m": m, "plan_asked": kw or "auto", "plan": list(chosen),
                         "num_warps": warps, **t, "GBps": gbps, "fraction_of_d2d": gbps / d2d,
-                        "rel_error_vs_float64": rel[m], "batch_invariant": invariant})
+                        "rel_error_vs_float64": rel[m], "batch_invariant": invariant,
+                        **({"digits": kw.get("digits", gguf_int8.DIGITS)} if mod is gguf_int8 else {})})
             eager = f" | eager {t['eager']['p50'] * 1e3:6.1f} us" if m == 1 else ""
-            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6} {chosen}x{warps} {t['device']['p50'] * 1e3:8.1f} us "
+            d = f"d{kw.get('digits', gguf_int8.DIGITS)}" if mod is gguf_int8 else ""
+            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6}{d} {chosen}x{warps} {t['device']['p50'] * 1e3:8.1f} us "
                 f"{gbps:6.0f} GB/s {100 * gbps / d2d:4.0f}% of d2d{eager}" + ("" if invariant else " NOT INVARIANT"))
     if baseline:
         bf16_sets = copies(deq.to(torch.bfloat16))
