@@ -53,7 +53,7 @@ def exact(qtype, raw: torch.Tensor, deq: torch.Tensor, x: torch.Tensor,
     splits into d*q (meets x^) and the min (meets x), the second read off blocks whose quants are zeroed."""
     xhat, x64 = quantized(x, digits)
     w = deq.double()
-    quants_at = {T.Q4_K: 16, T.Q5_K: 16, T.Q4_1: 4}  # the types with a min: where their quant bytes start
+    quants_at = {T.Q4_K: 16, T.Q5_K: 16, T.Q4_1: 4, T.Q5_1: 4}  # the types with a min: where their quant bytes start
     if qtype in quants_at:
         blocks = raw.cpu().clone().reshape(-1, gguf_quants.block_geometry(qtype)[1])
         blocks[:, quants_at[qtype]:] = 0

@@ -40,7 +40,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 N = 37  # odd: the last program's outputs are part masked
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
-QUANTIZED_BY_GGUF = (T.Q4_0, T.Q4_1, T.Q8_0)
+QUANTIZED_BY_GGUF = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 TOL = 1e-6  # of sum |x| |w|, each output
 TOL_NORM = 5e-6  # ||y - ref|| / ||ref||
 SOLO_ROWS = (*range(8), 31, 63)  # rows run alone, each against every batch that holds it

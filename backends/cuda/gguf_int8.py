@@ -1,16 +1,16 @@
 """GGUF blocks times activations quantized to int8, summed by int8 dot products: the GEMV of decode and batches (1 to
-8 rows a launch, more as further launches) for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+8 rows a launch, more as further launches) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K.
 
 Why: the float path (``gguf_kernels``) turns every 4-bit value into a float32 before its product, about four
 instructions a weight, and reads at 14 to 20% of the device copy rate. Here, as in llama.cpp's ``mmvq``, each input
 row is first quantized per 32 values (``quantize_rows``: int8 values, a float32 scale ``d = max|x| / 127`` and the
 block's float32 sum), and a 32-bit word of weight quants meets a word of those int8 values in one ``dp4a`` (four byte
 products and their sum). A word of 4-bit quants holds eight values: its low nibbles (``w & 0x0F0F0F0F``) and high
-nibbles are a dp4a each; a fifth or sixth bit is OR-ed into each byte first (Q5_K, Q6_K), and an offset (Q4_0's 8,
-Q6_K's 32) is a dp4a of x against that byte in every lane. The integer sums are exact; each 16- or 32-value group's
+nibbles are a dp4a each; a fifth or sixth bit is OR-ed into each byte first (Q5_0, Q5_1, Q5_K, Q6_K), and an offset
+(Q4_0's 8, Q5_0's 16, Q6_K's 32) is a dp4a of x against that byte in every lane. The integer sums are exact; each 16- or 32-value group's
 sum is turned into float32 once, times the group's scales.
 
-``y = sum_g d_g * dx_g * sum(q * xq)``, plus for the types with a min (Q4_1, Q4_K, Q5_K) ``m_g * sum_g(x)`` with the
+``y = sum_g d_g * dx_g * sum(q * xq)``, plus for the types with a min (Q4_1, Q5_1, Q4_K, Q5_K) ``m_g * sum_g(x)`` with the
 block's exact float sum of x.
 
 The order of every float operation is fixed by the weight's shape alone: a program keeps per-row float32 partial sums
@@ -21,7 +21,7 @@ beside it.
 
 ``dp4a`` is PTX; under Triton's interpreter (CI) ``dot4`` spells the same integer arithmetic out, so the two are
 bitwise one (a cuda test holds the GPU's dp4a to the spelt-out twin). Q4_K's and Q5_K's blocks (144 and 176 bytes)
-are read as 32-bit words; the others' (18, 20, 34, 210 bytes) as 16-bit halves joined in pairs.
+are read as 32-bit words; the others' (18 to 34, and 210 bytes) as 16-bit halves joined in pairs.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType
 from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 WORDS = (T.Q4_K, T.Q5_K)  # read as 32-bit words (blocks of whole words); the rest as 16-bit halves
 MAX_ROWS = 8  # rows a launch: the rows' partial sums are held together; more rows run as more launches
 QUANT_BLOCK = 32  # values of x sharing one int8 scale
@@ -44,7 +44,8 @@ DIGITS = 2
 # qtype -> default (BLOCK_N, units a step, programs wanted, warps), a unit a super-block of 256 values (K-quants) or a
 # block of 32 (the rest); the plan is the weight's shape's alone
 DEFAULT_PLAN = {T.Q4_K: (16, 1, 1024, 4), T.Q5_K: (16, 1, 1024, 4), T.Q6_K: (16, 1, 1024, 4),
-                T.Q8_0: (16, 8, 1024, 4), T.Q4_0: (16, 8, 1024, 4), T.Q4_1: (16, 8, 1024, 4)}
+                T.Q8_0: (16, 8, 1024, 4), T.Q4_0: (16, 8, 1024, 4), T.Q4_1: (16, 8, 1024, 4),
+                T.Q5_0: (16, 8, 1024, 4), T.Q5_1: (16, 8, 1024, 4)}
 
 
 def interpreted() -> bool:
@@ -265,8 +266,10 @@ def _kernels():
                      BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, DIGITS: tl.constexpr,
                      ASM: tl.constexpr):
         """``q4k_rows`` for the 32-value blocks (int16 halves [N, ROW_HALVES]): Q8_0 (17 halves: d, 32 int8), Q4_0 (9:
-        d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8) and Q4_1 (10: d, m, Q4_0's
-        nibbles, d * q + m). Slice s walks BPS blocks, TB at a step. Axes: [rows, BN outputs, TB blocks, 4 words]."""
+        d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8), Q4_1 (10: d, m, Q4_0's
+        nibbles, d * q + m), Q5_0 (11: d, qh whose bit j is value j's fifth, the nibbles, q - 16) and Q5_1 (12: d, m,
+        qh, the nibbles, d * q + m). Slice s walks BPS blocks, TB at a step. Axes: [rows, BN outputs, TB blocks, 4
+        words]."""
         pn, s = tl.program_id(0), tl.program_id(1)
         n = pn * BN + tl.arange(0, BN)
         n4 = n[None, :, None, None]
@@ -281,9 +284,15 @@ def _kernels():
         elif QT == "Q4_0":
             BH: tl.constexpr = 9
             Q0: tl.constexpr = 1
-        else:
+        elif QT == "Q4_1":
             BH: tl.constexpr = 10
             Q0: tl.constexpr = 2
+        elif QT == "Q5_0":
+            BH: tl.constexpr = 11
+            Q0: tl.constexpr = 3
+        else:
+            BH: tl.constexpr = 12
+            Q0: tl.constexpr = 4
         wrow = w + n4.to(tl.int64) * ROW_HALVES
         wrow3 = w + n3.to(tl.int64) * ROW_HALVES
         XW = NB * 8  # words of xq a row
@@ -306,16 +315,29 @@ def _kernels():
                 lo = dot2(qa & 0x0F0F0F0F, xa, xa2, dot2(minus8, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
                 isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(minus8, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM),
                               axis=3)
-            else:
+            elif QT == "Q4_1":
                 isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(qa & 0x0F0F0F0F, xa, xa2, zero, DIGITS, ASM),
                                    DIGITS, ASM), axis=3)
+            else:  # Q5_0, Q5_1: four bits of qh a word, each to bit 4 of its byte
+                hat = wrow + c4 * BH + Q0 - 2
+                qh = (tl.load(hat, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(hat + 1, mask=ok4, other=0).to(tl.int32) << 16)
+                tl_ = (qh >> (4 * j4)) & 15
+                th = (qh >> (16 + 4 * j4)) & 15
+                qlo = (qa & 0x0F0F0F0F) | ((tl_ & 1) << 4) | ((tl_ & 2) << 11) | ((tl_ & 4) << 18) | ((tl_ & 8) << 25)
+                qhi = ((qa >> 4) & 0x0F0F0F0F) | ((th & 1) << 4) | ((th & 2) << 11) | ((th & 4) << 18) | ((th & 8) << 25)
+                if QT == "Q5_0":  # (q - 16): -16 in each byte is 0xF0
+                    minus16 = tl.full((BM, BN, TB, 4), -252645136, tl.int32)
+                    lo = dot2(qlo, xa, xa2, dot2(minus16, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
+                    isum = tl.sum(dot2(qhi, xb, xb2, dot2(minus16, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM), axis=3)
+                else:
+                    isum = tl.sum(dot2(qhi, xb, xb2, dot2(qlo, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
             c3 = c0 + b3
             ok3 = (n3 < N) & (c3 < NB)
             xok3 = (m3 < M) & (c3 < NB)
             d = tl.load(wrow3 + c3 * BH, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
             dx = tl.load(xd + m3 * NB + c3, mask=xok3, other=0.0)
             term = d * dx * isum.to(tl.float32)
-            if QT == "Q4_1":
+            if QT == "Q4_1" or QT == "Q5_1":
                 mn = tl.load(wrow3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                 term = term + mn * tl.load(xs + m3 * NB + c3, mask=xok3, other=0.0)
             acc = acc + term

@@ -1,6 +1,6 @@
-"""Activations times a weight held as the file's own GGUF blocks (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0), dequantized
-inside the kernel and summed in float32, so the device reads the file's bytes (4.5 to 8.5 bits a weight) and never a
-dequantized copy.
+"""Activations times a weight held as the file's own GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0),
+dequantized inside the kernel and summed in float32, so the device reads the file's bytes (4.5 to 8.5 bits a weight)
+and never a dequantized copy.
 
 A weight W [N, K] is stored as ggml stores it: each of its N rows is a run of blocks along K, so the bytes are uint8
 [N, K / values_per_block * bytes_per_block] (``kestrel_core.formats.gguf_quants.block_geometry``). ``matmul(x, raw, qtype, n,
@@ -36,7 +36,7 @@ from backends.cuda.triton_check import available  # noqa: F401 - one rule for wh
 from kestrel_core.formats.gguf_quants import block_geometry
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
 MAX_ROWS = 64  # rows a launch: the per-row loop is unrolled, so each M up to this is its own compiled kernel
 BLOCK_N = 16  # outputs a program
 NUM_WARPS = 4
@@ -44,7 +44,7 @@ MIN_PROGRAMS = 512  # K is sliced until about this many programs cover the weigh
 
 # qtype -> (G, L): a chunk is a [G, L] tile of values, G groups of L sharing a scale (one super-block for the K-types,
 # eight 32-value blocks for the others)
-_CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (16, 16)}
+_CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q5_0: (8, 32), T.Q5_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (16, 16)}
 
 
 @functools.cache
@@ -71,7 +71,7 @@ def _kernels():
         is ggml's, in its order (d * q, then + m or - dmin * m)."""
         g = tl.arange(0, G)[None, :, None]
         l = tl.arange(0, L)[None, None, :]  # noqa: E741
-        if QT == "Q8_0" or QT == "Q4_0" or QT == "Q4_1":
+        if QT == "Q8_0" or QT == "Q4_0" or QT == "Q4_1" or QT == "Q5_0" or QT == "Q5_1":
             blk = c * G + g  # a block of 32 values a group
             if EVEN:
                 ok = rows_ok & (g < G)
@@ -85,10 +85,19 @@ def _kernels():
                 p = wrow + blk * 18
                 q = (byte_at(p + 2 + (l % 16), ok) >> ((l // 16) * 4)) & 15
                 wt = (q - 8).to(tl.float32) * f16_at(p, ok)
-            else:  # Q4_1: d f16, m f16, then Q4_0's nibbles
+            elif QT == "Q4_1":  # d f16, m f16, then Q4_0's nibbles
                 p = wrow + blk * 20
                 q = (byte_at(p + 4 + (l % 16), ok) >> ((l // 16) * 4)) & 15
                 wt = q.to(tl.float32) * f16_at(p, ok) + f16_at(p + 2, ok)
+            else:  # Q5_0: d f16, qh (bit l: value l's fifth bit), Q4_0's nibbles; Q5_1: d, m, then Q5_0's bits
+                p = wrow + blk * (22 if QT == "Q5_0" else 24)
+                at = 2 if QT == "Q5_0" else 4
+                q = (byte_at(p + at + 4 + (l % 16), ok) >> ((l // 16) * 4)) & 15
+                q = q | (((byte_at(p + at + l // 8, ok) >> (l % 8)) & 1) << 4)
+                if QT == "Q5_0":
+                    wt = (q - 16).to(tl.float32) * f16_at(p, ok)
+                else:
+                    wt = q.to(tl.float32) * f16_at(p, ok) + f16_at(p + 2, ok)
         elif QT == "Q4_K" or QT == "Q5_K":
             # d f16, dmin f16, 12 bytes of eight 6-bit scales and mins (get_scale_min_k4), then the quants. Group g's
             # scale and min come from bytes a = [g % 4], b = [4 + g % 4], e = [8 + g % 4] of the 12.

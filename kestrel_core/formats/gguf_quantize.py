@@ -1,4 +1,5 @@
-"""GGUF blocks from float32 weights: ggml's reference quantizers for Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K, in numpy.
+"""GGUF blocks from float32 weights: ggml's reference quantizers for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K,
+in numpy.
 
 The inverse of ``gguf_quants`` (which dequantizes). Each function here is a transcription of the ``quantize_row_*_ref``
 of llama.cpp's ``ggml/src/ggml-quants.c`` (what ``llama-quantize`` runs when it has no importance matrix), vectorised
@@ -6,8 +7,8 @@ over blocks rather than looped block by block, with the same float32 operations 
 are ggml's: every sum that ggml runs left to right runs left to right here too (``_seq_sum``, never numpy's
 pairwise ``sum``), products keep ggml's association (``w*l*x`` is ``(w*l)*x``), ``nearest_int`` is ggml's
 magic-number rounding, and the f16 conversions round to nearest even as ``GGML_FP32_TO_FP16`` does.
-``tests/test_gguf_quantize.py`` holds each against a loop-by-loop transcription of the C, and Q8_0, Q4_0 and Q4_1
-against the ``gguf`` package's own quantizers (which has none for the K-quants).
+``tests/test_gguf_quantize.py`` holds each against a loop-by-loop transcription of the C, and Q8_0, Q4_0, Q4_1, Q5_0
+and Q5_1 against the ``gguf`` package's own quantizers (which has none for the K-quants).
 
 The bytes are the C's as written, evaluated without contraction: they equal those C functions compiled with
 ``-ffp-contract=off`` or for baseline x86-64 (checked on 12,000 blocks a type). A ggml built for a CPU with FMA
@@ -97,6 +98,30 @@ def q4_1(x: np.ndarray) -> np.ndarray:
     d = (hi - lo) / F32(15)
     q = np.minimum(15, np.trunc((x - lo[:, None]) * _inverse(d)[:, None] + F32(0.5)).astype(np.int32))
     return np.concatenate([_half(d), _half(lo), _nibbles(q)], axis=1)
+
+
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's qh: bit j of a little-endian uint32 is value j's fifth bit, [n, 4] bytes."""
+    bits = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return np.bitwise_or.reduce(bits, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def q5_0(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_0_ref: blocks [n, 32] -> [n, 22] (f16 d, qh, 16 bytes of low nibbles), d = the largest magnitude
+    / -16, q = min(31, (int8_t)(x / d + 16.5))."""
+    at = np.abs(x).argmax(axis=1)
+    d = x[np.arange(len(x)), at] / F32(-16)
+    q = np.minimum(31, np.trunc(x * _inverse(d)[:, None] + F32(16.5)).astype(np.int32))
+    return np.concatenate([_half(d), _fifth_bits(q), _nibbles(q & 15)], axis=1)
+
+
+def q5_1(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_1_ref: blocks [n, 32] -> [n, 24] (f16 d, f16 min, qh, 16 bytes of low nibbles), d = (max - min)
+    / 31, q = (uint8_t)((x - min) / d + 0.5)."""
+    lo, hi = x.min(axis=1), x.max(axis=1)
+    d = (hi - lo) / F32(31)
+    q = np.trunc((x - lo[:, None]) * _inverse(d)[:, None] + F32(0.5)).astype(np.int32)
+    return np.concatenate([_half(d), _half(lo), _fifth_bits(q), _nibbles(q & 15)], axis=1)
 
 
 # --- K-quant helpers ---------------------------------------------------------------------------
@@ -269,7 +294,8 @@ def q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
-BLOCK_QUANTIZERS = {T.Q8_0: q8_0, T.Q4_0: q4_0, T.Q4_1: q4_1, T.Q4_K: q4_k, T.Q5_K: q5_k, T.Q6_K: q6_k}
+BLOCK_QUANTIZERS = {T.Q8_0: q8_0, T.Q4_0: q4_0, T.Q4_1: q4_1, T.Q5_0: q5_0, T.Q5_1: q5_1, T.Q4_K: q4_k, T.Q5_K: q5_k,
+                    T.Q6_K: q6_k}
 TYPES = tuple(BLOCK_QUANTIZERS)
 
 

@@ -27,7 +27,7 @@ from kestrel_core.formats.quant import N_ALIGN, pad_n
 T = GGMLQuantizationType
 # The types kestrel reads; the float ones are mapped zero-copy, the rest dequantized to float32 on demand.
 FLOAT_TYPES = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16"}
-QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
+QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 SUPPORTED = (*FLOAT_TYPES, *QUANT_TYPES)
 SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
 Q8_0_GROUP = 32
@@ -94,6 +94,28 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
+def _q5_values(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0/Q5_1's 5-bit values [n, 32] (int32) from qh (4 bytes, little-endian: bit j is value j's fifth) and the 16
+    bytes of nibbles after it (value j the low nibble of byte j, value j + 16 the high one) at byte ``at``."""
+    n = b.shape[0]
+    qh = b[:, at:at + 4].contiguous().view(torch.int32)
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    low = _unpack(b[:, at + 4:at + 20], torch.empty(n, 1, 2, 16, dtype=torch.int32), (0, 4), 0x0F).reshape(n, 32)
+    return low.bitwise_or_(high.bitwise_left_shift_(4))
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    out.copy_(_q5_values(b, 2).sub_(16))
+    return out.mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    out.copy_(_q5_values(b, 4))
+    return out.mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     sc, mn = _k_scale_min(b[:, 4:16])
@@ -124,7 +146,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return out.mul_(d).reshape(n, 256)
 
 
-_DEQUANTIZE = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+_DEQUANTIZE = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q4_K: _q4_k,
+               T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
 def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:

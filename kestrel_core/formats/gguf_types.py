@@ -1,16 +1,15 @@
 """Which GGUF type each tensor of a model gets when kestrel writes one: the ``--type`` names, llama.cpp's Q4_K_M mix,
 and the fallback for a tensor whose rows do not split into its type's blocks.
 
-A plain type (``q4_0``, ``q4_1``, ``q8_0``, ``q4_k``, ``q5_k``, ``q6_k``) is every quantizable tensor in that type, as
+A plain type (``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q8_0``, ``q4_k``, ``q5_k``, ``q6_k``) is every quantizable tensor
+in that type, as
 ``llama-quantize --pure`` writes it. ``q4_k_m`` is llama.cpp's Q4_K_M (``q4_k_m_type``). What is quantizable is what
 llama.cpp's ``tensor_allows_quantization`` allows: a weight of two or more dimensions that is not a norm or a MoE
 router (``ffn_gate_inp``); norms, biases, routers and rope factors stay F32.
 
-The fallback follows llama.cpp's ``tensor_type_fallback`` (src/llama-quant.cpp), which replaces a K-quant by a type
-of 32-value blocks with more bits a weight (Q4_K by Q5_0, Q5_K by Q5_1, Q6_K by Q8_0) and uses F16 where a row does
-not split into 32 either. kestrel does not read Q5_0 or Q5_1, so here each K-quant falls back to the smallest type it
-reads with more bits a weight than the K-quant: Q4_K (4.5 bits) to Q4_1 (5.0), Q5_K (5.5) to Q8_0 (8.5), Q6_K (6.56)
-to Q8_0 as in llama.cpp; and a row of no whole 32-value blocks to F16.
+The fallback is llama.cpp's ``tensor_type_fallback`` (src/llama-quant.cpp): a K-quant whose rows do not split into
+256-value super-blocks becomes a type of 32-value blocks with more bits a weight (Q4_K by Q5_0, Q5_K by Q5_1, Q6_K by
+Q8_0), and a row of no whole 32-value blocks F16.
 """
 
 from __future__ import annotations
@@ -24,14 +23,16 @@ from kestrel_core.errors import ConfigError
 from kestrel_core.formats.modelconfig import ModelConfig
 
 T = GGMLQuantizationType
-PURE = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+PURE = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "q8_0": T.Q8_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K,
+        "q6_k": T.Q6_K}
 Q4_K_M = "q4_k_m"
 TYPE_NAMES = (*PURE, Q4_K_M)
 # general.file_type: llama.cpp's name for a file mostly of the type (it has no plain "Q4_K" or "Q5_K": their _S)
-FILE_TYPES = {"q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1, "q8_0": LlamaFileType.MOSTLY_Q8_0,
+FILE_TYPES = {"q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1, "q5_0": LlamaFileType.MOSTLY_Q5_0,
+              "q5_1": LlamaFileType.MOSTLY_Q5_1, "q8_0": LlamaFileType.MOSTLY_Q8_0,
               "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q5_k": LlamaFileType.MOSTLY_Q5_K_S,
               "q6_k": LlamaFileType.MOSTLY_Q6_K, Q4_K_M: LlamaFileType.MOSTLY_Q4_K_M}
-FALLBACK = {T.Q4_K: T.Q4_1, T.Q5_K: T.Q8_0, T.Q6_K: T.Q8_0}  # see the module docstring
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}  # llama.cpp's tensor_type_fallback
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 

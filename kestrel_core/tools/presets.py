@@ -281,7 +281,8 @@ def write_preset_gguf(cfg: ModelConfig, out: Path, type_name: str, name: str, se
 
 # Each quantized type's f16 scale fields: (byte offset in the block, the largest weight they give over the scale).
 # A random block draws its quant bits at random and each scale so that its weights span about +-WEIGHT_SPAN.
-_SCALES = {"Q4_0": ((0, 8),), "Q4_1": ((0, 15), (2, -1)), "Q8_0": ((0, 127),), "Q4_K": ((0, 63 * 15), (2, 63)),
+_SCALES = {"Q4_0": ((0, 8),), "Q4_1": ((0, 15), (2, -1)), "Q5_0": ((0, 16),), "Q5_1": ((0, 31), (2, -1)),
+           "Q8_0": ((0, 127),), "Q4_K": ((0, 63 * 15), (2, 63)),
            "Q5_K": ((0, 63 * 31), (2, 63)), "Q6_K": ((208, 127 * 32),)}
 WEIGHT_SPAN = 0.05
 
