@@ -51,6 +51,18 @@ def _block_q4_1(b):
     return y
 
 
+def _block_q5(b, at, offset):
+    """dequantize_row_q5_0/q5_1's loop: qh at byte ``at``, the nibbles after it; (q - offset) * d, plus m for Q5_1."""
+    d, qh, qs, y = _f16(b), int.from_bytes(bytes(b[at:at + 4]), "little"), b[at + 4:at + 20], [None] * 32
+    m = _f16(b[2:]) if at == 4 else None
+    for j in range(16):
+        x0 = ((int(qs[j]) & 0x0F) | (((qh >> j) << 4) & 0x10)) - offset
+        x1 = ((int(qs[j]) >> 4) | ((qh >> (j + 12)) & 0x10)) - offset
+        y[j] = np.float32(x0) * d if m is None else np.float32(x0) * d + m
+        y[j + 16] = np.float32(x1) * d if m is None else np.float32(x1) * d + m
+    return y
+
+
 def _block_q4_k(b):
     d, dmin, scales, q = _f16(b), _f16(b[2:]), b[4:16], b[16:144]
     y, at, is_ = [], 0, 0
@@ -101,8 +113,8 @@ def _block_q6_k(b):
     return y
 
 
-BLOCKS = {T.Q8_0: _block_q8_0, T.Q4_0: _block_q4_0, T.Q4_1: _block_q4_1, T.Q4_K: _block_q4_k, T.Q5_K: _block_q5_k,
-          T.Q6_K: _block_q6_k}
+BLOCKS = {T.Q8_0: _block_q8_0, T.Q4_0: _block_q4_0, T.Q4_1: _block_q4_1, T.Q5_0: lambda b: _block_q5(b, 2, 16),
+          T.Q5_1: lambda b: _block_q5(b, 4, 0), T.Q4_K: _block_q4_k, T.Q5_K: _block_q5_k, T.Q6_K: _block_q6_k}
 
 
 def truth_dequantize(raw: np.ndarray, qtype, shape) -> np.ndarray:
@@ -141,9 +153,9 @@ def random_blocks(qtype, n_values: int, rng: np.random.Generator) -> np.ndarray:
         v = rng.uniform(lo, hi, size=n) * (rng.choice([-1, 1], size=n) if signed else 1)
         return v.astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if qtype in (T.Q8_0, T.Q4_0):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
         raw[:, 0:2] = half(0.001, 0.02, signed=True)
-    elif qtype == T.Q4_1:
+    elif qtype in (T.Q4_1, T.Q5_1):
         raw[:, 0:2] = half(0.001, 0.02)
         raw[:, 2:4] = half(0.01, 0.2, signed=True)
     elif qtype in (T.Q4_K, T.Q5_K):
@@ -155,7 +167,7 @@ def random_blocks(qtype, n_values: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
-    """``values`` (float32, rows last) stored as ``qtype``: floats as they are, Q8_0/Q4_0/Q4_1 by gguf's quantizer,
+    """``values`` (float32, rows last) stored as ``qtype``: floats as they are, the 32-value types by gguf's quantizer,
     the k-quants as random blocks (gguf has no numpy quantizer for them: the test's truth is their dequantization)."""
     from gguf import quants
 
@@ -163,7 +175,7 @@ def encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
         return values.astype(np.float32)
     if qtype == T.F16:
         return values.astype(np.float16)
-    if qtype in (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1):
+    if qtype in (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         return quants.quantize(values.astype(np.float32), qtype)
     rows = values.shape[-1]
     raw = random_blocks(qtype, values.size, rng)

@@ -23,7 +23,7 @@ from kestrel_core.formats.tensor_table import all_specs, validate_checkpoint
 from tests.gguf_files import (DIMS, K_DIMS, K_TYPES, LLAMA_TYPES, T, TOKEN_TYPES, TOKENS, VOCAB, llama_permute,
                               model_metadata, model_tensors, random_blocks, reference_dequantize, write_gguf, write_model)
 
-QUANTS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 MOE_TYPES = {**LLAMA_TYPES, "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.BF16}
 
 

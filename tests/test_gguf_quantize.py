@@ -274,7 +274,7 @@ def edge_rows(width: int, rng: np.random.Generator) -> np.ndarray:
 
 # --- the blocks ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_32_value_blocks_equal_the_gguf_package(qtype):
     rng = np.random.default_rng(1)
     x = np.concatenate([edge_rows(256, rng), rng.standard_normal((6, 256)).astype(np.float32) * 3])
@@ -291,7 +291,8 @@ def test_k_quants_equal_ggmls_reference_loop_by_loop(qtype):
 
 
 # relative RMSE (RMS error / RMS weight) of a standard-normal matrix, measured about 20% under each bound
-RMSE_BOUND = {T.Q8_0: 0.007, T.Q4_0: 0.11, T.Q4_1: 0.095, T.Q4_K: 0.088, T.Q5_K: 0.045, T.Q6_K: 0.023}
+RMSE_BOUND = {T.Q8_0: 0.007, T.Q4_0: 0.11, T.Q4_1: 0.095, T.Q5_0: 0.053, T.Q5_1: 0.047, T.Q4_K: 0.088, T.Q5_K: 0.045,
+              T.Q6_K: 0.023}
 
 
 @pytest.mark.parametrize("qtype", list(RMSE_BOUND), ids=lambda t: t.name)
@@ -462,14 +463,14 @@ def test_q4_k_m_of_an_untied_model_with_narrow_rows(written):
     (its row is not a multiple of 256), the untied embedding Q4_K's fallback, attn_v/ffn_down of layers 0 and 4 (5
     layers: n/8 = 0, 7n/8 = 4, (i - 0) % 3 == 2 for 2) Q6_K's, Q8_0."""
     types = _types(written("llama", "q4_k_m"))
-    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q4_1"
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q5_0"
     assert {n for n, t in types.items() if t == "Q8_0"} == {"output.weight"} | {
         f"blk.{i}.{r}.weight" for i in (2, 4) for r in ("attn_v", "ffn_down")}
     assert types["rope_freqs.weight"] == "F32"
 
 
 # the relative RMSE of every quantized weight of the wide model, against its bf16 values (measured about 20% below)
-MODEL_RMSE = {"q8_0": 0.007, "q4_0": 0.11, "q4_1": 0.095, "q4_k": 0.088, "q5_k": 0.045, "q6_k": 0.023, "q4_k_m": 0.085}
+MODEL_RMSE = {"q8_0": 0.007, "q4_0": 0.11, "q4_1": 0.095, "q5_0": 0.053, "q5_1": 0.047, "q4_k": 0.088, "q5_k": 0.045, "q6_k": 0.023, "q4_k_m": 0.085}
 
 
 @pytest.mark.parametrize("type_name", TYPE_NAMES)
@@ -495,9 +496,9 @@ def test_make_model_type_writes_what_quantize_type_writes(tmp_path, capsys):
     assert "as GGUF Q4_K_M" in capsys.readouterr().out
     write_checkpoint(preset_config("tiny-moe"), tmp_path / "d", seed=3, router_skew=1.0)
     assert main(["quantize", "--model", str(tmp_path / "d"), "--out", str(tmp_path / "d.gguf"), "--type", "q4_k_m"]) == 0
-    types = _types(tmp_path / "m.gguf")  # 8 experts: llama.cpp's Mixtral rule (attn_output's Q5_K falls back to Q8_0)
+    types = _types(tmp_path / "m.gguf")  # 8 experts: llama.cpp's Mixtral rule (attn_output's Q5_K falls back to Q5_1)
     assert [types[f"blk.1.{r}.weight"] for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")] == \
-        ["Q4_1", "Q8_0", "Q8_0", "Q8_0", "F32"]
+        ["Q5_0", "Q8_0", "Q8_0", "Q5_1", "F32"]
     a, b = GGUFReader(tmp_path / "m.gguf"), GGUFReader(tmp_path / "d.gguf")
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for x, y in zip(a.tensors, b.tensors):
@@ -541,9 +542,9 @@ def test_quantize_type_prints_a_summary_and_notes_fallbacks(chat_ckpt, tmp_path,
     out = tmp_path / "t.gguf"
     assert main(["quantize", "--model", str(chat_ckpt), "--out", str(out), "--type", "Q4_K"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("wrote GGUF Q4_K (qwen3): 68 tensors (43 Q4_1, 25 F32), tokenizer qwen2, chat template")
-    assert "kestrel: note: 43 tensor(s) written as Q4_1 instead of Q4_K (e.g. token_embd.weight): their rows (64, 160 " \
-           "values) do not split into Q4_K's 256-value blocks; llama.cpp writes Q5_0" in captured.err
+    assert captured.out.startswith("wrote GGUF Q4_K (qwen3): 68 tensors (43 Q5_0, 25 F32), tokenizer qwen2, chat template")
+    assert "kestrel: note: 43 tensor(s) written as Q5_0 instead of Q4_K (e.g. token_embd.weight): their rows (64, 160 " \
+           "values) do not split into Q4_K's 256-value blocks; as llama.cpp does" in captured.err
     assert main(["quantize", "--model", str(chat_ckpt), "--out", str(tmp_path / "j.gguf"), "--type", "q8_0",
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -555,7 +556,7 @@ def bad_inputs(tmp_path, chat_ckpt):
     gguf = tmp_path / "x.gguf"
     return {
         "an unknown type": (["--model", str(chat_ckpt), "--out", str(gguf), "--type", "q3_k"],
-                            ["unknown --type 'q3_k'; use one of q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, q4_k_m"]),
+                            ["unknown --type 'q3_k'; use one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, q4_k_m"]),
         "a GGUF source by --from": (["--from", str(gguf), "--out", str(tmp_path / "y.gguf"), "--type", "q4_0"],
                                     ["not from --from", "pass the float model it came from with --model"]),
         "a GGUF source by --model": (["--model", str(gguf), "--out", str(tmp_path / "y.gguf"), "--type", "q4_0"],

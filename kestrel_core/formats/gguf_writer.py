@@ -38,7 +38,7 @@ from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.gguf import (ARCHITECTURES, EXPERT, EXPERT_STACKS, GLOBAL_NAMES, LAYER_NAMES, LLAMA3_ROPE,
                                        ROPE_FREQS, SUFFIX, _llama3_factors)
 from kestrel_core.formats.gguf_quantize import quantize
-from kestrel_core.formats.gguf_types import FILE_TYPES, TensorType, tensor_type
+from kestrel_core.formats.gguf_types import FALLBACK, FILE_TYPES, TensorType, tensor_type
 from kestrel_core.formats.gguf_vocab import Vocabulary, gguf_vocabulary
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.tensor_table import all_specs
@@ -52,7 +52,6 @@ HF_LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
 STACK_OF_ROLE = {role: g for g, role in EXPERT_STACKS.items()}
 _ROTARY = {"self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias"}
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of today's ggml
-LLAMA_CPP_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}  # what llama.cpp writes instead (for the notes)
 
 
 @attrs.frozen
@@ -233,13 +232,7 @@ def _fallback_notes(planned: list[Planned]) -> list[str]:
     notes = []
     for (wanted, got), tensors in groups.items():
         rows = ", ".join(map(str, sorted({p.shape[-1] for p in tensors})))
-        llama = T.F16 if got == T.F16 else LLAMA_CPP_FALLBACK.get(wanted)
-        if wanted not in LLAMA_CPP_FALLBACK:
-            why = f"llama.cpp has no fallback for {wanted.name} and stops there"
-        elif llama == got:
-            why = "as llama.cpp does"
-        else:
-            why = f"llama.cpp writes {llama.name}, which kestrel does not read"
+        why = "as llama.cpp does" if wanted in FALLBACK else f"llama.cpp has no fallback for {wanted.name} and stops there"
         notes.append(f"{len(tensors)} tensor(s) written as {got.name} instead of {wanted.name} (e.g. {tensors[0].name}): "
                      f"their rows ({rows} values) do not split into {wanted.name}'s {GGML_QUANT_SIZES[wanted][0]}-value "
                      f"blocks; {why}")
