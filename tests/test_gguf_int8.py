@@ -178,3 +178,73 @@ def test_refuses_what_it_cannot_compute():
     raw, deq = weight(T.Q4_K)
     with pytest.raises(ValueError, match="power of two"):
         gguf_int8.matmul(inputs(1, deq.shape[1], torch.float32), raw, T.Q4_K, N, deq.shape[1], sb=3)
+
+
+# --- the expert table's routed pairs ----------------------------------------------------------------------------------
+
+def expert_weights(qtype, experts: int, n: int, k: int):
+    """Each expert's entry: [gate rows; up rows] of ``qtype`` blocks (2n rows of k, uint8), their dequantized floats,
+    and the table [experts, 2] of entry addresses (column 0 the entry, column 1 the same entry: ``which`` picks)."""
+    raws, deqs = [], []
+    for e in range(experts):
+        raw, deq = weight(qtype, 2 * n, k) if e == 0 else _other(qtype, 2 * n, k, e)
+        raws.append(raw.clone())
+        deqs.append(deq)
+    table = torch.tensor([[r.data_ptr(), r.data_ptr()] for r in raws], dtype=torch.int64, device=DEVICE)
+    return raws, deqs, table
+
+
+def _other(qtype, n, k, seed):
+    from tests.test_gguf_kernels import random_blocks, QUANTIZED_BY_GGUF
+    from gguf import quants as gguf_np
+
+    rng = np.random.default_rng([seed, int(qtype)])
+    if qtype in QUANTIZED_BY_GGUF:
+        raw = gguf_np.quantize(rng.standard_normal((n, k)).astype(np.float32) / k ** 0.5, qtype)
+    else:
+        raw = random_blocks(qtype, n, k, rng)
+    raw = torch.from_numpy(np.ascontiguousarray(raw))
+    return raw.to(DEVICE), gguf_quants.dequantize(raw, qtype, (n, k))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_1], ids=lambda t: t.name)
+def test_routed_pairs_compute_their_experts_rows_and_each_is_its_own(qtype):
+    """Rows of a batch routed to k experts each through the table: every pair's sums are its expert's up rows (at
+    their byte offset) times its row, and bitwise what the pair gives in a batch of one row (``single_runs``)."""
+    from backends.cuda.grouped_experts import expert_runs
+
+    n, kt = 20, 3
+    k = 2 * 256 if qtype in (T.Q4_K, T.Q6_K) else 8 * 32
+    raws, deqs, table = expert_weights(qtype, 5, n, k)
+    ids = torch.tensor([[0, 3, 4], [3, 1, 0], [4, 0, 2], [2, 3, 1]], device=DEVICE)
+    rows = ids.shape[0]
+    x = inputs(rows, k, torch.float32, seed=5)
+    slices = gguf_int8.expert_slices(qtype, k, 2)
+    up_at = gguf_kernels.stored_bytes(qtype, n, k)  # the up rows follow the gate rows
+    part = torch.empty((rows, slices, kt, n), dtype=torch.float32, device=DEVICE)
+    gguf_int8.expert_matmul(x, expert_runs(ids), table, part, 1, up_at, qtype, n, k, x_per_slot=False)
+    got = part.sum(1)
+    for r in range(rows):
+        for j in range(kt):
+            e = int(ids[r, j])
+            raw_up = raws[e][n:].contiguous()
+            check(got[r, j][None], qtype, raw_up, deqs[e][n:], x[r:r + 1])
+        alone = torch.empty((1, slices, kt, n), dtype=torch.float32, device=DEVICE)
+        gguf_int8.expert_matmul(x[r:r + 1], gguf_int8.single_runs(ids[r]), table, alone, 1, up_at, qtype, n, k,
+                                x_per_slot=False)
+        assert torch.equal(alone[0], part[r]), f"row {r} alone differs from the batch"
+    h = inputs(rows * kt, k, torch.float32, seed=6)  # x a pair (the down projection's input)
+    part_h = torch.empty_like(part)
+    gguf_int8.expert_matmul(h, expert_runs(ids), table, part_h, 0, 0, qtype, n, k, x_per_slot=True)
+    for r in range(rows):
+        for j in range(kt):
+            e = int(ids[r, j])
+            check(part_h[r, :, j].sum(0)[None], qtype, raws[e][:n].contiguous(), deqs[e][:n], h[r * kt + j:r * kt + j + 1])
+
+
+def test_expert_parts_it_cannot_fill_are_refused():
+    raws, deqs, table = expert_weights(T.Q4_K, 2, 4, 512)
+    ids = torch.tensor([[0, 1]], device=DEVICE)
+    with pytest.raises(ValueError, match="slices dividing 2 blocks"):
+        gguf_int8.expert_matmul(inputs(1, 512, torch.float32), gguf_int8.single_runs(ids), table,
+                                torch.empty((1, 3, 2, 4), device=DEVICE), 0, 0, T.Q4_K, 4, 512, x_per_slot=False)

@@ -136,7 +136,9 @@ def test_gguf_block_experts_match_their_dequantized_math_and_the_fetched_path(ki
     layouts = (layout_of_rows([(q.name, r) for q, r in gu_parts]), dn_layout)
     got = run(x, weights, ids, table, layouts)
     want = reference(x.cpu(), weights.cpu(), ids.cpu(), deq, torch.float32)
-    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-5
+    # the int8 kernels quantize x and the SwiGLU output to two int8 digits a value: 3.8e-5 seen here (x a float
+    # product's own error about 2e-5; tests/test_gguf_int8.py holds each product to its exact arithmetic)
+    assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-4
     buffers = [(BlockWeight(entries[e][0], h, layouts[0]), BlockWeight(entries[e][1], i, layouts[1]))
                for e in ids[0].tolist()]
     slots = torch.arange(K, device=DEVICE).view(1, K)

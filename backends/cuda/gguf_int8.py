@@ -132,152 +132,211 @@ def _kernels():
         tl.store(xs + m * NB + bb, tl.sum(v, axis=1), mask=bb < NB)
 
     @triton.jit
-    def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr,
-                 SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
-        """out[s, m, n] = row n of a Q4_K W (int32 words [N, ROW_WORDS]: a super-block is 36 words, d|dmin, three of
-        scales and mins, 32 of quants) times row m of x, over the super-blocks of slice s (SPS each, SB at a step).
-        FIVE: Q5_K (44 words: eight words of fifth bits, qh, before the quants; value l of group g takes bit g of
-        qh byte l). Axes: [rows, BN outputs, T = SB * 4 runs of 64 values, 8 words a run]."""
-        pn, s = tl.program_id(0), tl.program_id(1)
+    def word_at(w, at, mask, HALVES: tl.constexpr):
+        """The int32 word ``at`` (in words) of the weight at ``w``: one load, or two 16-bit halves joined where the
+        weight's address is only known to be even (an expert's entry)."""
+        if HALVES:
+            lo = tl.load(w + 2 * at, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            return lo | (tl.load(w + 2 * at + 1, mask=mask, other=0).to(tl.int32) << 16)
+        else:
+            return tl.load(w + at, mask=mask, other=0)
+
+    @triton.jit
+    def half_at(w, at, mask, HALVES: tl.constexpr):
+        """The 16-bit half ``at`` (in halves) of a weight read as halves (HALVES), as int32 (sign-extended)."""
+        return tl.load(w + at, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def joined_at(w, at, mask):
+        """The int32 word from halves ``at`` and ``at + 1`` of a weight read as 16-bit halves."""
+        lo = tl.load(w + at, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return lo | (tl.load(w + at + 1, mask=mask, other=0).to(tl.int32) << 16)
+
+    @triton.jit
+    def launch_rows(w, table, pairs, experts, ends, M, WHICH: tl.constexpr, BYTE_AT, UNIT: tl.constexpr,
+                    EXPERTS: tl.constexpr):
+        """(the program's output block, slice, weight base, first and end row place): the dense form reads rows
+        0..M of x against ``w``; the expert form (program p of the routed pairs in expert order) reads its expert
+        run's pairs, its weight where the expert table points (entry WHICH, BYTE_AT bytes in, UNIT bytes a load)."""
+        if EXPERTS:
+            p, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            addr = tl.load(table + tl.load(experts + p) * 2 + WHICH) + BYTE_AT
+            if UNIT == 4:
+                base = addr.to(tl.pointer_type(tl.int32))
+            else:
+                base = addr.to(tl.pointer_type(tl.int16))
+            return pn, s, base, p, tl.load(ends + p)
+        else:
+            return tl.program_id(0), tl.program_id(1), w, 0, M
+
+    @triton.jit
+    def rows_of(t, last, pairs, s, M, KT, S_ALL, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr):
+        """(valid, x's row, the output's row) of row places ``t``: the dense form's row t of slice s, or the routed
+        pair at place t (row q // KT, slot q % KT) whose x is row q (X_PER_SLOT) or q // KT, out [rows, S, KT, N]."""
+        valid = t < last
+        if EXPERTS:
+            q = tl.load(pairs + t, mask=valid, other=0)
+            if X_PER_SLOT:
+                xrow = q
+            else:
+                xrow = q // KT
+            return valid, xrow, ((q // KT) * S_ALL + s) * KT + q % KT
+        else:
+            return valid, t, s * M + t
+
+    globals().update(word_at=word_at, half_at=half_at, joined_at=joined_at, launch_rows=launch_rows, rows_of=rows_of)
+
+    @triton.jit
+    def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
+                 WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, HALVES: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr,
+                 DIGITS: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K (and FIVE: Q5_K) rows times x's rows, over the super-blocks of slice s (SPS each, SB at a step): a
+        super-block is 36 words (d|dmin, three of scales and mins, 32 of quants), Q5_K's 44 (eight words of fifth
+        bits, qh, before the quants; value l of group g takes bit g of qh byte l). Dense: out[s, m, n] for rows m < M
+        of x, W int32 words [N, ROW_WORDS]. Experts (``launch_rows``): each routed pair's row of ``out``. Axes: [rows,
+        BN outputs, T = SB * 4 runs of 64 values, 8 words a run]."""
+        pn, s, base, first_row, last_row = launch_rows(w, table, pairs, experts, ends, M, WHICH, BYTE_AT,
+                                                       2 if HALVES else 4, EXPERTS)
         T: tl.constexpr = SB * 4
+        BW: tl.constexpr = 44 if FIVE else 36  # words a super-block
         n = pn * BN + tl.arange(0, BN)
         n4 = n[None, :, None, None]
         t4 = tl.arange(0, T)[None, None, :, None]
         j4 = tl.arange(0, 8)[None, None, None, :]
-        m4 = tl.arange(0, BM)[:, None, None, None]
         sb4, r4 = t4 // 4, t4 % 4  # the super-block of the step, the run in it
         n3, t3 = n[None, :, None], tl.arange(0, T)[None, None, :]
-        m3 = tl.arange(0, BM)[:, None, None]
         sb3, r3 = t3 // 4, t3 % 4
-        wrow = w + n4.to(tl.int64) * ROW_WORDS
-        wrow3 = w + n3.to(tl.int64) * ROW_WORDS
-        XW = NSB * 64  # words of xq a row
+        row4 = n4.to(tl.int64) * ROW_WORDS
+        row3 = n3.to(tl.int64) * ROW_WORDS
+        XW = NSB * 64  # words of xq a row (one digit)
         NB = NSB * 8  # 32-value blocks a row
-        acc = tl.zeros((BM, BN, T), dtype=tl.float32)
         first = s * SPS
-        for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
-            c4 = c0 + sb4
-            ok4 = (n4 < N) & (c4 < NSB)
-            BW: tl.constexpr = 44 if FIVE else 36  # words a super-block
-            qs = tl.load(wrow + c4 * BW + (12 if FIVE else 4) + r4 * 8 + j4, mask=ok4, other=0)  # [1, BN, T, 8]
-            qlo = qs & 0x0F0F0F0F
-            qhi = (qs >> 4) & 0x0F0F0F0F
-            if FIVE:
-                qh = tl.load(wrow + c4 * BW + 4 + j4, mask=ok4, other=0)
-                qlo = qlo | (((qh >> (2 * r4)) & 0x01010101) << 4)
-                qhi = qhi | (((qh >> (2 * r4 + 1)) & 0x01010101) << 4)
-            xok = (m4 < M) & (c4 < NSB)
-            xlo, xlo2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + j4, xok, XW, DIGITS)  # [BM, 1, T, 8]
-            xhi, xhi2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + 8 + j4, xok, XW, DIGITS)
-            zero = tl.zeros((BM, BN, T, 8), dtype=tl.int32)
-            ilo = tl.sum(dot2(qlo, xlo, xlo2, zero, DIGITS, ASM), axis=3)  # exact: any order
-            ihi = tl.sum(dot2(qhi, xhi, xhi2, zero, DIGITS, ASM), axis=3)
-            c3 = c0 + sb3
-            ok3 = (n3 < N) & (c3 < NSB)
-            head = tl.load(wrow3 + c3 * BW, mask=ok3, other=0)  # d | dmin << 16
-            d = f16_lo(head)
-            dmin = f16_lo(head >> 16)
-            g = 2 * r3  # the low nibbles' group; the high nibbles' is g + 1
-            sh = 8 * (g % 4)  # groups g and g + 1 share a word of each scale array: bytes g % 4 and g % 4 + 1
-            a = tl.load(wrow3 + c3 * BW + 1, mask=ok3, other=0)
-            b = tl.load(wrow3 + c3 * BW + 2, mask=ok3, other=0)
-            e = tl.load(wrow3 + c3 * BW + 3, mask=ok3, other=0)
-            a0, a1 = (a >> sh) & 255, (a >> (sh + 8)) & 255
-            b0, b1 = (b >> sh) & 255, (b >> (sh + 8)) & 255
-            e0, e1 = (e >> sh) & 255, (e >> (sh + 8)) & 255
-            low = g < 4
-            sc0 = tl.where(low, a0 & 63, (e0 & 15) | ((a0 >> 6) << 4))
-            mn0 = tl.where(low, b0 & 63, (e0 >> 4) | ((b0 >> 6) << 4))
-            sc1 = tl.where(low, a1 & 63, (e1 & 15) | ((a1 >> 6) << 4))
-            mn1 = tl.where(low, b1 & 63, (e1 >> 4) | ((b1 >> 6) << 4))
-            xb = m3 * NB + c3 * 8 + g  # x's block of the low nibbles' group
-            xok3 = (m3 < M) & (c3 < NSB)
-            dx0 = tl.load(xd + xb, mask=xok3, other=0.0)
-            dx1 = tl.load(xd + xb + 1, mask=xok3, other=0.0)
-            sx0 = tl.load(xs + xb, mask=xok3, other=0.0)
-            sx1 = tl.load(xs + xb + 1, mask=xok3, other=0.0)
-            term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
-            term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
-            acc = acc + term
-        y = tree_sum(acc, BM, BN, T, LOG_T)
-        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
-        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+        for t0 in range(first_row, last_row, BM):
+            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
+            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
+            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            acc = tl.zeros((BM, BN, T), dtype=tl.float32)
+            for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
+                c4 = c0 + sb4
+                ok4 = (n4 < N) & (c4 < NSB)
+                qs = word_at(base, row4 + c4 * BW + (12 if FIVE else 4) + r4 * 8 + j4, ok4, HALVES)  # [1, BN, T, 8]
+                qlo = qs & 0x0F0F0F0F
+                qhi = (qs >> 4) & 0x0F0F0F0F
+                if FIVE:
+                    qh = word_at(base, row4 + c4 * BW + 4 + j4, ok4, HALVES)
+                    qlo = qlo | (((qh >> (2 * r4)) & 0x01010101) << 4)
+                    qhi = qhi | (((qh >> (2 * r4 + 1)) & 0x01010101) << 4)
+                xok = v4 & (c4 < NSB)
+                xlo, xlo2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + j4, xok, XW, DIGITS)  # [BM, 1, T, 8]
+                xhi, xhi2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 64 + r4 * 16 + 8 + j4, xok, XW, DIGITS)
+                zero = tl.zeros((BM, BN, T, 8), dtype=tl.int32)
+                ilo = tl.sum(dot2(qlo, xlo, xlo2, zero, DIGITS, ASM), axis=3)  # exact: any order
+                ihi = tl.sum(dot2(qhi, xhi, xhi2, zero, DIGITS, ASM), axis=3)
+                c3 = c0 + sb3
+                ok3 = (n3 < N) & (c3 < NSB)
+                head = word_at(base, row3 + c3 * BW, ok3, HALVES)  # d | dmin << 16
+                d = f16_lo(head)
+                dmin = f16_lo(head >> 16)
+                g = 2 * r3  # the low nibbles' group; the high nibbles' is g + 1
+                sh = 8 * (g % 4)  # groups g and g + 1 share a word of each scale array: bytes g % 4 and g % 4 + 1
+                a = word_at(base, row3 + c3 * BW + 1, ok3, HALVES)
+                b = word_at(base, row3 + c3 * BW + 2, ok3, HALVES)
+                e = word_at(base, row3 + c3 * BW + 3, ok3, HALVES)
+                a0, a1 = (a >> sh) & 255, (a >> (sh + 8)) & 255
+                b0, b1 = (b >> sh) & 255, (b >> (sh + 8)) & 255
+                e0, e1 = (e >> sh) & 255, (e >> (sh + 8)) & 255
+                low = g < 4
+                sc0 = tl.where(low, a0 & 63, (e0 & 15) | ((a0 >> 6) << 4))
+                mn0 = tl.where(low, b0 & 63, (e0 >> 4) | ((b0 >> 6) << 4))
+                sc1 = tl.where(low, a1 & 63, (e1 & 15) | ((a1 >> 6) << 4))
+                mn1 = tl.where(low, b1 & 63, (e1 >> 4) | ((b1 >> 6) << 4))
+                xb = x3 * NB + c3 * 8 + g  # x's block of the low nibbles' group
+                xok3 = v3 & (c3 < NSB)
+                dx0 = tl.load(xd + xb, mask=xok3, other=0.0)
+                dx1 = tl.load(xd + xb + 1, mask=xok3, other=0.0)
+                sx0 = tl.load(xs + xb, mask=xok3, other=0.0)
+                sx1 = tl.load(xs + xb + 1, mask=xok3, other=0.0)
+                term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
+                term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
+                acc = acc + term
+            y = tree_sum(acc, BM, BN, T, LOG_T)
+            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     @triton.jit
-    def q6k_rows(w, xq, xd, out, N, M, ROW_HALVES, NSB, SPS, BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
-                 LOG_U: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
+    def q6k_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
+                 WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, SB: tl.constexpr, LOG_U: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
         """``q4k_rows`` for Q6_K (int16 halves [N, ROW_HALVES]; a super-block is 105 halves: ql[128], qh[64], 16 int8
         scales, d). Axes: [rows, BN outputs, U = SB * 8 units, 4 words]; unit (sb, h, p, jh) holds values
         128h + 32t + 16jh + 4jl .. + 3 for t = p (the ql bytes' low nibbles) and t = p + 2 (their high nibbles)."""
-        pn, s = tl.program_id(0), tl.program_id(1)
+        pn, s, base, first_row, last_row = launch_rows(w, table, pairs, experts, ends, M, WHICH, BYTE_AT, 2, EXPERTS)
         U: tl.constexpr = SB * 8
         n = pn * BN + tl.arange(0, BN)
         n4 = n[None, :, None, None]
         u4 = tl.arange(0, U)[None, None, :, None]
         jl = tl.arange(0, 4)[None, None, None, :]
-        m4 = tl.arange(0, BM)[:, None, None, None]
         sb4, h4, p4, jh4 = u4 // 8, (u4 // 4) % 2, (u4 // 2) % 2, u4 % 2
         n3, u3 = n[None, :, None], tl.arange(0, U)[None, None, :]
-        m3 = tl.arange(0, BM)[:, None, None]
         sb3, h3, p3, jh3 = u3 // 8, (u3 // 4) % 2, (u3 // 2) % 2, u3 % 2
-        wrow = w + n4.to(tl.int64) * ROW_HALVES
-        wrow3 = w + n3.to(tl.int64) * ROW_HALVES
+        row4 = n4.to(tl.int64) * ROW_HALVES
+        row3 = n3.to(tl.int64) * ROW_HALVES
         XW = NSB * 64
         NB = NSB * 8
-        acc = tl.zeros((BM, BN, U), dtype=tl.float32)
         first = s * SPS
-        for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
-            c4 = c0 + sb4
-            ok4 = (n4 < N) & (c4 < NSB)
-            at = wrow + c4 * 105
-            ql_at = at + 32 * h4 + 16 * p4 + 8 * jh4 + 2 * jl  # halves: bytes 64h + 32p + 16jh + 4jl
-            qh_at = at + 64 + 16 * h4 + 8 * jh4 + 2 * jl  # bytes 128 + 32h + 16jh + 4jl
-            ql = (tl.load(ql_at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(ql_at + 1, mask=ok4, other=0).to(tl.int32) << 16)
-            qh = (tl.load(qh_at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(qh_at + 1, mask=ok4, other=0).to(tl.int32) << 16)
-            qa = (ql & 0x0F0F0F0F) | (((qh >> (2 * p4)) & 0x03030303) << 4)  # t = p
-            qb = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * p4 + 4)) & 0x03030303) << 4)  # t = p + 2
-            xok = (m4 < M) & (c4 < NSB)
-            xa, xa2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * p4 + 4 * jh4 + jl, xok, XW, DIGITS)
-            xb, xb2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * (p4 + 2) + 4 * jh4 + jl, xok, XW,
-                              DIGITS)
-            minus32 = tl.full((BM, BN, U, 4), -522133280, tl.int32)  # 0xE0E0E0E0: -32 in each byte
-            zero = tl.zeros((BM, BN, U, 4), dtype=tl.int32)
-            ia = tl.sum(dot2(qa, xa, xa2, dot2(minus32, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)  # exact
-            ib = tl.sum(dot2(qb, xb, xb2, dot2(minus32, xb, xb2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
-            c3 = c0 + sb3
-            ok3 = (n3 < N) & (c3 < NSB)
-            at3 = wrow3 + c3 * 105
-            d = tl.load(at3 + 104, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            sc_at = at3 + 96 + 4 * h3 + p3  # scale 8h + 2t + jh sits in half 96 + 4h + t, byte jh
-            sa = (tl.load(sc_at, mask=ok3, other=0).to(tl.int32) << (24 - 8 * jh3)) >> 24
-            sb_ = (tl.load(sc_at + 2, mask=ok3, other=0).to(tl.int32) << (24 - 8 * jh3)) >> 24
-            xok3 = (m3 < M) & (c3 < NSB)
-            dxa = tl.load(xd + m3 * NB + c3 * 8 + 4 * h3 + p3, mask=xok3, other=0.0)
-            dxb = tl.load(xd + m3 * NB + c3 * 8 + 4 * h3 + p3 + 2, mask=xok3, other=0.0)
-            term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
-            term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
-            acc = acc + term
-        y = tree_sum(acc, BM, BN, U, LOG_U)
-        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
-        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+        for t0 in range(first_row, last_row, BM):
+            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
+            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
+            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            acc = tl.zeros((BM, BN, U), dtype=tl.float32)
+            for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
+                c4 = c0 + sb4
+                ok4 = (n4 < N) & (c4 < NSB)
+                at = row4 + c4 * 105
+                ql = joined_at(base, at + 32 * h4 + 16 * p4 + 8 * jh4 + 2 * jl, ok4)  # bytes 64h + 32p + 16jh + 4jl
+                qh = joined_at(base, at + 64 + 16 * h4 + 8 * jh4 + 2 * jl, ok4)  # bytes 128 + 32h + 16jh + 4jl
+                qa = (ql & 0x0F0F0F0F) | (((qh >> (2 * p4)) & 0x03030303) << 4)  # t = p
+                qb = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * p4 + 4)) & 0x03030303) << 4)  # t = p + 2
+                xok = v4 & (c4 < NSB)
+                xa, xa2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * p4 + 4 * jh4 + jl, xok, XW, DIGITS)
+                xb, xb2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 64 + 32 * h4 + 8 * (p4 + 2) + 4 * jh4 + jl, xok, XW,
+                                  DIGITS)
+                minus32 = tl.full((BM, BN, U, 4), -522133280, tl.int32)  # 0xE0E0E0E0: -32 in each byte
+                zero = tl.zeros((BM, BN, U, 4), dtype=tl.int32)
+                ia = tl.sum(dot2(qa, xa, xa2, dot2(minus32, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)  # exact
+                ib = tl.sum(dot2(qb, xb, xb2, dot2(minus32, xb, xb2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
+                c3 = c0 + sb3
+                ok3 = (n3 < N) & (c3 < NSB)
+                at3 = row3 + c3 * 105
+                d = tl.load(base + at3 + 104, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                sc_at = at3 + 96 + 4 * h3 + p3  # scale 8h + 2t + jh sits in half 96 + 4h + t, byte jh
+                sa = (half_at(base, sc_at, ok3, True) << (24 - 8 * jh3)) >> 24
+                sb_ = (half_at(base, sc_at + 2, ok3, True) << (24 - 8 * jh3)) >> 24
+                xok3 = v3 & (c3 < NSB)
+                dxa = tl.load(xd + x3 * NB + c3 * 8 + 4 * h3 + p3, mask=xok3, other=0.0)
+                dxb = tl.load(xd + x3 * NB + c3 * 8 + 4 * h3 + p3 + 2, mask=xok3, other=0.0)
+                term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
+                term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
+                acc = acc + term
+            y = tree_sum(acc, BM, BN, U, LOG_U)
+            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     @triton.jit
-    def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, QT: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, DIGITS: tl.constexpr,
+    def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
+                     WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, QT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, DIGITS: tl.constexpr,
                      ASM: tl.constexpr):
         """``q4k_rows`` for the 32-value blocks (int16 halves [N, ROW_HALVES]): Q8_0 (17 halves: d, 32 int8), Q4_0 (9:
         d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8), Q4_1 (10: d, m, Q4_0's
         nibbles, d * q + m), Q5_0 (11: d, qh whose bit j is value j's fifth, the nibbles, q - 16) and Q5_1 (12: d, m,
         qh, the nibbles, d * q + m). Slice s walks BPS blocks, TB at a step. Axes: [rows, BN outputs, TB blocks, 4
         words]."""
-        pn, s = tl.program_id(0), tl.program_id(1)
+        pn, s, base, first_row, last_row = launch_rows(w, table, pairs, experts, ends, M, WHICH, BYTE_AT, 2, EXPERTS)
         n = pn * BN + tl.arange(0, BN)
         n4 = n[None, :, None, None]
         b4 = tl.arange(0, TB)[None, None, :, None]
         j4 = tl.arange(0, 4)[None, None, None, :]
-        m4 = tl.arange(0, BM)[:, None, None, None]
         n3, b3 = n[None, :, None], tl.arange(0, TB)[None, None, :]
-        m3 = tl.arange(0, BM)[:, None, None]
         if QT == "Q8_0":
             BH: tl.constexpr = 17
             Q0: tl.constexpr = 1
@@ -293,57 +352,60 @@ def _kernels():
         else:
             BH: tl.constexpr = 12
             Q0: tl.constexpr = 4
-        wrow = w + n4.to(tl.int64) * ROW_HALVES
-        wrow3 = w + n3.to(tl.int64) * ROW_HALVES
-        XW = NB * 8  # words of xq a row
-        acc = tl.zeros((BM, BN, TB), dtype=tl.float32)
+        row4 = n4.to(tl.int64) * ROW_HALVES
+        row3 = n3.to(tl.int64) * ROW_HALVES
+        XW = NB * 8  # words of xq a row (one digit)
         first = s * BPS
-        for c0 in range(first, tl.minimum(first + BPS, NB), TB):
-            c4 = c0 + b4
-            ok4 = (n4 < N) & (c4 < NB)
-            xok = (m4 < M) & (c4 < NB)
-            zero = tl.zeros((BM, BN, TB, 4), dtype=tl.int32)
-            at = wrow + c4 * BH + Q0 + 2 * j4
-            qa = (tl.load(at, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 1, mask=ok4, other=0).to(tl.int32) << 16)
-            xa, xa2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 8 + j4, xok, XW, DIGITS)
-            xb, xb2 = x_words(xq, m4 * (DIGITS * XW) + c4 * 8 + 4 + j4, xok, XW, DIGITS)
-            if QT == "Q8_0":  # words 0-3 and 4-7 of the block's int8 values
-                qb = (tl.load(at + 8, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(at + 9, mask=ok4, other=0).to(tl.int32) << 16)
-                isum = tl.sum(dot2(qb, xb, xb2, dot2(qa, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
-            elif QT == "Q4_0":  # (q - 8): -8 in each byte is 0xF8
-                minus8 = tl.full((BM, BN, TB, 4), -117901064, tl.int32)
-                lo = dot2(qa & 0x0F0F0F0F, xa, xa2, dot2(minus8, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
-                isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(minus8, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM),
-                              axis=3)
-            elif QT == "Q4_1":
-                isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(qa & 0x0F0F0F0F, xa, xa2, zero, DIGITS, ASM),
-                                   DIGITS, ASM), axis=3)
-            else:  # Q5_0, Q5_1: four bits of qh a word, each to bit 4 of its byte
-                hat = wrow + c4 * BH + Q0 - 2
-                qh = (tl.load(hat, mask=ok4, other=0).to(tl.int32) & 0xFFFF) | (tl.load(hat + 1, mask=ok4, other=0).to(tl.int32) << 16)
-                tl_ = (qh >> (4 * j4)) & 15
-                th = (qh >> (16 + 4 * j4)) & 15
-                qlo = (qa & 0x0F0F0F0F) | ((tl_ & 1) << 4) | ((tl_ & 2) << 11) | ((tl_ & 4) << 18) | ((tl_ & 8) << 25)
-                qhi = ((qa >> 4) & 0x0F0F0F0F) | ((th & 1) << 4) | ((th & 2) << 11) | ((th & 4) << 18) | ((th & 8) << 25)
-                if QT == "Q5_0":  # (q - 16): -16 in each byte is 0xF0
-                    minus16 = tl.full((BM, BN, TB, 4), -252645136, tl.int32)
-                    lo = dot2(qlo, xa, xa2, dot2(minus16, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
-                    isum = tl.sum(dot2(qhi, xb, xb2, dot2(minus16, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM), axis=3)
-                else:
-                    isum = tl.sum(dot2(qhi, xb, xb2, dot2(qlo, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
-            c3 = c0 + b3
-            ok3 = (n3 < N) & (c3 < NB)
-            xok3 = (m3 < M) & (c3 < NB)
-            d = tl.load(wrow3 + c3 * BH, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            dx = tl.load(xd + m3 * NB + c3, mask=xok3, other=0.0)
-            term = d * dx * isum.to(tl.float32)
-            if QT == "Q4_1" or QT == "Q5_1":
-                mn = tl.load(wrow3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                term = term + mn * tl.load(xs + m3 * NB + c3, mask=xok3, other=0.0)
-            acc = acc + term
-        y = tree_sum(acc, BM, BN, TB, LOG_T)
-        m2, n2 = tl.arange(0, BM)[:, None], n[None, :]
-        tl.store(out + s * (M * N) + m2 * N + n2, y, mask=(m2 < M) & (n2 < N))
+        for t0 in range(first_row, last_row, BM):
+            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
+            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
+            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            acc = tl.zeros((BM, BN, TB), dtype=tl.float32)
+            for c0 in range(first, tl.minimum(first + BPS, NB), TB):
+                c4 = c0 + b4
+                ok4 = (n4 < N) & (c4 < NB)
+                xok = v4 & (c4 < NB)
+                zero = tl.zeros((BM, BN, TB, 4), dtype=tl.int32)
+                at = row4 + c4 * BH + Q0 + 2 * j4
+                qa = joined_at(base, at, ok4)
+                xa, xa2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 8 + j4, xok, XW, DIGITS)
+                xb, xb2 = x_words(xq, x4 * (DIGITS * XW) + c4 * 8 + 4 + j4, xok, XW, DIGITS)
+                if QT == "Q8_0":  # words 0-3 and 4-7 of the block's int8 values
+                    qb = joined_at(base, at + 8, ok4)
+                    isum = tl.sum(dot2(qb, xb, xb2, dot2(qa, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
+                elif QT == "Q4_0":  # (q - 8): -8 in each byte is 0xF8
+                    minus8 = tl.full((BM, BN, TB, 4), -117901064, tl.int32)
+                    lo = dot2(qa & 0x0F0F0F0F, xa, xa2, dot2(minus8, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
+                    isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2, dot2(minus8, xb, xb2, lo, DIGITS, ASM), DIGITS,
+                                       ASM), axis=3)
+                elif QT == "Q4_1":
+                    isum = tl.sum(dot2((qa >> 4) & 0x0F0F0F0F, xb, xb2,
+                                       dot2(qa & 0x0F0F0F0F, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
+                else:  # Q5_0, Q5_1: four bits of qh a word, each to bit 4 of its byte
+                    qh = joined_at(base, row4 + c4 * BH + Q0 - 2, ok4)
+                    tl_ = (qh >> (4 * j4)) & 15
+                    th = (qh >> (16 + 4 * j4)) & 15
+                    qlo = (qa & 0x0F0F0F0F) | ((tl_ & 1) << 4) | ((tl_ & 2) << 11) | ((tl_ & 4) << 18) | ((tl_ & 8) << 25)
+                    qhi = (((qa >> 4) & 0x0F0F0F0F) | ((th & 1) << 4) | ((th & 2) << 11) | ((th & 4) << 18)
+                           | ((th & 8) << 25))
+                    if QT == "Q5_0":  # (q - 16): -16 in each byte is 0xF0
+                        minus16 = tl.full((BM, BN, TB, 4), -252645136, tl.int32)
+                        lo = dot2(qlo, xa, xa2, dot2(minus16, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM)
+                        isum = tl.sum(dot2(qhi, xb, xb2, dot2(minus16, xb, xb2, lo, DIGITS, ASM), DIGITS, ASM), axis=3)
+                    else:
+                        isum = tl.sum(dot2(qhi, xb, xb2, dot2(qlo, xa, xa2, zero, DIGITS, ASM), DIGITS, ASM), axis=3)
+                c3 = c0 + b3
+                ok3 = (n3 < N) & (c3 < NB)
+                xok3 = v3 & (c3 < NB)
+                d = tl.load(base + row3 + c3 * BH, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                dx = tl.load(xd + x3 * NB + c3, mask=xok3, other=0.0)
+                term = d * dx * isum.to(tl.float32)
+                if QT == "Q4_1" or QT == "Q5_1":
+                    mn = tl.load(base + row3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                    term = term + mn * tl.load(xs + x3 * NB + c3, mask=xok3, other=0.0)
+                acc = acc + term
+            y = tree_sum(acc, BM, BN, TB, LOG_T)
+            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     return quantize_rows, q4k_rows, q6k_rows, block32_rows
 
@@ -364,6 +426,46 @@ def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None
     return bn, step, -(-nsb // per), per
 
 
+def quantize(x: torch.Tensor, digits: int = DIGITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float as the kernels read it: (int8 digits [M, digits, K] viewed as int32 words, the digits' scale
+    [M, K / 32], each 32 values' float32 sum [M, K / 32]); a row's quantization is its own (``quantize_rows``)."""
+    if digits not in (1, 2):
+        raise ValueError(f"digits must be 1 or 2 (int8 digits a value of x), got {digits}")
+    x = x.contiguous()
+    m, k = x.shape
+    nb = k // QUANT_BLOCK
+    xq = torch.empty((m, digits, k), dtype=torch.int8, device=x.device)
+    xd = torch.empty((m, nb), dtype=torch.float32, device=x.device)
+    xs = torch.empty((m, nb), dtype=torch.float32, device=x.device)
+    if m:
+        _kernels()[0][(m, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, DIGITS=digits, num_warps=1)
+    return xq.view(torch.int32), xd, xs
+
+
+def _launch(grid, w, xq, xd, xs, out, qtype, n: int, m: int, k: int, bm: int, bn: int, step: int, per: int, *,
+            experts: tuple | None = None, digits: int, asm: bool, warps: int, halves: bool) -> None:
+    """One launch of the type's kernel: dense (``experts`` None: rows 0..m of x against ``w``) or over the routed
+    pairs of the expert table (``experts`` = (table, pairs, experts, ends, which, byte_at, kt, slices, x_per_slot))."""
+    _, q4k, q6k, block32 = _kernels()
+    values, nbytes = block_geometry(qtype)
+    units, row_bytes = k // values, (k // values) * nbytes
+    if experts is None:
+        table = pairs = firsts = ends = w
+        which, byte_at, kt, slices_all, x_per_slot = 0, 0, 1, 1, False
+    else:
+        table, pairs, firsts, ends, which, byte_at, kt, slices_all, x_per_slot = experts
+    common = dict(WHICH=which, X_PER_SLOT=x_per_slot, EXPERTS=experts is not None, BM=bm, BN=bn, DIGITS=digits, ASM=asm,
+                  num_warps=warps)
+    row_units = row_bytes // (4 if qtype in WORDS else 2)  # Q4_K's and Q5_K's in words, even read as halves
+    args = (w, xq, xd, xs, out, n, m, row_units, units, per, table, pairs, firsts, ends, byte_at, kt, slices_all)
+    if qtype in WORDS:
+        q4k[grid](*args, HALVES=halves, SB=step, LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, **common)
+    elif qtype == T.Q6_K:
+        q6k[grid](*args, SB=step, LOG_U=(8 * step).bit_length() - 1, **common)
+    else:
+        block32[grid](*args, QT=qtype.name, TB=step, LOG_T=step.bit_length() - 1, **common)
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
            out: torch.Tensor | None = None, block_n: int | None = None, sb: int | None = None,
            split: int | None = None, num_warps: int | None = None, asm: bool | None = None,
@@ -379,48 +481,69 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     if not aligned(weight, qtype):
         raise ValueError(f"{qtype.name} blocks are read as {'4' if qtype in WORDS else '2'}-byte words: the weight's "
                          "address must be a multiple of that (gguf_kernels.matmul reads any address)")
-    quantize_rows, q4k, q6k, block32 = _kernels()
     asm = (x.is_cuda and not interpreted()) if asm is None else asm
-    x = x.contiguous()
     m_all = x.shape[0]
     y = out if out is not None else torch.empty((m_all, n), dtype=torch.float32, device=x.device)
     if y.shape != (m_all, n) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"out must be contiguous float32 [{m_all}, {n}]")
-    nb = k // QUANT_BLOCK
-    if digits not in (1, 2):
-        raise ValueError(f"digits must be 1 or 2 (int8 digits a value of x), got {digits}")
-    xq = torch.empty((m_all, digits, k), dtype=torch.int8, device=x.device)
-    xd = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
-    xs = torch.empty((m_all, nb), dtype=torch.float32, device=x.device)
-    quantize_rows[(m_all, -(-nb // 8))](x, xq, xd, xs, k, nb, BLOCKS=8, DIGITS=digits, num_warps=1)
+    xq, xd, xs = quantize(x, digits)
     bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
     warps = num_warps or DEFAULT_PLAN[qtype][3]
-    values, nbytes = block_geometry(qtype)
-    nsb, row_bytes = k // values, (k // values) * nbytes
     words = weight.view(torch.int32) if qtype in WORDS else weight.view(torch.int16)
-    row_units = row_bytes // words.element_size()
     for at in range(0, m_all, MAX_ROWS):
         m = min(MAX_ROWS, m_all - at)
         dst = y[at:at + m]
         part = dst if slices == 1 else torch.empty((slices, m, n), dtype=torch.float32, device=x.device)
-        bm = 1 << (m - 1).bit_length()
-        xw = xq[at:at + m].view(torch.int32)  # [m, digits, k / 4]
-        grid = (-(-n // bn), slices)
-        if qtype in WORDS:
-            q4k[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
-                      LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, DIGITS=digits, ASM=asm,
-                      num_warps=warps)
-        elif qtype != T.Q6_K:
-            block32[grid](words, xw, xd[at:at + m], xs[at:at + m], part, n, m, row_units, nsb, per, QT=qtype.name,
-                          BM=bm, BN=bn, TB=step, LOG_T=step.bit_length() - 1, DIGITS=digits, ASM=asm,
-                          num_warps=warps)
-        else:
-            q6k[grid](words, xw, xd[at:at + m], part, n, m, row_units, nsb, per, BM=bm, BN=bn, SB=step,
-                      LOG_U=(8 * step).bit_length() - 1, DIGITS=digits, ASM=asm,
-                      num_warps=warps)
+        _launch((-(-n // bn), slices), words, xq[at:at + m], xd[at:at + m], xs[at:at + m], part, qtype, n, m, k,
+                1 << (m - 1).bit_length(), bn, step, per, digits=digits, asm=asm, warps=warps, halves=False)
         if slices > 1:
             add_slices_kernel()[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
     return y
+
+
+EXPERT_BLOCK_N = 16
+
+
+def expert_slices(qtype: GGMLQuantizationType, k: int, want: int) -> int:
+    """The most slices, at most ``want``, that cut a row of ``k`` values into equal runs of whole blocks: what
+    ``expert_matmul``'s ``part`` is laid out by."""
+    units = k // block_geometry(qtype)[0]
+    return max(s for s in range(1, min(want, units) + 1) if units % s == 0)
+
+
+def single_runs(ids: torch.Tensor, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``expert_runs`` for one row's k routed experts (all different): each pair its own run, in routing order, with
+    no sort; ``at``: ``arange(k + 1)`` on the device, made once by a caller that runs every step."""
+    k = ids.numel()
+    at = torch.arange(k + 1, device=ids.device) if at is None else at
+    return ids.reshape(-1), at[:k], at[1:]
+
+
+def expert_matmul(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch.Tensor, which: int, byte_at: int,
+                  qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool, *, asm: bool | None = None,
+                  digits: int = DIGITS) -> None:
+    """part [rows, S, slots a row, n] float32 = for each routed pair (``runs`` = (experts, pairs, ends):
+    ``grouped_experts.expert_runs``, or ``single_runs`` for one row), its expert's W [n, k] (``qtype`` blocks at byte
+    ``byte_at`` of entry ``which`` in ``table`` [experts, 2] int64 addresses) times x ([rows * slots, k] where
+    ``x_per_slot``, else [rows, k]), over S slices of k (``expert_slices``); the caller adds the slices in order. One
+    program an expert's run reads its weight once for up to 8 of the run's pairs; each pair's sums are bitwise its own
+    alone (the dense kernels' arithmetic)."""
+    if qtype not in TYPES:
+        raise ValueError(f"no int8 GGUF kernel for {qtype.name}; these run: {', '.join(t.name for t in TYPES)}")
+    experts, pairs, ends = runs
+    rows, slices, kt = part.shape[:3]
+    units = k // block_geometry(qtype)[0]
+    if (units % slices or part.shape[3] != n or rows * kt != pairs.numel() or part.dtype != torch.float32
+            or not part.is_contiguous()):
+        raise ValueError(f"part must be contiguous float32 [rows, slices dividing {units} blocks, slots, {n}]")
+    asm = (x.is_cuda and not interpreted()) if asm is None else asm
+    xq, xd, xs = quantize(x, digits)
+    per = units // slices
+    step = 1 if qtype in WORDS or qtype == T.Q6_K else next(s for s in (8, 4, 2, 1) if per % s == 0)
+    bm = min(MAX_ROWS, 1 << (max(rows, 1) - 1).bit_length())  # an expert's run holds at most one pair a row
+    _launch((pairs.numel(), -(-n // EXPERT_BLOCK_N), slices), table, xq, xd, xs, part, qtype, n, rows, k, bm,
+            EXPERT_BLOCK_N, step, per, digits=digits, asm=asm, warps=4, halves=True,
+            experts=(table, pairs, experts, ends, which, byte_at, kt, slices, x_per_slot))
 
 
 def aligned(weight: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
