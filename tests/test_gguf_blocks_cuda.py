@@ -14,8 +14,10 @@ from tests.gguf_files import DIMS, K_DIMS, K_TYPES, T, write_model
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPTS = [[5, 40, 77], [99, 3], [7, 7, 7, 7], [200, 1], [11, 12, 13, 14, 15]]
-# the largest difference of a first-step logit, cuda (float32 activations) against cpu_ref, over the logits' scale
-LOGIT_TOLERANCE = 1e-4
+# the largest difference of a first-step logit, cuda (float32 activations) against cpu_ref, over the logits' scale:
+# cuda's int8 kernels quantize each linear's input to two int8 digits a value; that quantization, applied to cpu_ref's
+# linears on these models, moved the logits by 0.4e-4 to 1.4e-4 of their scale (5 prompts, every type)
+LOGIT_TOLERANCE = 5e-4
 
 
 @pytest.fixture(scope="module")
