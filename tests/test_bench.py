@@ -178,7 +178,7 @@ def test_moe_runs_its_uniform_rows_on_a_gguf(models, tmp_path):
 
 @pytest.mark.parametrize("extra, said", [
     (["--skew", "1.2"], "--gguf writes random blocks: the uniform rows only; set --skew to 0 or empty"),
-    (["--gguf", "Q9"], "--gguf takes a GGUF type (q4_0, q4_1, q4_k, q4_k_m, q5_k, q6_k, q8_0), got 'Q9'"),
+    (["--gguf", "Q9"], "--gguf takes a GGUF type (q4_0, q4_1, q4_k, q4_k_m, q5_0, q5_1, q5_k, q6_k, q8_0), got 'Q9'"),
 ])
 def test_moe_on_a_gguf_refuses_what_it_cannot_run_in_one_line(models, tmp_path, capsys, extra, said):
     argv = ["moe", *CPU_SCENARIOS["moe"], "--gguf", "q8_0", *extra, "--models", str(models), "--out", str(tmp_path)]
