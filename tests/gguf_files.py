@@ -63,6 +63,63 @@ def _block_q5(b, at, offset):
     return y
 
 
+def _block_q2_k(b):
+    """dequantize_row_q2_K's loop: scales[16], qs[64], d at 80, dmin at 82."""
+    d, dmin, y, is_ = _f16(b[80:]), _f16(b[82:]), [], 0
+    for n in range(0, QK_K, 128):
+        q = b[16 + n // 4:]
+        for shift in (0, 2, 4, 6):
+            for half in (0, 16):
+                sc = int(b[is_])
+                is_ += 1
+                dl, ml = d * np.float32(sc & 0xF), dmin * np.float32(sc >> 4)
+                y += [dl * np.float32((int(q[l + half]) >> shift) & 3) - ml for l in range(16)]
+    return y
+
+
+def _block_q3_k(b):
+    """dequantize_row_q3_K's loop: hmask[32], qs[64], 12 bytes of scales, d at 108."""
+    aux = [int.from_bytes(bytes(b[96 + 4 * i:100 + 4 * i]), "little") for i in range(3)] + [0]
+    tmp, m1, m2 = aux[2], 0x03030303, 0x0F0F0F0F
+    aux[2] = ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4)
+    aux[3] = ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4)
+    aux[0] = (aux[0] & m2) | (((tmp >> 0) & m1) << 4)
+    aux[1] = (aux[1] & m2) | (((tmp >> 2) & m1) << 4)
+    scales = np.frombuffer(b"".join(a.to_bytes(4, "little") for a in aux), dtype=np.int8)
+    d_all, y, is_, m = _f16(b[108:]), [], 0, 1
+    for n in range(0, QK_K, 128):
+        q = b[32 + n // 4:]
+        for shift in (0, 2, 4, 6):
+            for half in (0, 16):
+                dl = d_all * np.float32(int(scales[is_]) - 32)
+                is_ += 1
+                y += [dl * np.float32(((int(q[l + half]) >> shift) & 3) - (0 if int(b[l + half]) & m else 4))
+                      for l in range(16)]
+            m <<= 1
+    return y
+
+
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _block_iq4_nl(b):
+    d, qs = _f16(b), b[2:18]
+    return ([d * np.float32(IQ4_LEVELS[int(v) & 0xF]) for v in qs]
+            + [d * np.float32(IQ4_LEVELS[int(v) >> 4]) for v in qs])
+
+
+def _block_iq4_xs(b):
+    """dequantize_row_iq4_xs's loop: d, scales_h (uint16), scales_l[4], qs[128]."""
+    d, sh, y = _f16(b), int(b[2]) | (int(b[3]) << 8), []
+    for ib in range(8):
+        ls = ((int(b[4 + ib // 2]) >> 4 * (ib % 2)) & 0xF) | (((sh >> 2 * ib) & 3) << 4)
+        dl = d * np.float32(ls - 32)
+        qs = b[8 + 16 * ib:24 + 16 * ib]
+        y += [dl * np.float32(IQ4_LEVELS[int(v) & 0xF]) for v in qs] + [dl * np.float32(IQ4_LEVELS[int(v) >> 4])
+                                                                        for v in qs]
+    return y
+
+
 def _block_q4_k(b):
     d, dmin, scales, q = _f16(b), _f16(b[2:]), b[4:16], b[16:144]
     y, at, is_ = [], 0, 0
@@ -114,7 +171,8 @@ def _block_q6_k(b):
 
 
 BLOCKS = {T.Q8_0: _block_q8_0, T.Q4_0: _block_q4_0, T.Q4_1: _block_q4_1, T.Q5_0: lambda b: _block_q5(b, 2, 16),
-          T.Q5_1: lambda b: _block_q5(b, 4, 0), T.Q4_K: _block_q4_k, T.Q5_K: _block_q5_k, T.Q6_K: _block_q6_k}
+          T.Q5_1: lambda b: _block_q5(b, 4, 0), T.Q2_K: _block_q2_k, T.Q3_K: _block_q3_k, T.Q4_K: _block_q4_k,
+          T.Q5_K: _block_q5_k, T.Q6_K: _block_q6_k, T.IQ4_NL: _block_iq4_nl, T.IQ4_XS: _block_iq4_xs}
 
 
 def truth_dequantize(raw: np.ndarray, qtype, shape) -> np.ndarray:
@@ -153,8 +211,15 @@ def random_blocks(qtype, n_values: int, rng: np.random.Generator) -> np.ndarray:
         v = rng.uniform(lo, hi, size=n) * (rng.choice([-1, 1], size=n) if signed else 1)
         return v.astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_NL):
         raw[:, 0:2] = half(0.001, 0.02, signed=True)
+    elif qtype == T.IQ4_XS:
+        raw[:, 0:2] = half(0.0001, 0.002, signed=True)
+    elif qtype == T.Q2_K:
+        raw[:, 80:82] = half(0.0001, 0.002)
+        raw[:, 82:84] = half(0.0001, 0.002)
+    elif qtype == T.Q3_K:
+        raw[:, 108:110] = half(0.0001, 0.002, signed=True)
     elif qtype in (T.Q4_1, T.Q5_1):
         raw[:, 0:2] = half(0.001, 0.02)
         raw[:, 2:4] = half(0.01, 0.2, signed=True)

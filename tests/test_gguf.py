@@ -23,7 +23,7 @@ from kestrel_core.formats.tensor_table import all_specs, validate_checkpoint
 from tests.gguf_files import (DIMS, K_DIMS, K_TYPES, LLAMA_TYPES, T, TOKEN_TYPES, TOKENS, VOCAB, llama_permute,
                               model_metadata, model_tensors, random_blocks, reference_dequantize, write_gguf, write_model)
 
-QUANTS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS]
 MOE_TYPES = {**LLAMA_TYPES, "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.BF16}
 
 
@@ -315,7 +315,7 @@ def _bad(tmp_path, kind):
     if kind == "unknown type":
         return _patched_type(write_model(p)[0], "blk.0.ffn_up.weight", 99)
     if kind == "unsupported type":
-        return write_model(p, dims=K_DIMS, types={**K_TYPES, "ffn_up": T.Q2_K})[0]
+        return write_model(p, dims=K_DIMS, types={**K_TYPES, "ffn_up": T.IQ2_XXS})[0]
     if kind == "missing tensor":
         return write_model(p, drop=("blk.1.ffn_down.weight",))[0]
     if kind == "wrong shape":
@@ -347,7 +347,7 @@ BAD = {
     "not gguf": r"not a GGUF file \(it starts with b'PK",
     "unknown architecture": "general.architecture is 'phi3', which kestrel does not run; supported: llama, qwen3, qwen3moe",
     "unknown type": "tensor 'blk.0.ffn_up.weight' has ggml type 99, .* re-quantize",
-    "unsupported type": "tensor 'blk.0.ffn_up.weight' is of type Q2_K, which kestrel does not read; supported: F32, F16, BF16, Q8_0",
+    "unsupported type": "tensor 'blk.0.ffn_up.weight' is of type IQ2_XXS, which kestrel does not read; supported: F32, F16, BF16, Q8_0",
     "missing tensor": r"missing tensor 'blk.1.ffn_down.weight' \(model.layers.1.mlp.down_proj.weight\)",
     "wrong shape": r"tensor 'blk.0.ffn_gate.weight' has shape \[96, 64\] \(GGUF ne \[64, 96\]\) but the metadata implies \[128, 64\]",
     "vocabulary vs embedding": "tokenizer.ggml.tokens has 264 tokens but token_embd.weight has 265 rows; the vocabulary disagrees",

@@ -27,7 +27,9 @@ from kestrel_core.formats.quant import N_ALIGN, pad_n
 T = GGMLQuantizationType
 # The types kestrel reads; the float ones are mapped zero-copy, the rest dequantized to float32 on demand.
 FLOAT_TYPES = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16"}
-QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 SUPPORTED = (*FLOAT_TYPES, *QUANT_TYPES)
 SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
 Q8_0_GROUP = 32
@@ -116,6 +118,60 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """scales[16] (low nibble a scale, high a min), qs[64] of 2-bit values, d, dmin: value 16j + l of half h is
+    bits 2j of qs[32h + 16(j % 2) + l] ... as dequantize_row_q2_K walks them."""
+    n = b.shape[0]
+    sc = b[:, :16].to(torch.int32)
+    dl = (_f16(b, 80) * (sc & 0xF).float()).reshape(n, 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).float()).reshape(n, 16, 1)
+    q = b[:, 16:80].to(torch.int32).reshape(n, 2, 1, 2, 16)  # [half, -, which 16 of its 32 bytes, l]
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 1, 4, 1, 1)
+    vals = ((q >> shifts) & 3).reshape(n, 16, 16).float()  # [half, shift, which] -> the 16 groups in ggml's order
+    return (dl * vals - ml).reshape(n, 256)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """hmask[32], qs[64] of 2-bit values, 12 bytes of sixteen 6-bit scales, d: value (q - 4 where its hmask bit is
+    clear) times d * (scale - 32), as dequantize_row_q3_K."""
+    n = b.shape[0]
+    aux = b[:, 96:108].contiguous().view(torch.int32)  # [n, 3], little-endian words
+    a0, a1, tmp = aux[:, 0], aux[:, 1], aux[:, 2]
+    m2, m1 = 0x0F0F0F0F, 0x03030303
+    words = torch.stack([(a0 & m2) | (((tmp >> 0) & m1) << 4), (a1 & m2) | (((tmp >> 2) & m1) << 4),
+                         ((a0 >> 4) & m2) | (((tmp >> 4) & m1) << 4), ((a1 >> 4) & m2) | (((tmp >> 6) & m1) << 4)], 1)
+    scales = words.contiguous().view(torch.int8).reshape(n, 16).to(torch.int32)
+    dl = (_f16(b, 108) * (scales - 32).float()).reshape(n, 16, 1)
+    q = b[:, 32:96].to(torch.int32).reshape(n, 2, 1, 2, 16)
+    hm = b[:, :32].to(torch.int32).reshape(n, 1, 1, 2, 16)
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 1, 4, 1, 1)
+    bit = (torch.arange(8, dtype=torch.int32).reshape(1, 2, 4, 1, 1))  # m = 1 << (4 * half + j)
+    vals = ((q >> shifts) & 3) - torch.where((hm >> bit) & 1 == 1, 0, 4)
+    return (dl * vals.reshape(n, 16, 16).float()).reshape(n, 256)
+
+
+def _iq4_levels(nibbles: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_LEVELS, dtype=torch.float32)[nibbles.long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    q = b[:, 2:18].to(torch.int32)
+    return _f16(b, 0) * _iq4_levels(torch.cat([q & 0xF, q >> 4], dim=1))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """d, scales_h (2 bits a 32-value block), scales_l[4] (a nibble a block), qs[128]: block ib's values are
+    d * (ls - 32) * level, its 16 bytes' low nibbles then high ones, as dequantize_row_iq4_xs."""
+    n = b.shape[0]
+    sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    sl = b[:, 4:8].to(torch.int32)
+    ib = torch.arange(8, dtype=torch.int32)
+    ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
+    dl = (_f16(b, 0) * (ls - 32).float()).reshape(n, 8, 1)
+    q = b[:, 8:136].to(torch.int32).reshape(n, 8, 16)
+    return (dl * _iq4_levels(torch.cat([q & 0xF, q >> 4], dim=2))).reshape(n, 256)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     sc, mn = _k_scale_min(b[:, 4:16])
@@ -146,8 +202,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return out.mul_(d).reshape(n, 256)
 
 
-_DEQUANTIZE = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q4_K: _q4_k,
-               T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+_DEQUANTIZE = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k,
+               T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs}
 
 
 def dequantize(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
