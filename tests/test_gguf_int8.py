@@ -248,3 +248,18 @@ def test_expert_parts_it_cannot_fill_are_refused():
     with pytest.raises(ValueError, match="slices dividing 2 blocks"):
         gguf_int8.expert_matmul(inputs(1, 512, torch.float32), gguf_int8.single_runs(ids), table,
                                 torch.empty((1, 3, 2, 4), device=DEVICE), 0, 0, T.Q4_K, 4, 512, x_per_slot=False)
+
+
+@pytest.mark.parametrize("qtype", gguf_int8.MMQ_TYPES, ids=lambda t: t.name)
+def test_many_rows_on_the_tensor_cores_are_bitwise_the_one_row_kernels(qtype):
+    """From MMQ_ROWS rows a K-quant runs every row at once through int8 tl.dot (kquant_mmq): each row bitwise its
+    result alone through the one-row kernels, at both digit counts and with K sliced."""
+    k = 4 * 256
+    raw, deq = weight(qtype, 37, k)
+    x = inputs(gguf_int8.MMQ_ROWS + 17, k, torch.bfloat16, seed=8)
+    for digits, split in ((2, None), (1, 2)):
+        y = gguf_int8.matmul(x, raw, qtype, 37, k, digits=digits, split=split)
+        check(y, qtype, raw, deq, x, digits)
+        assert torch.equal(y, gguf_int8.matmul(x, raw, qtype, 37, k, digits=digits, split=split, mmq=False))
+        for row in (0, 16, 32):
+            assert torch.equal(gguf_int8.matmul(x[row:row + 1], raw, qtype, 37, k, digits=digits, split=split)[0], y[row])

@@ -37,6 +37,9 @@ T = GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 WORDS = (T.Q4_K, T.Q5_K)  # read as 32-bit words (blocks of whole words); the rest as 16-bit halves
 MAX_ROWS = 8  # rows a launch: the rows' partial sums are held together; more rows run as more launches
+MMQ_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # the types whose many rows run on the tensor cores (``kquant_mmq``)
+MMQ_ROWS = 16  # from this many rows a call, those types run on the tensor cores (bitwise the one-row kernels' rows)
+MMQ_BLOCK_N = 64
 QUANT_BLOCK = 32  # values of x sharing one int8 scale
 # int8 digits a value of x: 1 (as llama.cpp: x to 1/254 of its block's largest) or 2 (x1 * 254 + x2: to 1/64516 of it,
 # float32-like; two dp4a where one would do). The gate: bench gguf-gemv --int8-plans with :D
@@ -407,7 +410,136 @@ def _kernels():
             y = tree_sum(acc, BM, BN, TB, LOG_T)
             tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
-    return quantize_rows, q4k_rows, q6k_rows, block32_rows
+    @triton.jit
+    def digit_dot(xq, xat, xok, w, K, DIGITS: tl.constexpr):
+        """x's int8 digits [BM, 32] at ``xat`` (digit 2 K further) times w int8 [32, BN] on the tensor cores, as the
+        one integer the one-row kernels sum (x1 * 254 + x2): exact int32."""
+        x1 = tl.load(xq + xat, mask=xok, other=0)
+        s = tl.dot(x1, w, out_dtype=tl.int32)
+        if DIGITS == 2:
+            s = 254 * s + tl.dot(tl.load(xq + xat + K, mask=xok, other=0), w, out_dtype=tl.int32)
+        return s
+
+    globals().update(digit_dot=digit_dot)
+
+    @triton.jit
+    def kquant_mmq(w, xq, xd, xs, out, N, M, K, ROW_BYTES, NSB, SPS, QT: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, DIGITS: tl.constexpr):
+        """Rows of x times Q4_K, Q5_K or Q6_K rows (uint8 [N, ROW_BYTES]) on the tensor cores, for a batch or a
+        prompt: each 16- or 32-value group's integer sum an int8 ``tl.dot`` (exact), then the one-row kernels' float
+        terms in their order into their partial sums (a run of 64 values a partial sum for Q4_K/Q5_K, a unit for
+        Q6_K: ``q4k_rows``/``q6k_rows`` at one super-block a step), and their pairwise tree: each row bitwise the
+        one-row kernels' result. out[s, m, n] over the super-blocks of slice s (SPS each)."""
+        pm, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        m = pm * BM + tl.arange(0, BM)
+        n = pn * BN + tl.arange(0, BN)
+        mc, nr = m[:, None], n[None, :]  # [BM, 1], [1, BN]
+        l_k = tl.arange(0, 32)[:, None]  # a 32-value group's values, along K of the weight tile
+        l_x = tl.arange(0, 32)[None, :]  # ... along K of the x tile
+        wrow = w + nr.to(tl.int64) * ROW_BYTES
+        nok, mok = nr < N, mc < M
+        XR = DIGITS * K  # int8 digits a row of xq
+        NB = NSB * 8
+        a0 = tl.zeros((BM, BN), dtype=tl.float32)
+        a1 = tl.zeros((BM, BN), dtype=tl.float32)
+        a2 = tl.zeros((BM, BN), dtype=tl.float32)
+        a3 = tl.zeros((BM, BN), dtype=tl.float32)
+        a4 = tl.zeros((BM, BN), dtype=tl.float32)
+        a5 = tl.zeros((BM, BN), dtype=tl.float32)
+        a6 = tl.zeros((BM, BN), dtype=tl.float32)
+        a7 = tl.zeros((BM, BN), dtype=tl.float32)
+        first = s * SPS
+        for c in range(first, tl.minimum(first + SPS, NSB)):
+            if QT == "Q6_K":
+                blk = wrow + c * 210
+                d = (tl.load(blk + 208, mask=nok, other=0).to(tl.uint16)
+                     | (tl.load(blk + 209, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                for h in tl.static_range(2):
+                    qh = tl.load(blk + 128 + 32 * h + l_k, mask=nok, other=0)  # [32, BN]
+                    for p in tl.static_range(2):
+                        ql = tl.load(blk + 64 * h + 32 * p + l_k, mask=nok, other=0)
+                        for jh in tl.static_range(2):
+                            half = (l_k >= 16 * jh) & (l_k < 16 * jh + 16)  # the 16-value group: the rest are zeros
+                            qa = tl.where(half, ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)).to(tl.int32) - 32, 0)
+                            qb = tl.where(half, ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)).to(tl.int32) - 32, 0)
+                            ia = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * p + l_x, mok, qa.to(tl.int8), K, DIGITS)
+                            ib = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * (p + 2) + l_x, mok, qb.to(tl.int8), K,
+                                           DIGITS)
+                            sa = tl.load(blk + 192 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+                            sb_ = tl.load(blk + 192 + 8 * h + 2 * (p + 2) + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+                            dxa = tl.load(xd + mc * NB + c * 8 + 4 * h + p, mask=mok, other=0.0)
+                            dxb = tl.load(xd + mc * NB + c * 8 + 4 * h + p + 2, mask=mok, other=0.0)
+                            term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
+                            term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
+                            u: tl.constexpr = 4 * h + 2 * p + jh
+                            if u == 0:
+                                a0 = a0 + term
+                            elif u == 1:
+                                a1 = a1 + term
+                            elif u == 2:
+                                a2 = a2 + term
+                            elif u == 3:
+                                a3 = a3 + term
+                            elif u == 4:
+                                a4 = a4 + term
+                            elif u == 5:
+                                a5 = a5 + term
+                            elif u == 6:
+                                a6 = a6 + term
+                            else:
+                                a7 = a7 + term
+            else:
+                blk = wrow + c * (176 if QT == "Q5_K" else 144)
+                d = (tl.load(blk, mask=nok, other=0).to(tl.uint16)
+                     | (tl.load(blk + 1, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                dmin = (tl.load(blk + 2, mask=nok, other=0).to(tl.uint16)
+                        | (tl.load(blk + 3, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                if QT == "Q5_K":
+                    qh = tl.load(blk + 16 + l_k, mask=nok, other=0)  # [32, BN]: value l's fifth bits, one a group
+                for r in tl.static_range(4):
+                    qs = tl.load(blk + (48 if QT == "Q5_K" else 16) + 32 * r + l_k, mask=nok, other=0)  # [32, BN]
+                    qlo = qs & 15
+                    qhi = qs >> 4
+                    if QT == "Q5_K":
+                        qlo = qlo | (((qh >> (2 * r)) & 1) << 4)
+                        qhi = qhi | (((qh >> (2 * r + 1)) & 1) << 4)
+                    ilo = digit_dot(xq, mc * XR + c * 256 + 64 * r + l_x, mok, qlo.to(tl.int8), K, DIGITS)
+                    ihi = digit_dot(xq, mc * XR + c * 256 + 64 * r + 32 + l_x, mok, qhi.to(tl.int8), K, DIGITS)
+                    g: tl.constexpr = 2 * r
+                    j: tl.constexpr = g % 4  # groups g and g + 1: bytes j and j + 1 of the scale arrays
+                    sa0 = tl.load(blk + 4 + j, mask=nok, other=0).to(tl.int32)
+                    sa1 = tl.load(blk + 5 + j, mask=nok, other=0).to(tl.int32)
+                    sb0 = tl.load(blk + 8 + j, mask=nok, other=0).to(tl.int32)
+                    sb1 = tl.load(blk + 9 + j, mask=nok, other=0).to(tl.int32)
+                    if g < 4:
+                        sc0, mn0, sc1, mn1 = sa0 & 63, sb0 & 63, sa1 & 63, sb1 & 63
+                    else:
+                        se0 = tl.load(blk + 12 + j, mask=nok, other=0).to(tl.int32)
+                        se1 = tl.load(blk + 13 + j, mask=nok, other=0).to(tl.int32)
+                        sc0, mn0 = (se0 & 15) | ((sa0 >> 6) << 4), (se0 >> 4) | ((sb0 >> 6) << 4)
+                        sc1, mn1 = (se1 & 15) | ((sa1 >> 6) << 4), (se1 >> 4) | ((sb1 >> 6) << 4)
+                    xb = mc * NB + c * 8 + g
+                    dx0 = tl.load(xd + xb, mask=mok, other=0.0)
+                    dx1 = tl.load(xd + xb + 1, mask=mok, other=0.0)
+                    sx0 = tl.load(xs + xb, mask=mok, other=0.0)
+                    sx1 = tl.load(xs + xb + 1, mask=mok, other=0.0)
+                    term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
+                    term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
+                    if r == 0:
+                        a0 = a0 + term
+                    elif r == 1:
+                        a1 = a1 + term
+                    elif r == 2:
+                        a2 = a2 + term
+                    else:
+                        a3 = a3 + term
+        if QT == "Q6_K":
+            y = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+        else:
+            y = (a0 + a1) + (a2 + a3)
+        tl.store(out + s * (M * N) + mc * N + nr, y, mask=mok & nok)
+
+    return quantize_rows, q4k_rows, q6k_rows, block32_rows, kquant_mmq
 
 
 def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None, sb: int | None = None,
@@ -446,7 +578,7 @@ def _launch(grid, w, xq, xd, xs, out, qtype, n: int, m: int, k: int, bm: int, bn
             experts: tuple | None = None, digits: int, asm: bool, warps: int, halves: bool) -> None:
     """One launch of the type's kernel: dense (``experts`` None: rows 0..m of x against ``w``) or over the routed
     pairs of the expert table (``experts`` = (table, pairs, experts, ends, which, byte_at, kt, slices, x_per_slot))."""
-    _, q4k, q6k, block32 = _kernels()
+    _, q4k, q6k, block32, _ = _kernels()
     values, nbytes = block_geometry(qtype)
     units, row_bytes = k // values, (k // values) * nbytes
     if experts is None:
@@ -469,10 +601,12 @@ def _launch(grid, w, xq, xd, xs, out, qtype, n: int, m: int, k: int, bm: int, bn
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
            out: torch.Tensor | None = None, block_n: int | None = None, sb: int | None = None,
            split: int | None = None, num_warps: int | None = None, asm: bool | None = None,
-           digits: int = DIGITS) -> torch.Tensor:
+           digits: int = DIGITS, mmq: bool = True) -> torch.Tensor:
     """y [M, n] float32 = x [M, k] @ W.T, W [n, k] as ``qtype`` blocks (uint8, ggml's layout), x quantized to int8
-    per 32 values first. Row m of y is bitwise the result for x[m] alone, for any M. The plan's overrides are for
-    measuring (a row's bits follow the plan); ``asm`` False runs the spelt-out dot4 on a GPU too."""
+    per 32 values first. Row m of y is bitwise the result for x[m] alone, for any M: up to 8 rows a launch of the
+    one-row kernels, or from ``MMQ_ROWS`` rows of a K-quant every row at once on the tensor cores (``kquant_mmq``;
+    ``mmq`` False keeps the one-row kernels). The plan's overrides are for measuring (a row's bits follow the plan);
+    ``asm`` False runs the spelt-out dot4 on a GPU too."""
     from backends.cuda.gguf_kernels import add_slices_kernel, check
 
     check(x, weight, qtype, n, k)
@@ -488,6 +622,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         raise ValueError(f"out must be contiguous float32 [{m_all}, {n}]")
     xq, xd, xs = quantize(x, digits)
     bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
+    if m_all >= MMQ_ROWS and qtype in MMQ_TYPES and step == 1 and mmq:
+        part = y if slices == 1 else torch.empty((slices, m_all, n), dtype=torch.float32, device=x.device)
+        bm = 64 if m_all >= 64 else 32 if m_all >= 32 else 16
+        _kernels()[4][(-(-m_all // bm), -(-n // MMQ_BLOCK_N), slices)](
+            weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, gguf_kernels_row_bytes(qtype, k), k // 256, per,
+            QT=qtype.name, BM=bm, BN=MMQ_BLOCK_N, DIGITS=digits, num_warps=4)
+        if slices > 1:
+            add_slices_kernel()[(-(-(m_all * n) // 1024),)](part, y, m_all * n, SPLIT=slices, BLOCK=1024, num_warps=4)
+        return y
     warps = num_warps or DEFAULT_PLAN[qtype][3]
     words = weight.view(torch.int32) if qtype in WORDS else weight.view(torch.int16)
     for at in range(0, m_all, MAX_ROWS):
@@ -544,6 +687,11 @@ def expert_matmul(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch
     _launch((pairs.numel(), -(-n // EXPERT_BLOCK_N), slices), table, xq, xd, xs, part, qtype, n, rows, k, bm,
             EXPERT_BLOCK_N, step, per, digits=digits, asm=asm, warps=4, halves=True,
             experts=(table, pairs, experts, ends, which, byte_at, kt, slices, x_per_slot))
+
+
+def gguf_kernels_row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
+    values, nbytes = block_geometry(qtype)
+    return k // values * nbytes
 
 
 def aligned(weight: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
