@@ -13,11 +13,11 @@ sum is turned into float32 once, times the group's scales.
 ``y = sum_g d_g * dx_g * sum(q * xq)``, plus for the types with a min (Q4_1, Q5_1, Q4_K, Q5_K) ``m_g * sum_g(x)`` with the
 block's exact float sum of x.
 
-The order of every float operation is fixed by the weight's shape alone: a program keeps per-row float32 partial sums
-[rows, BLOCK_N, T] (T groups of the blocks it walks at once), adds each step's terms into them elementwise, and ends
-with a fixed pairwise tree over T (``tree_sum``, spelt with ``tl.split``, not ``tl.sum`` whose order follows the
-layout). Integer sums are exact in any order. So row m of a batch is bitwise row m alone, for any M and any rows
-beside it.
+The order of every float operation is fixed by the weight's shape alone: a program keeps one float32 partial sum a
+row and output, and adds each group's term into it, one add a term, in the weight's order (``fold``), never a float
+reduction whose order would follow the layout. Integer sums are exact in any order. So row m of a batch is bitwise row m alone, for any M
+and any rows beside it, and the tensor-core kernel for many rows (``kquant_mmq``) adds the same terms in the same
+order.
 
 ``dp4a`` is PTX; under Triton's interpreter (CI) ``dot4`` spells the same integer arithmetic out, so the two are
 bitwise one (a cuda test holds the GPU's dp4a to the spelt-out twin). Q4_K's and Q5_K's blocks (144 and 176 bytes)
@@ -60,6 +60,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # the compiler resolves a jit function's names (its annotations' ``tl`` too) in this module's globals
+    globals().update(tl=tl)
+
     @triton.jit
     def dot4(a, b, c, ASM: tl.constexpr):
         """c + the dot product of the four signed bytes of a and of b (int32 words): ``dp4a`` on a GPU; the same
@@ -93,20 +96,21 @@ def _kernels():
         return x1, x2
 
     @triton.jit
-    def tree_sum(acc, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, LOG_T: tl.constexpr):
-        """acc [BM, BN, T] (T = 2 ** LOG_T) summed over T by a fixed pairwise tree (element 2i with 2i + 1, then
-        again): the same additions in the same order whatever the layout, so a row's bits do not follow BM."""
-        for i in tl.static_range(LOG_T):
-            lo, hi = tl.split(tl.reshape(acc, (BM, BN, T >> (i + 1), 2)))
-            acc = lo + hi
-        return tl.reshape(acc, (BM, BN))
+    def fold(acc, term, T: tl.constexpr):
+        """acc [BM, BN] plus each of term's T slots [BM, BN, T] in slot order, one add each: the same additions in the
+        same order whatever the layout, so a row's bits follow neither BM nor the tile (the tensor-core kernel adds
+        its groups' terms so too). A slot is picked out exactly (a sum of it and zeros)."""
+        slot = tl.arange(0, T)[None, None, :]
+        for i in tl.static_range(T):
+            acc = acc + tl.sum(tl.where(slot == i, term, 0.0), axis=2)
+        return acc
 
     @triton.jit
     def f16_lo(word):
         """The float16 in the low half of an int32 word, as float32."""
         return (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
-    globals().update(dot4=dot4, dot2=dot2, x_words=x_words, tree_sum=tree_sum, f16_lo=f16_lo)  # Triton finds called functions in the globals
+    globals().update(dot4=dot4, dot2=dot2, x_words=x_words, fold=fold, f16_lo=f16_lo)  # Triton finds called functions in the globals
 
     @triton.jit
     def quantize_rows(x, xq, xd, xs, K, NB, BLOCKS: tl.constexpr, DIGITS: tl.constexpr):
@@ -192,7 +196,7 @@ def _kernels():
     @triton.jit
     def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
                  WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, HALVES: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, LOG_T: tl.constexpr, FIVE: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, FIVE: tl.constexpr,
                  DIGITS: tl.constexpr, ASM: tl.constexpr):
         """Q4_K (and FIVE: Q5_K) rows times x's rows, over the super-blocks of slice s (SPS each, SB at a step): a
         super-block is 36 words (d|dmin, three of scales and mins, 32 of quants), Q5_K's 44 (eight words of fifth
@@ -219,7 +223,7 @@ def _kernels():
             valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
             v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
             v3, x3 = valid[:, None, None], xrow[:, None, None]
-            acc = tl.zeros((BM, BN, T), dtype=tl.float32)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
                 c4 = c0 + sb4
                 ok4 = (n4 < N) & (c4 < NSB)
@@ -262,14 +266,14 @@ def _kernels():
                 sx1 = tl.load(xs + xb + 1, mask=xok3, other=0.0)
                 term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
                 term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
-                acc = acc + term
-            y = tree_sum(acc, BM, BN, T, LOG_T)
+                acc = fold(acc, term, T)
+            y = acc
             tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     @triton.jit
     def q6k_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
                  WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, SB: tl.constexpr, LOG_U: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
+                 BN: tl.constexpr, SB: tl.constexpr, DIGITS: tl.constexpr, ASM: tl.constexpr):
         """``q4k_rows`` for Q6_K (int16 halves [N, ROW_HALVES]; a super-block is 105 halves: ql[128], qh[64], 16 int8
         scales, d). Axes: [rows, BN outputs, U = SB * 8 units, 4 words]; unit (sb, h, p, jh) holds values
         128h + 32t + 16jh + 4jl .. + 3 for t = p (the ql bytes' low nibbles) and t = p + 2 (their high nibbles)."""
@@ -291,7 +295,7 @@ def _kernels():
             valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
             v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
             v3, x3 = valid[:, None, None], xrow[:, None, None]
-            acc = tl.zeros((BM, BN, U), dtype=tl.float32)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
                 c4 = c0 + sb4
                 ok4 = (n4 < N) & (c4 < NSB)
@@ -320,14 +324,14 @@ def _kernels():
                 dxb = tl.load(xd + x3 * NB + c3 * 8 + 4 * h3 + p3 + 2, mask=xok3, other=0.0)
                 term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
                 term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
-                acc = acc + term
-            y = tree_sum(acc, BM, BN, U, LOG_U)
+                acc = fold(acc, term, U)
+            y = acc
             tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     @triton.jit
     def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
                      WHICH: tl.constexpr, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr, QT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, TB: tl.constexpr, LOG_T: tl.constexpr, DIGITS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, TB: tl.constexpr, DIGITS: tl.constexpr,
                      ASM: tl.constexpr):
         """``q4k_rows`` for the 32-value blocks (int16 halves [N, ROW_HALVES]): Q8_0 (17 halves: d, 32 int8), Q4_0 (9:
         d, 16 bytes, value j the low nibble of byte j and value j + 16 its high one, q - 8), Q4_1 (10: d, m, Q4_0's
@@ -363,7 +367,7 @@ def _kernels():
             valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
             v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
             v3, x3 = valid[:, None, None], xrow[:, None, None]
-            acc = tl.zeros((BM, BN, TB), dtype=tl.float32)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + BPS, NB), TB):
                 c4 = c0 + b4
                 ok4 = (n4 < N) & (c4 < NB)
@@ -406,8 +410,8 @@ def _kernels():
                 if QT == "Q4_1" or QT == "Q5_1":
                     mn = tl.load(base + row3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                     term = term + mn * tl.load(xs + x3 * NB + c3, mask=xok3, other=0.0)
-                acc = acc + term
-            y = tree_sum(acc, BM, BN, TB, LOG_T)
+                acc = fold(acc, term, TB)
+            y = acc
             tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
 
     @triton.jit
@@ -427,9 +431,9 @@ def _kernels():
                    BN: tl.constexpr, DIGITS: tl.constexpr):
         """Rows of x times Q4_K, Q5_K or Q6_K rows (uint8 [N, ROW_BYTES]) on the tensor cores, for a batch or a
         prompt: each 16- or 32-value group's integer sum an int8 ``tl.dot`` (exact), then the one-row kernels' float
-        terms in their order into their partial sums (a run of 64 values a partial sum for Q4_K/Q5_K, a unit for
-        Q6_K: ``q4k_rows``/``q6k_rows`` at one super-block a step), and their pairwise tree: each row bitwise the
-        one-row kernels' result. out[s, m, n] over the super-blocks of slice s (SPS each)."""
+        terms added in their order (a run of 64 values after another for Q4_K/Q5_K, a unit for Q6_K:
+        ``q4k_rows``/``q6k_rows`` at one super-block a step): each row bitwise the one-row kernels' result.
+        out[s, m, n] over the super-blocks of slice s (SPS each)."""
         pm, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         m = pm * BM + tl.arange(0, BM)
         n = pn * BN + tl.arange(0, BN)
@@ -440,103 +444,67 @@ def _kernels():
         nok, mok = nr < N, mc < M
         XR = DIGITS * K  # int8 digits a row of xq
         NB = NSB * 8
-        a0 = tl.zeros((BM, BN), dtype=tl.float32)
-        a1 = tl.zeros((BM, BN), dtype=tl.float32)
-        a2 = tl.zeros((BM, BN), dtype=tl.float32)
-        a3 = tl.zeros((BM, BN), dtype=tl.float32)
-        a4 = tl.zeros((BM, BN), dtype=tl.float32)
-        a5 = tl.zeros((BM, BN), dtype=tl.float32)
-        a6 = tl.zeros((BM, BN), dtype=tl.float32)
-        a7 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)  # the one-row kernels' order: group terms in turn
         first = s * SPS
-        for c in range(first, tl.minimum(first + SPS, NSB)):
-            if QT == "Q6_K":
+        last = tl.minimum(first + SPS, NSB)
+        if QT == "Q6_K":
+            for u in range(first * 8, last * 8):  # the one-row kernel's unit (h, p, jh) of super-block c, in turn
+                c, h, p, jh = u // 8, (u // 4) % 2, (u // 2) % 2, u % 2
                 blk = wrow + c * 210
                 d = (tl.load(blk + 208, mask=nok, other=0).to(tl.uint16)
                      | (tl.load(blk + 209, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                for h in tl.static_range(2):
-                    qh = tl.load(blk + 128 + 32 * h + l_k, mask=nok, other=0)  # [32, BN]
-                    for p in tl.static_range(2):
-                        ql = tl.load(blk + 64 * h + 32 * p + l_k, mask=nok, other=0)
-                        for jh in tl.static_range(2):
-                            half = (l_k >= 16 * jh) & (l_k < 16 * jh + 16)  # the 16-value group: the rest are zeros
-                            qa = tl.where(half, ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)).to(tl.int32) - 32, 0)
-                            qb = tl.where(half, ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)).to(tl.int32) - 32, 0)
-                            ia = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * p + l_x, mok, qa.to(tl.int8), K, DIGITS)
-                            ib = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * (p + 2) + l_x, mok, qb.to(tl.int8), K,
-                                           DIGITS)
-                            sa = tl.load(blk + 192 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-                            sb_ = tl.load(blk + 192 + 8 * h + 2 * (p + 2) + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-                            dxa = tl.load(xd + mc * NB + c * 8 + 4 * h + p, mask=mok, other=0.0)
-                            dxb = tl.load(xd + mc * NB + c * 8 + 4 * h + p + 2, mask=mok, other=0.0)
-                            term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
-                            term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
-                            u: tl.constexpr = 4 * h + 2 * p + jh
-                            if u == 0:
-                                a0 = a0 + term
-                            elif u == 1:
-                                a1 = a1 + term
-                            elif u == 2:
-                                a2 = a2 + term
-                            elif u == 3:
-                                a3 = a3 + term
-                            elif u == 4:
-                                a4 = a4 + term
-                            elif u == 5:
-                                a5 = a5 + term
-                            elif u == 6:
-                                a6 = a6 + term
-                            else:
-                                a7 = a7 + term
-            else:
+                qh = tl.load(blk + 128 + 32 * h + l_k, mask=nok, other=0)  # [32, BN]
+                ql = tl.load(blk + 64 * h + 32 * p + l_k, mask=nok, other=0)
+                half = (l_k >= 16 * jh) & (l_k < 16 * jh + 16)  # the 16-value group: the rest are zeros
+                qa = tl.where(half, ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)).to(tl.int32) - 32, 0)
+                qb = tl.where(half, ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)).to(tl.int32) - 32, 0)
+                ia = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * p + l_x, mok, qa.to(tl.int8), K, DIGITS)
+                ib = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * (p + 2) + l_x, mok, qb.to(tl.int8), K, DIGITS)
+                sa = tl.load(blk + 192 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+                sb_ = tl.load(blk + 196 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+                dxa = tl.load(xd + mc * NB + c * 8 + 4 * h + p, mask=mok, other=0.0)
+                dxb = tl.load(xd + mc * NB + c * 8 + 4 * h + p + 2, mask=mok, other=0.0)
+                term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
+                term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
+                acc = acc + term
+        else:
+            for u in range(first * 4, last * 4):  # run r of super-block c, in turn
+                c, r = u // 4, u % 4
                 blk = wrow + c * (176 if QT == "Q5_K" else 144)
                 d = (tl.load(blk, mask=nok, other=0).to(tl.uint16)
                      | (tl.load(blk + 1, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
                 dmin = (tl.load(blk + 2, mask=nok, other=0).to(tl.uint16)
                         | (tl.load(blk + 3, mask=nok, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                qs = tl.load(blk + (48 if QT == "Q5_K" else 16) + 32 * r + l_k, mask=nok, other=0)  # [32, BN]
+                qlo = qs & 15
+                qhi = qs >> 4
                 if QT == "Q5_K":
-                    qh = tl.load(blk + 16 + l_k, mask=nok, other=0)  # [32, BN]: value l's fifth bits, one a group
-                for r in tl.static_range(4):
-                    qs = tl.load(blk + (48 if QT == "Q5_K" else 16) + 32 * r + l_k, mask=nok, other=0)  # [32, BN]
-                    qlo = qs & 15
-                    qhi = qs >> 4
-                    if QT == "Q5_K":
-                        qlo = qlo | (((qh >> (2 * r)) & 1) << 4)
-                        qhi = qhi | (((qh >> (2 * r + 1)) & 1) << 4)
-                    ilo = digit_dot(xq, mc * XR + c * 256 + 64 * r + l_x, mok, qlo.to(tl.int8), K, DIGITS)
-                    ihi = digit_dot(xq, mc * XR + c * 256 + 64 * r + 32 + l_x, mok, qhi.to(tl.int8), K, DIGITS)
-                    g: tl.constexpr = 2 * r
-                    j: tl.constexpr = g % 4  # groups g and g + 1: bytes j and j + 1 of the scale arrays
-                    sa0 = tl.load(blk + 4 + j, mask=nok, other=0).to(tl.int32)
-                    sa1 = tl.load(blk + 5 + j, mask=nok, other=0).to(tl.int32)
-                    sb0 = tl.load(blk + 8 + j, mask=nok, other=0).to(tl.int32)
-                    sb1 = tl.load(blk + 9 + j, mask=nok, other=0).to(tl.int32)
-                    if g < 4:
-                        sc0, mn0, sc1, mn1 = sa0 & 63, sb0 & 63, sa1 & 63, sb1 & 63
-                    else:
-                        se0 = tl.load(blk + 12 + j, mask=nok, other=0).to(tl.int32)
-                        se1 = tl.load(blk + 13 + j, mask=nok, other=0).to(tl.int32)
-                        sc0, mn0 = (se0 & 15) | ((sa0 >> 6) << 4), (se0 >> 4) | ((sb0 >> 6) << 4)
-                        sc1, mn1 = (se1 & 15) | ((sa1 >> 6) << 4), (se1 >> 4) | ((sb1 >> 6) << 4)
-                    xb = mc * NB + c * 8 + g
-                    dx0 = tl.load(xd + xb, mask=mok, other=0.0)
-                    dx1 = tl.load(xd + xb + 1, mask=mok, other=0.0)
-                    sx0 = tl.load(xs + xb, mask=mok, other=0.0)
-                    sx1 = tl.load(xs + xb + 1, mask=mok, other=0.0)
-                    term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
-                    term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
-                    if r == 0:
-                        a0 = a0 + term
-                    elif r == 1:
-                        a1 = a1 + term
-                    elif r == 2:
-                        a2 = a2 + term
-                    else:
-                        a3 = a3 + term
-        if QT == "Q6_K":
-            y = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-        else:
-            y = (a0 + a1) + (a2 + a3)
+                    qh = tl.load(blk + 16 + l_k, mask=nok, other=0)  # value l's fifth bits, one a group
+                    qlo = qlo | (((qh >> (2 * r)) & 1) << 4)
+                    qhi = qhi | (((qh >> (2 * r + 1)) & 1) << 4)
+                ilo = digit_dot(xq, mc * XR + c * 256 + 64 * r + l_x, mok, qlo.to(tl.int8), K, DIGITS)
+                ihi = digit_dot(xq, mc * XR + c * 256 + 64 * r + 32 + l_x, mok, qhi.to(tl.int8), K, DIGITS)
+                j = (2 * r) % 4  # groups 2r and 2r + 1: bytes j and j + 1 of each scale array
+                sa0 = tl.load(blk + 4 + j, mask=nok, other=0).to(tl.int32)
+                sa1 = tl.load(blk + 5 + j, mask=nok, other=0).to(tl.int32)
+                sb0 = tl.load(blk + 8 + j, mask=nok, other=0).to(tl.int32)
+                sb1 = tl.load(blk + 9 + j, mask=nok, other=0).to(tl.int32)
+                se0 = tl.load(blk + 12 + j, mask=nok, other=0).to(tl.int32)
+                se1 = tl.load(blk + 13 + j, mask=nok, other=0).to(tl.int32)
+                low = r < 2
+                sc0 = tl.where(low, sa0 & 63, (se0 & 15) | ((sa0 >> 6) << 4))
+                mn0 = tl.where(low, sb0 & 63, (se0 >> 4) | ((sb0 >> 6) << 4))
+                sc1 = tl.where(low, sa1 & 63, (se1 & 15) | ((sa1 >> 6) << 4))
+                mn1 = tl.where(low, sb1 & 63, (se1 >> 4) | ((sb1 >> 6) << 4))
+                xb = mc * NB + c * 8 + 2 * r
+                dx0 = tl.load(xd + xb, mask=mok, other=0.0)
+                dx1 = tl.load(xd + xb + 1, mask=mok, other=0.0)
+                sx0 = tl.load(xs + xb, mask=mok, other=0.0)
+                sx1 = tl.load(xs + xb + 1, mask=mok, other=0.0)
+                term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
+                term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
+                acc = acc + term
+        y = acc
         tl.store(out + s * (M * N) + mc * N + nr, y, mask=mok & nok)
 
     return quantize_rows, q4k_rows, q6k_rows, block32_rows, kquant_mmq
@@ -591,11 +559,11 @@ def _launch(grid, w, xq, xd, xs, out, qtype, n: int, m: int, k: int, bm: int, bn
     row_units = row_bytes // (4 if qtype in WORDS else 2)  # Q4_K's and Q5_K's in words, even read as halves
     args = (w, xq, xd, xs, out, n, m, row_units, units, per, table, pairs, firsts, ends, byte_at, kt, slices_all)
     if qtype in WORDS:
-        q4k[grid](*args, HALVES=halves, SB=step, LOG_T=(4 * step).bit_length() - 1, FIVE=qtype == T.Q5_K, **common)
+        q4k[grid](*args, HALVES=halves, SB=step, FIVE=qtype == T.Q5_K, **common)
     elif qtype == T.Q6_K:
-        q6k[grid](*args, SB=step, LOG_U=(8 * step).bit_length() - 1, **common)
+        q6k[grid](*args, SB=step, **common)
     else:
-        block32[grid](*args, QT=qtype.name, TB=step, LOG_T=step.bit_length() - 1, **common)
+        block32[grid](*args, QT=qtype.name, TB=step, **common)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
@@ -624,10 +592,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     bn, step, slices, per = plan(qtype, n, k, block_n, sb, split)
     if m_all >= MMQ_ROWS and qtype in MMQ_TYPES and step == 1 and mmq:
         part = y if slices == 1 else torch.empty((slices, m_all, n), dtype=torch.float32, device=x.device)
-        bm = 64 if m_all >= 64 else 32 if m_all >= 32 else 16
+        bm = 64 if m_all >= 64 else 32 if m_all >= 32 else 16  # tiles change no bit: each output adds its own terms
         _kernels()[4][(-(-m_all // bm), -(-n // MMQ_BLOCK_N), slices)](
             weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, gguf_kernels_row_bytes(qtype, k), k // 256, per,
-            QT=qtype.name, BM=bm, BN=MMQ_BLOCK_N, DIGITS=digits, num_warps=4)
+            QT=qtype.name, BM=bm, BN=MMQ_BLOCK_N, DIGITS=digits, num_warps=8 if bm == 64 else 4)
         if slices > 1:
             add_slices_kernel()[(-(-(m_all * n) // 1024),)](part, y, m_all * n, SPLIT=slices, BLOCK=1024, num_warps=4)
         return y
@@ -637,8 +605,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         m = min(MAX_ROWS, m_all - at)
         dst = y[at:at + m]
         part = dst if slices == 1 else torch.empty((slices, m, n), dtype=torch.float32, device=x.device)
-        _launch((-(-n // bn), slices), words, xq[at:at + m], xd[at:at + m], xs[at:at + m], part, qtype, n, m, k,
-                1 << (m - 1).bit_length(), bn, step, per, digits=digits, asm=asm, warps=warps, halves=False)
+        bm = 1 << (m - 1).bit_length()
+        bn_m = bn if block_n or bm <= 2 else min(bn, 8)  # outputs a program: no bit follows it; 8 keeps 8 rows unspilled
+        _launch((-(-n // bn_m), slices), words, xq[at:at + m], xd[at:at + m], xs[at:at + m], part, qtype, n, m, k,
+                bm, bn_m, step, per, digits=digits, asm=asm, warps=warps, halves=False)
         if slices > 1:
             add_slices_kernel()[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
     return y
