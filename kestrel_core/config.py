@@ -26,6 +26,7 @@ WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
 MICRO_BATCHES = ("auto", "on", "off")
+GGUF_KERNELS = ("float", "int8")
 TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
@@ -160,6 +161,14 @@ class BackendConfig:
     # ranks: a decode step of several rows goes through the pipeline in micro-batches, so the ranks work at once; "auto":
     # on for cuda (a device a rank), off for cpu_ref (the ranks of one host share its cores and memory bandwidth)
     micro_batches: str = attrs.field(default="auto")
+    # cuda: the kernels a GGUF's blocks run through: "float" (dequantized in the kernel, float32 sums) or "int8" (x
+    # quantized to two int8 digits a value, int8 dot products; many rows on the tensor cores)
+    gguf_kernels: str = attrs.field(default="float")
+
+    @gguf_kernels.validator
+    def _check_gguf_kernels(self, _, value: str) -> None:
+        if value not in GGUF_KERNELS:
+            raise ConfigError(f"gguf_kernels must be one of {', '.join(GGUF_KERNELS)}, got {value!r}")
 
     @micro_batches.validator
     def _check_micro_batches(self, _, value: str) -> None:

@@ -104,9 +104,11 @@ def _entries(path):
 
 
 @needs_triton
+@pytest.mark.parametrize("int8", [False, True], ids=["float kernels", "int8 kernels"])
 @pytest.mark.parametrize("which", ["k", "mixed"])
-def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invariant(which, k_model, tmp_path):
-    """On a GPU the kernels run compiled, which may fuse a dequantization's multiply-add: the bound holds there too."""
+def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invariant(which, int8, k_model, tmp_path):
+    """On a GPU the kernels run compiled, which may fuse a dequantization's multiply-add: the bound holds there too.
+    The int8 kernels' columns are held to their own arithmetic (x quantized), the float kernels' to x's product."""
     path = k_model if which == "k" else write_model(tmp_path / "m.gguf", types=MIXED)[0]
     entries = _entries(path)
     assert entries
@@ -120,12 +122,12 @@ def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invarian
         assert w.nbytes == sum(p.nbytes for p in parts)  # the stored bytes, nothing added
         w, want = w.to(DEVICE), want.to(DEVICE)
         x = torch.randn(5, w.k, generator=gen).to(DEVICE)
-        y = blocks.block_linear(x, w)
+        y = blocks.block_linear(x, w, int8)
         assert y.shape == (5, w.n) and y.dtype == torch.float32
         row = 0
         for seg in w.segments:  # each segment's columns: the int8 kernels' types against their own arithmetic
             cols, wseg = y[:, row:row + seg.n], want[row:row + seg.n]
-            if seg.qtype in gguf_int8.TYPES:
+            if int8 and seg.qtype in gguf_int8.TYPES and gguf_int8.aligned(w.segment(seg), seg.qtype):
                 raw = w.segment(seg).cpu()
                 deq = gguf_quants.dequantize(raw, seg.qtype, (seg.n, w.k))
                 assert torch.equal(deq, wseg.cpu())  # the segment's blocks are the rows of its view
@@ -135,10 +137,10 @@ def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invarian
             assert bool(((cols.cpu().double() - ref).abs() <= 1e-6 * scale + 1e-12).all()), (key, name, seg.qtype.name)
             row += seg.n
         for m in range(5):
-            assert torch.equal(blocks.block_linear(x[m:m + 1], w)[0], y[m]), (key, name, m)
-        assert blocks.block_linear(x[None, :2], w).shape == (1, 2, w.n)  # leading dims kept
+            assert torch.equal(blocks.block_linear(x[m:m + 1], w, int8)[0], y[m]), (key, name, m)
+        assert blocks.block_linear(x[None, :2], w, int8).shape == (1, 2, w.n)  # leading dims kept
         xb = x.to(torch.bfloat16)
-        assert blocks.block_linear(xb, w).dtype == torch.bfloat16
+        assert blocks.block_linear(xb, w, int8).dtype == torch.bfloat16
 
 
 def test_a_buffer_takes_only_its_own_layout():

@@ -30,9 +30,9 @@ def test_rows_are_padded_to_a_power_of_two_then_to_whole_launches(monkeypatch):
     assert gguf_kernels.MAX_ROWS == 64
 
 
-def test_segments_run_the_int8_kernels_where_their_address_is_whole_words(monkeypatch):
-    """The kernel follows a segment's type and address, never the rows: a Q4_K segment (read as 4-byte words) at an
-    address that is no multiple of 4 runs the float kernel at every row count."""
+def test_segments_run_the_int8_kernels_where_asked_and_their_address_is_whole_words(monkeypatch):
+    """The kernel follows the setting and a segment's type and address, never the rows: a Q4_K segment (read as 4-byte
+    words) at an address that is no multiple of 4 runs the float kernel at every row count."""
     calls = []
     for mod in (gguf_kernels, gguf_int8):
         monkeypatch.setattr(mod, "matmul", lambda x, weight, qtype, n, k, mod=mod: calls.append(
@@ -40,12 +40,15 @@ def test_segments_run_the_int8_kernels_where_their_address_is_whole_words(monkey
     w = blocks.BlockWeight.empty(256, (("Q4_K", 2), ("Q8_0", 2), ("Q6_K", 2)))
     for m in (1, 3, 70):
         calls.clear()
-        blocks.block_linear(torch.zeros(m, 256), w)
+        blocks.block_linear(torch.zeros(m, 256), w, int8=True)
         assert [c[:2] for c in calls] == [("gguf_int8", "Q4_K"), ("gguf_int8", "Q8_0"), ("gguf_int8", "Q6_K")]
+        calls.clear()
+        blocks.block_linear(torch.zeros(m, 256), w)  # [backend] gguf_kernels = "float", the default
+        assert [c[:2] for c in calls] == [("gguf_kernels", "Q4_K"), ("gguf_kernels", "Q8_0"), ("gguf_kernels", "Q6_K")]
     odd = blocks.BlockWeight.empty(256, (("Q6_K", 1), ("Q4_K", 2)))  # Q6_K's 210 bytes put Q4_K's at 2 mod 4
     for m in (1, 5):
         calls.clear()
-        blocks.block_linear(torch.zeros(m, 256), odd)
+        blocks.block_linear(torch.zeros(m, 256), odd, int8=True)
         assert [c[:2] for c in calls] == [("gguf_int8", "Q6_K"), ("gguf_kernels", "Q4_K")] and calls[1][2] == 2
 
 
@@ -55,3 +58,15 @@ def test_a_buffer_refuses_another_row_width():
                   blocks.BlockWeight.empty(512, (("Q4_K", 2),))):  # the same bytes, half the rows
         with pytest.raises(ValueError, match="block layout mismatch"):
             a.copy_(other)
+
+
+def test_gguf_kernels_is_float_or_int8(tiny_ckpt, tmp_path, capsys):
+    """[backend] gguf_kernels and --gguf-kernels: a value it does not know is one line naming both it takes."""
+    from cli_helpers import fails, gen
+    from kestrel_core.config import BackendConfig
+
+    assert BackendConfig().gguf_kernels == "float" and BackendConfig(gguf_kernels="int8").gguf_kernels == "int8"
+    fails(gen(tiny_ckpt, "--gguf-kernels", "fp8"), capsys, "gguf_kernels must be one of float, int8, got 'fp8'")
+    toml = tmp_path / "kestrel.toml"
+    toml.write_text('[backend]\ngguf_kernels = "int4"\n')
+    fails(gen(tiny_ckpt, "--config", str(toml)), capsys, "gguf_kernels must be one of float, int8, got 'int4'")

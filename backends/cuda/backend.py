@@ -75,6 +75,7 @@ class CudaBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
+        self.gguf_int8 = ctx.backend.gguf_kernels == "int8"  # [backend] gguf_kernels: which kernels run GGUF blocks
         if ctx.backend.threads:
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
                           "effect here", KestrelNote, stacklevel=2)
@@ -234,7 +235,8 @@ class CudaBackend(Backend):
             q8_params = (gu.shape[0] // gu.layout[2], gu.shape[1], dn.shape[1])  # group, gate_up n_pad, down n_pad
         cfg = self.cfg
         return grouped_experts.GroupedExperts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                                              self.dtype, self.device, q8_params, blocks=held == {True})
+                                              self.dtype, self.device, q8_params, blocks=held == {True},
+                                              int8=self.gguf_int8)
 
     def fetched_experts(self, x, weights, chosen, used, weights_of):
         if self._grouped is None or x.shape[0] != 1:
@@ -537,12 +539,11 @@ class CudaBackend(Backend):
         self.counters.add_resident(w.nbytes)
         return w
 
-    @staticmethod
-    def linear(x, w):
+    def linear(self, x, w):
         if isinstance(w, q8.Q8Weight):
             return q8.q8_linear(x, w)  # T == 1: the csrc kernel; T > 1: dequantize + matmul
         if isinstance(w, blocks.BlockWeight):
-            return blocks.block_linear(x, w)
+            return blocks.block_linear(x, w, self.gguf_int8)
         return F.linear(x, w)
 
     def synchronize(self):

@@ -10,9 +10,10 @@ stored ones. The geometry names every segment's type and rows, so a pooled buffe
 the same layout.
 
 ``block_linear`` runs one kernel launch a segment (up to 64 rows a launch; more rows run as further launches)
-and writes each segment's columns of the output. A segment runs the int8 kernels (``gguf_int8``: x quantized per
-32 values, int8 dot products, as llama.cpp's decode GEMV) where its address is whole words of its type, else the
-float kernels (``gguf_kernels``); the choice follows the segment's type and address alone, never the rows. The kernel reduces each row in one order whatever the number of
+and writes each segment's columns of the output, through the float kernels (``gguf_kernels``), or with ``[backend]
+gguf_kernels = "int8"`` the int8 kernels (``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's
+decode GEMV) where a segment's address is whole words of its type; the choice follows the setting and the segment's
+type and address, never the rows. The kernel reduces each row in one order whatever the number of
 rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
 pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
 """
@@ -185,8 +186,9 @@ def load_resident_blocks(ckpt, t: BlockTensor, device) -> BlockWeight:
 
 
 # --- the product -------------------------------------------------------------------------------
-def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
-    """``x [..., k] -> [..., n]`` in x's dtype: each segment's columns by the block kernel, summed in float32."""
+def block_linear(x: torch.Tensor, w: BlockWeight, int8: bool = False) -> torch.Tensor:
+    """``x [..., k] -> [..., n]`` in x's dtype: each segment's columns by the block kernel, summed in float32; ``int8``:
+    the int8 kernels where a segment's address allows (``[backend] gguf_kernels``)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
@@ -194,14 +196,15 @@ def block_linear(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     rows = (1 << (m - 1).bit_length() if m <= top else -(-m // top) * top) if m else 0
     if rows != m:  # padding rows change no other row's bits; they bound the kernels compiled to 7 a type
         x2 = torch.cat([x2, x2.new_zeros((rows - m, w.k))])
-    outs = [segment_matmul(x2, w.segment(s), s.qtype, s.n, w.k) for s in w.segments]
+    outs = [segment_matmul(x2, w.segment(s), s.qtype, s.n, w.k, int8) for s in w.segments]
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return y[:m].to(x.dtype).reshape(*lead, w.n)
 
 
-def segment_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
-    """One segment's product: the int8 kernel where it computes the type and can read the segment's address as its
-    words, else the float kernel. Both reduce a row in one order for any number of rows."""
-    if qtype in gguf_int8.TYPES and gguf_int8.aligned(raw, qtype):
+def segment_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,
+                   int8: bool) -> torch.Tensor:
+    """One segment's product: with ``int8``, the int8 kernel where it computes the type and can read the segment's
+    address as its words; else the float kernel. Each reduces a row in one order for any number of rows."""
+    if int8 and qtype in gguf_int8.TYPES and gguf_int8.aligned(raw, qtype):
         return gguf_int8.matmul(x, raw, qtype, n, k)
     return gguf_kernels.matmul(x, raw, qtype, n, k)

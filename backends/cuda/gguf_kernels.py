@@ -166,6 +166,70 @@ def _kernels():
         tl.store(dst, acc, mask=(rows[:, None] < N) & (mcol < M))
 
     @triton.jit
+    def expert_weight_rows(table, expert, WHICH: tl.constexpr, BYTE_AT, pn, N, ROW_BYTES, BLOCK_N: tl.constexpr,
+                           G: tl.constexpr, L: tl.constexpr):
+        """A program's block of W's rows, for the entry the expert table holds at column WHICH for ``expert``: the rows,
+        which are in W, their byte pointers, and a chunk's [G, L] value offsets."""
+        base = tl.load(table + expert * 2 + WHICH)
+        w = base.to(tl.pointer_type(tl.uint8)) + BYTE_AT
+        rows = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = rows[:, None, None]
+        g2 = tl.arange(0, G)[:, None]
+        return rows, r3 < N, w + r3.to(tl.int64) * ROW_BYTES, g2, g2 * L + tl.arange(0, L)[None, :]
+
+    @triton.jit
+    def chunk_x(xs, c, g2, xoff, NB, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr):
+        """Chunk ``c`` of the input row at ``xs``, [G, L] float32 (zeros past the row's blocks)."""
+        if EVEN:
+            xok = g2 < G
+        else:
+            xok = (c * G + g2) < NB
+        return tl.load(xs + c * (G * L) + xoff, mask=xok, other=0.0).to(tl.float32)
+
+    globals().update(expert_weight_rows=expert_weight_rows, chunk_x=chunk_x)  # as above: the kernels find them there
+
+    @triton.jit
+    def expert_rows(x, ids, table, part, WHICH: tl.constexpr, BYTE_AT, N, K, ROW_BYTES, NB, NCH, CPS,
+                    X_PER_SLOT: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """part[s, slot, n] = sum over the chunks of slice s of W[n, chunk] . x[chunk] (x [slots, K] where
+        X_PER_SLOT, else one x [K] for every slot): W's rows are blocks at byte BYTE_AT of the entry the expert
+        table holds at column WHICH for the slot's expert (``ids[slot]``). The one-row ``gguf_rows``, its weight's
+        address read from the table."""
+        slot, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows, rows_ok, wrow, g2, xoff = expert_weight_rows(table, tl.load(ids + slot), WHICH, BYTE_AT, pn, N,
+                                                           ROW_BYTES, BLOCK_N, G, L)
+        xs = x + slot * K if X_PER_SLOT else x
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in range(s * CPS, tl.minimum(s * CPS + CPS, NCH)):
+            wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
+            xv = chunk_x(xs, c, g2, xoff, NB, G, L, EVEN)
+            acc += tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1)
+        nslots = tl.num_programs(0)
+        tl.store(part + (s * nslots + slot) * N + rows, acc, mask=rows < N)
+
+    @triton.jit
+    def expert_rows_grouped(x, pairs, experts, ends, table, part, WHICH: tl.constexpr, BYTE_AT, N, K, ROW_BYTES, NB,
+                            NCH, CPS, X_PER_SLOT: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+                            EVEN: tl.constexpr, BLOCK_N: tl.constexpr, KT: tl.constexpr, SLICES: tl.constexpr):
+        """``expert_rows`` for several rows' pairs (``grouped_experts.expert_runs``): the program at the start of an
+        expert's run dequantizes each weight tile once and adds it into each of the run's pairs' partial sums in turn,
+        through memory, the same additions in the same order as ``expert_rows``. ``part`` is [rows, S, KT, N]."""
+        p, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        end = tl.load(ends + p)
+        rows, rows_ok, wrow, g2, xoff = expert_weight_rows(table, tl.load(experts + p), WHICH, BYTE_AT, pn, N,
+                                                           ROW_BYTES, BLOCK_N, G, L)
+        first = s * CPS
+        for c in range(first, tl.minimum(first + CPS, NCH)):
+            wt = weight_tile(wrow, rows_ok, c, NB, QT, G, L, EVEN)
+            for t in range(p, end):
+                q = tl.load(pairs + t)
+                xv = chunk_x(x + (q if X_PER_SLOT else q // KT) * K, c, g2, xoff, NB, G, L, EVEN)
+                at = part + (((q // KT) * SLICES + s) * KT + q % KT) * N + rows
+                before = tl.where(c > first, tl.load(at, mask=rows < N, other=0.0), 0.0)  # the first chunk starts at 0
+                tl.store(at, before + tl.sum(tl.sum(wt * xv[None, :, :], axis=2), axis=1), mask=rows < N)
+
+    @triton.jit
     def add_slices(part, out, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         """out[i] = part[0, i] + part[1, i] + ... in slice order."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -175,7 +239,7 @@ def _kernels():
             acc = acc + tl.load(part + s * TOTAL + i, mask=ok, other=0.0)
         tl.store(out + i, acc, mask=ok)
 
-    return gguf_rows, add_slices
+    return gguf_rows, add_slices, expert_rows, expert_rows_grouped
 
 
 def add_slices_kernel():
@@ -240,6 +304,58 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         if slices > 1:
             add_slices[(-(-(m * n) // 1024),)](part, dst, m * n, SPLIT=slices, BLOCK=1024, num_warps=4)
     return y
+
+
+def expert_slices(qtype: GGMLQuantizationType, k: int, want: int) -> int:
+    """The most slices, at most ``want``, that cut a row of ``k`` values into equal runs of whole chunks (1 where ``k``
+    is not whole chunks): what ``expert_matmul``'s ``part`` is laid out by."""
+    values, _ = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nch, per = -(-(k // values) // (g * l // values)), g * l
+    if k % per:
+        return 1
+    return max(s for s in range(1, min(want, nch) + 1) if nch % s == 0)
+
+
+def expert_matmul(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, part: torch.Tensor, which: int, byte_at: int,
+                  qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool, block_n: int = BLOCK_N) -> None:
+    """part [S, slots, n] float32 = each slot's expert's W [n, k] (``qtype`` blocks at byte ``byte_at`` of its entry
+    ``which`` in ``table`` [experts, 2] int64 addresses) times x ([slots, k] where ``x_per_slot``, else [1, k]), summed
+    over S slices of k (``expert_slices``); the caller adds the slices in order. One row a slot: as ``gemv`` reads."""
+    expert_rows = _kernels()[2]
+    nch, kw = _expert_args(which, byte_at, qtype, n, k, x_per_slot, block_n)
+    slices, slots = part.shape[0], ids.numel()
+    if nch % slices or part.shape[1:] != (slots, n) or part.dtype != torch.float32:
+        raise ValueError(f"part must be float32 [{slices} slices dividing {nch} chunks, {slots}, {n}]")
+    expert_rows[(slots, -(-n // block_n), slices)](x, ids, table, part, CPS=nch // slices, **kw)
+
+
+def expert_matmul_grouped(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch.Tensor, which: int,
+                          byte_at: int, qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool,
+                          block_n: int = BLOCK_N) -> None:
+    """``expert_matmul`` for several rows: ``runs`` = (experts, pairs, ends) of their routed pairs
+    (``grouped_experts.expert_runs``), ``part`` [rows, S, slots a row, n] float32, x [rows, k] (or, ``x_per_slot``,
+    [rows * slots a row, k]); each pair's partial sums bitwise the one-row call's."""
+    expert_rows_grouped = _kernels()[3]
+    experts, pairs, ends = runs
+    nch, kw = _expert_args(which, byte_at, qtype, n, k, x_per_slot, block_n)
+    rows, slices, kt = part.shape[:3]
+    if nch % slices or part.shape[3] != n or rows * kt != pairs.numel() or part.dtype != torch.float32:
+        raise ValueError(f"part must be float32 [rows, {slices} slices dividing {nch} chunks, slots, {n}]")
+    expert_rows_grouped[(pairs.numel(), -(-n // block_n), slices)](x, pairs, experts, ends, table, part,
+                                                                     CPS=nch // slices, KT=kt, SLICES=slices, **kw)
+
+
+def _expert_args(which: int, byte_at: int, qtype: GGMLQuantizationType, n: int, k: int, x_per_slot: bool,
+                 block_n: int) -> tuple[int, dict]:
+    """The chunks of k, and the launch arguments the one-row and the grouped expert kernels share."""
+    values, nbytes = block_geometry(qtype)
+    g, l = _CHUNK[qtype]  # noqa: E741
+    nb, per_chunk = k // values, g * l // values
+    nch = -(-nb // per_chunk)
+    return nch, dict(WHICH=which, BYTE_AT=byte_at, N=n, K=k, ROW_BYTES=nb * nbytes, NB=nb, NCH=nch,
+                     X_PER_SLOT=x_per_slot, QT=qtype.name, G=g, L=l, EVEN=nb % per_chunk == 0, BLOCK_N=block_n,
+                     num_warps=NUM_WARPS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, **kw) -> torch.Tensor:

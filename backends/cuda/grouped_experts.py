@@ -2,8 +2,8 @@
 host copy (a mapped pinned address: the kernel reads it over the link, and no step waits for the host).
 
 The table holds, for every expert of every sparse layer, two addresses: its ``gate_up`` entry ([2I, H] float, or q8
-[H, 2I padded] with its scales after, or GGUF blocks: ``gguf_int8.expert_matmul``) and its ``down`` entry ([H, I],
-or q8 [I, H padded], or blocks). Two kernels each split
+[H, 2I padded] with its scales after, or GGUF blocks: ``gguf_kernels.expert_matmul`` or ``gguf_int8``'s) and its
+``down`` entry ([H, I], or q8 [I, H padded], or blocks). Two kernels each split
 their reduction over a grid of (expert, block of outputs, slice of the inputs) and write float32 partial sums; a
 short epilogue adds the slices and the experts in a fixed order, rounding where ``F.linear`` rounds. Nothing is
 atomic, so the same kernel on the same bytes gives bitwise the same result whichever memory it read.
@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import blocks, gguf_int8
+from . import blocks, gguf_int8, gguf_kernels
 from .triton_check import available  # noqa: F401 - where the kernels run, as the backend asks
 
 
@@ -158,8 +158,9 @@ class GroupedExperts:
 
     def __init__(self, hidden: int, inter: int, k: int, dtype: torch.dtype, device: torch.device,
                  q8: tuple[int, int, int] | None = None, block_n: int | None = None, split: tuple[int, int] | None = None,
-                 blocks: bool = False):
+                 blocks: bool = False, int8: bool = False):
         self.H, self.I, self.k, self.dtype, self.q8, self.blocks = hidden, inter, k, dtype, q8, blocks
+        self.int8 = int8  # GGUF blocks through the int8 kernels (gguf_int8), else the float ones (gguf_kernels)
         self.device, self._parts = device, {}
         self.bk_gu, self.bk_d = _block_k(hidden), _block_k(inter)
         want = split or ((8, 4) if q8 else (2, 3))
@@ -191,21 +192,28 @@ class GroupedExperts:
         return self._block_rows_parts(qtype, k, n, want, 1)[0]
 
     def _blocks(self, x, weights, ids, table, layouts) -> torch.Tensor:
-        """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry,
-        through the int8 expert kernels (``gguf_int8.expert_matmul``), each routed expert its own run."""
+        """The block form: gate and up from the gate_up entry's rows (each in its segment), down from the down entry:
+        through the float kernels (``gguf_kernels.expert_matmul``), or the int8 ones (``gguf_int8.expert_matmul``,
+        each routed expert its own run)."""
         H, I = self.H, self.I  # noqa: E741
         gu, dn = layouts
-        runs = gguf_int8.single_runs(ids, self._at)
+        runs = gguf_int8.single_runs(ids, self._at) if self.int8 else None
         halves = []
         for row in (0, I):
             qtype, at = blocks.rows_at(gu, row, I, H)
             part = self._block_parts(qtype, H, I, 8)
-            gguf_int8.expert_matmul(x, runs, table, part[None], 0, at, qtype, I, H, x_per_slot=False)
+            if self.int8:
+                gguf_int8.expert_matmul(x, runs, table, part[None], 0, at, qtype, I, H, x_per_slot=False)
+            else:
+                gguf_kernels.expert_matmul(x, ids, table, part, 0, at, qtype, I, H, x_per_slot=False)
             halves.append(self._summed(part))
         self.h.copy_(F.silu(halves[0]) * halves[1])
         qtype, at = blocks.rows_at(dn, 0, H, I)
         part = self._block_parts(qtype, I, H, 4)
-        gguf_int8.expert_matmul(self.h, runs, table, part[None], 1, at, qtype, H, I, x_per_slot=True)
+        if self.int8:
+            gguf_int8.expert_matmul(self.h, runs, table, part[None], 1, at, qtype, H, I, x_per_slot=True)
+        else:
+            gguf_kernels.expert_matmul(self.h, ids, table, part, 1, at, qtype, H, I, x_per_slot=True)
         return self._weighted(self._summed(part), weights)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
@@ -287,15 +295,19 @@ class GroupedExperts:
         return torch.cat([self._weighted(self._summed(down[r]), weights[r]) for r in range(R)])
 
     def _blocks_rows(self, x, weights, ids, table, layouts) -> torch.Tensor:
-        """``rows`` for GGUF block experts: each expert's weight read once for the rows routed to it (up to 8 at a
-        time; ``gguf_int8.expert_matmul``), each pair's sums and each row's epilogue bitwise ``_blocks``'s."""
+        """``rows`` for GGUF block experts: each expert's weight read once for the rows routed to it
+        (``gguf_kernels.expert_matmul_grouped``; int8: up to 8 at a time, ``gguf_int8.expert_matmul``), each pair's sums
+        and each row's epilogue bitwise ``_blocks``'s."""
         H, I, k, R = self.H, self.I, self.k, x.shape[0]  # noqa: E741
         runs, (gu, dn) = expert_runs(ids), layouts
         halves = []
         for row in (0, I):
             qtype, at = blocks.rows_at(gu, row, I, H)
             part = self._block_rows_parts(qtype, H, I, 8, R)
-            gguf_int8.expert_matmul(x, runs, table, part, 0, at, qtype, I, H, x_per_slot=False)
+            if self.int8:
+                gguf_int8.expert_matmul(x, runs, table, part, 0, at, qtype, I, H, x_per_slot=False)
+            else:
+                gguf_kernels.expert_matmul_grouped(x, runs, table, part, 0, at, qtype, I, H, x_per_slot=False)
             halves.append([self._summed(part[r]) for r in range(R)])  # before the next kernel reuses part
         key = ("rows-h", R)
         if key not in self._parts:
@@ -305,13 +317,16 @@ class GroupedExperts:
             h[r].copy_(F.silu(halves[0][r]) * halves[1][r])
         qtype, at = blocks.rows_at(dn, 0, H, I)
         part = self._block_rows_parts(qtype, I, H, 4, R)
-        gguf_int8.expert_matmul(h.reshape(R * k, I), runs, table, part, 1, at, qtype, H, I, x_per_slot=True)
+        if self.int8:
+            gguf_int8.expert_matmul(h.reshape(R * k, I), runs, table, part, 1, at, qtype, H, I, x_per_slot=True)
+        else:
+            gguf_kernels.expert_matmul_grouped(h, runs, table, part, 1, at, qtype, H, I, x_per_slot=True)
         return torch.cat([self._weighted(self._summed(part[r]), weights[r]) for r in range(R)])
 
     def _block_rows_parts(self, qtype, k: int, n: int, want: int, rows: int) -> torch.Tensor:
         """``_block_parts`` for a batch of ``rows``: [rows, slices, k routed, n], each row's block that buffer's
         layout."""
-        slices = gguf_int8.expert_slices(qtype, k, want)
+        slices = (gguf_int8 if self.int8 else gguf_kernels).expert_slices(qtype, k, want)
         key = ("rows", slices, n, rows)
         if key not in self._parts:
             self._parts[key] = torch.empty((rows, slices, self.k, n), dtype=torch.float32, device=self.device)
