@@ -31,7 +31,8 @@ import os
 import torch
 from gguf import GGMLQuantizationType
 
-from kestrel_core.formats.gguf_quants import block_geometry
+from backends.cuda.gguf_kernels import add_slices_kernel, check
+from kestrel_core.formats.gguf_quants import block_geometry, row_nbytes
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -149,8 +150,8 @@ def _kernels():
             return tl.load(w + at, mask=mask, other=0)
 
     @triton.jit
-    def half_at(w, at, mask, HALVES: tl.constexpr):
-        """The 16-bit half ``at`` (in halves) of a weight read as halves (HALVES), as int32 (sign-extended)."""
+    def half_at(w, at, mask):
+        """The 16-bit half ``at`` of a weight read as 16-bit halves, as int32 (sign-extended)."""
         return tl.load(w + at, mask=mask, other=0).to(tl.int32)
 
     @triton.jit
@@ -317,8 +318,8 @@ def _kernels():
                 at3 = row3 + c3 * 105
                 d = tl.load(base + at3 + 104, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                 sc_at = at3 + 96 + 4 * h3 + p3  # scale 8h + 2t + jh sits in half 96 + 4h + t, byte jh
-                sa = (half_at(base, sc_at, ok3, True) << (24 - 8 * jh3)) >> 24
-                sb_ = (half_at(base, sc_at + 2, ok3, True) << (24 - 8 * jh3)) >> 24
+                sa = (half_at(base, sc_at, ok3) << (24 - 8 * jh3)) >> 24
+                sb_ = (half_at(base, sc_at + 2, ok3) << (24 - 8 * jh3)) >> 24
                 xok3 = v3 & (c3 < NSB)
                 dxa = tl.load(xd + x3 * NB + c3 * 8 + 4 * h3 + p3, mask=xok3, other=0.0)
                 dxb = tl.load(xd + x3 * NB + c3 * 8 + 4 * h3 + p3 + 2, mask=xok3, other=0.0)
@@ -575,8 +576,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     one-row kernels, or from ``MMQ_ROWS`` rows of a K-quant every row at once on the tensor cores (``kquant_mmq``;
     ``mmq`` False keeps the one-row kernels). The plan's overrides are for measuring (a row's bits follow the plan);
     ``asm`` False runs the spelt-out dot4 on a GPU too."""
-    from backends.cuda.gguf_kernels import add_slices_kernel, check
-
     check(x, weight, qtype, n, k)
     if qtype not in TYPES:
         raise ValueError(f"no int8 GGUF kernel for {qtype.name}; these run: {', '.join(t.name for t in TYPES)}")
@@ -594,7 +593,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         part = y if slices == 1 else torch.empty((slices, m_all, n), dtype=torch.float32, device=x.device)
         bm = 64 if m_all >= 64 else 32 if m_all >= 32 else 16  # tiles change no bit: each output adds its own terms
         _kernels()[4][(-(-m_all // bm), -(-n // MMQ_BLOCK_N), slices)](
-            weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, gguf_kernels_row_bytes(qtype, k), k // 256, per,
+            weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, row_nbytes(qtype, k), k // 256, per,
             QT=qtype.name, BM=bm, BN=MMQ_BLOCK_N, DIGITS=digits, num_warps=8 if bm == 64 else 4)
         if slices > 1:
             add_slices_kernel()[(-(-(m_all * n) // 1024),)](part, y, m_all * n, SPLIT=slices, BLOCK=1024, num_warps=4)
@@ -657,11 +656,6 @@ def expert_matmul(x: torch.Tensor, runs: tuple, table: torch.Tensor, part: torch
     _launch((pairs.numel(), -(-n // EXPERT_BLOCK_N), slices), table, xq, xd, xs, part, qtype, n, rows, k, bm,
             EXPERT_BLOCK_N, step, per, digits=digits, asm=asm, warps=4, halves=True,
             experts=(table, pairs, experts, ends, which, byte_at, kt, slices, x_per_slot))
-
-
-def gguf_kernels_row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
-    values, nbytes = block_geometry(qtype)
-    return k // values * nbytes
 
 
 def aligned(weight: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
