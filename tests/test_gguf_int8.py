@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from kestrel_core.formats import gguf_quants  # noqa: E402
 from backends.cuda import gguf_int8, gguf_kernels  # noqa: E402
-from tests.test_gguf_kernels import DEVICE, N, inputs, weight  # noqa: E402
+from tests.test_gguf_kernels import DEVICE, N, inputs, one_hot_rows, weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="needs Triton")
 TOL = 1e-6  # of sum |x^| |w|, each output, against the exact product with the quantized x
@@ -129,10 +129,8 @@ def test_one_hot_rows_pick_single_weights():
     for qtype in gguf_int8.TYPES:
         raw, deq = weight(qtype)
         k = deq.shape[1]
-        picks = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:8]
-        x = torch.zeros(8, k)
-        x[torch.arange(8), picks] = 1.0
-        y = gguf_int8.matmul(x.to(DEVICE), raw, qtype, N, k).cpu()
+        x, picks = one_hot_rows(k, 8)
+        y = gguf_int8.matmul(x, raw, qtype, N, k).cpu()
         torch.testing.assert_close(y, deq[:, picks].T, rtol=1e-6, atol=1e-6 * float(deq.abs().max()))
 
 

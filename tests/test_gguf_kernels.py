@@ -79,6 +79,14 @@ def inputs(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
+def one_hot_rows(k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [rows, k] on DEVICE with a single 1 a row, the columns it picks): y[m, n] = W[n, picks[m]]."""
+    picks = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:rows]
+    x = torch.zeros(rows, k)
+    x[torch.arange(rows), picks] = 1.0
+    return x.to(DEVICE), picks
+
+
 def check_against_reference(y: torch.Tensor, x: torch.Tensor, deq: torch.Tensor) -> None:
     x = x.cpu().double()
     exact = x @ deq.double().T
@@ -116,10 +124,8 @@ def test_dequantizes_as_ggml(qtype):
     """One-hot rows of x pick single weights out: y[m, n] = W[n, k_m], the dequantizer's float for float."""
     raw, deq = weight(qtype)
     k = deq.shape[1]
-    picks = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:64]
-    x = torch.zeros(64, k)
-    x[torch.arange(64), picks] = 1.0
-    y = gguf_kernels.matmul(x.to(DEVICE), raw, qtype, N, k).cpu()
+    x, picks = one_hot_rows(k, 64)
+    y = gguf_kernels.matmul(x, raw, qtype, N, k).cpu()
     want = deq[:, picks].T
     if INTERPRETED or not torch.cuda.is_available():
         assert torch.equal(y, want)

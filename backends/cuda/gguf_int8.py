@@ -179,8 +179,9 @@ def _kernels():
 
     @triton.jit
     def rows_of(t, last, pairs, s, M, KT, S_ALL, X_PER_SLOT: tl.constexpr, EXPERTS: tl.constexpr):
-        """(valid, x's row, the output's row) of row places ``t``: the dense form's row t of slice s, or the routed
-        pair at place t (row q // KT, slot q % KT) whose x is row q (X_PER_SLOT) or q // KT, out [rows, S, KT, N]."""
+        """(valid, the output's row, then valid and x's row as [BM, 1, 1, 1] and [BM, 1, 1]) of row places ``t``: the
+        dense form's row t of slice s, or the routed pair at place t (row q // KT, slot q % KT) whose x is row q
+        (X_PER_SLOT) or q // KT, out [rows, S, KT, N]."""
         valid = t < last
         if EXPERTS:
             q = tl.load(pairs + t, mask=valid, other=0)
@@ -188,11 +189,20 @@ def _kernels():
                 xrow = q
             else:
                 xrow = q // KT
-            return valid, xrow, ((q // KT) * S_ALL + s) * KT + q % KT
+            orow = ((q // KT) * S_ALL + s) * KT + q % KT
         else:
-            return valid, t, s * M + t
+            xrow = t
+            orow = s * M + t
+        return (valid, orow, valid[:, None, None, None], xrow[:, None, None, None], valid[:, None, None],
+                xrow[:, None, None])
 
-    globals().update(word_at=word_at, half_at=half_at, joined_at=joined_at, launch_rows=launch_rows, rows_of=rows_of)
+    @triton.jit
+    def store_rows(out, orow, valid, n, N, y):
+        """y [BM, BN] into the output's rows ``orow`` [BM] at outputs ``n`` [BN]."""
+        tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
+
+    globals().update(word_at=word_at, half_at=half_at, joined_at=joined_at, launch_rows=launch_rows, rows_of=rows_of,
+                     store_rows=store_rows)
 
     @triton.jit
     def q4k_rows(w, xq, xd, xs, out, N, M, ROW_WORDS, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
@@ -221,9 +231,8 @@ def _kernels():
         NB = NSB * 8  # 32-value blocks a row
         first = s * SPS
         for t0 in range(first_row, last_row, BM):
-            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
-            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
-            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            valid, orow, v4, x4, v3, x3 = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL,
+                                                  X_PER_SLOT, EXPERTS)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
                 c4 = c0 + sb4
@@ -268,8 +277,7 @@ def _kernels():
                 term = (d * sc0.to(tl.float32)) * dx0 * ilo.to(tl.float32) - (dmin * mn0.to(tl.float32)) * sx0
                 term = term + ((d * sc1.to(tl.float32)) * dx1 * ihi.to(tl.float32) - (dmin * mn1.to(tl.float32)) * sx1)
                 acc = fold(acc, term, T)
-            y = acc
-            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
+            store_rows(out, orow, valid, n, N, acc)
 
     @triton.jit
     def q6k_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NSB, SPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
@@ -293,9 +301,8 @@ def _kernels():
         NB = NSB * 8
         first = s * SPS
         for t0 in range(first_row, last_row, BM):
-            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
-            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
-            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            valid, orow, v4, x4, v3, x3 = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL,
+                                                  X_PER_SLOT, EXPERTS)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + SPS, NSB), SB):
                 c4 = c0 + sb4
@@ -326,8 +333,7 @@ def _kernels():
                 term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
                 term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
                 acc = fold(acc, term, U)
-            y = acc
-            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
+            store_rows(out, orow, valid, n, N, acc)
 
     @triton.jit
     def block32_rows(w, xq, xd, xs, out, N, M, ROW_HALVES, NB, BPS, table, pairs, experts, ends, BYTE_AT, KT, S_ALL,
@@ -365,9 +371,8 @@ def _kernels():
         XW = NB * 8  # words of xq a row (one digit)
         first = s * BPS
         for t0 in range(first_row, last_row, BM):
-            valid, xrow, orow = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL, X_PER_SLOT, EXPERTS)
-            v4, x4 = valid[:, None, None, None], xrow[:, None, None, None]
-            v3, x3 = valid[:, None, None], xrow[:, None, None]
+            valid, orow, v4, x4, v3, x3 = rows_of(t0 + tl.arange(0, BM), last_row, pairs, s, M, KT, S_ALL,
+                                                  X_PER_SLOT, EXPERTS)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for c0 in range(first, tl.minimum(first + BPS, NB), TB):
                 c4 = c0 + b4
@@ -412,8 +417,7 @@ def _kernels():
                     mn = tl.load(base + row3 + c3 * BH + 1, mask=ok3, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                     term = term + mn * tl.load(xs + x3 * NB + c3, mask=xok3, other=0.0)
                 acc = fold(acc, term, TB)
-            y = acc
-            tl.store(out + orow[:, None] * N + n[None, :], y, mask=valid[:, None] & (n[None, :] < N))
+            store_rows(out, orow, valid, n, N, acc)
 
     @triton.jit
     def digit_dot(xq, xat, xok, w, K, DIGITS: tl.constexpr):
