@@ -187,24 +187,11 @@ def expert_weights(qtype, experts: int, n: int, k: int):
     and the table [experts, 2] of entry addresses (column 0 the entry, column 1 the same entry: ``which`` picks)."""
     raws, deqs = [], []
     for e in range(experts):
-        raw, deq = weight(qtype, 2 * n, k) if e == 0 else _other(qtype, 2 * n, k, e)
+        raw, deq = weight(qtype, 2 * n, k, seed=e)
         raws.append(raw.clone())
         deqs.append(deq)
     table = torch.tensor([[r.data_ptr(), r.data_ptr()] for r in raws], dtype=torch.int64, device=DEVICE)
     return raws, deqs, table
-
-
-def _other(qtype, n, k, seed):
-    from tests.test_gguf_kernels import random_blocks, QUANTIZED_BY_GGUF
-    from gguf import quants as gguf_np
-
-    rng = np.random.default_rng([seed, int(qtype)])
-    if qtype in QUANTIZED_BY_GGUF:
-        raw = gguf_np.quantize(rng.standard_normal((n, k)).astype(np.float32) / k ** 0.5, qtype)
-    else:
-        raw = random_blocks(qtype, n, k, rng)
-    raw = torch.from_numpy(np.ascontiguousarray(raw))
-    return raw.to(DEVICE), gguf_quants.dequantize(raw, qtype, (n, k))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_1], ids=lambda t: t.name)

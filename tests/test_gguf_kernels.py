@@ -63,10 +63,11 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray
 
 
 @functools.cache
-def weight(qtype, n: int = N, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stored bytes uint8 [n, row bytes] on DEVICE, dequantized float32 [n, k] on the CPU) of a ``qtype`` weight."""
+def weight(qtype, n: int = N, k: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored bytes uint8 [n, row bytes] on DEVICE, dequantized float32 [n, k] on the CPU) of a ``qtype`` weight;
+    another ``seed``, another weight of that shape."""
     k = k or k_of(qtype)
-    rng = np.random.default_rng([int(qtype), n, k])
+    rng = np.random.default_rng([int(qtype), n, k] + ([seed] if seed else []))
     if qtype in QUANTIZED_BY_GGUF:
         raw = gguf_np.quantize(rng.standard_normal((n, k)).astype(np.float32) / k**0.5, qtype)
     else:
