@@ -178,6 +178,7 @@ def versus(kestrel: list[dict], peer: list[dict], *, shape: str, file_type: str,
         target = TARGETS[("prefill", None)] if phase == "prefill" else TARGETS[("decode", 1 if b == 1 else "batched")]
         ratio = k["tokens_per_s"] / twin["tokens_per_s"]
         rows.append({"shape": shape, "file_type": file_type, "rows": b, "phase": phase, "card": card,
+                     "kestrel_kernels": k.get("kernels", "float"),
                      "kestrel_tokens_per_s": k["tokens_per_s"], "llama_cpp_tokens_per_s": twin["tokens_per_s"],
                      "llama_cpp_program": prog, "ratio": ratio, "target": target, "met": ratio >= target})
     return rows
@@ -188,6 +189,9 @@ def add_argument(p) -> None:
                    help="also llama.cpp's llama-bench and llama-batched-bench from BIN_DIR on the same GGUF file, in "
                         "this run (needs --gguf); the comparison goes in the record's vs_llama_cpp")
     p.add_argument("--llama-cpp-batches", default="1,8,64", help="the batches B of that comparison")
+    p.add_argument("--llama-cpp-kernels", default="float", metavar="KERNELS",
+                   help="kestrel's GGUF kernels for its side of that comparison, comma-separated: float (the weights' "
+                        "blocks dequantized in the kernel), int8 (x quantized, integer dot products); each a row set")
     p.add_argument("--llama-cpp-lengths", default="128:128:512", metavar="PROMPT:GEN:PREFILL",
                    help="the batched rows' prompt and new tokens a sequence (llama-batched-bench's -npp, -ntg; "
                         "llama-bench's tg is GEN) and the prefill row's prompt (llama-bench's pp)")
@@ -219,7 +223,13 @@ def options(args) -> dict:
     if min(prompt, gen, prefill) < 1:
         raise BenchError(f"--llama-cpp-lengths: PROMPT:GEN:PREFILL, each at least 1 (e.g. 128:128:512), "
                          f"got {args.llama_cpp_lengths!r}")
-    return {"batches": batches, "prompt": prompt, "gen": gen, "prefill": prefill}
+    from kestrel_core.config import GGUF_KERNELS
+
+    kernels = tuple(k.strip() for k in args.llama_cpp_kernels.split(",") if k.strip())
+    if not kernels or any(k not in GGUF_KERNELS for k in kernels):
+        raise BenchError(f"--llama-cpp-kernels: comma-separated, each one of {', '.join(GGUF_KERNELS)}, "
+                         f"got {args.llama_cpp_kernels!r}")
+    return {"batches": batches, "prompt": prompt, "gen": gen, "prefill": prefill, "kernels": kernels}
 
 
 def compare(bins: Binaries, model, path: Path, settings: dict, *, shape: str, file_type: str, args, log) -> dict:
@@ -228,9 +238,13 @@ def compare(bins: Binaries, model, path: Path, settings: dict, *, shape: str, fi
     import torch
 
     o = options(args)
-    ours = kestrel_rows(model, settings, o["batches"], o["prompt"], o["gen"], o["prefill"])
-    for r in ours:
-        log(f"kestrel {r['phase']:7} B={r['rows']:<3} {r['tokens_per_s']:9.1f} tokens/s")
+    ours = []
+    for kernels in o["kernels"]:
+        backend = {"name": settings.get("backend", "cpu_ref"), "gguf_kernels": kernels}
+        for r in kestrel_rows(model, {**settings, "backend": backend}, o["batches"], o["prompt"], o["gen"],
+                              o["prefill"]):
+            ours.append(dict(r, kernels=kernels))
+            log(f"kestrel ({kernels}) {r['phase']:7} B={r['rows']:<3} {r['tokens_per_s']:9.1f} tokens/s")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the peer's process needs the card's memory
     peer = bins.bench(path, o["prefill"], o["gen"]) + bins.batched(path, o["batches"], o["prompt"], o["gen"])
@@ -239,5 +253,7 @@ def compare(bins: Binaries, model, path: Path, settings: dict, *, shape: str, fi
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     rows = versus(ours, peer, shape=shape, file_type=file_type.upper(), card=card)
     for r in rows:
-        log(f"vs llama.cpp: {r['phase']:7} B={r['rows']:<3} x{r['ratio']:.3f} (target {r['target']}x) met={r['met']}")
-    return {"kestrel": ours, "llama_cpp": peer, "rows": rows, "card": card, "options": {**o, "batches": list(o["batches"])}}
+        log(f"vs llama.cpp: ({r['kestrel_kernels']}) {r['phase']:7} B={r['rows']:<3} x{r['ratio']:.3f} "
+            f"(target {r['target']}x) met={r['met']}")
+    return {"kestrel": ours, "llama_cpp": peer, "rows": rows, "card": card,
+            "options": {**o, "batches": list(o["batches"]), "kernels": list(o["kernels"])}}
