@@ -559,9 +559,9 @@ def every_record(recs: Records) -> str:
 
 
 def gguf_stream(recs: Records) -> str:
-    """A 4-bit GGUF of the 8B shape on cuda beside bf16, from the newest stream record with GGUF rows."""
+    """A 4-bit GGUF of the 8B shape on cuda beside bf16, from the newest stream record with GGUF and bf16 rows."""
     found = recs.newest("stream", lambda r: r["result"].get("preset") == "qwen3-8b" and r["result"].get("backend") == "cuda"
-                        and bool(r["result"].get("gguf")))
+                        and bool(r["result"].get("gguf")) and bool(r["result"].get("rows")))  # beside bf16's rows
     if not found:
         return "No `python -m bench stream --gguf` record of the 8B shape on cuda is committed yet."
     name, rec = found
@@ -586,6 +586,65 @@ def gguf_stream(recs: Records) -> str:
     parts.append("Targets: " + "; ".join(f"{t['statement']}: {t['ratio']:.3f}x, {'met' if t['met'] else 'not met'}"
                                           for t in g.get("targets", [])) + ".")
     return "\n\n".join(parts)
+
+
+def vs_llama_cpp(recs: Records) -> str:
+    """kestrel beside llama.cpp on the same GGUF file and card, from the newest stream and moe records that ran it."""
+    parts, rows = [], []
+    for scenario in ("stream", "moe"):
+        found = recs.newest(scenario, lambda r: bool(r["result"].get("vs_llama_cpp")))
+        if not found:
+            continue
+        name, rec = found
+        pairs = rec["result"]["vs_llama_cpp"]
+        parts.append(f"{source_line(name, rec)}")
+        for r in pairs:
+            rows.append([r["shape"], r["file_type"], r["phase"], str(r["rows"]), r.get("kestrel_kernels", "float"),
+                         f"{r['kestrel_tokens_per_s']:,.1f}", f"{r['llama_cpp_tokens_per_s']:,.1f} "
+                         f"({r['llama_cpp_program']})", f"{r['ratio']:.2f}x", f"{r['target']}x",
+                         "met" if r["met"] else "not met"])
+    if not rows:
+        return "No record with `--llama-cpp` (kestrel beside llama.cpp on one file) is committed yet."
+    cards = sorted({r["card"] for s in ("stream", "moe") for f in [recs.newest(s, lambda r: bool(
+        r["result"].get("vs_llama_cpp")))] if f for r in f[1]["result"]["vs_llama_cpp"]})
+    intro = ("kestrel's `off` (every weight resident, the step replayed as a CUDA graph) beside llama.cpp's "
+             "`llama-bench` (batch 1: tg128, pp512) and `llama-batched-bench` (S_TG at B sequences of 128 + 128 "
+             f"tokens), `-ngl 99`, on the very GGUF file kestrel ran, in the same run, on {', '.join(cards)}. From "
+             + "; and ".join(parts) + ". tokens/s; ratio: kestrel over llama.cpp.")
+    return "\n\n".join([intro, table(["shape", "file", "phase", "B", "kestrel kernels", "kestrel", "llama.cpp",
+                                       "ratio", "target", ""], rows)])
+
+
+def vs_llama_cpp_headline(recs: Records) -> str:
+    """One paragraph: each shape's rows against llama.cpp, kestrel's faster kernel family at each, with the records."""
+    shapes, names, cards = {}, [], set()
+    for scenario in ("stream", "moe"):
+        found = recs.newest(scenario, lambda r: bool(r["result"].get("vs_llama_cpp")))
+        if not found:
+            continue
+        names.append(f"`bench/results/{found[0]}`")
+        for r in found[1]["result"]["vs_llama_cpp"]:
+            cards.add(r["card"])
+            key = (r["shape"], r["file_type"])
+            best = shapes.setdefault(key, {})
+            at = (r["phase"], r["rows"])
+            if at not in best or r["ratio"] > best[at]["ratio"]:
+                best[at] = r
+    if not shapes:
+        return "No record with `--llama-cpp` (kestrel beside llama.cpp on one file) is committed yet."
+    ratios = [r["ratio"] for best in shapes.values() for r in best.values()]
+    parts = []
+    for (shape, ftype), best in shapes.items():
+        cells = []
+        for (phase, b), r in sorted(best.items(), key=lambda kv: (kv[0][0] != "decode", kv[0][1])):
+            what = f"decode B={b}" if phase == "decode" else "prefill"
+            cells.append(f"{what} {r['kestrel_tokens_per_s']:,.0f} ({r.get('kestrel_kernels', 'float')}) against "
+                         f"{r['llama_cpp_tokens_per_s']:,.0f}, {r['ratio']:.2f}x")
+        parts.append(f"{shape} {ftype}: " + "; ".join(cells))
+    return (f"**kestrel beside llama.cpp** on the same GGUF file and card ({', '.join(sorted(cards))}), in one run a shape, "
+            f"tokens/s, kestrel's faster kernel family named: " + ". ".join(parts) + f". kestrel runs at "
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x llama.cpp's speed there; its 4-bit kernels are the work in "
+            f"hand ({', '.join(names)}; [performance.md](docs/performance.md#llamacpp-on-the-same-file-and-card)).")
 
 
 def grammar(recs: Records) -> str:
@@ -635,6 +694,8 @@ BLOCKS: dict[str, Callable[[Records], str]] = {
     "stream-sweep-8b": sweep,
     "q8-stream-8b": q8_stream,
     "gguf-stream-8b": gguf_stream,
+    "vs-llama-cpp": vs_llama_cpp,
+    "vs-llama-cpp-headline": vs_llama_cpp_headline,
     "q8-gemv": q8_gemv,
     "moe-summary": moe_summary,
     "moe-rows": moe_rows,
