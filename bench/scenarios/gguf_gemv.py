@@ -47,18 +47,21 @@ SHAPE_SETS = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # where each type keeps its float16 scales (byte offsets in a block): set to finite values, the rest random bits
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 DEVICE = "cuda"
+MAX_M = 2048  # rows a timed call: up to a long prompt's
 
 
 def add_arguments(p) -> None:
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b",
                    help="comma-separated: 'qwen3-8b', 'qwen3-30b-a3b' (its experts) or NxK")
-    p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64], help="the M of each timed call (1 to 64)")
+    p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64],
+                   help=f"the M of each timed call (1 to {MAX_M}: a prompt's rows)")
     p.add_argument("--plans", default="auto",
                    help="kernel plans to time, comma-separated: 'auto' (the launcher's) or BLOCK_N:SPLIT:WARPS")
     p.add_argument("--int8-plans", default="auto",
-                   help="the int8 kernels' plans, comma-separated: 'auto', 'auto:DIGITS' or BLOCK_N:SB:SPLIT:WARPS[:DIGITS] "
-                        "(SB blocks a step, SPLIT 0 the launcher's, DIGITS int8 digits a value of x); empty: none")
+                   help="the int8 kernels' plans, comma-separated: 'auto', 'auto:DIGITS', BLOCK_N:SB:SPLIT:WARPS[:DIGITS] "
+                        "(SB blocks a step, SPLIT 0 the launcher's, DIGITS int8 digits a value of x) or "
+                        "mmq:BM:BN:WARPS:STAGES[:RUNS] (the tensor-core kernel's tile, from 16 rows); empty: none")
     p.add_argument("--no-baseline", action="store_true", help="leave out dequant+linear and bf16 linear")
     p.add_argument("--graph-reps", type=int, default=30)
     p.add_argument("--eager-reps", type=int, default=100)
@@ -85,7 +88,7 @@ def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
 def parse_plans(text: str) -> list[dict]:
     """Each plan as ``matmul``'s overrides: {} for 'auto', else block_n, split and num_warps."""
     plans = []
-    for part in text.split(","):
+    for part in filter(None, text.split(",")):  # empty: no float plan (the int8 kernels' alone)
         if part == "auto":
             plans.append({})
             continue
@@ -108,6 +111,20 @@ def parse_int8_plans(text: str) -> list[dict]:
             continue
         if part in ("auto:1", "auto:2"):
             plans.append({"digits": int(part[-1])})
+            continue
+        if part.startswith("mmq:"):
+            try:
+                bm, bn, warps, stages, *unroll = (int(v) for v in part[4:].split(":"))
+            except ValueError:
+                bm = bn = warps = stages = 0
+                unroll = []
+            unroll = unroll or [1]
+            if (min(bm, bn, warps, stages) < 1 or bm < 16 or bn < 16 or any(v & (v - 1) for v in (bm, bn, warps))
+                    or len(unroll) > 1 or unroll[0] not in (1, 2, 4)):
+                raise BenchError(f"--int8-plans: {part!r}: give mmq:BM:BN:WARPS:STAGES[:RUNS], the tensor-core "
+                                 "kernel's tile (BM, BN powers of two from 16), warps (a power of two), stages (1 or "
+                                 "more) and runs of 64 values a loop step (1, 2 or 4)")
+            plans.append({"mmq_plan": (bm, bn, warps, stages, unroll[0])})
             continue
         try:
             bn, sb, split, warps, *digits = (int(v) for v in part.split(":"))
@@ -193,7 +210,9 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
         rel = {m: float((y.double() - want[:m]).norm() / want[:m].norm()) for m, y in ys.items()}
         invariant = all(torch.equal(y, alone[:m]) for m, y in ys.items())
         del ys, alone
-        if mod is gguf_int8:
+        if mod is gguf_int8 and "mmq_plan" in kw:
+            chosen, warps = kw["mmq_plan"], kw["mmq_plan"][2]
+        elif mod is gguf_int8:
             chosen = gguf_int8.plan(qtype, n, k, kw.get("block_n"), kw.get("sb"), kw.get("split"))
             warps = kw.get("num_warps", gguf_int8.DEFAULT_PLAN[qtype][3])
         else:
@@ -201,16 +220,19 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
             warps = kw.get("num_warps", gguf_kernels.NUM_WARPS)
         for m in rows:
             xm = x[:m]
+            plan_m, warps_m = chosen, warps
+            if mod is gguf_int8 and m >= gguf_int8.MMQ_ROWS and qtype in gguf_int8.MMQ_TYPES and "mmq_plan" not in kw:
+                plan_m, warps_m = gguf_int8.mmq_tiles(m), gguf_int8.mmq_tiles(m)[2]  # the tensor-core kernel's tile
             t = timed(rotate(lambda w: lambda: mod.matmul(xm, w, qtype, n, k, **kw)), graph_reps,
                       eager_reps if m == 1 else 0)
             gbps = stored / t["device"]["p50"] / 1e6
-            out.append({**base, "variant": variant, "m": m, "plan_asked": kw or "auto", "plan": list(chosen),
-                        "num_warps": warps, **t, "GBps": gbps, "fraction_of_d2d": gbps / d2d,
+            out.append({**base, "variant": variant, "m": m, "plan_asked": kw or "auto", "plan": list(plan_m),
+                        "num_warps": warps_m, **t, "GBps": gbps, "fraction_of_d2d": gbps / d2d,
                         "rel_error_vs_float64": rel[m], "batch_invariant": invariant,
                         **({"digits": kw.get("digits", gguf_int8.DIGITS)} if mod is gguf_int8 else {})})
             eager = f" | eager {t['eager']['p50'] * 1e3:6.1f} us" if m == 1 else ""
             d = f"d{kw.get('digits', gguf_int8.DIGITS)}" if mod is gguf_int8 else ""
-            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6}{d} {chosen}x{warps} {t['device']['p50'] * 1e3:8.1f} us "
+            log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6}{d} {plan_m}x{warps_m} {t['device']['p50'] * 1e3:8.1f} us "
                 f"{gbps:6.0f} GB/s {100 * gbps / d2d:4.0f}% of d2d{eager}" + ("" if invariant else " NOT INVARIANT"))
     if baseline:
         bf16_sets = copies(deq.to(torch.bfloat16))
@@ -277,8 +299,8 @@ def run(args, record) -> dict:
     if any(t not in gguf_kernels.TYPES for t in types):
         raise BenchError(f"--types: these run: {', '.join(TYPES)}")
     rows_m = args.rows
-    if not all(1 <= m <= gguf_kernels.MAX_ROWS for m in rows_m):
-        raise BenchError(f"--rows: each M is 1 to {gguf_kernels.MAX_ROWS}")
+    if not all(1 <= m <= MAX_M for m in rows_m):
+        raise BenchError(f"--rows: each M is 1 to {MAX_M}")
     shapes = parse_shapes(args.shapes)
     plans = parse_plans(args.plans)
     int8_plans = parse_int8_plans(args.int8_plans)
