@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
     p.add_argument("--int8-plans", default="auto",
                    help="the int8 kernels' plans, comma-separated: 'auto', 'auto:DIGITS', BLOCK_N:SB:SPLIT:WARPS[:DIGITS] "
                         "(SB blocks a step, SPLIT 0 the launcher's, DIGITS int8 digits a value of x) or "
-                        "mmq:BM:BN:WARPS:STAGES[:RUNS] (the tensor-core kernel's tile, from 16 rows); empty: none")
+                        "mmq:BM:BN:WARPS:STAGES (the tensor-core kernel's tile, from 16 rows); empty: none")
     p.add_argument("--no-baseline", action="store_true", help="leave out dequant+linear and bf16 linear")
     p.add_argument("--graph-reps", type=int, default=30)
     p.add_argument("--eager-reps", type=int, default=100)
@@ -114,17 +114,13 @@ def parse_int8_plans(text: str) -> list[dict]:
             continue
         if part.startswith("mmq:"):
             try:
-                bm, bn, warps, stages, *unroll = (int(v) for v in part[4:].split(":"))
+                bm, bn, warps, stages = (int(v) for v in part[4:].split(":"))
             except ValueError:
                 bm = bn = warps = stages = 0
-                unroll = []
-            unroll = unroll or [1]
-            if (min(bm, bn, warps, stages) < 1 or bm < 16 or bn < 16 or any(v & (v - 1) for v in (bm, bn, warps))
-                    or len(unroll) > 1 or unroll[0] not in (1, 2, 4)):
-                raise BenchError(f"--int8-plans: {part!r}: give mmq:BM:BN:WARPS:STAGES[:RUNS], the tensor-core "
-                                 "kernel's tile (BM, BN powers of two from 16), warps (a power of two), stages (1 or "
-                                 "more) and runs of 64 values a loop step (1, 2 or 4)")
-            plans.append({"mmq_plan": (bm, bn, warps, stages, unroll[0])})
+            if min(bm, bn, warps, stages) < 1 or bm < 16 or bn < 16 or any(v & (v - 1) for v in (bm, bn, warps)):
+                raise BenchError(f"--int8-plans: {part!r}: give mmq:BM:BN:WARPS:STAGES, the tensor-core kernel's tile "
+                                 "(BM, BN powers of two from 16), warps (a power of two) and stages (1 or more)")
+            plans.append({"mmq_plan": (bm, bn, warps, stages)})
             continue
         try:
             bn, sb, split, warps, *digits = (int(v) for v in part.split(":"))
