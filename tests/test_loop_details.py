@@ -236,3 +236,26 @@ def test_a_non_finite_logit_in_one_row_ends_that_sequence_alone(tiny_ckpt, monke
             b.run_until_done()
     assert a.tokens == alone and a.error is None
     assert c.finish_reason == "error" and isinstance(c.error, NonFiniteError)
+
+
+def test_the_layer_loop_runs_the_backends_layer_ops(tiny_ckpt, monkeypatch):
+    """A backend's ``layer_ops`` (the cuda backend's fused kernels) are what the loop computes a layer's steps with,
+    between its linears, and the final norm too: a backend whose steps are torch's plus a count gives the same ids."""
+    from backends.cpu_ref.backend import CpuRefBackend
+    from kestrel_core.engine.model import LayerOps
+
+    calls: dict[str, int] = {}
+
+    class Counting(LayerOps):
+        def __getattribute__(self, name):
+            if not name.startswith("_"):
+                calls[name] = calls.get(name, 0) + 1
+            return super().__getattribute__(name)
+
+    from tests.conftest import run_once
+
+    plain = run_once(tiny_ckpt)[0].token_ids
+    monkeypatch.setattr(CpuRefBackend, "layer_ops", Counting())
+    assert run_once(tiny_ckpt)[0].token_ids == plain
+    assert set(calls) == {"rms_norm", "qk_norm_rope", "add_rms_norm", "silu_mul"}
+    assert calls["qk_norm_rope"] == calls["add_rms_norm"] == calls["silu_mul"] and calls["rms_norm"] > calls["silu_mul"]

@@ -34,7 +34,7 @@ from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.formats.units import Unit, UnitTable, is_expert
 
-from . import blocks, grouped_experts, q8
+from . import blocks, grouped_experts, layer_ops, q8
 from .expert_table import DeviceExpertTable
 from .layout import DeviceLayout, fusion, slot_entries, streamed_peak
 from .rawcuda import RawBlock, raw_empty
@@ -76,6 +76,7 @@ class CudaBackend(Backend):
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
         self.gguf_int8 = ctx.backend.gguf_kernels == "int8"  # [backend] gguf_kernels: which kernels run GGUF blocks
+        self.layer_ops = layer_ops.layer_ops()  # the steps between a layer's linears: fused kernels where Triton runs
         if ctx.backend.threads:
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
                           "effect here", KestrelNote, stacklevel=2)

@@ -14,7 +14,7 @@ from kestrel_core.config import BackendConfig, ResidencyConfig
 from kestrel_core.errors import ConfigError
 from kestrel_core.engine.fit import FitFacts
 from kestrel_core.engine.host import HostStore
-from kestrel_core.engine.model import rms_norm, sparse_mlp
+from kestrel_core.engine.model import TORCH_OPS, LayerOps, sparse_mlp
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.engine.plan import Counters, Fetch, Plan, Resident
 from kestrel_core.formats.tensor_table import global_specs, small_specs
@@ -56,6 +56,7 @@ class Backend:
     device_per_rank = True  # a pipeline's ranks each compute on a device of their own (a GPU each)
     lands = False  # whether a decode step through the table can land its misses in a ring of slots (``engine.landing``)
     expert_table_refusal = "it has none"  # why not, where it cannot (for the error that names it)
+    layer_ops: LayerOps = TORCH_OPS  # a layer's steps between its linears: torch's, or the backend's fused kernels
 
     def __init__(self, ctx: BackendContext):
         self.check_prefetch(ctx.backend.prefetch)
@@ -219,7 +220,7 @@ class Backend:
         return self.globals["embed"][ids.to(self.device)]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(h, self.globals["norm"], self.cfg.rms_norm_eps)
+        x = self.layer_ops.rms_norm(h, self.globals["norm"], self.cfg.rms_norm_eps)
         return self.linear(x, self.globals["lm_head"]).float()
 
     def close(self) -> None:

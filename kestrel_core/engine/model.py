@@ -188,6 +188,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+class LayerOps:
+    """The row-wise steps of a layer between its linears, in torch: a backend may hand ``decoder_layer`` its own
+    (``Backend.layer_ops``: fused kernels that compute the same math, each row by itself, so a row's result never
+    depends on the rows beside it)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim] and k [T, kv_heads, head_dim]: each head normed (where the model norms them), then
+        rotated by its row's position."""
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    @staticmethod
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual h + delta, and its norm."""
+        h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+TORCH_OPS = LayerOps()
+
+
 def decoder_layer(
     h: torch.Tensor,  # [rows, hidden]: decode rows, then spans (``Attend``)
     w: dict[str, torch.Tensor],  # linear weights: q,k,v,o,gate,up,down or fused qkv / gate_up
@@ -197,10 +230,11 @@ def decoder_layer(
     cfg: ModelConfig,
     linear=F.linear,
     experts=None,  # a sparse layer's experts after its router: experts(x, weights, chosen) -> their weighted sum
+    ops: LayerOps = TORCH_OPS,  # the steps between the linears (a backend's fused kernels, or torch's)
 ) -> torch.Tensor:
     T = h.shape[0]
     eps = cfg.rms_norm_eps
-    x = rms_norm(h, small["input_norm"], eps)
+    x = ops.rms_norm(h, small["input_norm"], eps)
     if "qkv" in w:
         q, k, v = linear(x, w["qkv"]).split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
     else:
@@ -210,12 +244,9 @@ def decoder_layer(
     q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, small["q_norm"], eps)
-        k = rms_norm(k, small["k_norm"], eps)
-    q, k = apply_rope(q, at.cos, at.sin), apply_rope(k, at.cos, at.sin)
-    h = h + linear(at.attend(q, k, v, cache, cfg), w["o"])
-    x = rms_norm(h, small["post_norm"], eps)
+    q, k = ops.qk_norm_rope(q, k, small["q_norm"] if cfg.qk_norm else None, small["k_norm"] if cfg.qk_norm else None,
+                            at.cos, at.sin, eps)
+    h, x = ops.add_rms_norm(h, linear(at.attend(q, k, v, cache, cfg), w["o"]), small["post_norm"], eps)
     if "router" in w:
         weights, chosen = route(x, w["router"], cfg, linear)
         return h + experts(x, weights, chosen)  # where the experts are read from is the runner's: host or table
@@ -223,7 +254,7 @@ def decoder_layer(
         gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
     else:
         gate, up = linear(x, w["gate"]), linear(x, w["up"])
-    return h + linear(F.silu(gate) * up, w["down"])
+    return h + linear(ops.silu_mul(gate, up), w["down"])
 
 
 def _causal_mask(T: int, start: int, device) -> torch.Tensor:

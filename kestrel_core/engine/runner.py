@@ -592,6 +592,7 @@ class Runner:
         the state that takes its routing from row ``first_row`` on, else after the host has routed and fetched
         them)."""
         backend, cfg = self.backend, self.cfg
+        ops = (backend.layer_ops,) if layer_fn is decoder_layer else ()  # a compiled layer: torch's, which it fuses
         for layer, b in enumerate(boundaries):
             self.execute(b.plan)
             backend.before_use(b.key)
@@ -599,7 +600,7 @@ class Runner:
             if self.window.sparse[layer]:
                 experts = (self._table_experts(layer, table, first_row) if table is not None
                            else self._host_experts(layer, phase))
-            h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts)
+            h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts, *ops)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
