@@ -27,6 +27,7 @@ HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
 MICRO_BATCHES = ("auto", "on", "off")
 GGUF_KERNELS = ("float", "int8")
+LAYER_OPS = ("auto", "fused", "torch")
 TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
@@ -164,6 +165,14 @@ class BackendConfig:
     # cuda: the kernels a GGUF's blocks run through: "float" (dequantized in the kernel, float32 sums) or "int8" (x
     # quantized to two int8 digits a value, int8 dot products; many rows on the tensor cores)
     gguf_kernels: str = attrs.field(default="float")
+    # the steps between a layer's linears (norms, rotary, residual adds, SiLU): "auto" (the backend's fused kernels
+    # where it has them: cuda with Triton), "fused" (those, or an error), "torch" (torch's ops, as cpu_ref computes)
+    layer_ops: str = attrs.field(default="auto")
+
+    @layer_ops.validator
+    def _check_layer_ops(self, _, value: str) -> None:
+        if value not in LAYER_OPS:
+            raise ConfigError(f"layer_ops must be one of {', '.join(LAYER_OPS)}, got {value!r}")
 
     @gguf_kernels.validator
     def _check_gguf_kernels(self, _, value: str) -> None:

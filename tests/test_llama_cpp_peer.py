@@ -107,7 +107,7 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     bins = fake_programs(tmp_path / "bin")
     rec = run_scenario(["stream", "--backend", "cpu_ref", "--preset", "tiny", "--tokens", "4", "--models", str(models),
                         "--gguf", "q4_k_m", "--rows", "none", "--llama-cpp", str(bins), "--llama-cpp-batches", "1,2",
-                        "--llama-cpp-lengths", "16:8:32"], tmp_path)
+                        "--llama-cpp-lengths", "16:8:32", "--layer-ops", "torch"], tmp_path)
     res = rec["result"]
     gguf_path = res["gguf"]["path"]
     for program in llama_cpp.PROGRAMS:  # the very file kestrel ran, at the lengths asked
@@ -118,6 +118,8 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     batched_args = json.loads((bins / "ARGS.llama-batched-bench").read_text())
     assert batched_args[batched_args.index("-npl") + 1] == "1,2"
     assert "rows" not in res  # --rows none: no bf16 rows
+    labels = [r["label"] for r in res["gguf"]["rows"]]
+    assert labels[:2] == ["q4_k_m off", "q4_k_m off, layer_ops torch"]  # --layer-ops: another off row, beside off
     ours = {(r["phase"], r["rows"]): r for r in res["gguf"]["llama_cpp"]["kestrel"]}
     assert set(ours) == {("decode", 1), ("decode", 2), ("prefill", 1)}
     assert ours["decode", 2]["first_ids_equal_solo"] and len(ours["decode", 1]["step_ms"]) >= 5
@@ -138,6 +140,8 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-lengths", "128:0:512"], "PROMPT:GEN:PREFILL"),
     (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-kernels", "float,fp4"], "each one of float, int8"),
     (["--rows", "none"], "give --gguf TYPE"),
+    (["--gguf", "q4_k_m", "--layer-ops", "torch,fast"], "--layer-ops: fast: each one of auto, fused, torch"),
+    (["--layer-ops", "torch"], "give --gguf TYPE too"),
 ])
 def test_stream_refuses_a_comparison_it_cannot_run_before_any_row(argv, why, tmp_path, capsys):
     from bench.__main__ import main as bench

@@ -259,3 +259,27 @@ def test_the_layer_loop_runs_the_backends_layer_ops(tiny_ckpt, monkeypatch):
     assert run_once(tiny_ckpt)[0].token_ids == plain
     assert set(calls) == {"rms_norm", "qk_norm_rope", "add_rms_norm", "silu_mul"}
     assert calls["qk_norm_rope"] == calls["add_rms_norm"] == calls["silu_mul"] and calls["rms_norm"] > calls["silu_mul"]
+
+
+def test_layer_ops_setting_picks_the_steps_and_says_what_it_cannot(tiny_ckpt, monkeypatch):
+    """``[backend] layer_ops``: torch's steps, the fused kernels, or (where they cannot run) an error naming why;
+    cpu_ref computes with torch's and says that a cuda choice has no effect there, as gguf_kernels = "int8"."""
+    from backends.cuda import layer_ops
+    from kestrel_core.engine.model import TORCH_OPS
+    from kestrel_core.errors import ConfigError, KestrelNote
+    from tests.conftest import run_once
+
+    assert layer_ops.layer_ops("torch") is TORCH_OPS
+    monkeypatch.setattr(layer_ops, "available", lambda: "Triton is not installed")
+    assert layer_ops.layer_ops("auto") is TORCH_OPS
+    with pytest.raises(ConfigError, match="layer_ops = 'fused' needs the fused kernels.*Triton is not installed"):
+        layer_ops.layer_ops("fused")
+    monkeypatch.setattr(layer_ops, "available", lambda: None)
+    assert isinstance(layer_ops.layer_ops("auto"), layer_ops.FusedOps)
+    plain = run_once(tiny_ckpt)[0].token_ids
+    for flag, why in (({"backend__layer_ops": "fused"}, "layer_ops = 'fused'"),
+                      ({"backend__gguf_kernels": "int8"}, "gguf_kernels = 'int8'")):
+        with pytest.warns(KestrelNote, match=f"{why}.*no effect here"):
+            assert run_once(tiny_ckpt, **flag)[0].token_ids == plain
+    with pytest.raises(ConfigError, match="layer_ops must be one of auto, fused, torch"):
+        run_once(tiny_ckpt, backend__layer_ops="fast")

@@ -56,6 +56,13 @@ class CpuRefBackend(Backend):
         if ctx.residency.budget_mb or os.environ.get(WCACHE_ENV):  # as silent as the host budget was, before
             warnings.warn("the weight-cache budget bounds the cuda backend's device cache; cpu_ref's resident layers "
                           "are bounded by keep, so the budget has no effect here", KestrelNote, stacklevel=2)
+        if ctx.backend.layer_ops == "fused":
+            warnings.warn("layer_ops = 'fused' picks the cuda backend's fused kernels; cpu_ref, the reference, computes "
+                          "a layer's steps with torch's ops, so it has no effect here", KestrelNote, stacklevel=2)
+        if ctx.backend.gguf_kernels != "float":
+            warnings.warn(f"gguf_kernels = {ctx.backend.gguf_kernels!r} picks the cuda backend's GGUF kernels; cpu_ref "
+                          "computes a GGUF's blocks from their float32 dequantization, so it has no effect here",
+                          KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
         self.lay_out_units()

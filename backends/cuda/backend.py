@@ -76,7 +76,7 @@ class CudaBackend(Backend):
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
         self.gguf_int8 = ctx.backend.gguf_kernels == "int8"  # [backend] gguf_kernels: which kernels run GGUF blocks
-        self.layer_ops = layer_ops.layer_ops()  # the steps between a layer's linears: fused kernels where Triton runs
+        self.layer_ops = layer_ops.layer_ops(ctx.backend.layer_ops)  # between a layer's linears: fused where Triton runs
         if ctx.backend.threads:
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
                           "effect here", KestrelNote, stacklevel=2)

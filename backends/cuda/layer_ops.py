@@ -7,7 +7,7 @@ Each is ``model.LayerOps``'s math, rounded where torch rounds (every product and
 it, the norm's mean of squares in float32), each row by itself in one program, so a row's result never depends on the
 rows beside it or on how many there are. The bits differ from torch's kernels only in the float32 sum of squares'
 order and in ``exp``'s last place, which ``tests/test_layer_ops.py`` bounds. Where the tensors' dtypes are mixed (a
-norm weight in float32 beside bf16 activations) or Triton is missing, a step runs torch's ``LayerOps``.
+norm weight in float32 beside bf16 activations) a step runs torch's ``LayerOps``; ``[backend] layer_ops`` picks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 import torch
 
 from kestrel_core.engine.model import TORCH_OPS, LayerOps
+from kestrel_core.errors import ConfigError
 
 from .triton_check import available
 
@@ -156,6 +157,11 @@ class FusedOps(LayerOps):
         return y.view(gate.shape)
 
 
-def layer_ops() -> LayerOps:
-    """The fused kernels where Triton is installed, else torch's steps."""
-    return FusedOps() if available() is None else TORCH_OPS
+def layer_ops(choice: str = "auto") -> LayerOps:
+    """``[backend] layer_ops``: "auto", the fused kernels where Triton is installed, else torch's steps; "fused", the
+    kernels or a ConfigError that says why not; "torch", torch's steps."""
+    why = available()
+    if choice == "fused" and why:
+        raise ConfigError(f"layer_ops = 'fused' needs the fused kernels, which cannot run here ({why}); install Triton, "
+                          "or set layer_ops = 'auto'")
+    return TORCH_OPS if choice == "torch" or why else FusedOps()

@@ -57,6 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--q8-group", type=int, default=0, help="also the q8 rows, on a copy quantized with this group")
     p.add_argument("--gguf", default="", metavar="TYPE",
                    help="also the GGUF rows: the preset as a GGUF of TYPE (e.g. q4_k_m) with random valid blocks")
+    p.add_argument("--layer-ops", default="", metavar="CHOICES",
+                   help="also --gguf's off row with each of these [backend] layer_ops (comma-separated: torch, fused; "
+                        "e.g. torch beside the default's fused kernels, in the same run)")
     p.add_argument("--interleave", type=int, default=None, help="rounds of off against keep=L (default 3 on cuda, 0)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, of {', '.join(peers.NAMES)} (default on cuda: "
@@ -96,7 +99,21 @@ def label_of(s: dict) -> str:
         head = f"{s['policy']} keep={s['keep']}" + (f", prefetch {s['prefetch']}" if s.get("prefetch") else "")
     if s.get("allocator"):
         head += f", {s['allocator']}"
-    return head + (", --compile" if s.get("compile") else "")
+    return head + (", --compile" if s.get("compile") else "") + (f", layer_ops {s['layer_ops']}" if s.get("layer_ops")
+                                                                  else "")
+
+
+def layer_ops_of(args) -> list[str]:
+    """``--layer-ops``: the [backend] layer_ops of the extra off rows (checked before any row runs)."""
+    from kestrel_core.config import LAYER_OPS
+
+    chosen = [v.strip() for v in args.layer_ops.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in LAYER_OPS]
+    if bad:
+        raise BenchError(f"--layer-ops: {', '.join(bad)}: each one of {', '.join(LAYER_OPS)}")
+    if chosen and not args.gguf:
+        raise BenchError("--layer-ops adds rows to --gguf's section: give --gguf TYPE too")
+    return chosen
 
 
 def settle() -> None:
@@ -224,6 +241,7 @@ def run(args, record) -> dict:
     cuda = args.backend == "cuda"
     graphs_modes = (args.graphs or ("auto,off" if cuda else "auto")).split(",")
     bins = llama_cpp.check(args)
+    layer_ops_of(args)  # a bad --layer-ops is refused before any row
     if args.rows == "none":
         if not args.gguf:
             raise BenchError("--rows none leaves only --gguf's section: give --gguf TYPE")
@@ -325,7 +343,8 @@ def gguf_section(args, pinned, bf16_off: dict, bins: llama_cpp.Binaries | None =
         warm_up(gmodel, args)
         rows = Rows(gmodel, args, pinned, prefix=f"{type_name} ")
         out["rows"] = rows.rows
-        rows.run([{"keep": "off"}, {"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0}], modes)
+        rows.run([{"keep": "off"}, *({"keep": "off", "layer_ops": v} for v in layer_ops_of(args)),
+                  {"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0}], modes)
         if bins is not None:
             settings = {"backend": args.backend, "keep": "off", **({"dtype": args.dtype} if args.dtype else {})}
             out["llama_cpp"] = llama_cpp.compare(bins, gmodel, gpath, settings, shape=args.preset + (

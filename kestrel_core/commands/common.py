@@ -53,6 +53,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
     g.add_argument("--gguf-kernels", help="float (default): a GGUF's blocks dequantized in the kernel; int8: x quantized "
                    "to int8, int8 dot products (prompts and large batches on the tensor cores)")
+    g.add_argument("--layer-ops", help="auto (default): a layer's norms, rotary, residual adds and SiLU as fused "
+                   "Triton kernels where they run; torch: torch's ops; fused: the kernels, or an error")
     g.add_argument("--compile", action="store_true", default=None,
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     g = p.add_argument_group("cpu_ref")
@@ -159,6 +161,7 @@ def config_from_args(args: argparse.Namespace, sweep: bool = False) -> KestrelCo
         backend__device=_device(args),
         backend__graphs=args.graphs,
         backend__gguf_kernels=args.gguf_kernels,
+        backend__layer_ops=args.layer_ops,
         backend__compile=args.compile,
         backend__host_budget_mb=args.host_budget_mb,
         backend__threads=args.threads,
