@@ -195,6 +195,11 @@ class Service:
         limits = RequestLimits(self.max_seq, "this server", model.config.vocab_size, self.limits.max_tokens,
                                "max_tokens", "--max-seq")
         chat = isinstance(req, ChatRequest)
+        room = self.limits.max_batch + self.limits.max_queue
+        if req.choices > room:  # no retry could fit them: a 400, where a busy batch's 429 says to try again
+            raise bad_request(f"n={req.choices} can never fit: each choice is a sequence, and this server runs "
+                              f"{self.limits.max_batch} (--max-batch) and queues {self.limits.max_queue} more "
+                              f"(--max-queue); ask for n at most {room}", "n")
         try:
             return self._plan(req, chat, limits)
         except LimitError as exc:  # a limit's one wording, in OpenAI's shape
@@ -250,7 +255,7 @@ class Service:
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and
-        its queue have no room for them). Sampled choices draw with seeds seed, seed + 1, ...; greedy ones are equal."""
+        its queue have no room for them now; ``plan`` refused an ``n`` they could never hold). Sampled choices draw with seeds seed, seed + 1, ...; greedy ones are equal."""
         self.check_ready()
         request = plan["request"]
         ends = request.eos_ids if request.gen.stop_at_eos else frozenset()
