@@ -344,6 +344,19 @@ def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, co
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("bias, says", [
+    ({"\u0663": 5}, "'\u0663'"),  # an Arabic-Indic three was token 3
+    ({" 3 ": 5}, "' 3 '"),  # so was a padded one
+    ({"3.0": 5}, "'3.0'"), ({"-1": 5}, "'-1'"), ({"+3": 5}, "'+3'"), ({"3_0": 5}, "'3_0'"), ({"": 5}, "''"),
+    ({"9" * 5000: 5}, "5,000 digits"),  # quoted cut short, not in full
+    ({"3": 5, "03": -5}, "token 3 twice"),  # one token given two biases
+])
+def test_a_logit_bias_key_that_is_no_ascii_token_id_is_a_400_naming_it(server, bias, says):
+    body = {"model": server.name, "prompt": [1, 2], "max_tokens": 1, "logit_bias": bias}
+    error = assert_openai_error(post(server, "/v1/completions", body), 400, "logit_bias")
+    assert says in error["message"] and "logit_bias" in error["message"] and len(error["message"]) < 200, error
+
+
 def test_a_number_past_pythons_4300_digits_is_a_400_that_names_it():
     """The message was Python's, telling the client to call sys.set_int_max_str_digits()."""
     from kestrel_core.serve import protocol

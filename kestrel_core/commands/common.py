@@ -116,13 +116,15 @@ def _logit_bias(text: str | None) -> list | None:
         return None
     pairs = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        tid, sep, bias = part.partition(":")
+        tid, sep, bias = (x.strip() for x in part.partition(":"))
+        bad = ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated, each ID in ASCII digits "
+                          f"(e.g. 50256:-100), got {part!r}")
+        if not sep or not (tid.isascii() and tid.isdigit()) or not bias.isascii() or "_" in bias:
+            raise bad  # int() and float() would take "\u0663" or "3_0" as numbers
         try:
-            pairs.append((int(tid), float(bias)))
+            pairs.append((tid, float(bias)))  # the id's digits: the config's to bound
         except ValueError:
-            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}") from None
-        if not sep:
-            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}")
+            raise bad from None
     return pairs
 
 
