@@ -249,7 +249,7 @@ class Service:
             raise bad_request("a tool_choice that forces a call ends the reply once the call is whole, at an "
                               "end-of-sequence token; leave out ignore_eos", "ignore_eos")
         try:
-            return tool_calls.forced(self.template.source, req.tool_defs, req.called_function)
+            return tool_calls.forced(self.template.source, req.tool_defs, req.called_function, req.call_limit == 1)
         except tool_calls.NoCallFormat as exc:
             raise bad_request(str(exc), "tool_choice") from None
 
