@@ -861,6 +861,41 @@ def test_served_names_take_aliases(tmp_path):
     assert served_names(None, "Qwen/Qwen3-8B-not-here") == ("Qwen/Qwen3-8B-not-here", frozenset({"Qwen/Qwen3-8B-not-here"}))
 
 
+def test_a_gguf_files_name_is_served_without_gguf_and_its_file_name_accepted(tmp_path, monkeypatch):
+    """A client asking for smol-q4_1 got a 404 where the file was smol-q4_1.gguf."""
+    from kestrel_core.commands.serve import served_names
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.protocol import APIError
+    from kestrel_core.serve.service import Limits, Service
+
+    f = tmp_path / "smol-q4_1.gguf"
+    f.write_bytes(b"GGUF")
+    name, aliases = served_names(None, str(f))
+    assert name == "smol-q4_1" and {"smol-q4_1.gguf", str(f)} <= aliases
+    service = Service(KestrelConfig(), name, Limits(), aliases=aliases)
+    for asked in ("smol-q4_1", "smol-q4_1.gguf", str(f)):
+        service.check_model(asked)
+    with pytest.raises(APIError, match="this server serves 'smol-q4_1'"):
+        service.check_model("smol-q4_1.gguf.gguf")
+    # other suffixes: only the last .gguf goes (any case); a name that is all suffix, and a directory, keep theirs
+    for file, served in (("smol.Q4_K_M.gguf", "smol.Q4_K_M"), ("Smol.GGUF", "Smol"), (".gguf", ".gguf"),
+                         ("smol.bin", "smol.bin")):
+        (tmp_path / file).write_bytes(b"GGUF")
+        assert served_names(None, str(tmp_path / file))[0] == served
+    (tmp_path / "dir.gguf").mkdir()
+    assert served_names(None, str(tmp_path / "dir.gguf"))[0] == "dir.gguf"
+    # the name as given, not a link's target (a Hugging Face snapshot links each file to a blob named by its hash)
+    blob = tmp_path / "blobs" / ("0" * 64)
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "tiny-q8_0.gguf").symlink_to(blob)
+    name, aliases = served_names(None, str(tmp_path / "snap" / "tiny-q8_0.gguf"))
+    assert name == "tiny-q8_0" and str(blob) in aliases and "0" * 64 not in aliases
+    monkeypatch.chdir(tmp_path / "snap")
+    assert served_names(None, ".")[0] == "snap" and served_names(None, "tiny-q8_0.gguf")[0] == "tiny-q8_0"
+
+
 def test_penalties_and_logit_bias_reach_the_generation(server, solo):
     """The OpenAI penalties, vLLM's repetition_penalty and logit_bias are applied as the engine applies them (each
     request's ids equal a run's with the same [generation] settings), and a +100 bias forces its token."""
