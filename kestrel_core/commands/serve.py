@@ -14,6 +14,7 @@ import time
 from kestrel_core.config import model_dir
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.batch import LEFT_OUT_CHUNK
+from kestrel_core.engine.limits import check_max_seq
 from kestrel_core.errors import ConfigError
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
@@ -198,8 +199,7 @@ def _checked(args) -> dict:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     check_batch_flags(args.max_batch, args.prefill_chunk, left_out=LEFT_OUT_CHUNK)
-    if args.max_seq is not None and args.max_seq < 2:
-        raise ConfigError(f"--max-seq must be at least 2 positions, got {args.max_seq}")
+    check_max_seq(args.max_seq)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_tokens_limit < 1:

@@ -24,7 +24,7 @@ from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
 from kestrel_core.engine.batch import LEFT_OUT_CHUNK, check_batch, default_prefill_chunk
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
-from kestrel_core.engine.limits import LimitError, RequestLimits
+from kestrel_core.engine.limits import LimitError, RequestLimits, check_max_seq
 from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.engine.scheduler import KV_FIX, QueueFull, Scheduler
 from kestrel_core.serve import prompts, tool_calls
@@ -123,9 +123,7 @@ class Service:
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
         positions = model.config.max_position_embeddings
-        if self.limits.max_seq is not None and self.limits.max_seq > positions:  # was cut to the model's, unsaid
-            raise ConfigError(f"--max-seq {self.limits.max_seq:,} is past {model.dir}'s {positions:,} positions "
-                              f"(max_position_embeddings); give at most {positions:,}, or leave it out")
+        check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
         if self.limits.prefill_chunk is not None:
