@@ -73,6 +73,22 @@ def test_no_tokenizer_means_ids_only(tiny_copy, capsys):
     assert rc == 2 and "needs a tokenizer" in err
 
 
+def test_generate_says_on_stderr_when_the_model_ends_at_once(tiny_ckpt, capsys):
+    """Its first token the end id (256, forced by a bias): the streamed text was empty and nothing said why."""
+    base = ["generate", "--model", str(tiny_ckpt), "--prompt", "hi", "--max-new-tokens", "3"]
+    note = "kestrel: note: the model ended at once (end of sequence): its first token was the end id 256"
+    rc, out, err = cli(capsys, *base, "--logit-bias", "256:100")
+    assert rc == 0 and out.startswith("token ids: 256\n") and err.count("\n") == 1 and err.startswith(note), err
+    rc, out, err = cli(capsys, *base, "--logit-bias", "256:100", "--json")  # the note, and the JSON as ever
+    ended = json.loads(out)
+    assert rc == 0 and err.startswith(note) and ended["token_ids"] == [256] and ended["text"] == ""
+    assert set(ended) == set(cli_json(capsys, *base))
+    rc, _, err = cli(capsys, *base)  # a run that generates says nothing
+    assert rc == 0 and "ended at once" not in err
+    rc, _, err = cli(capsys, *base, "--logit-bias", "256:100", "--ignore-eos")  # the end id is a token like any
+    assert rc == 0 and "ended at once" not in err
+
+
 def test_generate_takes_max_seq_as_serve_does(tiny_ckpt, capsys):
     """generate had no --max-seq, though serve does: the same bound on the prompt and its tokens, the same checks."""
     from cli_helpers import fails

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
 from kestrel_core.engine.batch import SOLO_KV_FIX
@@ -9,7 +11,7 @@ from kestrel_core.engine.fit import KVRoom
 from kestrel_core.engine.limits import RequestLimits, check_max_seq
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.run import load
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.io.jsonout import emit_json
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, mib, with_draft
 
@@ -85,7 +87,11 @@ def run(args) -> int:
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe
+        ends = model.eos_ids if gen.stop_at_eos else frozenset()
     text, prompt = result.text, result.prompt_ids
+    if result.token_ids[:1] and result.token_ids[0] in ends:  # else the text streamed was empty, and nothing said why
+        warnings.warn(f"the model ended at once (end of sequence): its first token was the end id "
+                      f"{result.token_ids[0]}, so nothing was generated; --ignore-eos generates past it", KestrelNote)
     res = cfg.residency
     if args.json:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
