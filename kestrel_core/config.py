@@ -72,18 +72,39 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise ConfigError(f"logit_bias must map token ids to biases, e.g. {{\"50256\": -100}}, got {value!r}"[:200]) from None
     if len(pairs) > LOGIT_BIAS_IDS:
         raise ConfigError(f"logit_bias names {len(pairs)} token ids; at most {LOGIT_BIAS_IDS}")
-    out = {}
+    out, given = {}, {}
     for k, v in pairs:
-        try:
-            tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
-        except ValueError:
-            tid = k
-        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
-            raise ConfigError(f"logit_bias: {k!r} is not a token id (a whole number >= 0)")
+        tid = _token_id(k)
+        if tid in out:  # "3" and "03" name one token: which bias was meant?
+            raise ConfigError(f"logit_bias names token {tid} twice ({_shown(given[tid])} and {_shown(k)}); "
+                              "give each id once")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > LOGIT_BIAS_MAX:
             raise ConfigError(f"logit_bias: the bias of token {tid} must be a number in -100..100, got {v!r}")
-        out[tid] = float(v)
+        out[tid], given[tid] = float(v), k
     return tuple(sorted(out.items()))
+
+
+_ID_DIGITS = 18  # a token id of more digits is past any vocabulary (and past int()'s 4,300, Python's error)
+
+
+def _token_id(key: Any) -> int:
+    """A logit_bias key as a token id: an int >= 0, or its ASCII decimal digits and nothing else (str.isdigit and int()
+    would take " 3 ", "\u0663" or "3_0" as ids too, which OpenAI refuses)."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        if len(key) > _ID_DIGITS:
+            raise ConfigError(f"logit_bias: the key {_shown(key)} has {len(key):,} digits; a token id has at most "
+                              f"{_ID_DIGITS} (no vocabulary is larger)")
+        return int(key)
+    raise ConfigError(f"logit_bias: the key {_shown(key)} is not a token id; give ids as ASCII decimal digits "
+                      "(a whole number >= 0, e.g. \"50256\")")
+
+
+def _shown(key: Any) -> str:
+    """A key as an error quotes it: its repr, cut where it is long."""
+    text = repr(key)
+    return text if len(text) <= 40 else text[:36] + "...'"
 
 
 MAX_MIB = 2**40  # MiB: a budget beyond an exabyte is a typo, and would overflow the byte counts built from it

@@ -73,6 +73,38 @@ def test_no_tokenizer_means_ids_only(tiny_copy, capsys):
     assert rc == 2 and "needs a tokenizer" in err
 
 
+def test_generate_says_on_stderr_when_the_model_ends_at_once(tiny_ckpt, capsys):
+    """Its first token the end id (256, forced by a bias): the streamed text was empty and nothing said why."""
+    base = ["generate", "--model", str(tiny_ckpt), "--prompt", "hi", "--max-new-tokens", "3"]
+    note = "kestrel: note: the model ended at once (end of sequence): its first token was the end id 256"
+    rc, out, err = cli(capsys, *base, "--logit-bias", "256:100")
+    assert rc == 0 and out.startswith("token ids: 256\n") and err.count("\n") == 1 and err.startswith(note), err
+    rc, out, err = cli(capsys, *base, "--logit-bias", "256:100", "--json")  # the note, and the JSON as ever
+    ended = json.loads(out)
+    assert rc == 0 and err.startswith(note) and ended["token_ids"] == [256] and ended["text"] == ""
+    assert set(ended) == set(cli_json(capsys, *base))
+    rc, _, err = cli(capsys, *base)  # a run that generates says nothing
+    assert rc == 0 and "ended at once" not in err
+    rc, _, err = cli(capsys, *base, "--logit-bias", "256:100", "--ignore-eos")  # the end id is a token like any
+    assert rc == 0 and "ended at once" not in err
+
+
+def test_generate_takes_max_seq_as_serve_does(tiny_ckpt, capsys):
+    """generate had no --max-seq, though serve does: the same bound on the prompt and its tokens, the same checks."""
+    from cli_helpers import fails
+
+    base = ["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3,4", "--ignore-eos"]
+    out = cli_json(capsys, *base, "--max-seq", "8", "--max-new-tokens", "4")
+    assert len(out["token_ids"]) == 4  # the prompt and its tokens fill the context exactly
+    fails([*base, "--max-seq", "7", "--max-new-tokens", "4"], capsys,
+          "this run's context is 7 tokens (--max-seq); the prompt takes 4 and 4 to generate (--max-new-tokens)")
+    fails([*base, "--max-seq", "1"], capsys, "--max-seq must be at least 2 positions, got 1")
+    fails([*base, "--max-seq", "513"], capsys, "--max-seq 513 is past", "512 positions (max_position_embeddings)")
+    fails(["serve", "--model", str(tiny_ckpt), "--max-seq", "1"], capsys, "--max-seq must be at least 2 positions")
+    fails(["generate", "--model", str(tiny_ckpt), "--prompts", "in.jsonl", "--out", "out.jsonl", "--max-seq", "64"],
+          capsys, "drop --max-seq")
+
+
 # --- sweep -----------------------------------------------------------------------------
 
 def test_sweep_identical_ids_exit_0_with_a_verdict(tiny_ckpt, capsys):
@@ -212,8 +244,12 @@ def test_run_help_groups_its_flags_and_names_each_choice_and_default(register_pl
     assert main(["generate", "--help"]) == 0
     raw = capsys.readouterr().out
     titles = [line for line in raw.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert titles == ["options:", "model:", "residency:", "cuda:", "cpu_ref:", "Mixture-of-Experts:", "generation:",
-                      "speculative decoding:"]
+    assert titles == ["options:", "model:", "residency:", "device (every backend):", "cuda:", "cpu_ref:",
+                      "Mixture-of-Experts:", "generation:", "speculative decoding:"]
+    groups = raw.split("\ncuda:\n")
+    for flag in ("--dtype", "--devices", "--device "):  # cpu_ref takes them too: they were filed under cuda
+        assert flag in groups[0].split("\ndevice (every backend):\n")[1] and flag not in groups[1], flag
+    assert "--host-budget-mb" in groups[1].split("\ncpu_ref:\n")[0]
     out = " ".join(raw.split())
     assert "--policy POLICY residency policy: asymmetric, belady, every_other_test, future_evicting, off, pinned_set " \
            "(default asymmetric)" in out

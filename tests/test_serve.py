@@ -344,6 +344,19 @@ def test_a_bad_completion_body_is_a_400_in_openais_shape(server, body, param, co
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("bias, says", [
+    ({"\u0663": 5}, "'\u0663'"),  # an Arabic-Indic three was token 3
+    ({" 3 ": 5}, "' 3 '"),  # so was a padded one
+    ({"3.0": 5}, "'3.0'"), ({"-1": 5}, "'-1'"), ({"+3": 5}, "'+3'"), ({"3_0": 5}, "'3_0'"), ({"": 5}, "''"),
+    ({"9" * 5000: 5}, "5,000 digits"),  # quoted cut short, not in full
+    ({"3": 5, "03": -5}, "token 3 twice"),  # one token given two biases
+])
+def test_a_logit_bias_key_that_is_no_ascii_token_id_is_a_400_naming_it(server, bias, says):
+    body = {"model": server.name, "prompt": [1, 2], "max_tokens": 1, "logit_bias": bias}
+    error = assert_openai_error(post(server, "/v1/completions", body), 400, "logit_bias")
+    assert says in error["message"] and "logit_bias" in error["message"] and len(error["message"]) < 200, error
+
+
 def test_a_number_past_pythons_4300_digits_is_a_400_that_names_it():
     """The message was Python's, telling the client to call sys.set_int_max_str_digits()."""
     from kestrel_core.serve import protocol
@@ -846,6 +859,41 @@ def test_served_names_take_aliases(tmp_path):
     assert served_names(None, str(d)) == ("Qwen3-8B", frozenset({str(d), str(d.resolve())}))
     assert served_names("qwen, my-model", str(d)) == ("qwen", frozenset({"my-model", str(d), str(d.resolve())}))
     assert served_names(None, "Qwen/Qwen3-8B-not-here") == ("Qwen/Qwen3-8B-not-here", frozenset({"Qwen/Qwen3-8B-not-here"}))
+
+
+def test_a_gguf_files_name_is_served_without_gguf_and_its_file_name_accepted(tmp_path, monkeypatch):
+    """A client asking for smol-q4_1 got a 404 where the file was smol-q4_1.gguf."""
+    from kestrel_core.commands.serve import served_names
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.protocol import APIError
+    from kestrel_core.serve.service import Limits, Service
+
+    f = tmp_path / "smol-q4_1.gguf"
+    f.write_bytes(b"GGUF")
+    name, aliases = served_names(None, str(f))
+    assert name == "smol-q4_1" and {"smol-q4_1.gguf", str(f)} <= aliases
+    service = Service(KestrelConfig(), name, Limits(), aliases=aliases)
+    for asked in ("smol-q4_1", "smol-q4_1.gguf", str(f)):
+        service.check_model(asked)
+    with pytest.raises(APIError, match="this server serves 'smol-q4_1'"):
+        service.check_model("smol-q4_1.gguf.gguf")
+    # other suffixes: only the last .gguf goes (any case); a name that is all suffix, and a directory, keep theirs
+    for file, served in (("smol.Q4_K_M.gguf", "smol.Q4_K_M"), ("Smol.GGUF", "Smol"), (".gguf", ".gguf"),
+                         ("smol.bin", "smol.bin")):
+        (tmp_path / file).write_bytes(b"GGUF")
+        assert served_names(None, str(tmp_path / file))[0] == served
+    (tmp_path / "dir.gguf").mkdir()
+    assert served_names(None, str(tmp_path / "dir.gguf"))[0] == "dir.gguf"
+    # the name as given, not a link's target (a Hugging Face snapshot links each file to a blob named by its hash)
+    blob = tmp_path / "blobs" / ("0" * 64)
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "tiny-q8_0.gguf").symlink_to(blob)
+    name, aliases = served_names(None, str(tmp_path / "snap" / "tiny-q8_0.gguf"))
+    assert name == "tiny-q8_0" and str(blob) in aliases and "0" * 64 not in aliases
+    monkeypatch.chdir(tmp_path / "snap")
+    assert served_names(None, ".")[0] == "snap" and served_names(None, "tiny-q8_0.gguf")[0] == "tiny-q8_0"
 
 
 def test_penalties_and_logit_bias_reach_the_generation(server, solo):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.serve_process import ServeProcess
-from serve_helpers import chat_model
+from serve_helpers import assert_openai_error, chat_model
 from kestrel_core.engine.run import load
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -296,11 +296,15 @@ def test_a_stream_of_n_choices_tags_each_chunk_with_its_index(server, chat):
         assert sorted(roles) == [0, 1, 2]
 
 
-def test_n_choices_that_do_not_fit_are_a_429(model_dir):
+def test_n_choices_that_could_never_fit_are_a_400_naming_n_and_the_limits(model_dir):
+    """Past --max-batch plus --max-queue no retry can fit them: a 429 with Retry-After sent clients retrying forever."""
     s = Server(model_dir, "--max-batch", "2", "--max-queue", "1")
     try:
-        with pytest.raises(openai.RateLimitError):
-            s.client().completions.create(model=s.name, prompt=PROMPT, max_tokens=4, n=4)
+        for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            response = s.post(path, {**body, "max_tokens": 4, "n": 4})
+            error = assert_openai_error(response, 400, "n")
+            assert "retry-after" not in response.headers
+            assert "n at most 3" in error["message"] and "--max-batch" in error["message"], error
         assert len(s.client().completions.create(model=s.name, prompt=PROMPT, max_tokens=4, n=3).choices) == 3
     finally:
         s.stop(30)

@@ -181,6 +181,63 @@ def test_two_calls_stream_each_once_whole_with_its_own_index(chat_service, monke
     assert whole["content"] is None and [c["function"] for c in whole["tool_calls"]] == [c["function"] for c in calls]
 
 
+# --- parallel_tool_calls ------------------------------------------------------------------------------------------
+TWO_CALLS = ('First.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> then '
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+
+
+def test_a_limit_of_one_keeps_the_first_call_and_drops_the_rest_whole_and_in_pieces():
+    content, calls = tool_calls.parse(TWO_CALLS, limit=1)
+    assert content == "First. then" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    reader = tool_calls.Reader(limit=1)
+    events = [e for i in range(0, len(TWO_CALLS), 5) for e in reader.push(TWO_CALLS[i:i + 5])] + reader.finish()
+    assert [json.loads(v["function"]["arguments"]) for k, v in events if k == "call"] == [{"city": "Paris"}]
+    assert "".join(v for k, v in events if k == "content") == "First. then" and len(reader.calls) == 1
+    assert len(tool_calls.parse(TWO_CALLS)[1]) == 2  # no limit: both
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_answers_one_call_and_true_all(chat_service, monkeypatch, stream):
+    """It was refused as an unknown parameter."""
+    _replying(monkeypatch, [TWO_CALLS[i:i + 9] for i in range(0, len(TWO_CALLS), 9)])
+    _, http = chat_service
+    for parallel, cities in ((False, ["Paris"]), (True, ["Paris", "Oslo"]), (None, ["Paris", "Oslo"])):
+        body = {"parallel_tool_calls": parallel} if parallel is not None else {}
+        if stream:
+            chunks = _streamed(http, **body)
+            calls = [c for ch in chunks for c in ch["delta"].get("tool_calls", [])]
+            assert [c["index"] for c in calls] == list(range(len(cities)))
+            reason = chunks[-1]["finish_reason"]
+        else:
+            response = ask(http, tools=[WEATHER], **body)
+            assert response.status_code == 200, response.text
+            got = response.json()["choices"][0]
+            calls, reason = got["message"]["tool_calls"], got["finish_reason"]
+        assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities and reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_holds_a_required_call_to_one(chat_service):
+    _, http = chat_service
+    assert tool_calls.forced(TEMPLATE, [CITY, TIME], None, one=True).startswith("start: block\n")
+    for seed in range(2):
+        got = ask(http, tools=[CITY, TIME], max_tokens=200, tool_choice="required", temperature=1.0, seed=seed,
+                  parallel_tool_calls=False).json()["choices"][0]
+        assert got["finish_reason"] == "tool_calls" and len(got["message"]["tool_calls"]) == 1, got
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"parallel_tool_calls": False}, "only allowed with tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "false"}, "valid boolean"),
+    ({"tools": [WEATHER], "parallel_tool_calls": 0}, "valid boolean"),
+])
+def test_a_parallel_tool_calls_without_tools_or_not_a_bool_is_a_400_naming_it(chat_service, body, says):
+    _, http = chat_service
+    response = ask(http, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "parallel_tool_calls" and says in error["message"], error
+
+
 # --- a call forced by tool_choice --------------------------------------------------------------------------------
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],

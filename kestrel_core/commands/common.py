@@ -42,14 +42,16 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    "with keep auto: free device memory less 2 GiB and the KV cache; with a keep given: half of free "
                    "device memory, 256 MiB..24 GiB)")
     g.add_argument("--pool-slots", type=int, help=f"buffers the pool may hold (default {r.pool_slots})")
+    g = p.add_argument_group("device (every backend)")
+    g.add_argument("--dtype", help="compute dtype (cpu_ref: float32 (default) | float64; cuda: bfloat16 (default) | "
+                   "float16 | float32)")
+    g.add_argument("--device", help="device, e.g. cuda:1 (default: the current one; cpu_ref computes on cpu only)")
+    g.add_argument("--devices", help="split the layers over these devices of this host, one rank each, e.g. "
+                   "cuda:0,cuda:1, or cpu,cpu on cpu_ref (kestrel starts the ranks; generate, chat and serve; see "
+                   "docs/multi-gpu.md)")
     g = p.add_argument_group("cuda")
     g.add_argument("--host-budget-mb", type=float, help="MiB of pinned host memory for streamed weights "
                    "(also KESTREL_HOST_MB); default: every layer where half the available RAM holds them, else a ring")
-    g.add_argument("--dtype", help="compute dtype (cpu_ref: float32 (default) | float64; cuda: bfloat16 (default) | "
-                   "float16 | float32)")
-    g.add_argument("--device", help="device, e.g. cuda:1 (default: the current one)")
-    g.add_argument("--devices", help="split the layers over these devices of this host, one rank each, e.g. "
-                   "cuda:0,cuda:1 (kestrel starts the ranks; generate, chat and serve; see docs/multi-gpu.md)")
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
     g.add_argument("--gguf-kernels", help="float (default): a GGUF's blocks dequantized in the kernel; int8: x quantized "
                    "to int8, int8 dot products (prompts and large batches on the tensor cores)")
@@ -118,13 +120,15 @@ def _logit_bias(text: str | None) -> list | None:
         return None
     pairs = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        tid, sep, bias = part.partition(":")
+        tid, sep, bias = (x.strip() for x in part.partition(":"))
+        bad = ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated, each ID in ASCII digits "
+                          f"(e.g. 50256:-100), got {part!r}")
+        if not sep or not (tid.isascii() and tid.isdigit()) or not bias.isascii() or "_" in bias:
+            raise bad  # int() and float() would take "\u0663" or "3_0" as numbers
         try:
-            pairs.append((int(tid), float(bias)))
+            pairs.append((tid, float(bias)))  # the id's digits: the config's to bound
         except ValueError:
-            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}") from None
-        if not sep:
-            raise ConfigError(f"--logit-bias takes ID:BIAS pairs, comma-separated (e.g. 50256:-100), got {part!r}")
+            raise bad from None
     return pairs
 
 

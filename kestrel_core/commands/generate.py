@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
 from kestrel_core.engine.batch import SOLO_KV_FIX
 from kestrel_core.engine.fit import KVRoom
+from kestrel_core.engine.limits import RequestLimits, check_max_seq
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.run import load
-from kestrel_core.errors import ConfigError
+from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.io.jsonout import emit_json
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, mib, with_draft
 
@@ -23,6 +26,9 @@ def add_arguments(p):
     p.add_argument("--trace", help="Mixture-of-Experts: record each decision point's routed experts to this new file "
                                    "(for kestrel replay)")
     add_draft_flags(p)
+    p.add_argument("--max-seq", type=int, help="the context: positions the sequence may use, prompt and generation, "
+                   "at least 2 and at most the model's (default: the model's); a prompt and --max-new-tokens past it "
+                   "are refused. Not with --prompts: a batch job sizes each sequence to its line")
     p.add_argument("--prompts", metavar="IN.jsonl", help="a batch job: one JSON object a line ({\"prompt\": ...} or "
                    "{\"prompt_ids\": [...]}, with any [generation] setting), run as a continuous batch (needs --out)")
     p.add_argument("--out", metavar="OUT.jsonl", help="where a batch job writes its results, one line a prompt, in "
@@ -41,6 +47,7 @@ def run(args) -> int:
         one = len(batch_flags) == 1
         raise ConfigError(f"{' and '.join(batch_flags)} {'sets' if one else 'set'} a batch job's batch: add --prompts "
                           f"IN.jsonl --out OUT.jsonl, or drop {'it' if one else 'them'}")
+    check_max_seq(args.max_seq)  # before the model loads
     cfg = with_draft(config_from_args(args), args)
     recorder = None
     if args.trace is not None:
@@ -54,7 +61,13 @@ def run(args) -> int:
             raise ConfigError(f"--trace records expert routing, but {model.dir} ({model.config.model_type}) has no experts")
         gen = cfg.generation  # read once: keep = auto leaves room for this prompt's KV cache, and the run takes it
         ids = model.prompt_ids(list(gen.prompt_ids), gen.prompt)
-        kv = KVRoom(1, min(len(ids) + gen.max_new_tokens, model.config.max_position_embeddings), SOLO_KV_FIX)
+        positions = model.config.max_position_embeddings
+        if args.max_seq is not None:  # as kestrel serve bounds its context: the prompt and its tokens within it
+            check_max_seq(args.max_seq, positions, str(model.dir))
+            RequestLimits(args.max_seq, "this run", tokens="--max-new-tokens", source="--max-seq").budget(
+                gen.max_new_tokens, len(ids), "the prompt")
+            positions = args.max_seq
+        kv = KVRoom(1, min(len(ids) + gen.max_new_tokens, positions), SOLO_KV_FIX)
         with model.open(cfg, observers=[recorder] if recorder else (), kv=kv) as r:
             if r.follows:  # a pipeline's later rank: rank 0 generates, this one makes its steps after it
                 r.follow()
@@ -74,7 +87,11 @@ def run(args) -> int:
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe
+        ends = model.eos_ids if gen.stop_at_eos else frozenset()
     text, prompt = result.text, result.prompt_ids
+    if result.token_ids[:1] and result.token_ids[0] in ends:  # else the text streamed was empty, and nothing said why
+        warnings.warn(f"the model ended at once (end of sequence): its first token was the end id "
+                      f"{result.token_ids[0]}, so nothing was generated; --ignore-eos generates past it", KestrelNote)
     res = cfg.residency
     if args.json:
         emit_json({"model": cfg.model, "backend": cfg.backend.name, "policy": policy, "keep": res.keep,
@@ -154,6 +171,9 @@ def run_batch_job(args) -> int:
         raise ConfigError("a batch job needs both --prompts IN.jsonl and --out OUT.jsonl")
     if args.prompt is not None or args.prompt_ids is not None or args.trace is not None:
         raise ConfigError("--prompts reads its prompts from the file: drop --prompt, --prompt-ids and --trace")
+    if args.max_seq is not None:
+        raise ConfigError("--max-seq bounds one prompt's context; a batch job sizes each sequence to its line's prompt "
+                          "and max_new_tokens: drop --max-seq (or give a line a smaller max_new_tokens)")
     from kestrel_core.tools.batch_job import read_lines, run_job
     from kestrel_core.io.newfile import check_new
 

@@ -14,6 +14,7 @@ import time
 from kestrel_core.config import model_dir
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.batch import LEFT_OUT_CHUNK
+from kestrel_core.engine.limits import check_max_seq
 from kestrel_core.errors import ConfigError
 from kestrel_core.commands.common import add_draft_flags, add_run_flags, check_batch_flags, config_from_args, with_draft
 
@@ -50,8 +51,8 @@ def add_arguments(p):
                    "loopback needs an API key or --allow-insecure)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", help="the model's name in the API, and other names for it, comma-separated "
-                   "(default: the model's own, a directory's or file's base name); --model as given and its full path "
-                   "are accepted too")
+                   "(default: the model's own: a directory's base name, a .gguf file's name without .gguf; --model as "
+                   "given, its full path and a file's whole name are accepted too)")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 (also {KEY_ENV}, which keeps it out of "
                    "the process list)")
     p.add_argument("--allowed-hosts", help="Host names the server answers besides loopback's, comma-separated ('*': "
@@ -164,18 +165,26 @@ def run(args) -> int:
 
 
 def served_names(given: str | None, model: str) -> tuple[str, frozenset[str]]:
-    """The model's name in the API and the other names a request may give for it. By default its own: a directory's or
-    a file's base name (a Hugging Face name as given); ``--served-model-name a,b`` names it a, also b. The model as
-    given to --model, and its full path, are accepted either way."""
+    """The model's name in the API and the other names a request may give for it. By default its own: a directory's
+    base name, a GGUF file's without its .gguf (its whole file name is accepted too), a Hugging Face name as given;
+    ``--served-model-name a,b`` names it a, also b. The model as given to --model, and its full path, are accepted
+    either way."""
     names = [n.strip() for n in given.split(",")] if given is not None else []
     if given is not None and not all(names):
         raise ConfigError(f"--served-model-name {given!r} holds an empty name; give the names clients send as model, "
                           "comma-separated, or leave the flag out (the name is then the model's own)")
     path = Path(model)
-    own = path.resolve().name if path.exists() else model
+    own = model
     aliases = {model, *names[1:]}
     if path.exists():
-        aliases.add(str(path.resolve()))
+        # The name of the path as given, its links not followed: a Hugging Face snapshot's file is a link to a blob
+        # named by its hash. "." and ".." are the directories they stand for.
+        where = Path(os.path.abspath(model))
+        own = where.name or path.resolve().name
+        if path.is_file() and where.suffix.lower() == ".gguf" and where.stem:
+            own = where.stem
+            aliases.add(where.name)
+        aliases |= {str(where), str(path.resolve())}
     return (names[0] if names else own), frozenset(aliases)
 
 
@@ -190,8 +199,7 @@ def _checked(args) -> dict:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     check_batch_flags(args.max_batch, args.prefill_chunk, left_out=LEFT_OUT_CHUNK)
-    if args.max_seq is not None and args.max_seq < 2:
-        raise ConfigError(f"--max-seq must be at least 2 positions, got {args.max_seq}")
+    check_max_seq(args.max_seq)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_tokens_limit < 1:

@@ -68,3 +68,15 @@ class RequestLimits:
         if asked > room:
             raise self.too_long(prompt, param, asked)
         return asked
+
+
+def check_max_seq(max_seq: int | None, positions: int | None = None, model: str = "the model") -> None:
+    """``--max-seq`` as kestrel serve and generate take it: at least 2 positions (a prompt token and one generated)
+    and, once the model is known, at most its ``positions`` (max_position_embeddings): never cut to them unsaid."""
+    if max_seq is None:
+        return
+    if max_seq < 2:
+        raise ConfigError(f"--max-seq must be at least 2 positions, got {max_seq}")
+    if positions is not None and max_seq > positions:
+        raise ConfigError(f"--max-seq {max_seq:,} is past {model}'s {positions:,} positions (max_position_embeddings); "
+                          f"give at most {positions:,}, or leave it out")

@@ -249,7 +249,7 @@ class Answer:
         for i, (gen, t) in enumerate(zip(self.gens, texts)):
             value, reason, logprobs, tokens = t, gen.finish_reason, self._logprobs(gen), list(gen.tokens)
             if self.chat:
-                content, calls = tool_calls.parse(t) if self.tools else (t, [])
+                content, calls = tool_calls.parse(t, self.req.call_limit) if self.tools else (t, [])
                 value, reason = protocol.message(content, calls), ("tool_calls" if calls else reason)
             elif self.scores_only:
                 value, logprobs = self._echoed(gen)
@@ -283,7 +283,7 @@ class Answer:
                     yield chunk(i, {"role": "assistant", "content": ""})
             # With tools: each reply read as it comes (content sent as it is written, each call once it is whole);
             # the pieces whose text is held ride the next chunk sent with their ids and logprobs
-            readers = {i: tool_calls.Reader() for i in range(len(self.gens))} if self.tools else {}
+            readers = {i: tool_calls.Reader(self.req.call_limit) for i in range(len(self.gens))} if self.tools else {}
             held: dict[int, list[Piece]] = {i: [] for i in range(len(self.gens))}
             calls_sent = dict.fromkeys(range(len(self.gens)), 0)
 

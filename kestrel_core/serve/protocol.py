@@ -287,6 +287,7 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
 
     def check(self) -> None:
         if self.max_completion_tokens is not None:
@@ -319,6 +320,9 @@ class ChatRequest(_Sampling):
         if choice not in (None, "none") and not self.tools:
             raise bad_request(f"tool_choice {json.dumps(choice)} needs tools; send tools, or leave tool_choice out",
                               "tool_choice")
+        if self.parallel_tool_calls is not None and not self.tools:  # as OpenAI refuses it
+            raise bad_request("parallel_tool_calls is only allowed with tools; send tools, or leave "
+                              "parallel_tool_calls out", "parallel_tool_calls")
         if self.forces_call and self.response_format is not None and self.response_format.type != "text":
             raise bad_request("a tool_choice that forces a call and a JSON response_format each hold the reply to "
                               "a form; send one", "response_format")
@@ -342,6 +346,11 @@ class ChatRequest(_Sampling):
     def forces_call(self) -> bool:
         """Whether tool_choice forces a call: "required" (of any tool) or a named function."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def call_limit(self) -> int | None:
+        """The tool calls a reply may hold: 1 with ``parallel_tool_calls: false``, else None (any number)."""
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def called_function(self) -> str | None:

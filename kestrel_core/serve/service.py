@@ -24,7 +24,7 @@ from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
 from kestrel_core.engine.batch import LEFT_OUT_CHUNK, check_batch, default_prefill_chunk
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.grammar import GrammarError
-from kestrel_core.engine.limits import LimitError, RequestLimits
+from kestrel_core.engine.limits import LimitError, RequestLimits, check_max_seq
 from kestrel_core.engine.plan import bytes_streamed
 from kestrel_core.engine.scheduler import KV_FIX, QueueFull, Scheduler
 from kestrel_core.serve import prompts, tool_calls
@@ -123,9 +123,7 @@ class Service:
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
         positions = model.config.max_position_embeddings
-        if self.limits.max_seq is not None and self.limits.max_seq > positions:  # was cut to the model's, unsaid
-            raise ConfigError(f"--max-seq {self.limits.max_seq:,} is past {model.dir}'s {positions:,} positions "
-                              f"(max_position_embeddings); give at most {positions:,}, or leave it out")
+        check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
         if self.limits.prefill_chunk is not None:
@@ -195,6 +193,11 @@ class Service:
         limits = RequestLimits(self.max_seq, "this server", model.config.vocab_size, self.limits.max_tokens,
                                "max_tokens", "--max-seq")
         chat = isinstance(req, ChatRequest)
+        room = self.limits.max_batch + self.limits.max_queue
+        if req.choices > room:  # no retry could fit them: a 400, where a busy batch's 429 says to try again
+            raise bad_request(f"n={req.choices} can never fit: each choice is a sequence, and this server runs "
+                              f"{self.limits.max_batch} (--max-batch) and queues {self.limits.max_queue} more "
+                              f"(--max-queue); ask for n at most {room}", "n")
         try:
             return self._plan(req, chat, limits)
         except LimitError as exc:  # a limit's one wording, in OpenAI's shape
@@ -244,13 +247,13 @@ class Service:
             raise bad_request("a tool_choice that forces a call ends the reply once the call is whole, at an "
                               "end-of-sequence token; leave out ignore_eos", "ignore_eos")
         try:
-            return tool_calls.forced(self.template.source, req.tool_defs, req.called_function)
+            return tool_calls.forced(self.template.source, req.tool_defs, req.called_function, req.call_limit == 1)
         except tool_calls.NoCallFormat as exc:
             raise bad_request(str(exc), "tool_choice") from None
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and
-        its queue have no room for them). Sampled choices draw with seeds seed, seed + 1, ...; greedy ones are equal."""
+        its queue have no room for them now; ``plan`` refused an ``n`` they could never hold). Sampled choices draw with seeds seed, seed + 1, ...; greedy ones are equal."""
         self.check_ready()
         request = plan["request"]
         ends = request.eos_ids if request.gen.stop_at_eos else frozenset()

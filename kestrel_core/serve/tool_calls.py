@@ -11,8 +11,11 @@ A block that does not hold such an object stays in the content, so nothing the m
 an id of its own (``call_`` and 24 hex digits); its ``arguments`` are a JSON string, as OpenAI sends them.
 
 ``forced(template_source, tools, name)`` is the grammar (llguidance's Lark) of a reply that is calls only, in the
-format the template lays out: a ``tool_choice`` of ``required`` (one call or more, of any tool) or of one named
-function (one call of it), each call's arguments held to its function's ``parameters`` schema.
+format the template lays out: a ``tool_choice`` of ``required`` (one call or more, of any tool; one with ``one``) or
+of one named function (one call of it), each call's arguments held to its function's ``parameters`` schema.
+
+A request's ``parallel_tool_calls: false`` reads a reply with ``limit=1``: its first call is kept, and any later call
+the model writes is dropped (neither a call nor content).
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ def style(template_source: str) -> str | None:
     return None
 
 
-def forced(template_source: str, tools: list[dict], name: str | None) -> str:
+def forced(template_source: str, tools: list[dict], name: str | None, one: bool = False) -> str:
     """The Lark grammar of a reply that is only calls: of the function ``name`` (one call), or, None, of any of
-    ``tools`` (one or more, Hermes; one, Llama's format holds one)."""
+    ``tools`` (one or more, Hermes, unless ``one``; one, Llama's format holds one)."""
     how = style(template_source)
     if how is None:
         raise NoCallFormat("this model's chat template shows no tool-call format kestrel can hold a reply to "
@@ -60,7 +63,7 @@ def forced(template_source: str, tools: list[dict], name: str | None) -> str:
     call = "call: %json " + json.dumps(schema)
     if how == "llama":
         return "start: call\n" + call
-    many = "" if name is not None else ' ("\\n" block)*'
+    many = "" if name is not None or one else ' ("\\n" block)*'
     return f'start: block{many}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n' + call
 
 
@@ -90,9 +93,10 @@ class Reader:
     reply, so a streamed reply and an answered one agree.
 
     A reply whose first text is ``{`` or ``<|python_tag|>`` may be one bare call (Llama 3.1's format): it is held to
-    its end and read whole."""
+    its end and read whole. ``limit``: the calls kept (None: all); a call past it is dropped, and not content."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
         self.mode = "undecided"  # "blocks": content and <tool_call> blocks; "bare": held whole
         self.text = ""  # the pieces pushed (in "blocks": from the first not yet read)
         self.at = 0  # where the unread text starts (in "blocks")
@@ -117,7 +121,7 @@ class Reader:
     def finish(self) -> list[tuple[str, object]]:
         if self.mode != "blocks":  # a bare call, or text that never showed what it is: read whole
             content, calls = _whole(self.text)
-            self.calls = calls
+            self.calls = calls = calls[:self.limit]
             return ([("content", content)] if content else []) + [("call", c) for c in calls]
         return self._blocks(True)
 
@@ -147,7 +151,7 @@ class Reader:
             call = _call(_json(self.text[start + len(OPEN):body_end].strip()))
             if call is None:
                 events += self._content(self.text[start:after])  # not a call: the block stays in the content
-            else:
+            elif self.limit is None or len(self.calls) < self.limit:
                 self.calls.append(call)
                 events.append(("call", call))
             self.at = after
@@ -175,9 +179,10 @@ def _held_from(text: str, at: int) -> int:
     return len(text)
 
 
-def parse(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a reply: the content None where only calls were written (``Reader`` over it whole)."""
-    reader = Reader()
+def parse(text: str, limit: int | None = None) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a reply: the content None where only calls were written (``Reader`` over it whole);
+    ``limit``: the calls kept, as ``Reader``'s."""
+    reader = Reader(limit)
     reader.push(text)
     reader.finish()
     return reader.content(), reader.calls
