@@ -77,9 +77,17 @@ def test_a_bad_environment_budget_is_an_error_on_the_cpu_reference_too(tiny_ckpt
 
 
 def test_check_environment_accepts_good_and_unset_budgets(monkeypatch):
+    """A good budget and an unset one pass, and the check reads them: the same variables, spoilt, are refused."""
     monkeypatch.setenv(HOST_ENV, "512")
     monkeypatch.delenv(WCACHE_ENV, raising=False)
-    check_environment()
+    assert check_environment() is None
+    monkeypatch.setenv(WCACHE_ENV, "1024")
+    assert check_environment() is None
+    for env in (HOST_ENV, WCACHE_ENV):
+        monkeypatch.setenv(env, "lots")
+        with pytest.raises(ConfigError, match=env):
+            check_environment()
+        monkeypatch.setenv(env, "512")
 
 
 def test_the_api_checks_as_the_flags_do(tiny_ckpt):

@@ -472,17 +472,15 @@ def test_queue_full_is_a_429_and_a_disconnect_frees_the_slot(single):
     with pytest.raises(openai.RateLimitError) as full:
         client.completions.create(model=single.name, prompt=[1, 2], max_tokens=2)
     assert full.value.code == "queue_full" and full.value.response.headers["retry-after"] == "1"
-    t0 = time.monotonic()
     stream.close()  # the client goes away mid-stream
-    deadline = t0 + 10
+    deadline = time.monotonic() + 300  # minutes: only a slot never freed runs it out, never a loaded machine
     while single.health()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert single.health()["running"] == 0
     line = single.wait_for("cut: the client disconnected")
-    assert int(re.search(r"\+ (\d+) completion", line).group(1)) < LONG
+    assert int(re.search(r"\+ (\d+) completion", line).group(1)) < LONG  # cut, not run to its end
     got = client.completions.create(model=single.name, prompt=[1, 2], max_tokens=3, extra_body={"ignore_eos": True})
     assert got.usage.completion_tokens == 3
-    assert time.monotonic() - t0 < 5  # long before the cut generation would have ended by itself
 
 
 def test_a_disconnect_cancels_a_whole_answer_too(single):
