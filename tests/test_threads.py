@@ -51,3 +51,38 @@ def test_the_flag(tiny_ckpt, capsys):
                  "--json"]) == 0
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "5,17", "--threads", "-2"]) == 2
     assert "threads (--threads) must be a whole number of threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise(given, want):
+    """Spinning OpenMP threads made every command 4-19x slower than one thread on 2 busy cores: kestrel asks for passive
+    waiting before torch (and its OpenMP) is first imported, and keeps a policy the user set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import sys, os, kestrel_core.cli; assert 'torch' not in sys.modules; import torch; "
+            "print(os.environ['OMP_WAIT_POLICY'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want
+
+
+def test_demo_takes_threads(tmp_path, capsys, monkeypatch):
+    """``kestrel demo --threads N`` runs cpu_ref on N threads; a bad count is one line before the cache is written."""
+    seen = []
+    from backends.cpu_ref import backend as cpu_ref
+
+    real = cpu_ref.CpuRefBackend.__init__
+
+    def spy(self, ctx):
+        seen.append(ctx.backend.threads)
+        real(self, ctx)
+
+    monkeypatch.setattr(cpu_ref.CpuRefBackend, "__init__", spy)
+    assert main(["demo", "--threads", "-1", "--cache-dir", str(tmp_path / "c")]) != 0
+    assert "threads (--threads) must be a whole number" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    assert main(["demo", "--threads", "1", "--max-new-tokens", "2", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert seen and set(seen) == {1}

@@ -41,6 +41,7 @@ def add_arguments(p):
     p.add_argument("--cache-dir", help="where the demo checkpoint lives (default: $KESTREL_CACHE or ~/.cache/kestrel)")
     p.add_argument("--config", help="kestrel.toml for generation settings")
     p.add_argument("--max-new-tokens", type=int, default=12, help="tokens each run generates (default 12)")
+    p.add_argument("--threads", type=int, help="cpu_ref's torch threads (default: the cores this process may use)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", help="write the cost curve to this new .png file (checked before the sweep; never replaces a file)")
 
@@ -65,7 +66,7 @@ def ensure_demo_model(path: Path) -> Path:
 def run(args) -> int:
     check_plot(args.plot)
     base: KestrelConfig = load_config(args.config).override(  # checked before the cache is written
-        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False
+        generation__max_new_tokens=args.max_new_tokens, generation__stop_at_eos=False, backend__threads=args.threads
     )
     with progress.shown(not args.json):
         path = ensure_demo_model(cache_path(args.cache_dir))
