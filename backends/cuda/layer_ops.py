@@ -122,8 +122,9 @@ class FusedOps(LayerOps):
         h = torch.empty_like(y) if delta is not None else y
         if rows:
             df, ds = dr if dr is not None else (xf, xs)
-            _kernels()[0][(rows,)](xf, xs, df, ds, weight, h, y, d, float(eps), ADD=delta is not None,
-                                   BLOCK=max(16, 1 << (d - 1).bit_length()), num_warps=4 if d >= 1024 else 1)
+            block = max(16, 1 << (d - 1).bit_length())
+            _kernels()[0][(rows,)](xf, xs, df, ds, weight, h, y, d, float(eps), ADD=delta is not None, BLOCK=block,
+                                   num_warps=min(16, max(1, block // 512)))  # 16 values a thread at most, to 8k
         shape = x.shape
         return (h.view(shape) if delta is not None else None), y.view(shape)
 
