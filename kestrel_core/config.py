@@ -186,9 +186,10 @@ class BackendConfig:
     # cuda: the kernels a GGUF's blocks run through: "float" (dequantized in the kernel, float32 sums) or "int8" (x
     # quantized to two int8 digits a value, int8 dot products; many rows on the tensor cores)
     gguf_kernels: str = attrs.field(default="float")
-    # the steps between a layer's linears (norms, rotary, residual adds, SiLU): "auto" (the backend's fused kernels
-    # where it has them: cuda with Triton), "fused" (those, or an error), "torch" (torch's ops, as cpu_ref computes)
-    layer_ops: str = attrs.field(default="auto")
+    # the steps between a layer's linears (norms, rotary, residual adds, SiLU): "torch" (torch's ops, the default until
+    # the fused kernels are timed on a GPU), "auto" (the backend's fused kernels where it has them: cuda with Triton),
+    # "fused" (those, or an error)
+    layer_ops: str = attrs.field(default="torch")
 
     @layer_ops.validator
     def _check_layer_ops(self, _, value: str) -> None:

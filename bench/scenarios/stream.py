@@ -58,8 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gguf", default="", metavar="TYPE",
                    help="also the GGUF rows: the preset as a GGUF of TYPE (e.g. q4_k_m) with random valid blocks")
     p.add_argument("--layer-ops", default="", metavar="CHOICES",
-                   help="also --gguf's off row with each of these [backend] layer_ops (comma-separated: torch, fused; "
-                        "e.g. torch beside the default's fused kernels, in the same run)")
+                   help="also --gguf's off row with each of these [backend] layer_ops (comma-separated: fused, auto, "
+                        "torch; e.g. fused beside the default's torch steps, in the same run)")
     p.add_argument("--interleave", type=int, default=None, help="rounds of off against keep=L (default 3 on cuda, 0)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, of {', '.join(peers.NAMES)} (default on cuda: "
