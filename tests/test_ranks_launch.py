@@ -62,6 +62,7 @@ def _launch(monkeypatch, wait=None) -> list[FakeProc]:
         return made[-1]
 
     monkeypatch.setattr(ranks.subprocess, "Popen", popen)
+    monkeypatch.setattr(ranks, "check_layers", lambda args, n: None)  # no model here: the ranks' start alone
     if wait is not None:
         monkeypatch.setattr(ranks, "_wait", wait)
     args = argparse.Namespace(devices="cpu,cpu", command="generate", device=None)
@@ -255,3 +256,22 @@ def test_a_rank_killed_mid_run_is_named_and_the_launcher_exits_as_the_shell_woul
         for pid in pids:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--devices", "cpu,cpu:7"], "--devices cpu:7 names no device: the host's CPU is one device, cpu (or cpu:0); use "
+                                 "cpu for each rank (cpu,cpu)"),
+    (["--device", "cpu:1"], "--device cpu:1 names no device: the host's CPU is one device, cpu (or cpu:0); use cpu"),
+    (["--devices", ",".join(["cpu"] * 7)], "7 ranks for a model of 6 layers: each rank holds at least one layer; run "
+                                           "at most 6 ranks"),
+    (["--devices", "cpu,cpu", "--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+])
+def test_devices_that_name_nothing_or_more_ranks_than_layers_are_refused_before_any_rank_starts(
+        tiny_ckpt, flags, says, monkeypatch, capsys):
+    def no_rank(*args, **kw):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", no_rank)
+    rc = main(["generate", "--model", str(tiny_ckpt), "--backend", "cpu_ref", "--prompt-ids", "1,2", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kestrel: error: ") and says in err and err.count("\n") == 1, err

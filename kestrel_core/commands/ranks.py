@@ -4,6 +4,7 @@ kestrel_core.cli ...``). Every rank runs the same command line; each computes on
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from kestrel_core.engine.pipeline import ACROSS_RANKS, launched_rank
+from kestrel_core.engine.pipeline import ACROSS_RANKS, launched_rank, split
 from kestrel_core.errors import ConfigError
 
 SHUTDOWN_S = 60  # how long the ranks have to end after the launcher passes them a signal
@@ -50,6 +51,19 @@ def rank_device(text: str) -> str:
     return devices[int(os.environ.get("LOCAL_RANK", "0"))]
 
 
+def check_layers(args, ranks: int) -> None:
+    """The model opened here (its config and tensor table, no weights), and more ranks than it has layers refused,
+    before any rank starts: else each would load it only to say so. The model's own errors are said here once."""
+    from kestrel_core.commands.common import config_from_args
+    from kestrel_core.config import model_dir
+    from kestrel_core.engine.run import load
+
+    alone = argparse.Namespace(**{**vars(args), "devices": None})  # the config as one rank reads it, less its device
+    with load(model_dir(config_from_args(alone))) as model:
+        layers = model.config.num_hidden_layers
+    split([1] * layers, ranks)
+
+
 def launch(args, argv: list[str]) -> int:
     """Start one rank a device on this host, each running ``argv`` (RANK, LOCAL_RANK, WORLD_SIZE and a free loopback
     MASTER_PORT set, as torchrun sets them); the first failing rank's exit code, else 0. A rank that fails ends the
@@ -59,6 +73,7 @@ def launch(args, argv: list[str]) -> int:
         raise ConfigError(f"kestrel {args.command} does not run over several ranks yet; drop --devices")
     if getattr(args, "device", None) is not None:
         raise ConfigError("pass --device or --devices, not both")
+    check_layers(args, len(names))
     with socket.socket() as sock:  # a free port for the ranks' rendezvous (rank 0 listens on it)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
