@@ -429,9 +429,15 @@ def test_a_record_is_never_overwritten(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temp file left behind"
 
 
-def test_a_run_that_fails_leaves_an_incomplete_record_with_its_error(models, tmp_path):
-    with pytest.raises(ValueError):  # an unknown keep: the run starts, then fails
-        bench(["rss-window", "--preset", "tiny", "--keeps", "1,many", "--models", str(models), "--out", str(tmp_path)])
+def test_a_run_that_fails_leaves_an_incomplete_record_with_its_error(models, tmp_path, monkeypatch):
+    from bench.scenarios import rss_window
+
+    def failing(*args, **kw):
+        raise ValueError("a row failed")
+
+    monkeypatch.setattr(rss_window, "row", failing)
+    with pytest.raises(ValueError):  # the run starts, then fails
+        bench(["rss-window", "--preset", "tiny", "--keeps", "1", "--models", str(models), "--out", str(tmp_path)])
     (path,) = tmp_path.glob("rss-window_*.json")
     rec = json.loads(path.read_text())
     assert rec["complete"] is False and rec["error"].startswith("ValueError")
