@@ -12,7 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench.errors import BenchError
+from bench.errors import BenchError, Said
 from bench.scenarios import SCENARIOS, TOOLS, module
 from bench.stamp import RESULTS
 from kestrel_core.errors import KestrelError
@@ -35,15 +35,21 @@ def parser_for(name: str, mod) -> argparse.ArgumentParser:
     return p
 
 
+MAX_COUNT = 2**40  # kestrel's own bound on a count of tokens: a count past it is refused before any work
+
+
 def below_one(parser: argparse.ArgumentParser, args) -> str | None:
     """Why a count was refused, or None: an int option whose default is a positive count (tokens, repeats, layers, ...)
-    and whose help gives 0 no meaning must be at least 1 (0 would run rows of nothing, or be read as "not given")."""
+    and whose help gives 0 no meaning must be at least 1 (0 would run rows of nothing, or be read as "not given"), and
+    none may pass MAX_COUNT (kestrel would refuse it only once a checkpoint and the record were written)."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if action.type is not int or not isinstance(action.default, int) or action.default < 1 or value is None:
             continue
         if "0:" not in (action.help or "") and value < 1:
             return f"{'/'.join(action.option_strings)} must be at least 1, got {value}"
+        if value > MAX_COUNT:
+            return f"{'/'.join(action.option_strings)} must be at most 2**40, got {value}"
     return None
 
 
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(mod, "run"):
             return mod.main(args)
         return measure(name, mod, args, ["python -m bench", *argv])
+    except Said:  # kestrel has said why, in its line: the record holds it, and nothing is said twice
+        return 2
     except (BenchError, KestrelError) as exc:  # a setting or checkpoint kestrel refuses: one line, no traceback
         print(f"python -m bench {name}: {exc}", file=sys.stderr)
         return 2

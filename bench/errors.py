@@ -7,6 +7,11 @@ class BenchError(Exception):
     """A reason a scenario cannot run, said in one line (no traceback)."""
 
 
+class Said(BenchError):
+    """A reason a scenario stopped that a command it ran has already said on stderr (kestrel's own error line): the
+    record holds it, and it is not printed again."""
+
+
 def cuda_missing() -> str | None:
     """Why a GPU scenario cannot run here, or None."""
     import torch

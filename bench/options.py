@@ -42,3 +42,26 @@ def names(allowed: tuple[str, ...]):
         return got
 
     return parse
+
+
+def _keep(part: str, flag: str) -> str:
+    if part == "off" or (part.isdigit() and int(part) >= 1):
+        return str(int(part)) if part != "off" else part
+    raise argparse.ArgumentTypeError(f"{part!r} is not a keep; {flag} takes a layer count (1 or more) or off")
+
+
+def keep(text: str) -> str:
+    """An argparse type: one keep, a layer count or ``off`` (the text, checked: a scenario reads it as given)."""
+    return _keep(text.strip(), "--keep")
+
+
+def keeps(flag: str = "--keeps"):
+    """An argparse type: comma-separated keeps, each a layer count or ``off``, at least one (the text, checked)."""
+
+    def parse(text: str) -> str:
+        got = [_keep(p.strip(), flag) for p in text.split(",") if p.strip()]
+        if not got:
+            raise argparse.ArgumentTypeError(f"no keeps; {flag} takes comma-separated layer counts or off, e.g. 1,2,off")
+        return ",".join(got)
+
+    return parse

@@ -19,7 +19,7 @@ from kestrel_core.io import progress
 
 from kestrel_core.io import signals
 from kestrel_core.engine.pipeline import check_command, launched_rank
-from kestrel_core.commands.ranks import launch as ranks_launch
+from kestrel_core.commands.ranks import launch as ranks_launch, tie_to_launcher
 from kestrel_core.errors import Interrupted, KestrelError, KestrelNote, PluginError
 
 SUBCOMMANDS = ("make_model", "generate", "chat", "serve", "sweep", "replay", "plugins", "demo", "quantize")
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    tie_to_launcher()  # a rank that --devices started ends with its launcher, however that ends
     if sys.stdout is None:  # started with stdout closed (`kestrel ... >&-`): Python gives None, not a stream
         print("kestrel: error: standard output is closed; send it somewhere: a file, a pipe, or >/dev/null",
               file=sys.stderr)

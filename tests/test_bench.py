@@ -429,9 +429,15 @@ def test_a_record_is_never_overwritten(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temp file left behind"
 
 
-def test_a_run_that_fails_leaves_an_incomplete_record_with_its_error(models, tmp_path):
-    with pytest.raises(ValueError):  # an unknown keep: the run starts, then fails
-        bench(["rss-window", "--preset", "tiny", "--keeps", "1,many", "--models", str(models), "--out", str(tmp_path)])
+def test_a_run_that_fails_leaves_an_incomplete_record_with_its_error(models, tmp_path, monkeypatch):
+    from bench.scenarios import rss_window
+
+    def failing(*args, **kw):
+        raise ValueError("a row failed")
+
+    monkeypatch.setattr(rss_window, "row", failing)
+    with pytest.raises(ValueError):  # the run starts, then fails
+        bench(["rss-window", "--preset", "tiny", "--keeps", "1", "--models", str(models), "--out", str(tmp_path)])
     (path,) = tmp_path.glob("rss-window_*.json")
     rec = json.loads(path.read_text())
     assert rec["complete"] is False and rec["error"].startswith("ValueError")
@@ -554,17 +560,37 @@ def test_a_graph_row_reports_replayed_steps_apart_from_the_capture():
     (["expert-rows", "--copy-plans", "16:4096"], "'16:4096': give GROUP:BLOCK:WARPS"),
     (["expert-rows", "--copy-plans", "16:4096:4,16:3000:4"], "'16:3000:4': each at least 1, BLOCK and WARPS powers"),
     (["expert-rows", "--copy-plans", "0:4096:4"], "'0:4096:4': each at least 1"),
+    (["batch", "--keep", "abc"], "argument --keep: 'abc' is not a keep; --keep takes a layer count (1 or more) or off"),
+    (["batch", "--keep", "0"], "argument --keep: '0' is not a keep"),
+    (["pipeline", "--keep", "-1"], "argument --keep: '-1' is not a keep"),
+    (["rss-window", "--keeps", "abc"], "argument --keeps: 'abc' is not a keep; --keeps takes a layer count"),
+    (["rss-window", "--keeps", ","], "argument --keeps: no keeps"),
+    (["real-model", "--keep", "1,auto"], "argument --keep: 'auto' is not a keep"),
+    (["rss-window", "--tokens", str(10**21)], "--tokens must be at most 2**40, got 1000000000000000000000"),
+    (["batch", "--tokens", str(2**40 + 1)], f"--tokens must be at most 2**40, got {2**40 + 1}"),
 ])
 def test_a_bad_option_is_one_line_before_any_work(argv, says, capsys, tmp_path):
     """Counts below one and comma-separated values are refused as argparse refuses, before a checkpoint is written or a
     row runs, and no record is left (a record of rows of nothing would read as complete)."""
     with pytest.raises(SystemExit) as exc:
         bench([*argv, "--out", str(tmp_path), "--models", str(tmp_path / "models")]
-              if argv[0] in ("batch", "stream", "moe") else [*argv, "--out", str(tmp_path)])
+              if argv[0] in ("batch", "stream", "moe", "rss-window") else [*argv, "--out", str(tmp_path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_demo_whose_kestrel_demo_fails_says_kestrels_line_alone(capsys, tmp_path):
+    """kestrel demo refuses a --cache-dir under a file in its one line; the bench adds none (no JSON to read, no
+    traceback), and its record says the run stopped."""
+    (tmp_path / "file").write_text("x")
+    assert bench(["demo", "--cache-dir", str(tmp_path / "file" / "sub"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kestrel: error: cannot write ") and err.count("\n") == 1, err
+    (record,) = (tmp_path / "out").iterdir()
+    rec = json.loads(record.read_text())
+    assert rec["complete"] is False and "exited with code 2" in rec["error"]
 
 
 def test_a_count_whose_zero_means_something_takes_it():

@@ -1,6 +1,7 @@
 """``--devices``' launcher (``commands.ranks``) and rank 0's told calls (``Pipeline.tell``/``hear``) at their edges:
-the first failing rank's code, stdin for rank 0 alone, a signal to rank 0 alone, a GPU named twice, and a told
-message at every size around the one broadcast's room."""
+the first failing rank's code, stdin for rank 0 alone, a signal to rank 0 alone, a GPU named twice, a told
+message at every size around the one broadcast's room, a rank killed (named with its signal, the shell's code; its
+neighbour's lost message one line), and ranks that end with a launcher killed outright."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kestrel_core.commands import ranks
+from kestrel_core.cli import main
 from kestrel_core.engine.pipeline import TOLD_BYTES
 from kestrel_core.errors import ConfigError
 
@@ -59,6 +62,7 @@ def _launch(monkeypatch, wait=None) -> list[FakeProc]:
         return made[-1]
 
     monkeypatch.setattr(ranks.subprocess, "Popen", popen)
+    monkeypatch.setattr(ranks, "check_layers", lambda args, n: None)  # no model here: the ranks' start alone
     if wait is not None:
         monkeypatch.setattr(ranks, "_wait", wait)
     args = argparse.Namespace(devices="cpu,cpu", command="generate", device=None)
@@ -135,3 +139,139 @@ def test_a_told_message_of_any_size_arrives_whole(tmp_path):
     out = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], out[0][1][-2000:] + out[1][1][-2000:]
     assert out[1][0].strip() == "OK 1"
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_the_code_is_the_shells(capsys):
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+             subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])]
+    try:
+        assert ranks._wait(procs) == 128 + signal.SIGKILL  # not Popen's -9, which exits as 247
+        assert procs[0].returncode is not None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert capsys.readouterr().err == ("kestrel: error: rank 1 was killed by SIGKILL; the run stopped (the other "
+                                       "ranks were ended)\n")
+
+
+LOST = """
+import datetime, os
+import torch
+import torch.distributed as dist
+from kestrel_core.engine.pipeline import Pipeline
+from kestrel_core.errors import KestrelError
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))  # gloo may not see a close before a receive
+pipe = Pipeline(dist.get_rank(), 2, 0, 1, [(0, 1), (1, 1)])
+dist.barrier()  # the ranks' link made, as a run's start makes it
+if pipe.rank == 1:
+    os._exit(3)  # gone without a word, as a rank killed is
+try:
+    pipe.hidden_in(1, 4, torch.float32, torch.device("cpu"))
+except KestrelError as exc:
+    print("ERR", exc, flush=True)
+    os._exit(2)
+"""
+
+
+def test_a_rank_whose_neighbour_is_gone_mid_step_ends_in_one_line(tmp_path):
+    """Rank 0 waits for a step's hidden state from a rank that died: one line naming the loss, not gloo's traceback."""
+    script = tmp_path / "lost.py"
+    script.write_text(LOST)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**env, "RANK": str(r)}) for r in (0, 1)]
+    try:
+        out = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 3], out[0][1][-2000:]
+    assert out[0][0].startswith("ERR rank 0 of 2 lost a rank it exchanges steps with (")
+    assert out[0][0].rstrip().endswith("; see that rank's error") and "Traceback" not in out[0][1]
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie no one reaps yet has ended too)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def _serve_over_two_ranks(tiny_ckpt):
+    from bench.serve_process import ServeProcess
+
+    server = ServeProcess(tiny_ckpt, "--backend", "cpu_ref", "--max-seq", "64", "--devices", "cpu,cpu",
+                          env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    pids = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    assert len(pids) == 2
+    return server, [int(p) for p in pids]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_ranks_end_when_their_launcher_is_killed_outright(tiny_ckpt):
+    """SIGKILL to kestrel serve --devices, which can pass nothing on: its ranks end anyway, and the port closes."""
+    import httpx
+
+    server, pids = _serve_over_two_ranks(tiny_ckpt)
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        server.proc.kill()
+        server.proc.wait()
+        deadline = time.monotonic() + 60
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(map(_gone, pids)), [Path(f"/proc/{p}/cmdline").read_text() for p in pids if not _gone(p)]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.url}/health", timeout=30)
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_killed_mid_run_is_named_and_the_launcher_exits_as_the_shell_would(tiny_ckpt):
+    server, pids = _serve_over_two_ranks(tiny_ckpt)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        assert server.proc.wait(90) == 128 + signal.SIGKILL
+        server._reader.join(30)
+        assert "kestrel: error: rank 1 was killed by SIGKILL; the run stopped (the other ranks were ended)" in \
+            server.lines, server.lines[-20:]
+        assert not any("Traceback" in line for line in server.lines), server.lines[-40:]
+        deadline = time.monotonic() + 60
+        while not _gone(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(pids[0])
+    finally:
+        server.stop()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--devices", "cpu,cpu:7"], "--devices cpu:7 names no device: the host's CPU is one device, cpu (or cpu:0); use "
+                                 "cpu for each rank (cpu,cpu)"),
+    (["--device", "cpu:1"], "--device cpu:1 names no device: the host's CPU is one device, cpu (or cpu:0); use cpu"),
+    (["--devices", ",".join(["cpu"] * 7)], "7 ranks for a model of 6 layers: each rank holds at least one layer; run "
+                                           "at most 6 ranks"),
+    (["--devices", "cpu,cpu", "--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
+])
+def test_devices_that_name_nothing_or_more_ranks_than_layers_are_refused_before_any_rank_starts(
+        tiny_ckpt, flags, says, monkeypatch, capsys):
+    def no_rank(*args, **kw):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", no_rank)
+    rc = main(["generate", "--model", str(tiny_ckpt), "--backend", "cpu_ref", "--prompt-ids", "1,2", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kestrel: error: ") and says in err and err.count("\n") == 1, err

@@ -30,7 +30,7 @@ from pathlib import Path
 from bench import models
 from bench.errors import BenchError
 from bench.log import log
-from bench.options import names, numbers
+from bench.options import keep, names, numbers
 from bench.rss import process_memory
 from bench.serve_process import ServeProcess
 from bench.stats import summary
@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="demo")
     p.add_argument("--backend", default="cpu_ref")
-    p.add_argument("--keep", default="1")
+    p.add_argument("--keep", default="1", type=keep)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
     p.add_argument("--expert-policy", default="", help="a MoE preset's expert policy (e.g. expert_lru; empty: none)")
     p.add_argument("--expert-budget-mib", type=float, default=0.0, help="its budget in MiB")

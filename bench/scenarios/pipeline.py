@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import models
 from bench.errors import BenchError
 from bench.log import log
-from bench.options import numbers
+from bench.options import keep, numbers
 from bench.stats import summary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="demo")
     p.add_argument("--ranks", type=numbers(int, 2), default=[2, 4])
-    p.add_argument("--keep", default="off")
+    p.add_argument("--keep", default="off", type=keep)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each rank")

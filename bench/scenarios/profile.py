@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bench import models
 from bench.errors import cuda_backend_missing
+from bench.options import keep
 from bench.prompt import prompt_for
 from bench.rows import from_result
 from bench.scenarios.moe_host_cost import device_events_us
@@ -22,7 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", help="a model directory (default: the --preset's checkpoint)")
     p.add_argument("--preset", default="qwen3-1.7b")
     p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
-    p.add_argument("--keep", default="off")
+    p.add_argument("--keep", default="off", type=keep)
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--graphs", default="auto", choices=("auto", "off"))
     p.add_argument("--tokens", type=int, default=6)

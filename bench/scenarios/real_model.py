@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from bench.errors import BenchError
+from bench.options import keeps
 from bench.log import log
 from bench.stats import summary
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--keep", default="1,off")
+    p.add_argument("--keep", default="1,off", type=keeps("--keep"))
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--source", default="hf,gguf", help="hf (the float32 Hugging Face layout), gguf (the file itself), "

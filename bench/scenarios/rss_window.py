@@ -10,6 +10,7 @@ policy's peak layers (asymmetric: min(L, 2 * keep)) plus the never-evicted tenso
 from __future__ import annotations
 
 from bench import models
+from bench.options import keeps
 from bench.log import log
 from bench.observe import observing
 from bench.prompt import prompt_for
@@ -20,7 +21,7 @@ from kestrel_core.hookspecs import hookimpl
 def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="small-300m")
-    p.add_argument("--keeps", default="1,2,4,off")
+    p.add_argument("--keeps", default="1,2,4,off", type=keeps())
     p.add_argument("--tokens", type=int, default=3)
 
 

@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 
 from bench.errors import BenchError
+from bench.options import keep
 from bench.log import log
 from bench.stats import summary
 from kestrel_core.hookspecs import hookimpl
@@ -37,7 +38,7 @@ COPY_TEXT = ("<|im_start|>user\nRepeat this passage back to me word for word:\n\
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--keep", default="1", help="the target's keep (an int, or off)")
+    p.add_argument("--keep", default="1", type=keep, help="the target's keep (an int, or off)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)

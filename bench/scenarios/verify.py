@@ -34,7 +34,7 @@ from pathlib import Path
 from bench import models
 from bench.errors import BenchError, cuda_backend_missing
 from bench.log import log
-from bench.options import numbers
+from bench.options import keep, numbers
 from bench.prompt import prompt_for
 from bench.scenarios.speculative import Oracle, OraclePlugin
 from bench.stats import steady_steps, summary
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     models.add_arguments(p)
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--backend", default="cuda", choices=("cuda", "cpu_ref"))
-    p.add_argument("--keep", default="1", help="the target's keep (an int, or off)")
+    p.add_argument("--keep", default="1", type=keep, help="the target's keep (an int, or off)")
     p.add_argument("--ks", type=numbers(int, 1), default=[1, 4, 16, 32], help="draft tokens a pass, comma-separated")
     p.add_argument("--tokens", type=int, default=40, help="new tokens of the plain run")
     p.add_argument("--passes", type=int, default=3, help="full verify passes each K makes at least")

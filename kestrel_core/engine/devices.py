@@ -14,6 +14,9 @@ def compute_device(name: str, flag: str = "--device") -> torch.device:
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(f"{flag} {name!r} is not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cpu":
+        if device.index not in (None, 0):  # torch takes cpu:N for any N, but the host's CPU is one device, cpu:0
+            use = "cpu for each rank (cpu,cpu)" if flag == "--devices" else "cpu"
+            raise ConfigError(f"{flag} {name} names no device: the host's CPU is one device, cpu (or cpu:0); use {use}")
         return device
     if device.type != "cuda":
         raise ConfigError(f"{flag} {name!r}: kestrel computes on cpu or cuda, not {device.type}")

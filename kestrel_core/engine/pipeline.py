@@ -18,6 +18,7 @@ within ``timeout_s`` (``KESTREL_PIPELINE_TIMEOUT_S``, default 300).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -96,14 +97,17 @@ class Pipeline:
         import torch.distributed as dist
 
         h = torch.empty((rows, hidden), dtype=dtype, device=device)
-        dist.recv(h, self.rank - 1)
+        with self.link():
+            dist.recv(h, self.rank - 1)
         return h
 
     def hidden_out(self, h: torch.Tensor) -> None:
         """This rank's layers' output, to the rank after."""
         import torch.distributed as dist
 
-        dist.send(h.contiguous(), self.rank + 1)
+        h = h.contiguous()
+        with self.link():
+            dist.send(h, self.rank + 1)
 
     def logits(self, logits: torch.Tensor | None, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         """The step's logits, [rows, vocab] float32: the last rank's (``logits``) go to rank 0, which alone chooses
@@ -115,11 +119,13 @@ class Pipeline:
         if self.last:
             out = logits.float().contiguous()
             if not self.first:
-                dist.send(out, 0, group=self.back)
+                with self.link():
+                    dist.send(out, 0, group=self.back)
             return out
         out = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
         if self.first:
-            dist.recv(out, self.ranks - 1, group=self.back)
+            with self.link():
+                dist.recv(out, self.ranks - 1, group=self.back)
         return out
 
     def send_on(self, h: torch.Tensor) -> Any:
@@ -127,13 +133,15 @@ class Pipeline:
         tensor must live until then)."""
         import torch.distributed as dist
 
-        return dist.isend(h, self.rank + 1)
+        with self.link():
+            return dist.isend(h, self.rank + 1)
 
     def logits_to_first(self, logits: torch.Tensor) -> Any:
         """The last rank: a micro-batch's logits to rank 0, without waiting (the work to wait on)."""
         import torch.distributed as dist
 
-        return dist.isend(logits, 0, group=self.back)
+        with self.link():
+            return dist.isend(logits, 0, group=self.back)
 
     def logits_from_last(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         """Rank 0: a micro-batch's logits, [rows, vocab] float32, from the last rank."""
@@ -141,8 +149,25 @@ class Pipeline:
         import torch.distributed as dist
 
         out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-        dist.recv(out, self.ranks - 1, group=self.back)
+        with self.link():
+            dist.recv(out, self.ranks - 1, group=self.back)
         return out
+
+    def sent(self, works: list) -> None:
+        """Wait for sends made without waiting (``send_on``, ``logits_to_first``) to complete."""
+        with self.link():
+            for work in works:
+                work.wait()
+
+    @contextlib.contextmanager
+    def link(self):
+        """A message to or from another rank: where that rank is gone (its connection closed; killed, or ended by its
+        own error) or the wait ran past the timeout, a KestrelError in one line, not the backend's traceback."""
+        try:
+            yield
+        except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError is one)
+            raise KestrelError(f"rank {self.rank} of {self.ranks} lost a rank it exchanges steps with "
+                               f"({' '.join(str(exc).split())[:160]}); see that rank's error") from None
 
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------
     def tell(self, op: tuple, now: bool = False) -> None:
@@ -160,9 +185,10 @@ class Pipeline:
             inline = len(data) <= TOLD_BYTES - 8
             if inline:
                 first[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.broadcast(first, 0, group=self.control)
-            if not inline:  # a long prompt's ids: a second broadcast of their size
-                dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
+            with self.link():
+                dist.broadcast(first, 0, group=self.control)
+                if not inline:  # a long prompt's ids: a second broadcast of their size
+                    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
 
     def hear(self) -> list[tuple]:
         """A rank past the first: rank 0's next calls, in order (waits for them, however long rank 0 idles)."""
@@ -188,7 +214,8 @@ class Pipeline:
         import torch.distributed as dist
 
         everyone: list = [None] * self.ranks
-        dist.all_gather_object(everyone, where, group=self.control)
+        with self.link():
+            dist.all_gather_object(everyone, where, group=self.control)
         return next((w for w in everyone if w is not None), None)
 
     # --- the start and the end ---------------------------------------------------------------------------------

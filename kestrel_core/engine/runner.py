@@ -768,8 +768,7 @@ class Runner:
                 logits.append(out)
                 if not pipe.first:
                     sending.append((out, pipe.logits_to_first(out)))
-        for _, work in sending:
-            work.wait()
+        pipe.sent([work for _, work in sending])
         vocab = cfg.vocab_size
         if pipe.first and not pipe.last:
             logits = [pipe.logits_from_last(hi - lo, vocab, backend.device) for lo, hi in cuts]
