@@ -228,8 +228,8 @@ class Service:
                                        json_schema=req.output_schema, grammar=grammar, **generation)
         except LimitError:
             raise  # a logit_bias id past the vocabulary: a 400 naming the parameter, above
-        except GrammarError as exc:
-            param = "tool_choice" if grammar is not None else "response_format"
+        except GrammarError as exc:  # a forced call's grammar holds the tools' parameters
+            param = "tools" if grammar is not None else "response_format"
             raise bad_request(f"{param}: {exc}", param) from None
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
@@ -250,6 +250,8 @@ class Service:
             return tool_calls.forced(self.template.source, req.tool_defs, req.called_function, req.call_limit == 1)
         except tool_calls.NoCallFormat as exc:
             raise bad_request(str(exc), "tool_choice") from None
+        except GrammarError as exc:
+            raise bad_request(f"tools: {exc}", "tools") from None
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and
