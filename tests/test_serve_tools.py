@@ -94,6 +94,25 @@ def test_the_tools_reach_the_template_and_tool_choice_none_keeps_them_out(chat_s
     assert "<tools>" not in tok.decode(without["choices"][0]["prompt_token_ids"])
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_tools_a_template_does_not_lay_out_are_a_400_naming_tools_and_the_template(chat_service, tool_choice):
+    """They were dropped without a word: the prompt was the same with them and without."""
+    from serve_helpers import TEMPLATE as PLAIN
+
+    from kestrel_core.formats.chat_template import ChatTemplate
+
+    service, http = chat_service
+    service.template = ChatTemplate(PLAIN, "plain.jinja")
+    body = {"tool_choice": tool_choice} if tool_choice else {}
+    response = ask(http, tools=[WEATHER], **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "plain.jinja" in error["message"], error
+    assert "does not lay out tools" in error["message"] and "\n" not in error["message"]
+    assert ask(http, tools=[WEATHER], tool_choice="none").status_code == 200  # none: no tools for the template
+    assert ask(http).status_code == 200
+
+
 def test_earlier_calls_and_tool_answers_go_back_into_the_template(chat_service):
     service, http = chat_service
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

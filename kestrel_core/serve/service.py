@@ -205,8 +205,10 @@ class Service:
 
     def _plan(self, req, chat: bool, limits: RequestLimits) -> dict[str, Any]:
         model = self.model
+        grammar = None
         if chat:
             self.check_chat()
+            grammar = self._forced_call(req)  # a template with no call format: tool_choice's 400, before the tools'
             ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits,
                                    req.tool_defs)
         else:
@@ -222,7 +224,6 @@ class Service:
         generation = req.generation()
         if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
             generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
-        grammar = self._forced_call(req) if chat else None
         try:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), stop_ids=ends,
                                        json_schema=req.output_schema, grammar=grammar, **generation)
