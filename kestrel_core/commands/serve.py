@@ -108,6 +108,7 @@ def run(args) -> int:
     if launched_rank()[0] > 0:  # a pipeline's later rank: rank 0 serves, this one makes its steps after it
         service.follow()
         return 0
+    service.check()  # a model it cannot serve is a one-line error before the address is announced
     hosts = allowed_hosts(parse_list(args.allowed_hosts, "--allowed-hosts"), is_loopback(args.host))
     app = create_app(service, api_key, int(args.max_body_mb * 2**20), hosts=hosts,
                      origins=parse_list(args.allowed_origins, "--allowed-origins"))

@@ -110,21 +110,35 @@ class Service:
         if warm.error is not None:
             raise warm.error
 
-    def _open(self) -> None:
-        """The model loaded and its run opened, with room for the batch's KV cache."""
+    def check(self) -> None:
+        """The model read (its config, tokenizer and chat template, no weights) and checked against what serving needs:
+        a tokenizer, and --max-seq within its positions; a ConfigError, the model closed, where it falls short. The
+        command calls it before it announces its address (a model it cannot serve was announced, then exited)."""
+        if self.model is not None:
+            return
         check_batch(self.limits.max_batch, self.limits.prefill_chunk, left_out=LEFT_OUT_CHUNK)
-        model = self.model = load(model_dir(self.cfg))
-        if model.tokenizer is None:
-            raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
-                              "use `kestrel generate --prompt-ids` for a model without one")
+        model = load(model_dir(self.cfg))
+        try:
+            if model.tokenizer is None:
+                raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
+                                  "use `kestrel generate --prompt-ids` for a model without one")
+            positions = model.config.max_position_embeddings
+            check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
+        except BaseException:
+            model.close()
+            raise
+        self.model = model
         try:
             self.template = model.chat_template()
             self.chat_ends = end_ids(model, self.template)
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
-        positions = model.config.max_position_embeddings
-        check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
+
+    def _open(self) -> None:
+        """The model loaded and its run opened, with room for the batch's KV cache."""
+        self.check()
+        model = self.model
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
         if self.limits.prefill_chunk is not None:
             self.prefill_chunk, self.chunk_why = self.limits.prefill_chunk, "--prefill-chunk"
