@@ -114,6 +114,7 @@ def run(args) -> int:
                      origins=parse_list(args.allowed_origins, "--allowed-origins"))
     sock = bind(args.host, args.port)
     url = url_of(sock)
+    service.address = url
     log.info("listening on %s (the OpenAI API at %s/v1); loading %s", url, url, model_dir(cfg))
     log.info("API key: %s", "required (Authorization: Bearer KEY)" if api_key else "none (anyone who reaches the "
              "address may use it)" if args.allow_insecure else "none (loopback only)")

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from kestrel_core.formats.chat_template import ChatTemplate, end_ids
-from kestrel_core.config import KestrelConfig, model_dir
+from kestrel_core.config import AUTO, KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
@@ -69,7 +69,8 @@ class Service:
         self.chat_ends: frozenset[int] = frozenset()
         self.max_seq = 0
         self.live: set[Generation] = set()
-        self.metrics = ServeMetrics(self.figures)  # its own registry: two servers in one process keep theirs apart
+        self.address = ""  # where it listens (the command's socket), for its start lines and kestrel_info
+        self.metrics = ServeMetrics(self.figures, self.info)  # its own registry: two servers in one process keep theirs apart
         self._lock = threading.Lock()
 
     # --- loading (a thread of its own) --------------------------------------------------------------
@@ -151,11 +152,32 @@ class Service:
         """The batch's thread ended on an error: every later request is a 503 that points here."""
         log.error("the batch stopped on an error; restart the server", exc_info=exc)
 
+    def info(self) -> dict[str, str]:
+        """What the server runs, as /metrics' kestrel_info labels and the start's ``serving:`` line: the model, the
+        backend and its device, keep (``auto:N``: what auto chose), the draft, the pipeline's ranks, the expert
+        budget, the batch's sequences and positions, and the address; empty until the run is open."""
+        run = self.run
+        if run is None:
+            return {}
+        res, given = run.config.residency, self.cfg.residency.keep
+        spec = self.cfg.speculative
+        return {"model": str(self.model.dir), "served_as": self.name, "backend": run.config.backend.name,
+                "device": str(run.backend.device),
+                "keep": f"auto:{res.keep}" if given == AUTO else str(res.keep),
+                "draft": f"{spec.draft} ({spec.draft_tokens} tokens)" if run.drafter is not None else "none",
+                "ranks": str(run.pipeline.ranks if run.pipeline is not None else 1),
+                "expert_budget": f"{res.expert_budget_mb:g} MiB" if run.expert_policy and res.expert_budget_mb
+                else "none",
+                "max_batch": str(self.limits.max_batch), "max_positions": str(self.max_seq),
+                "address": self.address}
+
     def describe(self) -> list[str]:
-        """What the start prints once loaded: the model, its residency settings and the memory measured."""
+        """What the start prints once loaded: what it serves (``info``), the model, its residency settings and the
+        memory measured."""
         cfg, run, model = self.run.config, self.run, self.model  # the run's: keep = "auto" resolved
         res = cfg.residency
-        lines = [f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
+        lines = ["serving: " + " ".join(f"{k}={v!r}" if " " in v or not v else f"{k}={v}"
+                                        for k, v in self.info().items()),f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
                  f"residency: backend={cfg.backend.name} policy={run.policy.name} keep={res.keep} "
                  f"allocator={res.allocator} prefetch={cfg.backend.prefetch}"
                  + (f" expert_policy={run.expert_policy.name}" if run.expert_policy else ""),
