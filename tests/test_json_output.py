@@ -305,6 +305,59 @@ def test_a_schema_kestrel_cannot_use_is_a_one_line_error_naming_it(run, schema, 
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+SELF = [
+    ({"$ref": "#"}, "its root (#)"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}}, "#/$defs/a"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}, "its root (#)"),
+    ({"allOf": [{"$ref": "#"}]}, "its root (#)"),
+    ({"$ref": "#/definitions/a", "definitions": {"a": {"anyOf": [{"$ref": "#/definitions/a"}]}}}, "its root (#)"),
+    # an object that holds it: the first token was allowed, and the matcher failed at the value's
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}, "#/properties/a"),
+    ({"type": "array", "prefixItems": [{"$ref": "#/prefixItems/0"}]}, "#/prefixItems/0"),
+]
+
+
+@pytest.mark.parametrize("schema, where", SELF)
+def test_a_schema_that_is_only_references_to_itself_is_refused_naming_where(run, schema, where):
+    """It was taken, then failed at the token that reached it with llguidance's parser state for a message."""
+    with pytest.raises(GrammarError, match="only references that lead back to it") as err:
+        run.request(prompt_ids=PROMPTS[0], json_schema=schema)
+    assert f"cannot be used: {where} is" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},  # recursion with a way out
+    {"type": "object", "properties": {"name": {"type": "string"},
+                                      "children": {"type": "array", "items": {"$ref": "#"}}}, "required": ["name"]},
+    {"$ref": "#/$defs/leaf", "$defs": {"leaf": {"enum": ["a", "b"]}}},
+])
+def test_a_schema_that_recurses_with_a_way_out_is_taken(run, schema):
+    run.request(prompt_ids=PROMPTS[0], json_schema=schema)
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength (5) is greater than maxLength (2)"),
+    ({"enum": []}, "Unsatisfiable"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum (5) is greater than maximum (2)"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems (3)"),
+    ({"type": []}, "Unsatisfiable"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "incompatible types"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "'a' is unsatisfiable"),
+])
+def test_a_schema_no_value_can_match_is_refused_when_the_request_is_checked(run, schema, words):
+    with pytest.raises(GrammarError, match="the JSON schema cannot be used") as err:
+        run.request(prompt_ids=PROMPTS[0], json_schema=schema)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("grammar", ['start: a\na: a "x"', 'start: a\na: b\nb: a', 'start: %json {"$ref": "#"}'])
+def test_a_grammar_that_allows_no_first_token_is_refused_before_it_runs(run, grammar):
+    """Its first mask is computed when the request is checked: it failed at the first token, after a server's 200."""
+    with pytest.raises(GrammarError, match="allows no first token") as err:
+        run.request(prompt_ids=PROMPTS[0], grammar=grammar)
+    assert "<state>" not in str(err.value) and "Parser" not in str(err.value)
+
+
 def test_a_schema_without_an_end_is_refused(run):
     with pytest.raises(ConfigError, match="leave stop_at_eos on"):
         run.request(prompt_ids=PROMPTS[0], json_schema=YES_NO, stop_at_eos=False)
@@ -384,6 +437,29 @@ def test_a_response_format_kestrel_cannot_use_is_a_400_naming_it(server, fmt, pa
     error = assert_openai_error(r, 400, param)
     if words:
         assert words in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                                    {"type": "string", "minLength": 5, "maxLength": 2}])
+def test_a_schema_no_value_matches_is_a_400_before_any_200_and_counted_as_one(server, schema, stream):
+    """It was a 500 with llguidance's parser state (streamed: a 200, an error event and no [DONE]), counted as a 5xx."""
+    import httpx
+
+    def client_errors() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        line = next((x for x in text.splitlines()
+                     if x.startswith('kestrel_requests_total{route="/v1/chat/completions",status="4xx"}')), None)
+        return float(line.split()[-1]) if line else 0.0
+
+    before = client_errors()
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"model": server.name, "messages": [{"role": "user", "content": "x"}], "stream": stream,
+                         "max_tokens": 8, "response_format": _schema_format(schema)})
+    error = assert_openai_error(r, 400, "response_format")
+    assert error["message"].startswith("response_format: the JSON schema cannot be used: ")
+    assert "<state>" not in error["message"] and "Parser" not in error["message"]
+    assert client_errors() == before + 1
 
 
 def test_a_response_format_with_ignore_eos_is_a_400(server):

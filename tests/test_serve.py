@@ -666,11 +666,30 @@ def test_a_key_from_the_environment_is_checked_before_listening(model_dir, monke
     assert len(err.splitlines()) == 1 and "KESTREL_API_KEY: the API key must be printable ASCII" in err
 
 
-def test_a_model_that_fails_to_load_stops_the_server_with_its_error(tmp_path):
+def test_a_model_that_is_not_there_is_one_line_before_the_address_is_announced(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kestrel_core.cli", "serve", "--model", str(tmp_path / "nothing"),
                            "--port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "listening on" in done.stderr and done.stderr.strip().splitlines()[-1].startswith("kestrel: error:")
+    assert "listening on" not in done.stderr and done.stderr.startswith("kestrel: error:")
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.parametrize("why", ["no tokenizer", "max-seq"])
+def test_a_model_serve_cannot_use_is_one_line_before_the_address_is_announced(tmp_path, monkeypatch, capsys, why):
+    """A GGUF without tokenizer metadata was announced (listening on ...), then exited 2 once it had loaded."""
+    from gguf_files import write_model
+
+    gone = dict.fromkeys(k for k in ("model", "pre", "tokens", "merges", "token_type", "bos_token_id",
+                                     "eos_token_id"))
+    meta = {f"tokenizer.ggml.{k}": None for k in gone} | {"tokenizer.chat_template": None} \
+        if why == "no tokenizer" else {}
+    path, _ = write_model(tmp_path / "m.gguf", meta=meta)
+    monkeypatch.setattr("kestrel_core.serve.server.bind", no_listening)
+    flags = ["--max-seq", "100000"] if why == "max-seq" else []
+    assert cli.main(["serve", "--model", str(path), "--backend", "cpu_ref", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kestrel: error: ") and err.count("\n") == 1 and "listening" not in err, err
+    assert ("kestrel serve answers in text" if why == "no tokenizer" else "--max-seq 100,000 is past") in err
 
 
 @pytest.mark.parametrize("keep, starts", [

@@ -91,6 +91,39 @@ def test_every_metric_is_there_with_its_help_and_type(server):
     assert not any(name.startswith(("python_", "process_")) for name in families)  # not the global registry's
 
 
+def test_kestrel_info_says_what_the_server_runs_as_the_start_does(server):
+    """The start said nothing of the backend's device, the draft, the ranks or the expert budget, and /metrics nothing
+    of what it served."""
+    server.wait_for("ready in")
+    (sample,) = server.metrics()["kestrel_info"].samples
+    labels = sample.labels
+    assert sample.value == 1
+    assert labels == {"model": str(server.path), "served_as": server.name, "backend": "cpu_ref", "device": "cpu",
+                      "keep": "2", "draft": "none", "ranks": "1", "expert_budget": "none",
+                      "max_batch": str(MAX_BATCH), "max_positions": "2048", "address": server.url}
+    line = server.wait_for("kestrel serve: serving: ")
+    said = dict(kv.split("=", 1) for kv in line.split("serving: ", 1)[1].split(" "))
+    assert said == labels  # none of these values holds a space
+    start = server.lines.index(line)
+    assert any(server.url in x and "ready in" in x for x in server.lines[start:])  # the block ends at the address
+
+
+def test_keep_auto_is_said_with_what_it_chose(tiny_ckpt):
+    from kestrel_core.config import KestrelConfig
+    from kestrel_core.serve.service import Limits, Service
+
+    service = Service(KestrelConfig().override(model=str(tiny_ckpt), backend__name="cpu_ref"), "tiny", Limits())
+    assert service.info() == {}  # nothing while it loads: kestrel_info is left out
+    assert b"kestrel_info" not in service.metrics.exposition()[0]
+    service.load()
+    try:
+        info = service.info()
+        assert info["keep"] == f"auto:{service.run.config.residency.keep}" and info["keep"] != "auto:auto"
+        assert b'kestrel_info{' in service.metrics.exposition()[0]
+    finally:
+        service.close()
+
+
 def test_a_completion_moves_the_counters_by_its_usage(server):
     before = server.metrics()
     body = {"model": server.name, "prompt": [5, 17, 42, 99, 3], "max_tokens": 12, "ignore_eos": True}

@@ -94,6 +94,25 @@ def test_the_tools_reach_the_template_and_tool_choice_none_keeps_them_out(chat_s
     assert "<tools>" not in tok.decode(without["choices"][0]["prompt_token_ids"])
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_tools_a_template_does_not_lay_out_are_a_400_naming_tools_and_the_template(chat_service, tool_choice):
+    """They were dropped without a word: the prompt was the same with them and without."""
+    from serve_helpers import TEMPLATE as PLAIN
+
+    from kestrel_core.formats.chat_template import ChatTemplate
+
+    service, http = chat_service
+    service.template = ChatTemplate(PLAIN, "plain.jinja")
+    body = {"tool_choice": tool_choice} if tool_choice else {}
+    response = ask(http, tools=[WEATHER], **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "plain.jinja" in error["message"], error
+    assert "does not lay out tools" in error["message"] and "\n" not in error["message"]
+    assert ask(http, tools=[WEATHER], tool_choice="none").status_code == 200  # none: no tools for the template
+    assert ask(http).status_code == 200
+
+
 def test_earlier_calls_and_tool_answers_go_back_into_the_template(chat_service):
     service, http = chat_service
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -277,6 +296,49 @@ def test_tool_choice_required_forces_calls_of_the_tools_given(chat_service):
         for call in got["message"]["tool_calls"]:
             args = json.loads(call["function"]["arguments"])
             assert (call["function"]["name"], set(args)) in (("get_weather", {"days"}), ("get_time", {"zone"}))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parameters, says", [
+    ({"$ref": "#"}, "its root (#) is only references"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "its root (#) is only references"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}, "#/properties/a is"),
+    ({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}, "required": ["s"]},
+     "the parameters of the tool 'loop' cannot be used: Unsatisfiable schema: required property 's'"),
+    ({"enum": []}, "Unsatisfiable"),
+])
+def test_a_forced_call_whose_parameters_no_value_matches_is_a_400_naming_tools(chat_service, parameters, says,
+                                                                               stream):
+    """It was a 500 with llguidance's parser state at the first token (streamed: a 200 and an error event)."""
+    _, http = chat_service
+    tool = {"type": "function", "function": {"name": "loop", "parameters": parameters}}
+    response = ask(http, tools=[tool], tool_choice="required", stream=stream)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and says in error["message"] and "<state>" not in error["message"], error
+
+
+def test_a_forced_calls_parameters_read_their_own_references():
+    """A function's schema sits inside the call's: its #/$defs/... pointed at the call's root, which has none."""
+    point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/xy"}}, "required": ["at"],
+             "$defs": {"xy": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+             "default": {"$ref": "#"}}
+    grammar = tool_calls.forced(TEMPLATE, [CITY, {"type": "function", "function": {"name": "f", "parameters": point}}],
+                                None)
+    arguments = json.loads(grammar.split("%json ", 1)[1])["anyOf"][1]["properties"]["arguments"]
+    assert arguments["properties"]["at"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/xy"}
+    assert arguments["default"] == {"$ref": "#"}  # a value, not a reference: as written
+
+
+def test_a_forced_call_of_a_function_whose_parameters_use_defs_answers_it(chat_service):
+    _, http = chat_service
+    point = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/zone"}}, "required": ["to"],
+        "additionalProperties": False, "$defs": {"zone": {"enum": ["UTC", "CET"]}}}}}
+    response = ask(http, tools=[point], max_tokens=120, temperature=0, tool_choice={"type": "function", "function": {"name": "go"}})
+    assert response.status_code == 200, response.text
+    (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) in ({"to": "UTC"}, {"to": "CET"})
 
 
 def test_a_forced_call_in_llama_format_is_a_bare_json_call():

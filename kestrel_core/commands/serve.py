@@ -108,11 +108,13 @@ def run(args) -> int:
     if launched_rank()[0] > 0:  # a pipeline's later rank: rank 0 serves, this one makes its steps after it
         service.follow()
         return 0
+    service.check()  # a model it cannot serve is a one-line error before the address is announced
     hosts = allowed_hosts(parse_list(args.allowed_hosts, "--allowed-hosts"), is_loopback(args.host))
     app = create_app(service, api_key, int(args.max_body_mb * 2**20), hosts=hosts,
                      origins=parse_list(args.allowed_origins, "--allowed-origins"))
     sock = bind(args.host, args.port)
     url = url_of(sock)
+    service.address = url
     log.info("listening on %s (the OpenAI API at %s/v1); loading %s", url, url, model_dir(cfg))
     log.info("API key: %s", "required (Authorization: Bearer KEY)" if api_key else "none (anyone who reaches the "
              "address may use it)" if args.allow_insecure else "none (loopback only)")

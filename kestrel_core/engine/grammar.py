@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from typing import Any, Iterable
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.formats.tokenizer import Tokenizer
 
 MAX_SCHEMA_CHARS = 256 * 2**10  # a schema's JSON text, at most: a compiled grammar grows with it
+MAX_SCHEMA_DEPTH = 256  # subschemas within subschemas, at most, that the check of references walks
 KEPT_VOCABULARIES = 8  # end-id sets whose vocabulary is kept made (a chat's and a completion's are the usual two)
 # Whitespace between tokens of the value: some, so a model may lay it out as it learned to, but never unbounded (a
 # model that would rather not end the value could pad it with whitespace until max_tokens). A schema's own
@@ -70,6 +72,7 @@ class Grammars:
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
         text = _bounded(json.dumps(schema), "the JSON schema")
+        check_refs(schema)
         llg = _llguidance()
         try:
             source = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -96,7 +99,101 @@ class Grammars:
         error = _llguidance().LLMatcher.validate_grammar(source, tok)
         if error and not error.startswith("WARNING"):
             raise GrammarError(f"{what} cannot be used: {_one_line(error)}")
-        return Grammar(_llguidance(), tok, source, self.vocab_size, what)
+        grammar = Grammar(_llguidance(), tok, source, self.vocab_size, what)
+        grammar.start().first()  # what fails only at its first token fails here, before the request is taken
+        return grammar
+
+
+# Where a schema holds schemas: keywords of one, of a list of them, of a name -> schema map
+_ONE = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "unevaluatedProperties",
+        "unevaluatedItems", "if", "then", "else", "not")
+_MANY = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_NAMED = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+
+
+def check_refs(schema: dict[str, Any], what: str = "the JSON schema") -> None:
+    """A GrammarError naming the first subschema that is only references, round to itself (``{"$ref": "#"}``, or
+    definitions that refer to each other and to nothing else): no value matches it, and llguidance finds that out
+    only at the token that reaches it, after the request was taken. A reference that leaves the schema, or points at
+    nothing, is left for llguidance to refuse."""
+    nodes: dict[int, tuple[dict, str]] = {}  # id -> (subschema, its JSON pointer): every object subschema
+
+    def target(node: dict) -> dict | None:
+        ref = node.get("$ref")
+        if not isinstance(ref, str) or (ref != "#" and not ref.startswith("#/")):
+            return None
+        at: Any = schema
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(at, dict) and part in at:
+                at = at[part]
+            elif isinstance(at, list) and part.isdigit() and int(part) < len(at):
+                at = at[int(part)]
+            else:
+                return None
+        return at if isinstance(at, dict) else None
+
+    def walk(node: Any, pointer: str, depth: int = 0) -> None:
+        if not isinstance(node, dict) or id(node) in nodes or depth > MAX_SCHEMA_DEPTH:
+            return
+        nodes[id(node)] = (node, pointer)
+        walk(target(node), node.get("$ref"), depth + 1)  # a reference's target, wherever it sits
+        for key in _ONE:
+            walk(node.get(key), f"{pointer}/{key}", depth + 1)
+        for key in _MANY:
+            if isinstance(node.get(key), list):
+                for i, sub in enumerate(node[key]):
+                    walk(sub, f"{pointer}/{key}/{i}", depth + 1)
+        for key in _NAMED:
+            if isinstance(node.get(key), dict):
+                for name, sub in node[key].items():
+                    walk(sub, f"{pointer}/{key}/{_escaped(name)}", depth + 1)
+
+    walk(schema, "#")
+
+    # A subschema has a value unless it is made of references alone and every way through them leads back: the least
+    # fixed point, from those that have one outright (whatever else is wrong with them is llguidance's to say)
+    def made(node: dict, ok: set[int]) -> bool:
+        ref = target(node)
+        if ref is not None and id(ref) not in ok:
+            return False
+        parts = {key: [s for s in node[key] if isinstance(s, dict)] for key in ("allOf", "anyOf", "oneOf")
+                 if isinstance(node.get(key), list)}
+        if any(id(s) not in ok for s in parts.pop("allOf", ())):
+            return False
+        return all(not subs or any(id(s) in ok for s in subs) for subs in parts.values())
+
+    ok: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for key, (node, _) in nodes.items():
+            if key not in ok and made(node, ok):
+                ok.add(key)
+                grew = True
+    for key, (node, pointer) in nodes.items():
+        if key not in ok:
+            where = "its root (#)" if pointer == "#" else pointer
+            raise GrammarError(f"{what} cannot be used: {where} is only references that lead back to it, so no "
+                               "value can match it; give it a type or properties of its own")
+
+
+def check_schema(schema: dict[str, Any], what: str) -> None:
+    """A GrammarError, naming ``what``, where ``schema`` cannot hold a value on its own: what ``Grammars.json``
+    refuses, less the vocabulary's part; for a schema that sits inside another (a tool's parameters in a call's),
+    where the whole one's error would name only the place that holds it."""
+    check_refs(schema, what)
+    try:
+        error = _llguidance().LLMatcher.validate_grammar(
+            _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS), None)
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"{what} cannot be used: {_one_line(error)}")
+
+
+def _escaped(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 def _bounded(text: str, what: str) -> str:
@@ -115,15 +212,24 @@ class Grammar:
         matcher = self._llg.LLMatcher(self._tokenizer, self.source, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{self.what} cannot be used: {_one_line(matcher.get_error())}")
-        return Constraint(matcher, self.vocab_size)
+        return Constraint(matcher, self.vocab_size, self.what)
 
 
 class Constraint:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self._matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, what: str = "the grammar"):
+        self._matcher, self.vocab_size, self.what = matcher, vocab_size, what
         self._words = np.empty((vocab_size + 31) // 32, dtype=np.int32)
+
+    def first(self) -> None:
+        """The first token's mask computed, or a GrammarError: a grammar that allows no first token (a schema that
+        is only a reference to itself) is found out when the request is checked, not once it runs."""
+        m = self._matcher
+        m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if m.is_error() or not self._words.any():
+            why = f" ({_one_line(m.get_error())})" if m.is_error() else ""
+            raise GrammarError(f"{self.what} cannot be used: nothing can match it, it allows no first token{why}")
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the ids that may come next."""
@@ -141,4 +247,7 @@ class Constraint:
 
 
 def _one_line(message: Any) -> str:
-    return " ".join(str(message).split())[:300]
+    """llguidance's message on one line, less the parser state it dumps after its reason (``<state>``: its lexer's
+    and parser's internals, no help to whoever wrote the schema)."""
+    return " ".join(str(message).split("<state>", 1)[0].split())[:300]
+

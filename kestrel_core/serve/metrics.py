@@ -30,7 +30,8 @@ class ServeMetrics:
     """``live()``: the figures read at a scrape (``running``, ``waiting``, ``occupancy``, ``bytes_streamed``,
     ``kv_cache_bytes``, and ``device_peak_bytes`` where the backend reports it; empty while the model loads)."""
 
-    def __init__(self, live: Callable[[], dict[str, float]]):
+    def __init__(self, live: Callable[[], dict[str, float]], info: Callable[[], dict[str, str]] = dict):
+        """``info``: what the server runs, as ``kestrel_info``'s labels (none while the model loads)."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kestrel_requests", "HTTP requests answered, by route and status class (2xx, 4xx, 5xx)",
                                 ["route", "status"], registry=r)
@@ -45,7 +46,7 @@ class ServeMetrics:
                               "token", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kestrel_inter_token_latency_seconds", "Between a choice's consecutive tokens",
                              buckets=ITL_BUCKETS, registry=r)
-        r.register(_Live(live))
+        r.register(_Live(live, info))
 
     def ended(self, prompt_tokens: int, token_times: list[list[float]], arrived: float,
               streamed_per_token: float | None) -> None:
@@ -69,17 +70,17 @@ class ServeMetrics:
 class _Live:
     """The figures read at each scrape."""
 
-    def __init__(self, live: Callable[[], dict[str, float]]):
-        self.live = live
+    def __init__(self, live: Callable[[], dict[str, float]], info: Callable[[], dict[str, str]]):
+        self.live, self.info = live, info
 
     def describe(self):
-        return self._families({})
+        return self._families({}, {})
 
     def collect(self):
-        return self._families(self.live())
+        return self._families(self.live(), self.info())
 
     @staticmethod
-    def _families(f: dict[str, float]):
+    def _families(f: dict[str, float], info: dict[str, str]):
         def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=f.get(key, 0))
 
@@ -95,7 +96,18 @@ class _Live:
                       "--max-seq positions, its pages resident as they are written)", "kv_cache_bytes"),
                 *([gauge("kestrel_device_peak_bytes", "The device memory's high-water mark since the model loaded "
                          "(weights, KV cache and workspaces)", "device_peak_bytes")]
-                  if "device_peak_bytes" in f else [])]
+                  if "device_peak_bytes" in f else []),
+                *([_info(info)] if info else [])]
+
+
+def _info(labels: dict[str, str]) -> GaugeMetricFamily:
+    """``kestrel_info{model="...",backend="...",...} 1``: what the server runs, as its labels (Prometheus' info
+    style)."""
+    family = GaugeMetricFamily("kestrel_info", "What the server runs: the model, backend, device, keep (auto:N: what "
+                               "auto chose), draft, ranks, expert budget, batch and positions, and address; always 1",
+                               labels=list(labels))
+    family.add_metric(list(labels.values()), 1)
+    return family
 
 
 class CountResponses:

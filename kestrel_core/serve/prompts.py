@@ -34,6 +34,11 @@ def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, conversation: list[di
     """The conversation rendered through the model's chat template, ready for the assistant's reply, as ids; ``tools``:
     the functions the reply may call, as the template lays them out."""
     text = render_chat(template, conversation, variables, tools=tools)
+    if tools is not None and text == render_chat(template, conversation, variables):
+        # The model would never see them: a reply could call none of them, and nothing said why
+        raise bad_request(f"tools: this model's chat template ({template.where}) does not lay out tools, so the "
+                          "model would never see them; leave tools out, or serve the model with a template that "
+                          "renders its tools variable", "tools")
     try:
         ids = tokenizer.encode_at_most(text, limits.context)
     except ConfigError as exc:  # text that is not UTF-8

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from kestrel_core.formats.chat_template import ChatTemplate, end_ids
-from kestrel_core.config import KestrelConfig, model_dir
+from kestrel_core.config import AUTO, KestrelConfig, model_dir
 from kestrel_core.engine.run import Model, Run, load
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.fit import DEFAULT_CONTEXT, KVRoom
@@ -69,7 +69,8 @@ class Service:
         self.chat_ends: frozenset[int] = frozenset()
         self.max_seq = 0
         self.live: set[Generation] = set()
-        self.metrics = ServeMetrics(self.figures)  # its own registry: two servers in one process keep theirs apart
+        self.address = ""  # where it listens (the command's socket), for its start lines and kestrel_info
+        self.metrics = ServeMetrics(self.figures, self.info)  # its own registry: two servers in one process keep theirs apart
         self._lock = threading.Lock()
 
     # --- loading (a thread of its own) --------------------------------------------------------------
@@ -110,21 +111,35 @@ class Service:
         if warm.error is not None:
             raise warm.error
 
-    def _open(self) -> None:
-        """The model loaded and its run opened, with room for the batch's KV cache."""
+    def check(self) -> None:
+        """The model read (its config, tokenizer and chat template, no weights) and checked against what serving needs:
+        a tokenizer, and --max-seq within its positions; a ConfigError, the model closed, where it falls short. The
+        command calls it before it announces its address (a model it cannot serve was announced, then exited)."""
+        if self.model is not None:
+            return
         check_batch(self.limits.max_batch, self.limits.prefill_chunk, left_out=LEFT_OUT_CHUNK)
-        model = self.model = load(model_dir(self.cfg))
-        if model.tokenizer is None:
-            raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
-                              "use `kestrel generate --prompt-ids` for a model without one")
+        model = load(model_dir(self.cfg))
+        try:
+            if model.tokenizer is None:
+                raise ConfigError(f"{model.no_tokenizer()}, and kestrel serve answers in text; "
+                                  "use `kestrel generate --prompt-ids` for a model without one")
+            positions = model.config.max_position_embeddings
+            check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
+        except BaseException:
+            model.close()
+            raise
+        self.model = model
         try:
             self.template = model.chat_template()
             self.chat_ends = end_ids(model, self.template)
         except ConfigError as exc:  # completions still work; chat says why it cannot
             self.no_template = str(exc)
-        positions = model.config.max_position_embeddings
-        check_max_seq(self.limits.max_seq, positions, str(model.dir))  # was cut to the model's, unsaid
         self.max_seq = min(positions, self.limits.max_seq or DEFAULT_CONTEXT)
+
+    def _open(self) -> None:
+        """The model loaded and its run opened, with room for the batch's KV cache."""
+        self.check()
+        model = self.model
         self.run = model.open(self.cfg, kv=KVRoom(self.limits.max_batch, self.max_seq, KV_FIX))
         if self.limits.prefill_chunk is not None:
             self.prefill_chunk, self.chunk_why = self.limits.prefill_chunk, "--prefill-chunk"
@@ -137,11 +152,32 @@ class Service:
         """The batch's thread ended on an error: every later request is a 503 that points here."""
         log.error("the batch stopped on an error; restart the server", exc_info=exc)
 
+    def info(self) -> dict[str, str]:
+        """What the server runs, as /metrics' kestrel_info labels and the start's ``serving:`` line: the model, the
+        backend and its device, keep (``auto:N``: what auto chose), the draft, the pipeline's ranks, the expert
+        budget, the batch's sequences and positions, and the address; empty until the run is open."""
+        run = self.run
+        if run is None:
+            return {}
+        res, given = run.config.residency, self.cfg.residency.keep
+        spec = self.cfg.speculative
+        return {"model": str(self.model.dir), "served_as": self.name, "backend": run.config.backend.name,
+                "device": str(run.backend.device),
+                "keep": f"auto:{res.keep}" if given == AUTO else str(res.keep),
+                "draft": f"{spec.draft} ({spec.draft_tokens} tokens)" if run.drafter is not None else "none",
+                "ranks": str(run.pipeline.ranks if run.pipeline is not None else 1),
+                "expert_budget": f"{res.expert_budget_mb:g} MiB" if run.expert_policy and res.expert_budget_mb
+                else "none",
+                "max_batch": str(self.limits.max_batch), "max_positions": str(self.max_seq),
+                "address": self.address}
+
     def describe(self) -> list[str]:
-        """What the start prints once loaded: the model, its residency settings and the memory measured."""
+        """What the start prints once loaded: what it serves (``info``), the model, its residency settings and the
+        memory measured."""
         cfg, run, model = self.run.config, self.run, self.model  # the run's: keep = "auto" resolved
         res = cfg.residency
-        lines = [f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
+        lines = ["serving: " + " ".join(f"{k}={v!r}" if " " in v or not v else f"{k}={v}"
+                                        for k, v in self.info().items()),f"model: {model.dir} ({model.config.model_type}, {model.n_layers} layers), served as {self.name!r}",
                  f"residency: backend={cfg.backend.name} policy={run.policy.name} keep={res.keep} "
                  f"allocator={res.allocator} prefetch={cfg.backend.prefetch}"
                  + (f" expert_policy={run.expert_policy.name}" if run.expert_policy else ""),
@@ -205,8 +241,10 @@ class Service:
 
     def _plan(self, req, chat: bool, limits: RequestLimits) -> dict[str, Any]:
         model = self.model
+        grammar = None
         if chat:
             self.check_chat()
+            grammar = self._forced_call(req)  # a template with no call format: tool_choice's 400, before the tools'
             ids = prompts.chat_ids(model.tokenizer, self.template, req.conversation(), req.chat_template_kwargs, limits,
                                    req.tool_defs)
         else:
@@ -222,14 +260,13 @@ class Service:
         generation = req.generation()
         if "seed" not in generation:  # a sampled request without a seed draws differently each time, as OpenAI's
             generation["seed"] = self.seed if self.seed is not None else secrets.randbits(63)
-        grammar = self._forced_call(req) if chat else None
         try:
             request = self.run.request(prompt_ids=ids, max_new_tokens=n, stop_at_eos=bool(ends), stop_ids=ends,
                                        json_schema=req.output_schema, grammar=grammar, **generation)
         except LimitError:
             raise  # a logit_bias id past the vocabulary: a 400 naming the parameter, above
-        except GrammarError as exc:
-            param = "tool_choice" if grammar is not None else "response_format"
+        except GrammarError as exc:  # a forced call's grammar holds the tools' parameters
+            param = "tools" if grammar is not None else "response_format"
             raise bad_request(f"{param}: {exc}", param) from None
         except ConfigError as exc:
             raise APIError(400, str(exc)) from None
@@ -250,6 +287,8 @@ class Service:
             return tool_calls.forced(self.template.source, req.tool_defs, req.called_function, req.call_limit == 1)
         except tool_calls.NoCallFormat as exc:
             raise bad_request(str(exc), "tool_choice") from None
+        except GrammarError as exc:
+            raise bad_request(f"tools: {exc}", "tools") from None
 
     def start(self, plan: dict[str, Any]) -> list[Generation]:
         """Join the batch, each of the request's ``n`` choices a sequence (all of them, or a 429 where the batch and

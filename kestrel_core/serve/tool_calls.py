@@ -12,7 +12,8 @@ an id of its own (``call_`` and 24 hex digits); its ``arguments`` are a JSON str
 
 ``forced(template_source, tools, name)`` is the grammar (llguidance's Lark) of a reply that is calls only, in the
 format the template lays out: a ``tool_choice`` of ``required`` (one call or more, of any tool; one with ``one``) or
-of one named function (one call of it), each call's arguments held to its function's ``parameters`` schema.
+of one named function (one call of it), each call's arguments held to its function's ``parameters`` schema (its
+references, ``#/$defs/...``, read within that schema, as they were written).
 
 A request's ``parallel_tool_calls: false`` reads a reply with ``limit=1``: its first call is kept, and any later call
 the model writes is dropped (neither a call nor content).
@@ -23,6 +24,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from typing import Any
+
+from kestrel_core.engine.grammar import check_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
@@ -55,16 +59,39 @@ def forced(template_source: str, tools: list[dict], name: str | None, one: bool 
                            "(<tool_call> blocks, or Llama 3.1's JSON with parameters); use tool_choice 'auto'")
     key = "arguments" if how == "hermes" else "parameters"
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    for t in chosen:  # a GrammarError: the request's tools are at fault
+        if isinstance(t["function"].get("parameters"), dict):
+            check_schema(t["function"]["parameters"], f"the parameters of the tool {t['function']['name']!r}")
+    # Each function's schema sits inside the call's: its own references (#, #/$defs/...) are moved to where it sits
     schema = {"x-guidance": CALL_JSON,
               "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key],
                          "properties": {"name": {"const": t["function"]["name"]},
-                                        key: t["function"].get("parameters") or {"type": "object"}}}
-                        for t in chosen]}
+                                        key: _rebased(t["function"].get("parameters") or {"type": "object"},
+                                                      f"#/anyOf/{i}/properties/{key}")}}
+                        for i, t in enumerate(chosen)]}
     call = "call: %json " + json.dumps(schema)
     if how == "llama":
         return "start: call\n" + call
     many = "" if name is not None or one else ' ("\\n" block)*'
     return f'start: block{many}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n' + call
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its references within itself (``#``, ``#/...``) made references within ``root``; the values
+    a schema holds as data (const, enum, default, examples) are left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = root + v[1:]
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        else:
+            out[k] = _rebased(v, root)
+    return out
 
 
 def _call(obj) -> dict | None:
