@@ -332,12 +332,21 @@ def test_a_rank_that_dies_ends_the_run_on_every_rank(models, tmp_path):
                                        ({"WORLD_SIZE": "2", "RANK": "0", "KESTREL_PIPELINE_TIMEOUT_S": "-3"},
                                         "KESTREL_PIPELINE_TIMEOUT_S='-3' must be a number of seconds above 0"),
                                        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "", "MASTER_PORT": ""},
-                                        "rank 0 of 2 could not join the others")])
+                                        "rank 0 of 2 could not join the others"),
+                                       ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"},
+                                        "LOCAL_RANK is 3, past the 2 ranks this host runs"),
+                                       ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "4"},
+                                        "LOCAL_WORLD_SIZE is 4 but WORLD_SIZE is 2"),
+                                       ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no-such-host.invalid",
+                                         "MASTER_PORT": "29500"}, "MASTER_ADDR='no-such-host.invalid' does not resolve"),
+                                       ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port number")])
 def test_a_broken_torchrun_environment_is_one_line_naming_it(models, env, says, monkeypatch, capsys):
+    for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+        if v:
+            monkeypatch.setenv(k, v)
     rc = main(["generate", "--model", str(models["tiny"]), "--backend", "cpu_ref", "--prompt-ids", "1,2"])
     err = capsys.readouterr().err
     assert rc == 2 and says in err and err.count("\n") == 1 and "Traceback" not in err

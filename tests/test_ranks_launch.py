@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_core.commands import ranks
+from kestrel_core.commands import common, ranks
 from kestrel_core.cli import main
 from kestrel_core.engine.pipeline import TOLD_BYTES
 from kestrel_core.errors import ConfigError
@@ -97,10 +97,10 @@ def test_a_gpu_named_twice_is_refused(monkeypatch):
 
     monkeypatch.setattr(devices, "compute_device", lambda name, flag: torch.device(name))
     with pytest.raises(ConfigError, match="--devices names cuda:0 twice; give each rank a GPU of its own"):
-        ranks.parse_devices("cuda:0,cuda:1,cuda:0")
+        common.parse_devices("cuda:0,cuda:1,cuda:0")
     with pytest.raises(ConfigError, match="names 'cuda' without an index"):
-        ranks.parse_devices("cuda,cuda:1")
-    assert ranks.parse_devices("cuda:1, cuda:0") == ["cuda:1", "cuda:0"]
+        common.parse_devices("cuda,cuda:1")
+    assert common.parse_devices("cuda:1, cuda:0") == ["cuda:1", "cuda:0"]
 
 
 TELL = """

@@ -35,6 +35,7 @@ def test_the_default_is_the_cores_this_process_may_use_shared_among_this_hosts_r
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two hosts of two ranks: each rank takes half of its host's cores
     assert default_threads() == 4
+    monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # more ranks than cores: one thread each, not none
     assert default_threads() == 1
 

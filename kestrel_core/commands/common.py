@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 from kestrel_core.engine.batch import check_batch
+from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core import plugins
 from kestrel_core.config import BackendConfig, KestrelConfig, ResidencyConfig, load_config, parse_ids, parse_keep
 from kestrel_core.errors import ConfigError, PluginError
@@ -139,8 +141,6 @@ def _device(args: argparse.Namespace) -> str | None:
         return args.device
     if args.device is not None:
         raise ConfigError("pass --device or --devices, not both")
-    from kestrel_core.commands.ranks import rank_device
-
     return rank_device(devices)
 
 
@@ -218,3 +218,34 @@ def prompt_ids_for(cfg: KestrelConfig, model, default: list[int] | None = None) 
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def parse_devices(text: str) -> list[str]:
+    """``cuda:0,cuda:1`` (or ``cpu,cpu``): two or more devices of one kind, no GPU twice, each present here."""
+    from kestrel_core.engine.devices import compute_device  # torch: once the flags are read
+
+    names = [d.strip() for d in text.split(",")]
+    if len(names) < 2 or not all(names):
+        raise ConfigError(f"--devices {text!r}: give two or more devices, comma-separated (cuda:0,cuda:1, or cpu,cpu "
+                          "on cpu_ref); for one, use --device")
+    kinds = {compute_device(n, "--devices").type for n in names}
+    if len(kinds) > 1:
+        raise ConfigError(f"--devices {text!r} mixes cpu and cuda; split the layers over GPUs, or over cpu ranks")
+    if "cuda" in kinds:
+        bare = [n for n in names if ":" not in n]
+        if bare:
+            raise ConfigError(f"--devices names {bare[0]!r} without an index; name each GPU (cuda:0,cuda:1)")
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"--devices names {twice} twice; give each rank a GPU of its own")
+    return names
+
+
+def rank_device(text: str) -> str:
+    """This rank's device of ``--devices`` (its LOCAL_RANK's), where the ranks were started."""
+    devices = parse_devices(text)
+    _, ranks = launched_rank()
+    if ranks != len(devices):
+        raise ConfigError(f"--devices names {len(devices)} devices but {ranks} ranks were started; give one device a "
+                          "rank, or run without torchrun and let --devices start them")
+    return devices[int(os.environ.get("LOCAL_RANK", "0"))]

@@ -12,43 +12,12 @@ import subprocess
 import sys
 import time
 
-from kestrel_core.engine.pipeline import ACROSS_RANKS, launched_rank, split
+from kestrel_core.engine.pipeline import ACROSS_RANKS, split
 from kestrel_core.errors import ConfigError
 
 SHUTDOWN_S = 60  # how long the ranks have to end after the launcher passes them a signal
 LAUNCHER = "KESTREL_LAUNCHER_PID"  # set for the ranks it starts: each ends when its launcher does, however it ends
 PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal the kernel sends this process when its parent ends
-
-
-def parse_devices(text: str) -> list[str]:
-    """``cuda:0,cuda:1`` (or ``cpu,cpu``): two or more devices of one kind, no GPU twice, each present here."""
-    from kestrel_core.engine.devices import compute_device  # torch: once the flags are read
-
-    names = [d.strip() for d in text.split(",")]
-    if len(names) < 2 or not all(names):
-        raise ConfigError(f"--devices {text!r}: give two or more devices, comma-separated (cuda:0,cuda:1, or cpu,cpu "
-                          "on cpu_ref); for one, use --device")
-    kinds = {compute_device(n, "--devices").type for n in names}
-    if len(kinds) > 1:
-        raise ConfigError(f"--devices {text!r} mixes cpu and cuda; split the layers over GPUs, or over cpu ranks")
-    if "cuda" in kinds:
-        bare = [n for n in names if ":" not in n]
-        if bare:
-            raise ConfigError(f"--devices names {bare[0]!r} without an index; name each GPU (cuda:0,cuda:1)")
-        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
-        if twice is not None:
-            raise ConfigError(f"--devices names {twice} twice; give each rank a GPU of its own")
-    return names
-
-
-def rank_device(text: str) -> str:
-    """This rank's device of ``--devices`` (its LOCAL_RANK's), where the ranks were started."""
-    devices = parse_devices(text)
-    _, ranks = launched_rank()
-    if ranks != len(devices):
-        raise ConfigError(f"--devices names {len(devices)} devices but {ranks} ranks were started; give one device a "
-                          "rank, or run without torchrun and let --devices start them")
-    return devices[int(os.environ.get("LOCAL_RANK", "0"))]
 
 
 def check_layers(args, ranks: int) -> None:
@@ -68,6 +37,8 @@ def launch(args, argv: list[str]) -> int:
     """Start one rank a device on this host, each running ``argv`` (RANK, LOCAL_RANK, WORLD_SIZE and a free loopback
     MASTER_PORT set, as torchrun sets them); the first failing rank's exit code, else 0. A rank that fails ends the
     others; a signal that reaches this process (Ctrl-C, SIGTERM from a supervisor) is passed to every rank."""
+    from kestrel_core.commands.common import parse_devices  # its checks import torch: once the flags are read
+
     names = parse_devices(args.devices)
     if args.command not in ACROSS_RANKS:
         raise ConfigError(f"kestrel {args.command} does not run over several ranks yet; drop --devices")

@@ -230,7 +230,8 @@ class Pipeline:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s())
+            check_master()
+            timeout = datetime.timedelta(seconds=timeout_s())  # the rendezvous waits no longer than the other waits
             backend = "gloo" if device.type == "cpu" else "nccl"
             try:
                 if device.type == "cuda":
@@ -304,7 +305,31 @@ def launched_rank() -> tuple[int, int]:
     if rank is None or not 0 <= rank < ranks:
         raise ConfigError(f"WORLD_SIZE is {ranks} but RANK is {os.environ.get('RANK')!r}; start the ranks with "
                           "torchrun, or unset WORLD_SIZE to run one process")
+    local, here = _env_int("LOCAL_RANK", None), _env_int("LOCAL_WORLD_SIZE", None)
+    if here is not None and not 1 <= here <= ranks:
+        raise ConfigError(f"LOCAL_WORLD_SIZE is {here} but WORLD_SIZE is {ranks}: a host runs 1 to WORLD_SIZE of the "
+                          "ranks; start the ranks with torchrun, which sets both")
+    if local is not None and not 0 <= local < (here if here is not None else ranks):
+        raise ConfigError(f"LOCAL_RANK is {local}, past the {here if here is not None else ranks} ranks "
+                          f"{'this host runs (LOCAL_WORLD_SIZE)' if here is not None else 'of WORLD_SIZE'}; start the "
+                          "ranks with torchrun, which sets both")
     return rank, ranks
+
+
+def check_master() -> None:
+    """MASTER_ADDR and MASTER_PORT, where the ranks meet, as a rank reads them before it joins: set, a port number,
+    and a name that resolves (an unknown host is said at once, not after the rendezvous's retries run out)."""
+    import socket
+
+    addr, port = os.environ.get("MASTER_ADDR", "").strip(), os.environ.get("MASTER_PORT", "").strip()
+    if not addr or not port:
+        return  # the rendezvous says what is missing
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"MASTER_PORT={port[:40]!r} is not a port number (1 to 65535); torchrun sets it")
+    try:
+        socket.getaddrinfo(addr, int(port))
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"MASTER_ADDR={addr[:80]!r} does not resolve ({exc}); give the address of rank 0's host")
 
 
 def host_ranks() -> int:
