@@ -90,3 +90,10 @@ def test_mixed_dtypes_take_torchs_steps():
     x, w = randn(2, 64, dtype=torch.bfloat16, seed=8), randn(64, dtype=torch.float32, seed=9)
     got = OPS.rms_norm(x, w, 1e-6)  # a float32 weight promotes, as in torch
     assert got.dtype == torch.float32 and torch.equal(got, TORCH_OPS.rms_norm(x, w, 1e-6))
+
+
+def test_a_weight_of_another_length_is_not_read_past_its_end():
+    """A norm weight whose length is not the row's goes to torch's steps, which refuse it, never past its end."""
+    x, w = randn(2, 64, dtype=torch.float32, seed=10), randn(32, dtype=torch.float32, seed=11)
+    with pytest.raises(RuntimeError):
+        OPS.rms_norm(x, w, 1e-6)

@@ -111,7 +111,8 @@ class FusedOps(LayerOps):
 
     def _norm(self, x, delta, weight, eps):
         d = x.shape[-1]
-        xr = _rows(x) if self._same(x, weight, *(() if delta is None else (delta,))) and weight.is_contiguous() else None
+        fits = weight.shape == (d,) and weight.is_contiguous()  # else torch's (which says what is wrong)
+        xr = _rows(x) if fits and self._same(x, weight, *(() if delta is None else (delta,))) else None
         dr = _rows(delta) if delta is not None and xr is not None else None
         if xr is None or (delta is not None and (dr is None or delta.shape != x.shape)):
             if delta is None:
@@ -132,7 +133,8 @@ class FusedOps(LayerOps):
         norms = () if q_norm is None else (q_norm, k_norm)
         D = q.shape[-1]
         if (not self._same(q, k, cos, sin, *norms) or D % 2 or D & (D - 1) or D < 32 or cos.shape != (q.shape[0], D)
-                or not cos.is_contiguous() or not sin.is_contiguous() or any(not n.is_contiguous() for n in norms)
+                or not cos.is_contiguous() or not sin.is_contiguous() or sin.shape != cos.shape
+                or any(not n.is_contiguous() or n.shape != (D,) for n in norms)
                 or q.stride(-1) != 1 or k.stride(-1) != 1):
             return TORCH_OPS.qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps)
         out = []
