@@ -25,6 +25,17 @@ from kestrel_core.errors import ConfigError
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def two_ranks(script: Path, text: str, *args: str) -> list[subprocess.Popen]:
+    """``text`` written to ``script`` and run as ranks 0 and 1 of two, meeting on a free loopback port."""
+    script.write_text(text)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**env, "RANK": str(r)}) for r in (0, 1)]
+
+
 def test_the_first_failing_rank_gives_its_code_and_ends_the_others():
     procs = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
              subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
@@ -127,15 +138,7 @@ def test_a_told_message_of_any_size_arrives_whole(tmp_path):
         return next(n for n in range(length) if len(pickle.dumps([(b"x" * n,)])) == length)
 
     sizes = [payload_for(TOLD_BYTES + d) for d in (-9, -8, -7, 0, 1)]
-    script = tmp_path / "tell.py"
-    script.write_text(TELL)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, sizes)], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "RANK": str(r)})
-             for r in (0, 1)]
+    procs = two_ranks(tmp_path / "tell.py", TELL, *map(str, sizes))
     out = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], out[0][1][-2000:] + out[1][1][-2000:]
     assert out[1][0].strip() == "OK 1"
@@ -177,14 +180,7 @@ except KestrelError as exc:
 
 def test_a_rank_whose_neighbour_is_gone_mid_step_ends_in_one_line(tmp_path):
     """Rank 0 waits for a step's hidden state from a rank that died: one line naming the loss, not gloo's traceback."""
-    script = tmp_path / "lost.py"
-    script.write_text(LOST)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env={**env, "RANK": str(r)}) for r in (0, 1)]
+    procs = two_ranks(tmp_path / "lost.py", LOST)
     try:
         out = [p.communicate(timeout=120) for p in procs]
     finally:
