@@ -588,28 +588,29 @@ def gguf_stream(recs: Records) -> str:
     return "\n\n".join(parts)
 
 
+def versus_records(recs: Records) -> list[tuple[str, dict]]:
+    """The newest stream and moe records that ran kestrel beside llama.cpp (``result["vs_llama_cpp"]``)."""
+    found = (recs.newest(s, lambda r: bool(r["result"].get("vs_llama_cpp"))) for s in ("stream", "moe"))
+    return [f for f in found if f]
+
+
 def vs_llama_cpp(recs: Records) -> str:
     """kestrel beside llama.cpp on the same GGUF file and card, from the newest stream and moe records that ran it."""
-    parts, rows = [], []
-    for scenario in ("stream", "moe"):
-        found = recs.newest(scenario, lambda r: bool(r["result"].get("vs_llama_cpp")))
-        if not found:
-            continue
-        name, rec = found
-        pairs = rec["result"]["vs_llama_cpp"]
-        parts.append(f"{source_line(name, rec)}")
-        for r in pairs:
+    parts, rows, cards = [], [], set()
+    for name, rec in versus_records(recs):
+        parts.append(source_line(name, rec))
+        for r in rec["result"]["vs_llama_cpp"]:
+            cards.add(r["card"])
             rows.append([r["shape"], r["file_type"], r["phase"], str(r["rows"]), r.get("kestrel_kernels", "float"),
                          f"{r['kestrel_tokens_per_s']:,.1f}", f"{r['llama_cpp_tokens_per_s']:,.1f} "
                          f"({r['llama_cpp_program']})", f"{r['ratio']:.2f}x", f"{r['target']}x",
                          "met" if r["met"] else "not met"])
     if not rows:
         return "No record with `--llama-cpp` (kestrel beside llama.cpp on one file) is committed yet."
-    cards = sorted({r["card"] for s in ("stream", "moe") for f in [recs.newest(s, lambda r: bool(
-        r["result"].get("vs_llama_cpp")))] if f for r in f[1]["result"]["vs_llama_cpp"]})
     intro = ("kestrel's `off` (every weight resident, the step replayed as a CUDA graph) beside llama.cpp's "
              "`llama-bench` (batch 1: tg128, pp512) and `llama-batched-bench` (S_TG at B sequences of 128 + 128 "
-             f"tokens), `-ngl 99`, on the very GGUF file kestrel ran, in the same run, on {', '.join(cards)}. From "
+             "tokens), `-ngl 99`, on the very GGUF file kestrel ran, in the same run, on "
+             f"{', '.join(sorted(cards))}. From "
              + "; and ".join(parts) + ". tokens/s; ratio: kestrel over llama.cpp.")
     return "\n\n".join([intro, table(["shape", "file", "phase", "B", "kestrel kernels", "kestrel", "llama.cpp",
                                        "ratio", "target", ""], rows)])
@@ -618,12 +619,9 @@ def vs_llama_cpp(recs: Records) -> str:
 def vs_llama_cpp_headline(recs: Records) -> str:
     """One paragraph: each shape's rows against llama.cpp, kestrel's faster kernel family at each, with the records."""
     shapes, names, cards = {}, [], set()
-    for scenario in ("stream", "moe"):
-        found = recs.newest(scenario, lambda r: bool(r["result"].get("vs_llama_cpp")))
-        if not found:
-            continue
-        names.append(f"`bench/results/{found[0]}`")
-        for r in found[1]["result"]["vs_llama_cpp"]:
+    for name, rec in versus_records(recs):
+        names.append(f"`bench/results/{name}`")
+        for r in rec["result"]["vs_llama_cpp"]:
             cards.add(r["card"])
             key = (r["shape"], r["file_type"])
             best = shapes.setdefault(key, {})
