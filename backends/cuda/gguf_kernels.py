@@ -32,6 +32,7 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
+from backends.cuda import gguf_cuda
 from backends.cuda.triton_check import available  # noqa: F401 - one rule for where Triton kernels can run
 from kestrel_core.formats.gguf_quants import block_geometry
 
@@ -278,10 +279,17 @@ def check(x: torch.Tensor, weight: torch.Tensor, qtype, n: int, k: int) -> None:
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
            out: torch.Tensor | None = None, block_n: int | None = None, split: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, impl: str = "auto") -> torch.Tensor:
     """y [M, n] float32 = x [M, k] @ W.T, W [n, k] held in ``weight`` as GGUF ``qtype`` blocks (uint8, n rows of
     whole blocks, ggml's layout). Row m of y is bitwise the result for x[m] alone, for any M. ``block_n``, ``split``
-    and ``num_warps`` override the plan (for measuring: a row's bits depend on them, so keep them fixed across M)."""
+    and ``num_warps`` override the Triton kernel's plan (for measuring: a row's bits depend on them, so keep them
+    fixed across M). ``impl``: "auto" runs Q4_K and Q6_K on the CUDA C++ kernel (``gguf_cuda``) where it runs here
+    and no Triton plan is forced, the rest on Triton; "triton" or "cuda" ask for one."""
+    if impl not in ("auto", "triton", "cuda"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'cuda', not {impl!r}")
+    forced = block_n is not None or split is not None or num_warps is not None
+    if impl == "cuda" or (impl == "auto" and not forced and gguf_cuda.takes(x, qtype, k)):
+        return gguf_cuda.matmul(x, weight, qtype, n, k, out=out)
     rows, add_slices = _kernels()[:2]
     check(x, weight, qtype, n, k)
     x = x.contiguous()

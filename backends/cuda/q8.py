@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 import attrs
 import torch
 
+from backends.cuda import extension
 from kestrel_core.formats import quant
 from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import KestrelError, KestrelNote
@@ -196,14 +197,6 @@ _error: str | None = None
 _said_fallback = False
 
 
-def _arch() -> str:
-    env = os.environ.get("KESTREL_CUDA_ARCH")
-    if env:
-        return env
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}.{minor}"
-
-
 def load_kernel():
     """The compiled extension (built on the first call, then cached); raises KernelNotBuilt."""
     global _module, _error
@@ -226,34 +219,9 @@ def load_kernel():
                       f"this GPU is {major}.{minor}")
             raise KernelNotBuilt(_error)
         try:
-            from torch.utils.cpp_extension import load
-
-            from csrc import SOURCE_DIR
-
-            arch = _arch()
-            saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
-            os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-            try:
-                _module = load(
-                    name=f"kestrel_q8_gemv_sm{arch.replace('.', '')}",
-                    sources=[str(SOURCE_DIR / "q8_gemv.cpp"), str(SOURCE_DIR / "q8_gemv.cu")],
-                    extra_include_paths=[str(SOURCE_DIR)],
-                    extra_cflags=["-O3"],
-                    extra_cuda_cflags=["-O3", "-lineinfo"],
-                    verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1",
-                )
-            finally:
-                if saved is None:
-                    os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-                else:
-                    os.environ["TORCH_CUDA_ARCH_LIST"] = saved
-        except Exception as exc:  # a compiler or loader failure of any kind
-            first = str(exc).strip().splitlines()
-            detail = first[-1] if first else type(exc).__name__
-            _error = (
-                f"the q8 GEMV kernel did not build ({type(exc).__name__}: {detail[:300]}); it needs nvcc matching "
-                f"torch's CUDA {torch.version.cuda} (CUDA_HOME) and a host C++ compiler; KESTREL_BUILD_VERBOSE=1 shows the log"
-            )
+            _module = extension.build("kestrel_q8_gemv", ["q8_gemv.cpp", "q8_gemv.cu"], "the q8 GEMV kernel")
+        except RuntimeError as exc:
+            _error = str(exc)
             raise KernelNotBuilt(_error) from exc
         _register_fake()
         return _module

@@ -10,9 +10,11 @@ Qwen3-8B layers: q_proj and o_proj 4096x4096, k_proj and v_proj 1024x4096, gate_
 down_proj 4096x12288; a Qwen3-30B-A3B expert: gate and up 768x2048, down 2048x768) one run measures, side by side:
 
 - the device-to-device copy rate (bytes read + written), the ceiling, once a run;
-- ``kernel`` at each M of ``--rows`` and each plan of ``--plans`` (the launcher's own, or BLOCK_N:SPLIT:WARPS forced):
-  ``gguf_kernels.matmul`` (M = 1 is the decode GEMV); its GB/s counts the weight's stored bytes (what it reads of
-  the weight), its fraction the part of the copy rate that is;
+- ``kernel`` at each M of ``--rows`` and each plan of ``--plans``: ``auto`` is ``gguf_kernels.matmul`` as the
+  engine calls it (Q4_K and Q6_K on the CUDA C++ kernel where it builds, the rest on Triton), ``triton`` and ``cuda``
+  ask for one (a row's ``impl`` says which ran), BLOCK_N:SPLIT:WARPS forces a Triton plan (M = 1 is the decode GEMV);
+  its GB/s counts the weight's stored bytes (what it reads of the weight), its fraction the part of the copy rate
+  that is;
 - ``dequant+linear`` at each M, the baseline: kestrel's torch dequantizer on the device into float32, cast to bf16,
   then ``F.linear`` in bf16 (what running GGUF weights costs without the fused kernels);
 - ``bf16 linear`` at each M: ``F.linear`` on the weight already dequantized to bf16 (2 bytes a weight resident), for
@@ -57,7 +59,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64],
                    help=f"the M of each timed call (1 to {MAX_M}: a prompt's rows)")
     p.add_argument("--plans", default="auto",
-                   help="kernel plans to time, comma-separated: 'auto' (the launcher's) or BLOCK_N:SPLIT:WARPS")
+                   help="float kernel plans to time, comma-separated: 'auto' (what gguf_kernels.matmul runs), 'triton' (the "
+                        "Triton kernel's own plan), 'cuda' or 'cuda:WARPS' (the CUDA C++ kernel, Q4_K and Q6_K) or "
+                        "BLOCK_N:SPLIT:WARPS (a Triton plan)")
     p.add_argument("--int8-plans", default="auto",
                    help="the int8 kernels' plans, comma-separated: 'auto', 'auto:DIGITS', BLOCK_N:SB:SPLIT:WARPS[:DIGITS] "
                         "(SB blocks a step, SPLIT 0 the launcher's, DIGITS int8 digits a value of x) or "
@@ -91,6 +95,15 @@ def parse_plans(text: str) -> list[dict]:
     for part in filter(None, text.split(",")):  # empty: no float plan (the int8 kernels' alone)
         if part == "auto":
             plans.append({})
+            continue
+        if part == "triton":
+            plans.append({"impl": "triton"})
+            continue
+        if part == "cuda" or part.startswith("cuda:"):
+            warps = part[5:]
+            if warps and warps not in ("1", "2", "4"):
+                raise BenchError(f"--plans: {part!r}: the CUDA kernel's warps a block are 1, 2 or 4")
+            plans.append({"impl": "cuda", **({"warps": int(warps)} if warps else {})})
             continue
         try:
             bn, split, warps = (int(v) for v in part.split(":"))
@@ -170,7 +183,7 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
     import torch.nn.functional as F
 
     from kestrel_core.formats.gguf_quants import dequantize
-    from backends.cuda import gguf_int8, gguf_kernels
+    from backends.cuda import gguf_cuda, gguf_int8, gguf_kernels
 
     stored = gguf_kernels.stored_bytes(qtype, n, k)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 64 * 2**20
@@ -199,7 +212,20 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
     kinds = [("kernel", gguf_kernels, kw) for kw in plans]
     if qtype in gguf_int8.TYPES:
         kinds += [("int8", gguf_int8, kw) for kw in int8_plans]
-    for variant, mod, kw in kinds:
+
+    def cuda_runs(kw, xq, qtype, k) -> bool:  # the float plan runs on the CUDA kernel (asked, or auto's choice)
+        if kw.get("impl") == "cuda":
+            why = gguf_cuda.usable()
+            if why or qtype not in gguf_cuda.TYPES:
+                raise BenchError(why or f"--plans cuda: the CUDA kernel computes Q4_K and Q6_K, not {qtype.name}")
+            return True
+        return not kw and gguf_cuda.takes(xq, qtype, k)
+
+    for variant, mod, asked in kinds:
+        kw = asked
+        if mod is gguf_kernels and cuda_runs(asked, xq=x, qtype=qtype, k=k):
+            mod, kw = gguf_cuda, {"warps": asked["warps"]} if "warps" in asked else {}
+        impl = "cuda" if mod is gguf_cuda else "triton"
         # correctness once a plan: the float64 product, and every row of each batch against that row alone
         ys = {m: mod.matmul(x[:m], first, qtype, n, k, **kw) for m in rows}
         alone = torch.cat([mod.matmul(x[i:i + 1], first, qtype, n, k, **kw) for i in range(max(rows))])
@@ -211,23 +237,28 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
         elif mod is gguf_int8:
             chosen = gguf_int8.plan(qtype, n, k, kw.get("block_n"), kw.get("sb"), kw.get("split"))
             warps = kw.get("num_warps", gguf_int8.DEFAULT_PLAN[qtype][3])
+        elif mod is gguf_cuda:
+            chosen, warps = None, kw.get("warps", gguf_cuda.plan(k)[0])
         else:
             chosen = gguf_kernels.plan(qtype, n, k, kw.get("block_n"), kw.get("split"))
             warps = kw.get("num_warps", gguf_kernels.NUM_WARPS)
         for m in rows:
             xm = x[:m]
             plan_m, warps_m = chosen, warps
+            if mod is gguf_cuda:
+                plan_m = [warps, gguf_cuda.plan(k, m)[1]]  # warps a block, weight rows a block
             if mod is gguf_int8 and m >= gguf_int8.MMQ_ROWS and qtype in gguf_int8.MMQ_TYPES and "mmq_plan" not in kw:
                 plan_m, warps_m = gguf_int8.mmq_tiles(m), gguf_int8.mmq_tiles(m)[2]  # the tensor-core kernel's tile
             t = timed(rotate(lambda w: lambda: mod.matmul(xm, w, qtype, n, k, **kw)), graph_reps,
                       eager_reps if m == 1 else 0)
             gbps = stored / t["device"]["p50"] / 1e6
-            out.append({**base, "variant": variant, "m": m, "plan_asked": kw or "auto", "plan": list(plan_m),
+            out.append({**base, "variant": variant, "m": m, "plan_asked": asked or "auto", "plan": list(plan_m),
+                        **({"impl": impl} if mod is not gguf_int8 else {}),
                         "num_warps": warps_m, **t, "GBps": gbps, "fraction_of_d2d": gbps / d2d,
                         "rel_error_vs_float64": rel[m], "batch_invariant": invariant,
                         **({"digits": kw.get("digits", gguf_int8.DIGITS)} if mod is gguf_int8 else {})})
             eager = f" | eager {t['eager']['p50'] * 1e3:6.1f} us" if m == 1 else ""
-            d = f"d{kw.get('digits', gguf_int8.DIGITS)}" if mod is gguf_int8 else ""
+            d = f"d{kw.get('digits', gguf_int8.DIGITS)}" if mod is gguf_int8 else f" {impl}"
             log(f"{qtype.name} {n:>6}x{k:<6} M={m:<2} {variant:6}{d} {plan_m}x{warps_m} {t['device']['p50'] * 1e3:8.1f} us "
                 f"{gbps:6.0f} GB/s {100 * gbps / d2d:4.0f}% of d2d{eager}" + ("" if invariant else " NOT INVARIANT"))
     if baseline:

@@ -1,0 +1,97 @@
+"""The GGUF K-quant GEMV in CUDA C++ (``csrc/gguf_gemv.cuh``) for Q4_K and Q6_K, the two types of a Q4_K_M file's
+linears: decode and small batches at the memory's speed, where the Triton kernel (``gguf_kernels``) spends its time
+in layout shuffles and per-value conversions (``bench gguf-gemv``: 14 to 20% of the device copy rate at one row).
+
+Same contract as ``gguf_kernels.matmul``: y [M, N] float32 = x [M, K] @ W.T on the file's own blocks, float32
+arithmetic on ggml's values (no activation quantization), and row m of any batch bitwise that row alone (every
+order of the sum comes from the weight's shape; the rows a block shares, chosen by M, change no row's bits). Rows run
+as launches of up to 8. Any weight address works: a 16-byte aligned Q4_K weight is read with vector loads, the rest
+(Q6_K's 210-byte blocks always) as aligned words shifted together, the same bytes into the same arithmetic.
+
+Built on first use with torch.utils.cpp_extension (``backends.cuda.extension``); ``usable()`` says why not where it
+cannot run, and ``gguf_kernels.matmul`` then keeps these types on Triton. ``KESTREL_GGUF_CUDA=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from gguf import GGMLQuantizationType
+
+from backends.cuda import extension
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_K, T.Q6_K)
+MAX_ROWS = 8  # activation rows a launch
+WARPS = (1, 2, 4)
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def load():
+    """The built extension; raises RuntimeError with the one-line reason it cannot run here (cached)."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            if os.environ.get("KESTREL_GGUF_CUDA", "1") == "0":
+                _error = "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
+            elif not torch.cuda.is_available() or torch.version.cuda is None:
+                _error = "the CUDA GGUF kernel needs a CUDA GPU and a CUDA build of torch"
+            else:
+                try:
+                    _module = extension.build("kestrel_gguf_gemv", ["gguf_gemv.cpp", "gguf_gemv.cu"],
+                                              "the CUDA GGUF kernel")
+                except RuntimeError as exc:
+                    _error = str(exc)
+        if _module is None:
+            raise RuntimeError(_error)
+        return _module
+
+
+def usable() -> str | None:
+    """None where the kernel runs here, else why not (builds it on the first call)."""
+    try:
+        load()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def takes(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> bool:
+    """Whether ``matmul`` runs this product: a K-quant it computes, x on a CUDA device, whole super-blocks, built."""
+    return qtype in TYPES and x.is_cuda and k % 256 == 0 and usable() is None
+
+
+def plan(k: int, m: int = 1) -> tuple[int, int]:
+    """(warps a block, from K alone; weight rows a block for a chunk of m activation rows)."""
+    warps, rows = load().plan(k, m)
+    return warps, rows
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
+           out: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
+    """y [M, n] float32 = x [M, k] @ W.T for W [n, k] held in ``weight`` as ``qtype`` blocks (uint8, ggml's layout).
+    ``warps`` forces the block's warps (1, 2 or 4; a row's bits depend on it: for measuring)."""
+    from backends.cuda.gguf_kernels import check
+
+    if qtype not in TYPES:
+        raise ValueError(f"the CUDA GGUF kernel computes {', '.join(t.name for t in TYPES)}, not "
+                         f"{getattr(qtype, 'name', qtype)}")
+    check(x, weight, qtype, n, k)
+    if warps is not None and warps not in WARPS:
+        raise ValueError(f"warps must be one of {WARPS}, not {warps!r}")
+    module = load()
+    del module  # built: the op below is registered
+    x = x.contiguous()
+    y = out if out is not None else torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{x.shape[0]}, {n}]")
+    torch.ops.kestrel_gguf.gemv_out(x, weight.reshape(-1), int(qtype), n, k, y, warps or 0)
+    return y
+

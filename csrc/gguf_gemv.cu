@@ -1,0 +1,83 @@
+// The launcher of the GGUF K-quant GEMV (gguf_gemv.cuh): chunks of up to 8 activation rows, each chunk one launch of
+// the kernel compiled for 1, 2, 4 or 8 rows. Checks on the arguments live in gguf_gemv.cpp.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "gguf_gemv.cuh"
+
+namespace kestrel_gguf {
+
+// Warps a block, from the weight's shape alone (a row's bits depend on it): a thread takes every warps*32-th unit of
+// 64 values, so a long row gets more threads.
+int default_warps(int64_t k) {
+  const int64_t units = (k / 256) * 4;
+  return units <= 64 ? 1 : units <= 192 ? 2 : 4;
+}
+
+// Rows a block for a chunk of m activation rows: as many as the registers hold without spilling (the rows of a block
+// share their activation loads; a row's bits do not depend on it).
+int rows_per_block(int m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
+
+template <int M, int R, typename XT>
+static void launch_chunk(int qtype, const XT* x, const uint8_t* w, float* out, int n, int k, int64_t row_bytes,
+                         int mrows, int warps, bool aligned, cudaStream_t stream) {
+  const dim3 grid((n + R - 1) / R), block(warps * kWarp);
+  if (qtype == kQ4K) {
+    if (aligned) {
+      q4k_rows<M, R, true, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+    } else {
+      q4k_rows<M, R, false, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+    }
+  } else {
+    q6k_rows<M, R, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename XT>
+static void launch(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int n, int k, int warps,
+                   cudaStream_t stream) {
+  const int rows = static_cast<int>(x.size(0));
+  const int64_t row_bytes = (k / 256) * (qtype == kQ4K ? 144 : 210);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const bool aligned = reinterpret_cast<uintptr_t>(wp) % 16 == 0 && row_bytes % 16 == 0;
+  const XT* xp = reinterpret_cast<const XT*>(x.data_ptr());
+  float* op = out.data_ptr<float>();
+  for (int at = 0; at < rows; at += kMaxRows) {
+    const int mr = std::min(kMaxRows, rows - at);
+    const XT* xa = xp + static_cast<int64_t>(at) * k;
+    float* oa = op + static_cast<int64_t>(at) * n;
+    if (mr == 1) {
+      launch_chunk<1, 4, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+    } else if (mr == 2) {
+      launch_chunk<2, 2, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+    } else if (mr <= 4) {
+      launch_chunk<4, 2, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+    } else {
+      launch_chunk<8, 1, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+    }
+  }
+}
+
+}  // namespace kestrel_gguf
+
+void gguf_gemv_cuda(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, at::Tensor& out,
+                    int64_t warps) {
+  using namespace kestrel_gguf;
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const int wp = warps > 0 ? static_cast<int>(warps) : default_warps(k);
+  const int q = static_cast<int>(qtype), nn = static_cast<int>(n), kk = static_cast<int>(k);
+  switch (x.scalar_type()) {
+    case at::kFloat: return launch<float>(q, x, w, out, nn, kk, wp, stream);
+    case at::kBFloat16: return launch<__nv_bfloat16>(q, x, w, out, nn, kk, wp, stream);
+    case at::kHalf: return launch<__half>(q, x, w, out, nn, kk, wp, stream);
+    default: TORCH_CHECK(false, "gguf_gemv: x must be float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+}
+
+std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m) {
+  return {kestrel_gguf::default_warps(k), kestrel_gguf::rows_per_block(static_cast<int>(std::min<int64_t>(m, 8)))};
+}
