@@ -11,7 +11,7 @@ std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m);
 
 static bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// out [M, n] float32 = x [M, k] @ W.T for W [n, k] held as ggml blocks of qtype (12: Q4_K, 14: Q6_K) in w (uint8).
+// out [M, n] (float32, or x's dtype: rounded once) = x [M, k] @ W.T for W [n, k] held as ggml blocks of qtype (12: Q4_K, 14: Q6_K) in w (uint8).
 // warps: 0 takes the shape's own; 1, 2 or 4 forces one (a row's bits depend on it: for measuring).
 static void gemv_out(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, at::Tensor out,
                      int64_t warps) {
@@ -25,9 +25,10 @@ static void gemv_out(const at::Tensor& x, const at::Tensor& w, int64_t qtype, in
               "gguf_gemv: w must be contiguous uint8 of ", n * row_bytes, " bytes");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.size(0) >= 1 && x.is_contiguous(),
               "gguf_gemv: x must be a contiguous [M, ", k, "] tensor with M >= 1");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.is_contiguous() &&
-                  out.scalar_type() == at::kFloat,
-              "gguf_gemv: out must be a contiguous float32 [", x.size(0), ", ", n, "] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1 &&
+                  out.stride(0) >= n && (out.scalar_type() == at::kFloat || out.scalar_type() == x.scalar_type()),
+              "gguf_gemv: out must be a [", x.size(0), ", ", n, "] tensor of float32 or x's dtype whose rows are "
+              "contiguous (a column slice of a wider output is fine)");
   TORCH_CHECK(warps == 0 || warps == 1 || warps == 2 || warps == 4, "gguf_gemv: warps must be 0 (auto), 1, 2 or 4, got ", warps);
   // x is read with 16-byte vector loads; a view that starts mid-vector gets a fresh (aligned) copy
   gguf_gemv_cuda(aligned16(x) ? x : x.clone(), w, qtype, n, k, out, warps);

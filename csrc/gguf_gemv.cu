@@ -20,23 +20,23 @@ int default_warps(int64_t k) {
 // share their activation loads; a row's bits do not depend on it).
 int rows_per_block(int m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
 
-template <int M, int R, typename XT>
-static void launch_chunk(int qtype, const XT* x, const uint8_t* w, float* out, int n, int k, int64_t row_bytes,
-                         int mrows, int warps, bool aligned, cudaStream_t stream) {
+template <int M, int R, typename XT, typename YT>
+static void launch_chunk(int qtype, const XT* x, const uint8_t* w, YT* out, int64_t ldo, int n, int k,
+                         int64_t row_bytes, int mrows, int warps, bool aligned, cudaStream_t stream) {
   const dim3 grid((n + R - 1) / R), block(warps * kWarp);
   if (qtype == kQ4K) {
     if (aligned) {
-      q4k_rows<M, R, true, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+      q4k_rows<M, R, true, XT, YT><<<grid, block, 0, stream>>>(x, w, out, ldo, n, k, row_bytes, mrows);
     } else {
-      q4k_rows<M, R, false, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+      q4k_rows<M, R, false, XT, YT><<<grid, block, 0, stream>>>(x, w, out, ldo, n, k, row_bytes, mrows);
     }
   } else {
-    q6k_rows<M, R, XT><<<grid, block, 0, stream>>>(x, w, out, n, k, row_bytes, mrows);
+    q6k_rows<M, R, XT, YT><<<grid, block, 0, stream>>>(x, w, out, ldo, n, k, row_bytes, mrows);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename XT>
+template <typename XT, typename YT>
 static void launch(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int n, int k, int warps,
                    cudaStream_t stream) {
   const int rows = static_cast<int>(x.size(0));
@@ -44,21 +44,30 @@ static void launch(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tens
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const bool aligned = reinterpret_cast<uintptr_t>(wp) % 16 == 0 && row_bytes % 16 == 0;
   const XT* xp = reinterpret_cast<const XT*>(x.data_ptr());
-  float* op = out.data_ptr<float>();
+  YT* op = reinterpret_cast<YT*>(out.data_ptr());
+  const int64_t ldo = out.stride(0);
   for (int at = 0; at < rows; at += kMaxRows) {
     const int mr = std::min(kMaxRows, rows - at);
     const XT* xa = xp + static_cast<int64_t>(at) * k;
-    float* oa = op + static_cast<int64_t>(at) * n;
+    YT* oa = op + static_cast<int64_t>(at) * ldo;
     if (mr == 1) {
-      launch_chunk<1, 4, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+      launch_chunk<1, 4, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     } else if (mr == 2) {
-      launch_chunk<2, 2, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+      launch_chunk<2, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     } else if (mr <= 4) {
-      launch_chunk<4, 2, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+      launch_chunk<4, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     } else {
-      launch_chunk<8, 1, XT>(qtype, xa, wp, oa, n, k, row_bytes, mr, warps, aligned, stream);
+      launch_chunk<8, 1, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     }
   }
+}
+
+// out is float32 or x's own dtype (the checks in gguf_gemv.cpp)
+template <typename XT>
+static void launch_for_output(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int n, int k,
+                              int warps, cudaStream_t stream) {
+  if (out.scalar_type() == at::kFloat) return launch<XT, float>(qtype, x, w, out, n, k, warps, stream);
+  return launch<XT, XT>(qtype, x, w, out, n, k, warps, stream);
 }
 
 }  // namespace kestrel_gguf
@@ -71,9 +80,9 @@ void gguf_gemv_cuda(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int
   const int wp = warps > 0 ? static_cast<int>(warps) : default_warps(k);
   const int q = static_cast<int>(qtype), nn = static_cast<int>(n), kk = static_cast<int>(k);
   switch (x.scalar_type()) {
-    case at::kFloat: return launch<float>(q, x, w, out, nn, kk, wp, stream);
-    case at::kBFloat16: return launch<__nv_bfloat16>(q, x, w, out, nn, kk, wp, stream);
-    case at::kHalf: return launch<__half>(q, x, w, out, nn, kk, wp, stream);
+    case at::kFloat: return launch<float, float>(q, x, w, out, nn, kk, wp, stream);
+    case at::kBFloat16: return launch_for_output<__nv_bfloat16>(q, x, w, out, nn, kk, wp, stream);
+    case at::kHalf: return launch_for_output<__half>(q, x, w, out, nn, kk, wp, stream);
     default: TORCH_CHECK(false, "gguf_gemv: x must be float32, bfloat16 or float16, not ", x.scalar_type());
   }
 }

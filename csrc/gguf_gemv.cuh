@@ -90,10 +90,16 @@ template <> __device__ __forceinline__ void load_x8<__half>(const __half* p, flo
   }
 }
 
-// The block's partial sums acc[m][r] into out[m, row0 + r]: each warp's lanes by a butterfly (lane 0's sum kept), the
-// warps in warp order.
-template <int M, int R>
-__device__ __forceinline__ void store_rows(float (&acc)[M][R], float* __restrict__ out, int n, int row0, int mrows) {
+template <typename YT> __device__ __forceinline__ YT from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+
+// The block's partial sums acc[m][r] into out[m * ldo + row0 + r] (float32, or rounded once to bfloat16 or float16):
+// each warp's lanes by a butterfly (lane 0's sum kept), the warps in warp order.
+template <int M, int R, typename YT>
+__device__ __forceinline__ void store_rows(float (&acc)[M][R], YT* __restrict__ out, int64_t ldo, int n, int row0,
+                                           int mrows) {
   __shared__ float red[kMaxWarps][M][R];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
 #pragma unroll
@@ -110,15 +116,15 @@ __device__ __forceinline__ void store_rows(float (&acc)[M][R], float* __restrict
     const int m = threadIdx.x / R, r = threadIdx.x % R;
     float total = red[0][m][r];
     for (int w = 1; w < warps; ++w) total += red[w][m][r];
-    if (m < mrows && row0 + r < n) out[static_cast<int64_t>(m) * n + row0 + r] = total;
+    if (m < mrows && row0 + r < n) out[static_cast<int64_t>(m) * ldo + row0 + r] = from_float<YT>(total);
   }
 }
 
-// Q4_K: out[m, row] = sum_k x[m, k] W[row, k] for rows [blockIdx.x * R, + R) and m < mrows (M >= mrows, a compiled
+// Q4_K: out[m * ldo + row] = sum_k x[m, k] W[row, k] for rows [blockIdx.x * R, + R) and m < mrows (M >= mrows, a compiled
 // size; rows past mrows read row mrows - 1 of x and are not stored).
-template <int M, int R, bool ALIGNED, typename XT>
+template <int M, int R, bool ALIGNED, typename XT, typename YT>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
-q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, float* __restrict__ out, int n, int k,
+q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict__ out, int64_t ldo, int n, int k,
          int64_t row_bytes, int mrows) {
   const int row0 = blockIdx.x * R;
   const int units = (k / 256) * 4;
@@ -203,14 +209,14 @@ q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, float* __restr
       }
     }
   }
-  store_rows<M, R>(acc, out, n, row0, mrows);
+  store_rows<M, R, YT>(acc, out, ldo, n, row0, mrows);
 }
 
 // Q6_K: as q4k_rows; a super-block is 210 bytes (ql[128], qh[64], int8 scales[16], d), so its bytes sit at any even
 // address and are read as words shifted together.
-template <int M, int R, typename XT>
+template <int M, int R, typename XT, typename YT>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
-q6k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, float* __restrict__ out, int n, int k,
+q6k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict__ out, int64_t ldo, int n, int k,
          int64_t row_bytes, int mrows) {
   const int row0 = blockIdx.x * R;
   const int units = (k / 256) * 4;
@@ -279,7 +285,7 @@ q6k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, float* __restr
       }
     }
   }
-  store_rows<M, R>(acc, out, n, row0, mrows);
+  store_rows<M, R, YT>(acc, out, ldo, n, row0, mrows);
 }
 
 }  // namespace kestrel_gguf

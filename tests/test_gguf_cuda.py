@@ -152,3 +152,22 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert gguf_cuda.usable() == "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
     if GPU:
         assert not gguf_cuda.takes(torch.zeros(1, 256, device="cuda"), T.Q4_K, 256)
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_an_entry_writes_each_segments_columns_in_x_dtype(built, rows):
+    """q (Q4_K), k (Q4_K) and v (Q6_K) as one entry: each segment's columns straight into a bfloat16 output, bitwise
+    the float32 products of the segments rounded once, and each row its own alone."""
+    from backends.cuda import blocks
+
+    k = 4 * 256
+    parts = [(T.Q4_K, 40), (T.Q6_K, 24)]
+    raws = [weight(q, n, k, seed=i)[0].reshape(-1) for i, (q, n) in enumerate(parts)]
+    w = blocks.BlockWeight(torch.cat(raws), k, blocks.layout_of_rows([(q.name, n) for q, n in parts]))
+    x = inputs(rows, k, torch.bfloat16, seed=5)
+    y = blocks.block_linear(x, w)
+    assert y.shape == (rows, 64) and y.dtype == torch.bfloat16
+    want = torch.cat([gguf_cuda.matmul(x, raw, q, n, k) for raw, (q, n) in zip(raws, parts)], dim=1)
+    assert torch.equal(y, want.to(torch.bfloat16))
+    assert torch.equal(blocks.block_linear(x[-1:], w), y[-1:])

@@ -10,7 +10,9 @@ stored ones. The geometry names every segment's type and rows, so a pooled buffe
 the same layout.
 
 ``block_linear`` runs one kernel launch a segment (up to 64 rows a launch; more rows run as further launches)
-and writes each segment's columns of the output, through the float kernels (``gguf_kernels``), or with ``[backend]
+and writes each segment's columns of the output, through the float kernels (``gguf_kernels``; where every segment
+is Q4_K or Q6_K and the CUDA C++ kernel runs, ``gguf_cuda`` writes each segment's columns straight into the output in
+x's dtype, launches of up to 8 rows, no padding and no concatenation), or with ``[backend]
 gguf_kernels = "int8"`` the int8 kernels (``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's
 decode GEMV) where a segment's address is whole words of its type; the choice follows the setting and the segment's
 type and address, never the rows. The kernel reduces each row in one order whatever the number of
@@ -29,7 +31,7 @@ from gguf import GGMLQuantizationType
 from kestrel_core.formats.gguf_model import BlockTensor
 from kestrel_core.formats.units import Geometry
 
-from . import gguf_int8, gguf_kernels
+from . import gguf_cuda, gguf_int8, gguf_kernels
 
 DTYPE = "gguf-blocks"
 TYPES = gguf_kernels.TYPES
@@ -192,6 +194,14 @@ def block_linear(x: torch.Tensor, w: BlockWeight, int8: bool = False) -> torch.T
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
+    if m and not int8 and all(gguf_cuda.takes(x2, s.qtype, w.k) for s in w.segments):
+        # every segment on the CUDA kernel: each writes its columns of the output in x's dtype, no padding, no cat
+        y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+        col = 0
+        for s in w.segments:
+            gguf_cuda.matmul(x2, w.segment(s), s.qtype, s.n, w.k, out=y[:, col:col + s.n])
+            col += s.n
+        return y.reshape(*lead, w.n)
     top = gguf_kernels.MAX_ROWS
     rows = (1 << (m - 1).bit_length() if m <= top else -(-m // top) * top) if m else 0
     if rows != m:  # padding rows change no other row's bits; they bound the kernels compiled to 7 a type

@@ -77,7 +77,9 @@ def plan(k: int, m: int = 1) -> tuple[int, int]:
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
            out: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
     """y [M, n] float32 = x [M, k] @ W.T for W [n, k] held in ``weight`` as ``qtype`` blocks (uint8, ggml's layout).
-    ``warps`` forces the block's warps (1, 2 or 4; a row's bits depend on it: for measuring)."""
+    ``out``: where y goes, float32 or x's dtype (each output rounded once from its float32 sum), rows contiguous, a
+    column slice of a wider output allowed. ``warps`` forces the block's warps (1, 2 or 4; a row's bits depend on it:
+    for measuring)."""
     from backends.cuda.gguf_kernels import check
 
     if qtype not in TYPES:
@@ -90,8 +92,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     del module  # built: the op below is registered
     x = x.contiguous()
     y = out if out is not None else torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
-    if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or not y.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 [{x.shape[0]}, {n}]")
+    if (y.shape != (x.shape[0], n) or y.dtype not in (torch.float32, x.dtype) or y.stride(1) != 1
+            or y.stride(0) < n or y.device != x.device):
+        raise ValueError(f"out must be [{x.shape[0]}, {n}] of float32 or {x.dtype} on {x.device}, its rows "
+                         "contiguous")
     torch.ops.kestrel_gguf.gemv_out(x, weight.reshape(-1), int(qtype), n, k, y, warps or 0)
     return y
 
