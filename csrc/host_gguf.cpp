@@ -11,7 +11,7 @@
 //   float(S));
 // - term b is added into lane b % 4 of four float32 accumulators, in b's order; the output is (l0 + l1) + (l2 + l3).
 // Built with -ffp-contract=off: no product is fused into a sum, so the floats are the same on every path.
-// The AVX2 functions carry __attribute__((target("avx2,fma"))): one build holds both paths, chosen at run time.
+// The AVX2 functions carry __attribute__((target("avx2,fma,f16c"))): one build holds both paths, chosen at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -220,7 +220,10 @@ float dot_q6_k_scalar(const uint8_t* w, const QRow& x, int64_t nb) {
 
 // ---- AVX2 path -------------------------------------------------------------------------------------------------
 #if KESTREL_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// F16C's conversion: exact, the same float as fp16_to_fp32 for every non-NaN half
+AVX2 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
 AVX2 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -264,14 +267,14 @@ AVX2 float dot_32_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
     const __m128i s = hsum4(block_ints<BYTES, Q4>(w, x.qs, b), block_ints<BYTES, Q4>(w, x.qs, b + 1),
                                 block_ints<BYTES, Q4>(w, x.qs, b + 2), block_ints<BYTES, Q4>(w, x.qs, b + 3));
     alignas(16) float dw[4];
-    for (int i = 0; i < 4; ++i) dw[i] = fp16_to_fp32(load_u16(w + (b + i) * BYTES));
+    for (int i = 0; i < 4; ++i) dw[i] = h2f(w + (b + i) * BYTES);
     const __m128 dd = _mm_mul_ps(_mm_loadu_ps(x.d + b), _mm_load_ps(dw));
     acc4 = _mm_add_ps(acc4, _mm_mul_ps(dd, _mm_cvtepi32_ps(s)));
   }
   _mm_storeu_ps(acc, acc4);
   for (; b < nb; ++b) {
     const int isum = hsum_i32(block_ints<BYTES, Q4>(w, x.qs, b));
-    const float dd = x.d[b] * fp16_to_fp32(load_u16(w + b * BYTES));
+    const float dd = x.d[b] * h2f(w + b * BYTES);
     acc[b & 3] += dd * (float)isum;
   }
   return finish(acc);
@@ -300,7 +303,8 @@ AVX2 float dot_q4_k_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
     const int S = hsum_i32(sumi);
     int Mins = 0;
     for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
-    acc[b & 3] += q4_k_term(blk, x.d[b], S, Mins);
+    const float d = x.d[b] * h2f(blk), dmin = x.d[b] * h2f(blk + 2);
+    acc[b & 3] += d * (float)S - dmin * (float)Mins;
   }
   return finish(acc);
 }
@@ -337,7 +341,7 @@ AVX2 float dot_q6_k_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
     const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs));
     const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     const int S = hsum_i32(sumi) - 32 * hsum_i32(_mm256_madd_epi16(bsv, scv));
-    const float d = x.d[b] * fp16_to_fp32(load_u16(blk + 208));
+    const float d = x.d[b] * h2f(blk + 208);
     acc[b & 3] += d * (float)S;
   }
   return finish(acc);
@@ -347,7 +351,7 @@ AVX2 float dot_q6_k_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
 bool cpu_has_avx2() {
 #if KESTREL_X86 && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
@@ -383,7 +387,7 @@ std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
 std::string resolve_isa(const std::string& isa) {
   if (isa.empty() || isa == "auto") return best_isa();
   TORCH_CHECK(isa == "scalar" || isa == "avx2", "host_gguf: isa must be auto, scalar or avx2, not ", isa);
-  TORCH_CHECK(isa == "scalar" || cpu_has_avx2(), "host_gguf: this CPU has no AVX2 and FMA");
+  TORCH_CHECK(isa == "scalar" || cpu_has_avx2(), "host_gguf: this CPU lacks AVX2, FMA or F16C");
   return isa;
 }
 

@@ -16,7 +16,7 @@ relative), so ``|y - x @ Wd.T| <= sum_k |Wd[n, k]| * blockmax|x| / 254 * 1.001 +
 states it as that bound (``bound``) plus 1e-5 of ``sum |x| |Wd|`` for the float32 sums.
 
 Built on first use with torch.utils.cpp_extension (C++ only, no GPU needed; torch caches the build). ``usable()``
-says in one line why it cannot run here. The path is AVX2 where the CPU has AVX2 and FMA, else scalar;
+says in one line why it cannot run here. The path is AVX2 where the CPU has AVX2, FMA and F16C, else scalar;
 ``KESTREL_HOST_GGUF_ISA=scalar`` (or ``avx2``) forces one, as does ``matmul(isa=...)``; the first call says once on
 stderr which path runs.
 """
@@ -102,7 +102,7 @@ def which_isa(asked: str | None = None) -> str:
     if asked == "auto":
         return best
     if asked == "avx2" and best != "avx2":
-        raise ValueError("the host GGUF kernel's avx2 path needs a CPU with AVX2 and FMA; this one has neither")
+        raise ValueError("the host GGUF kernel's avx2 path needs a CPU with AVX2, FMA and F16C; this one lacks one")
     return asked
 
 
