@@ -1,0 +1,256 @@
+"""GGUF block GEMV on the host's cores (``csrc/host_gguf.cpp``): y [M, N] float32 = x [M, K] @ W.T with W [N, K]
+held as ggml's blocks (uint8, each row a run of blocks) for Q8_0, Q4_0, Q4_K and Q6_K. The first step of running
+a MoE's experts on the CPU; nothing calls it yet.
+
+As ggml's CPU ``vec_dot`` does it, each row of x is first quantized to 8 bits a value: q8_0 for Q8_0 and Q4_0 (per
+32 values d = max|x| / 127, kept as float16 as ggml keeps it, q = round-half-even(x * 127 / max|x|)), q8_K for the
+K-quants (per 256 values a float32 d = 1 / (127 / max|x|), the same q, int16 sums per 16). Each weight block is
+combined with x's by exact integer dot products (AVX2 ``maddubs`` / ``madd`` as ggml's, or plain C), then one float32
+term a block, added into lane ``b % 4`` of four accumulators; the output is ``(l0 + l1) + (l2 + l3)`` (the source's
+header gives each type's term). The build has no fused multiply-add (``-ffp-contract=off``), so the AVX2 path, the
+scalar path and ``reference`` (numpy, the same steps) give the same bits; the tests hold them bitwise equal.
+
+Against the float32 product ``x @ dequantize(W).T`` the result differs by the quantization of x: each value of x
+moves by at most half a step, d / 2 = max|x of its block| / 254 (float16 rounding of q8_0's d adds 2^-11
+relative), so ``|y - x @ Wd.T| <= sum_k |Wd[n, k]| * blockmax|x| / 254 * 1.001 + float32 rounding``; ``TOLERANCE``
+states it as that bound (``bound``) plus 1e-5 of ``sum |x| |Wd|`` for the float32 sums.
+
+Built on first use with torch.utils.cpp_extension (C++ only, no GPU needed; torch caches the build). ``usable()``
+says in one line why it cannot run here. The path is AVX2 where the CPU has AVX2, FMA and F16C, else scalar;
+``KESTREL_HOST_GGUF_ISA=scalar`` (or ``avx2``) forces one, as does ``matmul(isa=...)``; the first call says once on
+stderr which path runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from kestrel_core.formats.gguf_quants import block_geometry, dequantize, row_nbytes
+
+T = GGMLQuantizationType
+TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+ISAS = ("auto", "scalar", "avx2")
+ISA_ENV = "KESTREL_HOST_GGUF_ISA"
+# |y - x @ dequantize(W).T| <= bound(x, W) + FLOAT_SLACK * (|x| @ |W|.T), per output (see the docstring)
+FLOAT_SLACK = 1e-5
+TOLERANCE = ("|y - x @ Wd.T| <= sum_k |Wd[n,k]| * blockmax|x| / 254 * 1.001 + 1e-5 * sum_k |x[k]| |Wd[n,k]|, "
+             "Wd = dequantize(W), blockmax over x's quantization block (32 values for Q8_0/Q4_0, 256 for K-quants)")
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+_told = False
+
+
+def build():
+    """The loaded extension ``kestrel_host_gguf``; raises RuntimeError with a one-line reason."""
+    from torch.utils.cpp_extension import load
+
+    from csrc import SOURCE_DIR
+
+    try:
+        return load(name="kestrel_host_gguf", sources=[str(SOURCE_DIR / "host_gguf.cpp")],
+                    extra_cflags=["-O3", "-ffp-contract=off"],
+                    verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1")
+    except Exception as exc:  # a compiler or loader failure of any kind
+        lines = str(exc).strip().splitlines()
+        detail = lines[-1] if lines else type(exc).__name__
+        raise RuntimeError(
+            f"the host GGUF kernel did not build ({type(exc).__name__}: {detail[:300]}); it needs a C++ compiler "
+            f"(c++ or CXX) and torch's headers; KESTREL_BUILD_VERBOSE=1 shows the log") from exc
+
+
+def load():
+    """The built extension; raises RuntimeError with the one-line reason it cannot run here (cached)."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = build()
+            except RuntimeError as exc:
+                _error = str(exc)
+        if _module is None:
+            raise RuntimeError(_error)
+        return _module
+
+
+def usable() -> str | None:
+    """None where the kernel runs here, else why not, in one line (builds it on the first call)."""
+    try:
+        load()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def which_isa(asked: str | None = None) -> str:
+    """The path a call runs: ``asked``, else $KESTREL_HOST_GGUF_ISA, else the best this CPU has ('avx2' or
+    'scalar')."""
+    asked = asked or os.environ.get(ISA_ENV) or "auto"
+    if asked not in ISAS:
+        raise ValueError(f"the host GGUF kernel's isa is one of {', '.join(ISAS)}, not {asked!r}"
+                         + (f" (from ${ISA_ENV})" if asked == os.environ.get(ISA_ENV) else ""))
+    best = load().best_isa()
+    if asked == "auto":
+        return best
+    if asked == "avx2" and best != "avx2":
+        raise ValueError("the host GGUF kernel's avx2 path needs a CPU with AVX2, FMA and F16C; this one lacks one")
+    return asked
+
+
+def _name(qtype) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def check(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> None:
+    """One-line ValueErrors for what ``matmul`` cannot take."""
+    if qtype not in TYPES:
+        raise ValueError(f"the host GGUF kernel computes {', '.join(t.name for t in TYPES)}, not {_name(qtype)}")
+    values = block_geometry(qtype)[0]
+    if not (isinstance(n, (int, np.integer)) and isinstance(k, (int, np.integer))) or n < 1 or k < 1 or k % values:
+        raise ValueError(f"{qtype.name}: n must be a positive int and k a positive multiple of {values}, "
+                         f"not n={n!r}, k={k!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be a [M, {k}] tensor, not {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        raise ValueError(f"x must be float32, bfloat16 or float16 on the CPU, not {x.dtype} on {x.device}")
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+        raise ValueError("the weight must be a uint8 CPU tensor of ggml's blocks")
+    want = n * row_nbytes(qtype, k)
+    if raw.numel() != want:
+        raise ValueError(f"a {qtype.name} [{n}, {k}] weight is {want} bytes, not {raw.numel()}")
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,
+           threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """y [M, n] float32 = x [M, k] @ W.T for W [n, k] held in ``raw`` as ``qtype`` blocks (uint8, ggml's layout),
+    on the host's cores (``threads`` of them for this call, default torch's). ``isa``: 'auto', 'scalar' or 'avx2'."""
+    global _told
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(raw)
+    check(x, raw, qtype, n, k)
+    path = which_isa(isa)
+    if not _told:
+        _told = True
+        print(f"kestrel: the host GGUF kernel runs its {path} path", file=sys.stderr)
+    x = x.float().contiguous()
+    raw = raw.contiguous().reshape(-1)
+    module = load()
+    if threads is None:
+        return module.gemv(x, raw, int(qtype), n, k, path)
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, not {threads!r}")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return module.gemv(x, raw, int(qtype), n, k, path)
+    finally:
+        torch.set_num_threads(saved)
+
+
+# ---- the reference: the same steps in numpy --------------------------------------------------------------------
+
+def quantize_x(x: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """x float32 [M, K] as the kernel quantizes it: q int8 [M, K], d float32 [M, K / block], bsums int16
+    [M, K / 16] (K-quants; None for Q8_0 and Q4_0)."""
+    kq = qtype in (T.Q4_K, T.Q6_K)
+    block = 256 if kq else 32
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // block, block)
+    amax = np.abs(xb).max(axis=2)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * iscale[..., None]), -127, 127).astype(np.int8).reshape(m, k)
+    if kq:
+        with np.errstate(divide="ignore"):
+            d = np.where(amax != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+        bsums = q.reshape(m, k // 16, 16).astype(np.int32).sum(axis=2).astype(np.int16)
+        return q, d, bsums
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    return q, d, None
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 8 scales and mins [..., 8] (int64) from the 12 bytes [..., 12]."""
+    s = s.astype(np.int64)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 0xF) | ((d >> 6) << 4)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _block_terms(xq, xd, bsums, raw: np.ndarray, qtype, n: int, k: int) -> np.ndarray:
+    """float32 terms [M, n, blocks]: each block's term as the kernel forms it."""
+    values, nbytes = block_geometry(qtype)
+    nb = k // values
+    b = raw.reshape(n, nb, nbytes)
+    m = xq.shape[0]
+    xi = xq.astype(np.int64).reshape(m, nb, values)
+    if qtype in (T.Q8_0, T.Q4_0):
+        if qtype == T.Q8_0:
+            w = b[..., 2:].view(np.int8).astype(np.int64)
+        else:
+            qs = b[..., 2:].astype(np.int64)
+            w = np.concatenate([qs & 0xF, qs >> 4], axis=-1) - 8
+        isum = np.einsum("nbj,mbj->mnb", w, xi)
+        dd = xd[:, None, :] * _f16(b, 0)[None]
+        return (dd * isum.astype(np.float32)).astype(np.float32)
+    if qtype == T.Q4_K:
+        qs = b[..., 16:144].astype(np.int64).reshape(n, nb, 4, 32)
+        w = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(n, nb, 8, 32)  # sub-block 2c: low, 2c + 1: high
+        sc, mn = _k4_scales(b[..., 4:16])
+        dots = np.einsum("nbsj,mbsj->mnbs", w, xi.reshape(m, nb, 8, 32))
+        S = (dots * sc[None]).sum(axis=-1)
+        sub = bsums.astype(np.int64).reshape(m, nb, 8, 2).sum(axis=-1)
+        mins = np.einsum("nbs,mbs->mnb", mn, sub)
+        d = xd[:, None, :] * _f16(b, 0)[None]
+        dmin = xd[:, None, :] * _f16(b, 2)[None]
+        return (d * S.astype(np.float32) - dmin * mins.astype(np.float32)).astype(np.float32)
+    if qtype == T.Q6_K:
+        ql = b[..., :128].astype(np.int64).reshape(n, nb, 2, 2, 32)  # [h, c & 1, l]
+        qh = b[..., 128:192].astype(np.int64).reshape(n, nb, 2, 1, 32)
+        lo = np.concatenate([ql & 0xF, ql >> 4], axis=3)  # [h, c, l], c = 0..3
+        hi = (qh >> (2 * np.arange(4).reshape(1, 1, 1, 4, 1))) & 3
+        w = (lo | (hi << 4)).reshape(n, nb, 16, 16) - 32
+        sc = b[..., 192:208].view(np.int8).astype(np.int64)
+        dots = np.einsum("nbgj,mbgj->mnbg", w, xi.reshape(m, nb, 16, 16))
+        S = (dots * sc[None]).sum(axis=-1)
+        d = xd[:, None, :] * _f16(b, 208)[None]
+        return (d * S.astype(np.float32)).astype(np.float32)
+    raise ValueError(f"the host GGUF kernel computes {', '.join(t.name for t in TYPES)}, not {_name(qtype)}")
+
+
+def reference(x: torch.Tensor, raw, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    """The kernel's result computed in numpy by the same steps (x's 8-bit blocks, exact integer dots, the same
+    float32 terms and the same four-lane order): bitwise the kernel's. Slow; for tests."""
+    raw_t = torch.from_numpy(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
+    check(x, raw_t, qtype, n, k)
+    xq, xd, bsums = quantize_x(x.float().numpy(), qtype)
+    terms = _block_terms(xq, xd, bsums, raw_t.contiguous().numpy().reshape(-1), qtype, n, k)
+    acc = np.zeros((4, *terms.shape[:2]), dtype=np.float32)
+    for blk in range(terms.shape[2]):
+        acc[blk % 4] += terms[..., blk]
+    return torch.from_numpy((acc[0] + acc[1]) + (acc[2] + acc[3]))
+
+
+def bound(x: torch.Tensor, raw, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    """Per output [M, n], the largest |y - x @ dequantize(W).T| the kernel may show (``TOLERANCE``)."""
+    block = 256 if qtype in (T.Q4_K, T.Q6_K) else 32
+    raw_t = torch.from_numpy(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
+    wd = dequantize(raw_t.reshape(-1), qtype, (n, k)).double().abs()
+    xf = x.double()
+    step = xf.abs().reshape(x.shape[0], k // block, block).amax(dim=2) / 254 * 1.001  # half of x's step a block
+    per_k = step.repeat_interleave(block, dim=1)
+    return (per_k @ wd.T + FLOAT_SLACK * (xf.abs() @ wd.T)).float()

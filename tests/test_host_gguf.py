@@ -1,0 +1,160 @@
+"""The host GGUF GEMV (backends/cpu_ref/host_gguf.py, csrc/host_gguf.cpp) against its numpy reference and against
+the float32 product of kestrel's dequantized weight.
+
+Every type (Q8_0, Q4_0, Q4_K, Q6_K), M = 1, 3, 8, an odd N, a K of several blocks (several super-blocks for the
+K-quants, and a block count that is not a multiple of 4, so the accumulators' tail runs):
+
+- the kernel against ``reference`` bitwise: x's quantization is the same float32 steps, the integer dots are exact,
+  each block's float32 term is formed by the same products in the same order, and the build fuses no multiply-add
+  (-ffp-contract=off), so there is no rounding for the two to differ by; tolerance 0;
+- the scalar path (``isa="scalar"`` and $KESTREL_HOST_GGUF_ISA=scalar) bitwise the AVX2 path, for the same reasons;
+- against ``x @ dequantize(W).T`` in float32 within ``host_gguf.bound`` per output: x's quantization moves each
+  value by at most max|x of its block| / 254 (with float16's rounding of q8_0's d, 1.001 of it), times |W|, plus 1e-5
+  of sum |x| |W| for the float32 sums (``host_gguf.TOLERANCE``);
+- bad input refused with one line, and a machine where the build fails says why.
+
+Weights come from real quantization (``gguf.quants.quantize``) for Q8_0 and Q4_0, else from random valid blocks;
+Q8_0 also from random bytes (int8 -128, which quantization never writes, goes through maddubs' sign trick).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_np
+
+from backends.cpu_ref import host_gguf
+from kestrel_core.formats.gguf_quants import block_geometry, dequantize
+
+why = host_gguf.usable()
+pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
+
+N = 37  # odd
+K = {T.Q8_0: 32 * 13, T.Q4_0: 32 * 13, T.Q4_K: 256 * 5, T.Q6_K: 256 * 5}  # 13 and 5 blocks: a tail past the 4 lanes
+
+
+def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid ``qtype`` blocks for [n, k]: random bytes, with each f16 scale a finite value of either sign."""
+    values, nbytes = block_geometry(qtype)
+    blocks = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
+    f16_at = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,)}[qtype]
+    for at in f16_at:
+        d = rng.uniform(1e-3, 1e-2, len(blocks)) * rng.choice([-1.0, 1.0], len(blocks))
+        blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def weight(qtype, n: int = N, k: int | None = None, seed: int = 0, quantized: bool = True) -> torch.Tensor:
+    k = k or K[qtype]
+    rng = np.random.default_rng([int(qtype), n, k, seed])
+    if quantized and qtype in (T.Q8_0, T.Q4_0):
+        raw = gguf_np.quantize(rng.standard_normal((n, k)).astype(np.float32) / k**0.5, qtype)
+    else:
+        raw = random_blocks(qtype, n, k, rng)
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def inputs(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :40] = 0.0  # a block of zeros (d = 0) where the block is 32 values, part of one for the 256-value types
+    x[-1, 3] = 50.0  # one block dominated by a single large value
+    return x
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("qtype", list(host_gguf.TYPES), ids=lambda t: t.name)
+def test_against_the_reference_and_the_float_product(qtype, m):
+    k = K[qtype]
+    raw = weight(qtype)
+    x = inputs(m, k, seed=m)
+    y = host_gguf.matmul(x, raw, qtype, N, k)
+    assert y.shape == (m, N) and y.dtype == torch.float32
+    assert torch.equal(y, host_gguf.reference(x, raw, qtype, N, k))
+    assert torch.equal(y, host_gguf.matmul(x, raw, qtype, N, k, isa="scalar"))
+    want = x @ dequantize(raw.reshape(-1), qtype, (N, k)).T
+    err = (y - want).abs()
+    assert (err <= host_gguf.bound(x, raw, qtype, N, k)).all(), float(err.max())
+    # and not trivially: the error is the quantization's, a few % of the product's size at most (the outlier of 50
+    # in x's last row coarsens its whole block: to 0.4 a step in a 256-value block of values about 1; 3.3% seen)
+    assert float((y - want).norm() / want.norm()) < 5e-2
+
+
+def test_random_q8_0_bytes_with_minus_128():
+    raw = weight(T.Q8_0, quantized=False)
+    assert (raw.numpy()[:, 2:34].view(np.int8) == -128).any()
+    x = inputs(3, K[T.Q8_0])
+    y = host_gguf.matmul(x, raw, T.Q8_0, N, K[T.Q8_0])
+    assert torch.equal(y, host_gguf.reference(x, raw, T.Q8_0, N, K[T.Q8_0]))
+    assert torch.equal(y, host_gguf.matmul(x, raw, T.Q8_0, N, K[T.Q8_0], isa="scalar"))
+
+
+@pytest.mark.parametrize("qtype", list(host_gguf.TYPES), ids=lambda t: t.name)
+def test_the_env_forces_the_scalar_path_and_each_row_is_its_own(qtype, monkeypatch):
+    k = K[qtype]
+    raw = weight(qtype, seed=1)
+    x = inputs(8, k, seed=2)
+    fast = host_gguf.matmul(x, raw, qtype, N, k, threads=2)
+    monkeypatch.setenv(host_gguf.ISA_ENV, "scalar")
+    assert host_gguf.which_isa() == "scalar"
+    assert torch.equal(host_gguf.matmul(x, raw, qtype, N, k, threads=1), fast)
+    monkeypatch.delenv(host_gguf.ISA_ENV)
+    alone = torch.cat([host_gguf.matmul(x[i:i + 1], raw, qtype, N, k) for i in range(8)])
+    assert torch.equal(alone, fast)
+
+
+def test_bf16_x_and_a_numpy_weight():
+    raw = weight(T.Q4_K)
+    x = inputs(2, K[T.Q4_K]).to(torch.bfloat16)
+    y = host_gguf.matmul(x, raw.numpy(), T.Q4_K, N, K[T.Q4_K])
+    assert torch.equal(y, host_gguf.reference(x.float(), raw, T.Q4_K, N, K[T.Q4_K]))
+
+
+def test_the_path_is_told_once(capsys, monkeypatch):
+    monkeypatch.setattr(host_gguf, "_told", False)
+    raw, x = weight(T.Q8_0), inputs(1, K[T.Q8_0])
+    host_gguf.matmul(x, raw, T.Q8_0, N, K[T.Q8_0])
+    host_gguf.matmul(x, raw, T.Q8_0, N, K[T.Q8_0])
+    err = capsys.readouterr().err
+    assert err.count("host GGUF kernel runs its") == 1 and host_gguf.which_isa() in err
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q5_K, N, 1280), "computes Q8_0, Q4_0, Q4_K, Q6_K, not Q5_K"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1000), "k a positive multiple of 256"),
+    (lambda raw, x: host_gguf.matmul(x[:, :256], raw, T.Q4_K, N, 1280), "x must be a [M, 1280] tensor"),
+    (lambda raw, x: host_gguf.matmul(x[0], raw, T.Q4_K, N, 1280), "x must be a [M, 1280] tensor"),
+    (lambda raw, x: host_gguf.matmul(x.double(), raw, T.Q4_K, N, 1280), "float32, bfloat16 or float16"),
+    (lambda raw, x: host_gguf.matmul(x, raw.view(torch.int8), T.Q4_K, N, 1280), "uint8 CPU tensor"),
+    (lambda raw, x: host_gguf.matmul(x, raw[:-1], T.Q4_K, N, 1280), f"weight is {N * 5 * 144} bytes"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N + 1, 1280), "weight is"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1280, isa="avx512"), "isa is one of auto, scalar, avx2"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1280, threads=0), "threads must be a positive int"),
+])
+def test_bad_input_is_refused_in_one_line(call, message):
+    raw, x = weight(T.Q4_K), inputs(2, K[T.Q4_K])
+    with pytest.raises(ValueError) as info:
+        call(raw, x)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_failed_build_says_why_in_one_line(monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("error: command 'c++' failed: No such file or directory")
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.raises(RuntimeError) as info:
+        host_gguf.build()
+    text = str(info.value)
+    assert "did not build" in text and "No such file or directory" in text and "C++ compiler" in text
+    assert "\n" not in text
+    # usable() reports the cached reason; matmul raises it
+    monkeypatch.setattr(host_gguf, "_module", None)
+    monkeypatch.setattr(host_gguf, "_error", None)
+    monkeypatch.setattr(host_gguf, "build", lambda: (_ for _ in ()).throw(RuntimeError(text)))
+    assert host_gguf.usable() == text
+    with pytest.raises(RuntimeError, match="did not build"):
+        host_gguf.matmul(inputs(1, K[T.Q8_0]), weight(T.Q8_0), T.Q8_0, N, K[T.Q8_0])
