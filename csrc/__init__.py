@@ -1,4 +1,4 @@
-"""CUDA sources of kestrel's kernels, compiled lazily with torch.utils.cpp_extension on first use."""
+"""Sources of kestrel's C++ and CUDA kernels, compiled lazily with torch.utils.cpp_extension on first use (``build``)."""
 
 from pathlib import Path
 

@@ -146,12 +146,27 @@ def test_without_a_gpu_it_says_why_and_the_float_kernels_keep_to_triton(monkeypa
 
 
 def test_turned_off_by_the_environment(monkeypatch):
-    monkeypatch.setattr(gguf_cuda, "_module", None)
-    monkeypatch.setattr(gguf_cuda, "_error", None)
     monkeypatch.setenv("KESTREL_GGUF_CUDA", "0")
-    assert gguf_cuda.usable() == "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
-    if GPU:
-        assert not gguf_cuda.takes(torch.zeros(1, 256, device="cuda"), T.Q4_K, 256)
+    gguf_cuda.EXTENSION.forget()
+    try:
+        assert gguf_cuda.usable() == "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
+        if GPU:
+            assert not gguf_cuda.takes(torch.zeros(1, 256, device="cuda"), T.Q4_K, 256)
+    finally:
+        monkeypatch.undo()
+        gguf_cuda.EXTENSION.forget()  # decided again (and built where it runs) for the tests after this one
+
+
+def test_a_failed_build_says_why_in_one_line(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: (_ for _ in ()).throw(OSError("nvcc: not found")))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(RuntimeError) as info:
+        gguf_cuda.EXTENSION.build()
+    text = str(info.value)
+    assert text.startswith("the CUDA GGUF kernel did not build (OSError: nvcc: not found); it needs nvcc")
+    assert "\n" not in text
 
 
 @needs_gpu

@@ -147,14 +147,17 @@ def test_a_failed_build_says_why_in_one_line(monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     with pytest.raises(RuntimeError) as info:
-        host_gguf.build()
+        host_gguf.EXTENSION.build()
     text = str(info.value)
     assert "did not build" in text and "No such file or directory" in text and "C++ compiler" in text
     assert "\n" not in text
     # usable() reports the cached reason; matmul raises it
-    monkeypatch.setattr(host_gguf, "_module", None)
-    monkeypatch.setattr(host_gguf, "_error", None)
-    monkeypatch.setattr(host_gguf, "build", lambda: (_ for _ in ()).throw(RuntimeError(text)))
-    assert host_gguf.usable() == text
-    with pytest.raises(RuntimeError, match="did not build"):
-        host_gguf.matmul(inputs(1, K[T.Q8_0]), weight(T.Q8_0), T.Q8_0, N, K[T.Q8_0])
+    monkeypatch.setattr(host_gguf.EXTENSION, "build", lambda: (_ for _ in ()).throw(RuntimeError(text)))
+    host_gguf.EXTENSION.forget()
+    try:
+        assert host_gguf.usable() == text
+        with pytest.raises(RuntimeError, match="did not build"):
+            host_gguf.matmul(inputs(1, K[T.Q8_0]), weight(T.Q8_0), T.Q8_0, N, K[T.Q8_0])
+    finally:
+        monkeypatch.undo()
+        host_gguf.EXTENSION.forget()  # the real build again for the tests after this one

@@ -391,17 +391,22 @@ def test_kernel_refuses_a_gpu_older_than_sm80_with_a_clear_reason(monkeypatch):
     """Checked before any build: the kernel streams with cp.async (sm_80+); the torch path remains."""
     from backends.cuda import q8
 
-    monkeypatch.setattr(q8, "_module", None)
-    monkeypatch.setattr(q8, "_error", None)
     monkeypatch.delenv("KESTREL_Q8_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    with pytest.raises(q8.KernelNotBuilt, match=r"compute capability 8\.0 or newer.*this GPU is 7\.5"):
-        q8.load_kernel()
-    with pytest.raises(q8.KernelNotBuilt, match="7.5"):  # cached: no second attempt
-        q8.load_kernel()
-    assert not q8.kernel_available()
+    monkeypatch.setattr(q8.EXTENSION, "build", lambda: pytest.fail("built despite the GPU's reason"))
+    q8.EXTENSION.forget()
+    try:
+        with pytest.raises(q8.KernelNotBuilt, match=r"compute capability 8\.0 or newer.*this GPU is 7\.5"):
+            q8.load_kernel()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        with pytest.raises(q8.KernelNotBuilt, match="7.5"):  # cached: no second attempt
+            q8.load_kernel()
+        assert not q8.kernel_available()
+    finally:
+        monkeypatch.undo()
+        q8.EXTENSION.forget()  # decided again for the tests after this one
 
 
 @pytest.mark.parametrize("device", [-1, 64, "0"])

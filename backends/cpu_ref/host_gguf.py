@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from csrc.build import Extension
 from kestrel_core.formats.gguf_quants import block_geometry, dequantize, row_nbytes
 
 T = GGMLQuantizationType
@@ -42,53 +42,11 @@ FLOAT_SLACK = 1e-5
 TOLERANCE = ("|y - x @ Wd.T| <= sum_k |Wd[n,k]| * blockmax|x| / 254 * 1.001 + 1e-5 * sum_k |x[k]| |Wd[n,k]|, "
              "Wd = dequantize(W), blockmax over x's quantization block (32 values for Q8_0/Q4_0, 256 for K-quants)")
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
 _told = False
 
-
-def build():
-    """The loaded extension ``kestrel_host_gguf``; raises RuntimeError with a one-line reason."""
-    from torch.utils.cpp_extension import load
-
-    from csrc import SOURCE_DIR
-
-    try:
-        return load(name="kestrel_host_gguf", sources=[str(SOURCE_DIR / "host_gguf.cpp")],
-                    extra_cflags=["-O3", "-ffp-contract=off"],
-                    verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1")
-    except Exception as exc:  # a compiler or loader failure of any kind
-        lines = str(exc).strip().splitlines()
-        detail = lines[-1] if lines else type(exc).__name__
-        raise RuntimeError(
-            f"the host GGUF kernel did not build ({type(exc).__name__}: {detail[:300]}); it needs a C++ compiler "
-            f"(c++ or CXX) and torch's headers; KESTREL_BUILD_VERBOSE=1 shows the log") from exc
-
-
-def load():
-    """The built extension; raises RuntimeError with the one-line reason it cannot run here (cached)."""
-    global _module, _error
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                _module = build()
-            except RuntimeError as exc:
-                _error = str(exc)
-        if _module is None:
-            raise RuntimeError(_error)
-        return _module
-
-
-def usable() -> str | None:
-    """None where the kernel runs here, else why not, in one line (builds it on the first call)."""
-    try:
-        load()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+EXTENSION = Extension("kestrel_host_gguf", ["host_gguf.cpp"], "the host GGUF kernel", cuda=False,
+                      cflags=("-O3", "-ffp-contract=off"))
+load, usable = EXTENSION.load, EXTENSION.usable  # the built module (RuntimeError: why not); why not (None: it runs)
 
 
 def which_isa(asked: str | None = None) -> str:

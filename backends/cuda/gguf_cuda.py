@@ -8,59 +8,35 @@ order of the sum comes from the weight's shape; the rows a block shares, chosen 
 as launches of up to 8. Any weight address works: a 16-byte aligned Q4_K weight is read with vector loads, the rest
 (Q6_K's 210-byte blocks always) as aligned words shifted together, the same bytes into the same arithmetic.
 
-Built on first use with torch.utils.cpp_extension (``backends.cuda.extension``); ``usable()`` says why not where it
+Built on first use with torch.utils.cpp_extension (``csrc.build``); ``usable()`` says why not where it
 cannot run, and ``gguf_kernels.matmul`` then keeps these types on Triton. ``KESTREL_GGUF_CUDA=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 from gguf import GGMLQuantizationType
 
-from backends.cuda import extension
+from csrc.build import Extension
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q6_K)
 MAX_ROWS = 8  # activation rows a launch
 WARPS = (1, 2, 4)
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
-
-
-def load():
-    """The built extension; raises RuntimeError with the one-line reason it cannot run here (cached)."""
-    global _module, _error
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is None and _error is None:
-            if os.environ.get("KESTREL_GGUF_CUDA", "1") == "0":
-                _error = "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
-            elif not torch.cuda.is_available() or torch.version.cuda is None:
-                _error = "the CUDA GGUF kernel needs a CUDA GPU and a CUDA build of torch"
-            else:
-                try:
-                    _module = extension.build("kestrel_gguf_gemv", ["gguf_gemv.cpp", "gguf_gemv.cu"],
-                                              "the CUDA GGUF kernel")
-                except RuntimeError as exc:
-                    _error = str(exc)
-        if _module is None:
-            raise RuntimeError(_error)
-        return _module
-
-
-def usable() -> str | None:
-    """None where the kernel runs here, else why not (builds it on the first call)."""
-    try:
-        load()
-    except RuntimeError as exc:
-        return str(exc)
+def _why_not() -> str | None:
+    if os.environ.get("KESTREL_GGUF_CUDA", "1") == "0":
+        return "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "the CUDA GGUF kernel needs a CUDA GPU and a CUDA build of torch"
     return None
+
+
+EXTENSION = Extension("kestrel_gguf_gemv", ["gguf_gemv.cpp", "gguf_gemv.cu"], "the CUDA GGUF kernel", cuda=True,
+                      check=_why_not)
+load, usable = EXTENSION.load, EXTENSION.usable  # the built module (RuntimeError: why not); why not (None: it runs)
 
 
 def takes(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> bool:

@@ -20,14 +20,13 @@ turns the kernel off.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from typing import Callable, Iterable, Sequence
 
 import attrs
 import torch
 
-from backends.cuda import extension
+from csrc.build import Extension
 from kestrel_core.formats import quant
 from kestrel_core.formats.checkpoint import Checkpoint
 from kestrel_core.errors import KestrelError, KestrelNote
@@ -191,40 +190,31 @@ def load_resident_q8(ckpt: Checkpoint, t: quant.Q8Tensor, device) -> Q8Weight:
 
 
 # --- the kernel -----------------------------------------------------------------------------
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
 _said_fallback = False
+
+
+def _why_not() -> str | None:
+    if os.environ.get("KESTREL_Q8_KERNEL", "1") == "0":
+        return "the q8 GEMV kernel is turned off (KESTREL_Q8_KERNEL=0)"
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "the q8 GEMV kernel needs a CUDA GPU and a CUDA build of torch"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return (f"the q8 GEMV kernel needs compute capability 8.0 or newer (it streams weights with cp.async); "
+                f"this GPU is {major}.{minor}")
+    return None
+
+
+EXTENSION = Extension("kestrel_q8_gemv", ["q8_gemv.cpp", "q8_gemv.cu"], "the q8 GEMV kernel", cuda=True,
+                      check=_why_not, loaded=lambda module: _register_fake())
 
 
 def load_kernel():
     """The compiled extension (built on the first call, then cached); raises KernelNotBuilt."""
-    global _module, _error
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is not None:
-            return _module
-        if _error is not None:
-            raise KernelNotBuilt(_error)
-        if os.environ.get("KESTREL_Q8_KERNEL", "1") == "0":
-            _error = "the q8 GEMV kernel is turned off (KESTREL_Q8_KERNEL=0)"
-            raise KernelNotBuilt(_error)
-        if not torch.cuda.is_available() or torch.version.cuda is None:
-            _error = "the q8 GEMV kernel needs a CUDA GPU and a CUDA build of torch"
-            raise KernelNotBuilt(_error)
-        major, minor = torch.cuda.get_device_capability()
-        if major < 8:
-            _error = (f"the q8 GEMV kernel needs compute capability 8.0 or newer (it streams weights with cp.async); "
-                      f"this GPU is {major}.{minor}")
-            raise KernelNotBuilt(_error)
-        try:
-            _module = extension.build("kestrel_q8_gemv", ["q8_gemv.cpp", "q8_gemv.cu"], "the q8 GEMV kernel")
-        except RuntimeError as exc:
-            _error = str(exc)
-            raise KernelNotBuilt(_error) from exc
-        _register_fake()
-        return _module
+    try:
+        return EXTENSION.load()
+    except RuntimeError as exc:
+        raise KernelNotBuilt(str(exc)) from exc
 
 
 def _register_fake() -> None:
@@ -336,7 +326,7 @@ def q8_linear(x: torch.Tensor, w: Q8Weight) -> torch.Tensor:
     T == 1 on a GPU goes through the kernel; prefill (T > 1), CPU tensors, or a kernel that
     did not build take the torch path (the last says so once, as a KestrelNote).
     """
-    if _module is not None and x.shape[0] == 1 and x.is_cuda:  # the hot path: the op checks the rest itself
+    if EXTENSION.built is not None and x.shape[0] == 1 and x.is_cuda:  # the hot path: the op checks the rest itself
         return torch.ops.kestrel.q8_gemv(x, w.qweight, w.scales, w.group, w.n, 0, None)
     global _said_fallback
     if x.is_cuda and x.numel() == w.k and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
