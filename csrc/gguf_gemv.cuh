@@ -90,6 +90,14 @@ template <> __device__ __forceinline__ void load_x8<__half>(const __half* p, flo
   }
 }
 
+template <int M, int R>
+__device__ __forceinline__ void zero(float (&acc)[M][R]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+}
+
 template <typename YT> __device__ __forceinline__ YT from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
@@ -129,10 +137,7 @@ q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict
   const int row0 = blockIdx.x * R;
   const int units = (k / 256) * 4;
   float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  zero(acc);
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     const int sb = u >> 2, j = u & 3;
     uint4 head[R], qa[R], qb[R];
@@ -221,10 +226,7 @@ q6k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict
   const int row0 = blockIdx.x * R;
   const int units = (k / 256) * 4;
   float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  zero(acc);
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     const int sb = u >> 2, h = (u >> 1) & 1, s = u & 1;
     uint4 la[R], lb[R], qh[R];

@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from csrc.build import Extension
+from kestrel_core.formats.gguf_quants import check_product
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q6_K)
@@ -56,12 +57,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
     ``out``: where y goes, float32 or x's dtype (each output rounded once from its float32 sum), rows contiguous, a
     column slice of a wider output allowed. ``warps`` forces the block's warps (1, 2 or 4; a row's bits depend on it:
     for measuring)."""
-    from backends.cuda.gguf_kernels import check
-
     if qtype not in TYPES:
         raise ValueError(f"the CUDA GGUF kernel computes {', '.join(t.name for t in TYPES)}, not "
                          f"{getattr(qtype, 'name', qtype)}")
-    check(x, weight, qtype, n, k)
+    check_product(x, weight, qtype, n, k)
     if warps is not None and warps not in WARPS:
         raise ValueError(f"warps must be one of {WARPS}, not {warps!r}")
     module = load()

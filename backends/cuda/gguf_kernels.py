@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType
 
 from backends.cuda import gguf_cuda
 from backends.cuda.triton_check import available  # noqa: F401 - one rule for where Triton kernels can run
-from kestrel_core.formats.gguf_quants import block_geometry
+from kestrel_core.formats.gguf_quants import block_geometry, check_product
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
@@ -265,16 +265,7 @@ def check(x: torch.Tensor, weight: torch.Tensor, qtype, n: int, k: int) -> None:
     if qtype not in _CHUNK:
         raise ValueError(f"no GGUF kernel for {getattr(qtype, 'name', qtype)}; these run: "
                          + ", ".join(t.name for t in TYPES))
-    values, nbytes = block_geometry(qtype)
-    if k % values:
-        raise ValueError(f"k={k} is not whole {qtype.name} blocks of {values} values")
-    want = n * (k // values) * nbytes
-    if weight.dtype != torch.uint8 or weight.numel() != want or not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous uint8 of {want} bytes ({qtype.name} [{n}, {k}])")
-    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be [M, {k}] float32, bfloat16 or float16, not {list(x.shape)} {x.dtype}")
-    if x.device != weight.device:
-        raise ValueError(f"x is on {x.device} but the weight on {weight.device}")
+    check_product(x, weight, qtype, n, k)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,

@@ -237,3 +237,18 @@ def q8_0_to_kestrel(raw: np.ndarray, n: int, k: int, rows: np.ndarray | None = N
     scales = np.zeros((k // Q8_0_GROUP, npad), dtype=np.float32)
     scales[:, :n] = d.T.astype(np.float32)
     return qweight, scales
+
+
+def check_product(x, weight, qtype, n: int, k: int) -> None:
+    """One-line ValueErrors for a product x [M, k] @ W.T whose W [n, k] is ``qtype`` blocks in ``weight``: whole
+    blocks, the weight's bytes, x's shape and dtype, one device (what every GGUF kernel's caller must give)."""
+    values, nbytes = block_geometry(qtype)
+    if k % values:
+        raise ValueError(f"k={k} is not whole {qtype.name} blocks of {values} values")
+    want = n * (k // values) * nbytes
+    if weight.dtype != torch.uint8 or weight.numel() != want or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous uint8 of {want} bytes ({qtype.name} [{n}, {k}])")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be [M, {k}] float32, bfloat16 or float16, not {list(x.shape)} {x.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight on {weight.device}")
