@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from bench.options import numbers
+from bench.options import names, numbers
 from bench.errors import BenchError, cuda_missing
 from bench.log import log
 from bench.stats import summary
@@ -53,7 +53,7 @@ MAX_M = 2048  # rows a timed call: up to a long prompt's
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--types", type=names(TYPES), default=set(TYPES), help=f"comma-separated, of {','.join(TYPES)}")
     p.add_argument("--shapes", default="qwen3-8b,qwen3-30b-a3b",
                    help="comma-separated: 'qwen3-8b', 'qwen3-30b-a3b' (its experts) or NxK")
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8, 64],
@@ -319,12 +319,7 @@ def run(args, record) -> dict:
     why = gguf_kernels.available()
     if why:
         raise BenchError(why)
-    try:
-        types = [GGMLQuantizationType[t] for t in args.types.split(",")]
-    except KeyError as exc:
-        raise BenchError(f"--types: {exc} is not one of {', '.join(TYPES)}") from None
-    if any(t not in gguf_kernels.TYPES for t in types):
-        raise BenchError(f"--types: these run: {', '.join(TYPES)}")
+    types = [GGMLQuantizationType[t] for t in TYPES if t in args.types]  # argparse checked them
     rows_m = args.rows
     if not all(1 <= m <= MAX_M for m in rows_m):
         raise BenchError(f"--rows: each M is 1 to {MAX_M}")

@@ -26,7 +26,7 @@ import time
 
 from bench.errors import BenchError
 from bench.log import log
-from bench.options import numbers
+from bench.options import names, numbers
 from bench.stats import summary
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
@@ -36,7 +36,7 @@ MIB = 2**20
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--types", type=names(TYPES), default=set(TYPES), help=f"comma-separated, of {','.join(TYPES)}")
     p.add_argument("--shapes", default="qwen3-30b-a3b,4096x4096",
                    help="comma-separated: 'qwen3-30b-a3b' (its experts), 'qwen3-8b-q_proj' or NxK")
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8], help="the M of each timed call")
@@ -160,12 +160,7 @@ def run(args, record) -> dict:
     why = host_gguf.usable()
     if why:
         raise BenchError(why)
-    try:
-        types = [GGMLQuantizationType[t] for t in args.types.split(",")]
-    except KeyError as exc:
-        raise BenchError(f"--types: {exc} is not one of {', '.join(TYPES)}") from None
-    if any(t not in host_gguf.TYPES for t in types):
-        raise BenchError(f"--types: these run: {', '.join(TYPES)}")
+    types = [GGMLQuantizationType[t] for t in TYPES if t in args.types]  # argparse checked them
     isas = args.isa.split(",")
     for isa in isas:
         try:
