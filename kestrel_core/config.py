@@ -28,6 +28,7 @@ GRAPHS = ("auto", "off")
 MICRO_BATCHES = ("auto", "on", "off")
 GGUF_KERNELS = ("float", "int8")
 LAYER_OPS = ("auto", "fused", "torch")
+HOST_KERNELS = ("auto", "off")
 TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
 EXPERT_FETCH = ("routed", "layer")
 EXPERT_DECODE = ("auto", "table", "host")
@@ -190,6 +191,15 @@ class BackendConfig:
     # the fused kernels are timed on a GPU), "auto" (the backend's fused kernels where it has them: cuda with Triton),
     # "fused" (those, or an error)
     layer_ops: str = attrs.field(default="torch")
+    # cpu_ref: a GGUF's Q8_0, Q4_0, Q4_K and Q6_K linears: "auto" (held as the file's blocks and computed by the host
+    # GGUF kernel, x quantized to 8 bits a value; float32 dequantization where the kernel cannot build), "off" (each
+    # fetch dequantizes them to the compute dtype)
+    host_kernels: str = attrs.field(default="auto")
+
+    @host_kernels.validator
+    def _check_host_kernels(self, _, value: str) -> None:
+        if value not in HOST_KERNELS:
+            raise ConfigError(f"host_kernels must be one of {', '.join(HOST_KERNELS)}, got {value!r}")
 
     @layer_ops.validator
     def _check_layer_ops(self, _, value: str) -> None:

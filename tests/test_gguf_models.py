@@ -1,7 +1,8 @@
 """A GGUF file as a model: ``load("x.gguf")``, ``--model x.gguf`` and ``model = "x.gguf"`` on small hand-made files.
 
-Its greedy ids equal those of the Hugging Face layout of the same weights on cpu_ref (the weights computed by
-tests/gguf_files.py independently of kestrel's reader), across keep, policy and allocator; its Q8_0 units are
+Its greedy ids equal those of the Hugging Face layout of the same weights on cpu_ref with ``host_kernels = "off"``
+(the weights computed by tests/gguf_files.py independently of kestrel's reader), across keep, policy and allocator,
+and with the default ``auto`` (the host GGUF kernel) its own ids across them too; its Q8_0 units are
 kestrel q8 with group 32; ``kestrel chat`` lays the conversation out with the GGUF's template; ``kestrel quantize
 --from`` writes a q8 directory whose ids equal the GGUF's; a bad path is one line; and cpu_ref's mapping RSS follows
 the window on a quantized GGUF as it does on safetensors.
@@ -75,12 +76,16 @@ CASES = {
 def test_a_gguf_and_the_hugging_face_layout_of_its_weights_give_the_same_ids(case, tmp_path):
     arch, dims, types, tied = case
     path, truth = write_model(tmp_path / "m.gguf", arch, dims, types, tied)
-    ids = greedy(path, keep="off")
+    # host_kernels = "off": every quantized tensor dequantized, the float math of the same weights; "auto" (the
+    # default) quantizes x for the host kernel, so its ids are its own, the same across keep, policy and allocator
+    ids = greedy(path, keep="off", host_kernels="off")
     assert ids == greedy(hf_layout(path, truth, tmp_path / "hf"), keep="off")
     assert len(set(ids)) > 1  # not one token over and over: the weights matter
+    auto = greedy(path, keep="off")
     for settings in (dict(keep=1, policy="asymmetric", allocator="pool"), dict(keep=1, policy="belady", allocator="free"),
                      dict(keep=1, policy="pinned_set", allocator="pool")):
-        assert greedy(path, **settings) == ids, settings
+        assert greedy(path, host_kernels="off", **settings) == ids, settings
+        assert greedy(path, **settings) == auto, settings
 
 
 def test_load_names_the_file_and_reads_its_metadata(tmp_path):

@@ -377,8 +377,8 @@ def written(chat_ckpt, tiny_llama_ckpt, wide_ckpt, tmp_path_factory):
     return get
 
 
-def greedy(path, n: int = 6) -> list[int]:
-    with load(path) as model, model.open(backend="cpu_ref") as run:
+def greedy(path, n: int = 6, **settings) -> list[int]:
+    with load(path) as model, model.open(backend="cpu_ref", **settings) as run:
         return run.generate(prompt_ids=PROMPT, max_new_tokens=n, stop_at_eos=False).token_ids
 
 
@@ -411,8 +411,10 @@ def test_every_tensor_reads_back_near_the_float_one(written, chat_ckpt, tiny_lla
 def test_q8_0_greedy_ids_are_the_float_models(written, chat_ckpt, tiny_llama_ckpt, model):
     """Q8_0's rounding moves a logit by far less than the gap between the random model's top two (its embeddings give
     logits of std 2); the ids could part only where a step's top two are within that noise, which for these seeded
-    weights none of the first six is. (Q4's noise is larger: those parted within three tokens here.)"""
-    assert greedy(written(model, "q8_0")) == greedy({"qwen3": chat_ckpt, "llama": tiny_llama_ckpt}[model])
+    weights none of the first six is. (Q4's noise is larger: those parted within three tokens here.) With
+    ``host_kernels = "off"``: the default's host kernel also quantizes each linear's x to 8 bits, noise of its own
+    (docs/gguf.md), which parts the qwen3 one at its third token here."""
+    assert greedy(written(model, "q8_0"), host_kernels="off") == greedy({"qwen3": chat_ckpt, "llama": tiny_llama_ckpt}[model])
 
 
 def test_the_tokenizer_end_ids_and_chat_template_come_back(written, chat_ckpt):

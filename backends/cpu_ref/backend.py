@@ -5,6 +5,12 @@ While a unit is resident its mapped pages stay touched, so the mapping's RSS in
 
 A q8 checkpoint is dequantized on upload (W[n, k] = qweight[k, n] * scales[k // g, n])
 into the same [N, K] compute-dtype buffers, so the math after upload is the float path's.
+
+With ``[backend] host_kernels = "auto"`` a GGUF's linears of the types the host GGUF kernel computes (Q8_0, Q4_0,
+Q4_K, Q6_K; ``host_gguf``) are held as the file's blocks instead: a fetch copies the stored bytes once into the unit's
+uint8 buffer (``HostBlocks``), and ``linear`` runs ``host_gguf.matmul`` on them (x quantized to 8 bits a block, as
+ggml's ``vec_dot``; each row of x computed alone, so a row's result never depends on its companions). Its pages stay
+touched while the unit is resident and go when it retires, as on the float path.
 """
 
 from __future__ import annotations
@@ -30,9 +36,38 @@ from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.engine.model import expert_mlp
+from kestrel_core.formats.gguf_model import BlockTensor, block_tensors
 from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
 
+from . import host_gguf
+
 DTYPES = ("float32", "float64")
+BLOCKS = "gguf-blocks"  # a HostBlocks buffer's Geometry dtype
+
+
+class HostBlocks:
+    """One linear W [n, k] held as the file's ``qtype`` blocks: ``raw`` uint8 [n * row bytes], rows in Hugging Face
+    order (``GGUFCheckpoint.blocks``)."""
+
+    __slots__ = ("raw", "qtype", "n", "k")
+
+    def __init__(self, raw: torch.Tensor, qtype, n: int, k: int):
+        self.raw, self.qtype, self.n, self.k = raw, qtype, n, k
+
+    @classmethod
+    def of(cls, geometry: Geometry) -> "HostBlocks":
+        qtype, n, k = geometry.layout
+        return cls(torch.empty(geometry.shape, dtype=torch.uint8), qtype, n, k)
+
+    def numel(self) -> int:
+        return self.raw.numel()
+
+    def element_size(self) -> int:
+        return 1
+
+
+def block_geometry(t: BlockTensor) -> Geometry:
+    return Geometry((t.nbytes,), BLOCKS, t.nbytes, "cpu", (t.qtype, t.n, t.k))
 
 
 class CpuRefBackend(Backend):
@@ -61,10 +96,13 @@ class CpuRefBackend(Backend):
                           "a layer's steps with torch's ops, so it has no effect here", KestrelNote, stacklevel=2)
         if ctx.backend.gguf_kernels != "float":
             warnings.warn(f"gguf_kernels = {ctx.backend.gguf_kernels!r} picks the cuda backend's GGUF kernels; cpu_ref "
-                          "computes a GGUF's blocks from their float32 dequantization, so it has no effect here",
+                          "computes a GGUF's blocks with its host kernel or from their float32 dequantization "
+                          "(host_kernels), so it has no effect here",
                           KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
+        self._blocks = self._host_blocks(ctx)  # a GGUF's linears the host kernel computes, held as their blocks
+        self._q8 = {n: t for n, t in self._q8.items() if n not in self._blocks}  # a Q8_0 unit: blocks, not q8
         self.lay_out_units()
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
@@ -74,6 +112,21 @@ class CpuRefBackend(Backend):
         self.load_globals()
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(ctx.backend.threads or default_threads())  # for this run; close() gives the old count back
+
+    def _host_blocks(self, ctx) -> dict[str, BlockTensor]:
+        """``host_kernels = "auto"``: the GGUF linears held as blocks (none where the kernel cannot build: a note says
+        why, once, and they dequantize as with "off")."""
+        if ctx.backend.host_kernels != "auto":
+            return {}
+        found = block_tensors(self.ckpt, self.cfg, host_gguf.TYPES)
+        if not found:
+            return {}
+        why = host_gguf.usable()
+        if why is not None:
+            warnings.warn(f"host_kernels = 'auto': the host GGUF kernel cannot run here ({why}); cpu_ref dequantizes "
+                          "this GGUF's blocks to float32 on each fetch instead, as with 'off'", KestrelNote, stacklevel=3)
+            return {}
+        return found
 
     def close(self):
         super().close()
@@ -108,6 +161,10 @@ class CpuRefBackend(Backend):
     def layout(self, spec):
         item = itemsize(self.dtype)
         for role, (name, shape) in spec.tensors.items():
+            b = self._blocks.get(name)
+            if b is not None:  # the file's blocks, as stored
+                yield EntrySpec(role, block_geometry(b), name)
+                continue
             nbytes = shape[0] * shape[1] * item  # the resident buffer: [N, K] in compute dtype
             q8 = self._q8.get(name)
             if q8 is None:
@@ -116,7 +173,9 @@ class CpuRefBackend(Backend):
                 yield EntrySpec(role, Geometry(tuple(shape), str(self.dtype), nbytes, "cpu", q8.layout), q8)
 
     def fill(self, buffer, source):
-        if isinstance(source, quant.Q8Tensor):
+        if isinstance(buffer, HostBlocks):
+            buffer.raw.copy_(self.ckpt.blocks(source).reshape(-1))  # touches the mapped pages, as a float copy does
+        elif isinstance(source, quant.Q8Tensor):
             self._dequantize(buffer, source)
         else:
             buffer.copy_(self.ckpt.view(source))  # touches the mapped pages
@@ -125,6 +184,12 @@ class CpuRefBackend(Backend):
         return quant.dequantize_into(out, *quant.read_q8(self.ckpt, q8), q8.group)
 
     def _resident(self, name):
+        b = self._blocks.get(name)  # a quantized lm_head: its blocks, copied once, resident for the run
+        if b is not None:
+            w = HostBlocks(self.ckpt.blocks(name).reshape(-1).clone(), b.qtype, b.n, b.k)
+            self.counters.add_resident(w.numel())
+            self.ckpt.drop_around([name], self._live)
+            return w
         q8 = self._q8.get(name)  # a q8 lm_head: dequantized once, resident for the run
         if q8 is None:
             self._live.add(name)
@@ -135,6 +200,8 @@ class CpuRefBackend(Backend):
         return t
 
     def new_buffer(self, geometry, raw=False):
+        if geometry.dtype == BLOCKS:
+            return HostBlocks.of(geometry)
         return torch.empty(geometry.shape, dtype=self.dtype)  # the CPU allocator has no cache to bypass
 
     def free_buffer(self, buffer):
@@ -162,7 +229,12 @@ class CpuRefBackend(Backend):
     @staticmethod
     def linear(x, w):
         """Row by row: a row's result never depends on the rows beside it (a GEMM's blocking changes with its M, and its
-        rounding with it), so a sequence's ids in a batch are its ids alone, bitwise."""
+        rounding with it), so a sequence's ids in a batch are its ids alone, bitwise. A ``HostBlocks`` weight runs the
+        host GGUF kernel on every row at once: it quantizes and reduces each row of x alone, in one order."""
+        if isinstance(w, HostBlocks):
+            lead = x.shape[:-1]
+            y = host_gguf.matmul(x.reshape(-1, w.k), w.raw, w.qtype, w.n, w.k)
+            return y.to(x.dtype).reshape(*lead, w.n)
         if x.shape[0] == 1:
             return F.linear(x, w)
         return torch.cat([F.linear(x[i : i + 1], w) for i in range(x.shape[0])])
@@ -221,7 +293,7 @@ class CpuRefBackend(Backend):
         unit = self.units[key]
         w = {}
         for e in unit.entries:
-            w[e.name] = torch.empty(e.geometry.shape, dtype=self.dtype)
+            w[e.name] = self.new_buffer(e.geometry)
             self.fill(w[e.name], e.source)
         self.ckpt.drop_around(_names(unit), self._live)
         return w

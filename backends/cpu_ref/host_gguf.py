@@ -1,6 +1,6 @@
 """GGUF block GEMV on the host's cores (``csrc/host_gguf.cpp``): y [M, N] float32 = x [M, K] @ W.T with W [N, K]
-held as ggml's blocks (uint8, each row a run of blocks) for Q8_0, Q4_0, Q4_K and Q6_K. The first step of running
-a MoE's experts on the CPU; nothing calls it yet.
+held as ggml's blocks (uint8, each row a run of blocks) for Q8_0, Q4_0, Q4_K and Q6_K. cpu_ref computes a GGUF's
+linears of these types with it (``[backend] host_kernels = "auto"``).
 
 As ggml's CPU ``vec_dot`` does it, each row of x is first quantized to 8 bits a value: q8_0 for Q8_0 and Q4_0 (per
 32 values d = max|x| / 127, kept as float16 as ggml keeps it, q = round-half-even(x * 127 / max|x|)), q8_K for the

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel_core.io import progress
+from kestrel_core.config import BackendConfig
 from kestrel_core.engine.backend import Backend, BackendContext
 from backends.cuda.budget import RESERVE, fit_budget, fit_room, resolve_budget
 from kestrel_core.engine.devices import compute_device
@@ -80,6 +81,10 @@ class CudaBackend(Backend):
         if ctx.backend.threads:
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
                           "effect here", KestrelNote, stacklevel=2)
+        if ctx.backend.host_kernels != attrs.fields(BackendConfig).host_kernels.default:
+            warnings.warn(f"host_kernels = {ctx.backend.host_kernels!r} picks how cpu_ref computes a GGUF's blocks; the "
+                          "cuda backend computes them on the GPU (gguf_kernels), so it has no effect here", KestrelNote,
+                          stacklevel=2)
         # Compute runs on whatever stream is current (the default one, or a graph's capture stream);
         # prefetched uploads run on a side stream, ordered against it by events
         # (speculative expert prefetch uploads there too, and a prompt chunk's routed experts under an expert policy).

@@ -60,6 +60,10 @@ def add_arguments(p) -> None:
     p.add_argument("--layer-ops", default="", metavar="CHOICES",
                    help="also --gguf's off row with each of these [backend] layer_ops (comma-separated: fused, auto, "
                         "torch; e.g. fused beside the default's torch steps, in the same run)")
+    p.add_argument("--host-kernels", default="", metavar="CHOICES",
+                   help="cpu_ref: --gguf's off and keep=1 rows with each of these [backend] host_kernels "
+                        "(comma-separated: off, auto; e.g. off,auto: the float32 dequantization beside the host "
+                        "GGUF kernel, in the same run)")
     p.add_argument("--interleave", type=int, default=None, help="rounds of off against keep=L (default 3 on cuda, 0)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, of {', '.join(peers.NAMES)} (default on cuda: "
@@ -100,7 +104,22 @@ def label_of(s: dict) -> str:
     if s.get("allocator"):
         head += f", {s['allocator']}"
     return head + (", --compile" if s.get("compile") else "") + (f", layer_ops {s['layer_ops']}" if s.get("layer_ops")
-                                                                  else "")
+                                                                  else "") + (
+        f", host_kernels {s['host_kernels']}" if s.get("host_kernels") else "")
+
+
+def host_kernels_of(args) -> list[str]:
+    """``--host-kernels``: the [backend] host_kernels of the GGUF section's off and keep=1 rows (checked before any
+    row runs); empty: the default's rows alone."""
+    from kestrel_core.config import HOST_KERNELS
+
+    chosen = [v.strip() for v in args.host_kernels.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in HOST_KERNELS]
+    if bad:
+        raise BenchError(f"--host-kernels: {', '.join(bad)}: each one of {', '.join(HOST_KERNELS)}")
+    if chosen and (not args.gguf or args.backend != "cpu_ref"):
+        raise BenchError("--host-kernels sets cpu_ref's rows of --gguf's section: give --gguf TYPE and --backend cpu_ref")
+    return chosen
 
 
 def layer_ops_of(args) -> list[str]:
@@ -242,6 +261,7 @@ def run(args, record) -> dict:
     graphs_modes = (args.graphs or ("auto,off" if cuda else "auto")).split(",")
     bins = llama_cpp.check(args)
     layer_ops_of(args)  # a bad --layer-ops is refused before any row
+    host_kernels_of(args)
     if args.rows == "none":
         if not args.gguf:
             raise BenchError("--rows none leaves only --gguf's section: give --gguf TYPE")
@@ -343,8 +363,9 @@ def gguf_section(args, pinned, bf16_off: dict, bins: llama_cpp.Binaries | None =
         warm_up(gmodel, args)
         rows = Rows(gmodel, args, pinned, prefix=f"{type_name} ")
         out["rows"] = rows.rows
-        rows.run([{"keep": "off"}, *({"keep": "off", "layer_ops": v} for v in layer_ops_of(args)),
-                  {"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0}], modes)
+        kernels = [{"host_kernels": v} for v in host_kernels_of(args)] or [{}]
+        rows.run([*({"keep": "off", **k} for k in kernels), *({"keep": "off", "layer_ops": v} for v in layer_ops_of(args)),
+                  *({"policy": "asymmetric", "keep": 1, "prefetch": 1 if cuda else 0, **k} for k in kernels)], modes)
         if bins is not None:
             settings = {"backend": args.backend, "keep": "off", **({"dtype": args.dtype} if args.dtype else {})}
             out["llama_cpp"] = llama_cpp.compare(bins, gmodel, gpath, settings, shape=args.preset + (
