@@ -9,7 +9,9 @@ one line that names what is missing, and ``KESTREL_BUILD_VERBOSE=1`` shows the b
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from typing import Callable
 
 from csrc import SOURCE_DIR
@@ -53,8 +55,13 @@ class Extension:
         if self.cuda:
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
         try:
-            return load(name=name, sources=[str(SOURCE_DIR / s) for s in self.sources], extra_cflags=self.cflags,
-                        verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1", **kw)
+            t0 = time.perf_counter()
+            module = load(name=name, sources=[str(SOURCE_DIR / s) for s in self.sources], extra_cflags=self.cflags,
+                          verbose=os.environ.get("KESTREL_BUILD_VERBOSE") == "1", **kw)
+            took = time.perf_counter() - t0
+            if took > 5:  # a compile, not torch's cached build: say where the pause went
+                print(f"kestrel: built {self.label} in {took:.0f} s (torch caches it for later runs)", file=sys.stderr)
+            return module
         except Exception as exc:  # a compiler or loader failure of any kind
             lines = str(exc).strip().splitlines()
             detail = lines[-1] if lines else type(exc).__name__

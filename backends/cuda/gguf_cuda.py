@@ -15,11 +15,13 @@ cannot run, and ``gguf_kernels.matmul`` then keeps these types on Triton. ``KEST
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from gguf import GGMLQuantizationType
 
 from csrc.build import Extension
+from kestrel_core.errors import KestrelNote
 from kestrel_core.formats.gguf_quants import check_product
 
 T = GGMLQuantizationType
@@ -40,9 +42,20 @@ EXTENSION = Extension("kestrel_gguf_gemv", ["gguf_gemv.cpp", "gguf_gemv.cu"], "t
 load, usable = EXTENSION.load, EXTENSION.usable  # the built module (RuntimeError: why not); why not (None: it runs)
 
 
+_said = False
+
+
 def takes(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> bool:
-    """Whether ``matmul`` runs this product: a K-quant it computes, x on a CUDA device, whole super-blocks, built."""
-    return qtype in TYPES and x.is_cuda and k % 256 == 0 and usable() is None
+    """Whether ``matmul`` runs this product: a K-quant it computes, x on a CUDA device, whole super-blocks, built. On
+    a GPU where it cannot build, a note says so once (these types then run on the Triton kernel)."""
+    global _said
+    if qtype not in TYPES or not x.is_cuda or k % 256:
+        return False
+    why = usable()
+    if why is not None and not _said and os.environ.get("KESTREL_GGUF_CUDA", "1") != "0":
+        _said = True
+        warnings.warn(f"{why}; Q4_K and Q6_K run on the slower Triton kernel instead", KestrelNote, stacklevel=2)
+    return why is None
 
 
 def plan(k: int, m: int = 1) -> tuple[int, int]:
