@@ -186,3 +186,21 @@ def test_an_entry_writes_each_segments_columns_in_x_dtype(built, rows):
     want = torch.cat([gguf_cuda.matmul(x, raw, q, n, k) for raw, (q, n) in zip(raws, parts)], dim=1)
     assert torch.equal(y, want.to(torch.bfloat16))
     assert torch.equal(blocks.block_linear(x[-1:], w), y[-1:])
+
+
+def test_a_gpu_where_it_cannot_build_says_so_once(monkeypatch):
+    import warnings
+
+    from kestrel_core.errors import KestrelNote
+
+    class OnDevice:  # an activation on a CUDA device, as far as ``takes`` looks
+        is_cuda = True
+
+    monkeypatch.setattr(gguf_cuda, "_said", False)
+    monkeypatch.setattr(gguf_cuda, "usable", lambda: "the CUDA GGUF kernel did not build (OSError: nvcc: not found)")
+    with pytest.warns(KestrelNote, match=r"did not build \(OSError: nvcc: not found\); Q4_K and Q6_K run on the slower"):
+        assert not gguf_cuda.takes(OnDevice(), T.Q4_K, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second product says nothing
+        assert not gguf_cuda.takes(OnDevice(), T.Q6_K, 256)
+        assert not gguf_cuda.takes(OnDevice(), T.Q8_0, 256)  # a type it does not compute: not its business
