@@ -346,6 +346,89 @@ AVX2 float dot_q6_k_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
   }
   return finish(acc);
 }
+
+// The same arithmetic for MR rows of x at once: a block's quants and scales are decoded once and meet each row's
+// int8 values in turn; each row's integer sums and float terms are the one-row function's, in its order, so each
+// output is bitwise that function's (the rows share no float operation).
+template <int MR>
+AVX2 void rows_q4_k_avx2(const uint8_t* w, const QRow* x, int64_t nb, float* out) {
+  float acc[MR][4] = {};
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 144;
+    const uint8_t* qs = blk + 16;
+    int sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(blk + 4, j, sc[j], mn[j]);
+    __m256i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      lo[c] = _mm256_and_si256(q, m4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+    const float wd = h2f(blk), wdmin = h2f(blk + 2);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xq = x[m].qs + b * 256;
+      const int16_t* bs = x[m].bsums + b * 16;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[c], x0), _mm256_set1_epi16((int16_t)sc[2 * c]));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[c], x1), _mm256_set1_epi16((int16_t)sc[2 * c + 1]));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+      }
+      const int S = hsum_i32(sumi);
+      int Mins = 0;
+      for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
+      const float d = x[m].d[b] * wd, dmin = x[m].d[b] * wdmin;
+      acc[m][b & 3] += d * (float)S - dmin * (float)Mins;
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
+}
+
+template <int MR>
+AVX2 void rows_q6_k_avx2(const uint8_t* w, const QRow* x, int64_t nb, float* out) {
+  float acc[MR][4] = {};
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    __m256i q[2][4], s[2][4];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      q[h][0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+      q[h][1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+      q[h][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+      q[h][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+      for (int c = 0; c < 4; ++c) {
+        const int g = 8 * h + 2 * c;
+        s[h][c] = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+      }
+    }
+    const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const float wd = h2f(blk + 208);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xq = x[m].qs + b * 256;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < 4; ++c) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * h + 32 * c));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[h][c], xv), s[h][c]));
+        }
+      const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m].bsums + b * 16));
+      const int S = hsum_i32(sumi) - 32 * hsum_i32(_mm256_madd_epi16(bsv, scv));
+      const float d = x[m].d[b] * wd;
+      acc[m][b & 3] += d * (float)S;
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
+}
 #endif  // KESTREL_X86
 
 bool cpu_has_avx2() {
@@ -358,11 +441,15 @@ bool cpu_has_avx2() {
 }
 
 using DotFn = float (*)(const uint8_t*, const QRow&, int64_t);
+using RowsFn = void (*)(const uint8_t*, const QRow*, int64_t, float*);  // kRowsAtOnce rows of x, bitwise DotFn's
+
+constexpr int kRowsAtOnce = 4;
 
 struct TypeInfo {
   int block, bytes;
   bool k_quant;
   DotFn scalar, avx2;
+  RowsFn avx2_rows = nullptr;  // where decoding a block once for several rows pays (the K-quants)
 };
 
 TypeInfo type_info(int64_t qtype) {
@@ -370,8 +457,8 @@ TypeInfo type_info(int64_t qtype) {
 #if KESTREL_X86
     case QT_Q8_0: return {32, 34, false, dot_q8_0_scalar, dot_32_avx2<34, false>};
     case QT_Q4_0: return {32, 18, false, dot_q4_0_scalar, dot_32_avx2<18, true>};
-    case QT_Q4_K: return {256, 144, true, dot_q4_k_scalar, dot_q4_k_avx2};
-    case QT_Q6_K: return {256, 210, true, dot_q6_k_scalar, dot_q6_k_avx2};
+    case QT_Q4_K: return {256, 144, true, dot_q4_k_scalar, dot_q4_k_avx2, rows_q4_k_avx2<kRowsAtOnce>};
+    case QT_Q6_K: return {256, 210, true, dot_q6_k_scalar, dot_q6_k_avx2, rows_q6_k_avx2<kRowsAtOnce>};
 #else
     case QT_Q8_0: return {32, 34, false, dot_q8_0_scalar, nullptr};
     case QT_Q4_0: return {32, 18, false, dot_q4_0_scalar, nullptr};
@@ -418,6 +505,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
   TORCH_CHECK(w.numel() == n * row_bytes, "host_gguf: the weight holds ", w.numel(), " bytes, not ", n * row_bytes);
   const std::string chosen = resolve_isa(isa);
   const DotFn dot = chosen == "avx2" ? t.avx2 : t.scalar;
+  const RowsFn many = chosen == "avx2" ? t.avx2_rows : nullptr;
   TORCH_CHECK(dot != nullptr, "host_gguf: no ", chosen, " path on this architecture");
   auto q = quantize_x(x, qtype);
   const int64_t M = x.size(0);
@@ -433,7 +521,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* wr = wp + i * row_bytes;
-      for (int64_t m = 0; m < M; ++m) yp[m * n + i] = dot(wr, rows[m], nb);
+      int64_t m = 0;
+      if (many != nullptr) {  // whole groups of kRowsAtOnce rows: each block decoded once a group
+        float got[kRowsAtOnce];
+        for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) {
+          many(wr, rows.data() + m, nb, got);
+          for (int r = 0; r < kRowsAtOnce; ++r) yp[(m + r) * n + i] = got[r];
+        }
+      }
+      for (; m < M; ++m) yp[m * n + i] = dot(wr, rows[m], nb);
     }
   });
   return y;
