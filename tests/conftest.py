@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import warnings
 from pathlib import Path
 
 # Tiny models gain nothing from intra-op threads, and on a small or busy box OpenMP threads that
@@ -49,6 +51,23 @@ def pytest_generate_tests(metafunc):
             "backend",
             [pytest.param(b, marks=[pytest.mark.cuda] if b in GPU_BACKENDS else [], id=b) for b in BACKENDS],
         )
+
+
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_as_found(request):
+    """Each test starts with the handlers the one before found: a test that leaves SIGINT ignored (the CLI's ``main()``
+    ignores signals as a process exits) would make every later in-process signal test see nothing. One that changed
+    them is named in a warning, and they are put back."""
+    held = {s: signal.getsignal(s) for s in _SIGNALS}
+    yield
+    moved = [signal.Signals(s).name for s, h in held.items() if signal.getsignal(s) is not h]
+    for s, h in held.items():
+        signal.signal(s, signal.SIG_DFL if h is None else h)
+    if moved:
+        warnings.warn(f"{request.node.nodeid} left the handlers of {', '.join(moved)} changed (put back)")
 
 
 def pytest_runtest_setup(item):
