@@ -58,9 +58,10 @@ _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if 
 
 @pytest.fixture(autouse=True)
 def signal_handlers_as_found(request):
-    """Each test starts with the handlers the one before found: a test that leaves SIGINT ignored (the CLI's ``main()``
+    """Each test leaves SIGINT, SIGTERM and SIGHUP as it found them: one that left SIGINT ignored (the CLI's ``main()``
     ignores signals as a process exits) would make every later in-process signal test see nothing. One that changed
-    them is named in a warning, and they are put back."""
+    them is named in a warning, and they are put back. (A run started with SIGINT ignored, as a shell's background
+    job is without job control, fails those tests whatever this does: start the suite in the foreground.)"""
     held = {s: signal.getsignal(s) for s in _SIGNALS}
     yield
     moved = [signal.Signals(s).name for s, h in held.items() if signal.getsignal(s) is not h]
