@@ -56,6 +56,13 @@ static void launch(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tens
       launch_chunk<2, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     } else if (mr <= 4) {
       launch_chunk<4, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
+    } else if (qtype == kQ4K) {
+      // Q4_K's 8-row kernel (one weight row a block) measured slower than 8 one-row launches on an H100
+      // (gguf-gemv_20261207T150648Z: 209.6 us against 18.3 a row at 12288 x 4096): a row's bits are the same either way
+      for (int r = 0; r < mr; ++r) {
+        launch_chunk<1, 4, XT, YT>(qtype, xa + static_cast<int64_t>(r) * k, wp, oa + static_cast<int64_t>(r) * ldo,
+                                   ldo, n, k, row_bytes, 1, warps, aligned, stream);
+      }
     } else {
       launch_chunk<8, 1, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     }
