@@ -7,7 +7,7 @@
 
 void gguf_gemv_cuda(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, at::Tensor& out,
                     int64_t warps);
-std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m);
+std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m, int64_t qtype);
 
 static bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -44,5 +44,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kestrel GGUF K-quant GEMV (Q4_K, Q6_K): float32 arithmetic on ggml's blocks; the product itself is "
             "torch.ops.kestrel_gguf.gemv_out";
   m.def("plan", &gguf_gemv_plan, "[warps a block (from k alone), weight rows a block] for a weight of k columns and "
-        "a chunk of m activation rows", pybind11::arg("k"), pybind11::arg("m") = 1);
+        "a chunk of m activation rows", pybind11::arg("k"), pybind11::arg("m") = 1, pybind11::arg("qtype") = 12);
 }

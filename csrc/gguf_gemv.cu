@@ -16,9 +16,10 @@ int default_warps(int64_t k) {
   return units <= 64 ? 1 : units <= 192 ? 2 : 4;
 }
 
-// Rows a block for a chunk of m activation rows: as many as the registers hold without spilling (the rows of a block
-// share their activation loads; a row's bits do not depend on it).
-int rows_per_block(int m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
+// Weight rows a block for a chunk of m activation rows, as ``launch`` picks them: as many as the registers hold without
+// spilling (the rows of a block share their activation loads; a row's bits do not depend on it); Q4_K's chunks of 5
+// to 8 rows run as one-row launches.
+int rows_per_block(int m, int qtype) { return m == 1 || (qtype == kQ4K && m > 4) ? 4 : m <= 4 ? 2 : 1; }
 
 template <int M, int R, typename XT, typename YT>
 static void launch_chunk(int qtype, const XT* x, const uint8_t* w, YT* out, int64_t ldo, int n, int k,
@@ -94,6 +95,7 @@ void gguf_gemv_cuda(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int
   }
 }
 
-std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m) {
-  return {kestrel_gguf::default_warps(k), kestrel_gguf::rows_per_block(static_cast<int>(std::min<int64_t>(m, 8)))};
+std::vector<int64_t> gguf_gemv_plan(int64_t k, int64_t m, int64_t qtype) {
+  return {kestrel_gguf::default_warps(k),
+          kestrel_gguf::rows_per_block(static_cast<int>(std::min<int64_t>(m, 8)), static_cast<int>(qtype))};
 }

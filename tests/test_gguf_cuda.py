@@ -204,3 +204,11 @@ def test_a_gpu_where_it_cannot_build_says_so_once(monkeypatch):
         warnings.simplefilter("error")  # once: the second product says nothing
         assert not gguf_cuda.takes(OnDevice(), T.Q6_K, 256)
         assert not gguf_cuda.takes(OnDevice(), T.Q8_0, 256)  # a type it does not compute: not its business
+
+
+@needs_gpu
+def test_the_plan_follows_the_shape_and_the_chunk(built):
+    """Warps from K alone (a row's bits depend on them); rows a block by the chunk (they change no bits)."""
+    assert [gguf_cuda.plan(k)[0] for k in (2048, 4096, 12288, 16384)] == [1, 1, 2, 4]
+    assert [gguf_cuda.plan(4096, m, T.Q6_K)[1] for m in (1, 2, 4, 8)] == [4, 2, 2, 1]
+    assert [gguf_cuda.plan(4096, m, T.Q4_K)[1] for m in (1, 2, 4, 8)] == [4, 2, 2, 4]  # 5-8 rows: one-row launches

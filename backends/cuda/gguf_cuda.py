@@ -30,6 +30,7 @@ TYPES = (T.Q4_K, T.Q6_K)
 MAX_ROWS = 8  # activation rows a launch
 WARPS = (1, 2, 4)
 
+
 def _why_not() -> str | None:
     if os.environ.get("KESTREL_GGUF_CUDA", "1") == "0":
         return "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
@@ -59,9 +60,9 @@ def takes(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> bool:
     return why is None
 
 
-def plan(k: int, m: int = 1) -> tuple[int, int]:
-    """(warps a block, from K alone; weight rows a block for a chunk of m activation rows)."""
-    warps, rows = load().plan(k, m)
+def plan(k: int, m: int = 1, qtype: GGMLQuantizationType = T.Q4_K) -> tuple[int, int]:
+    """(warps a block, from K alone; weight rows a block for a chunk of m activation rows of ``qtype``)."""
+    warps, rows = load().plan(k, m, int(qtype))
     return warps, rows
 
 

@@ -246,7 +246,7 @@ def shape_rows(qtype, label: str, n: int, k: int, rows: list[int], plans: list[d
             xm = x[:m]
             plan_m, warps_m = chosen, warps
             if mod is gguf_cuda:
-                plan_m = [warps, gguf_cuda.plan(k, m)[1]]  # warps a block, weight rows a block
+                plan_m = [warps, gguf_cuda.plan(k, m, qtype)[1]]  # warps a block, weight rows a block
             if mod is gguf_int8 and m >= gguf_int8.MMQ_ROWS and qtype in gguf_int8.MMQ_TYPES and "mmq_plan" not in kw:
                 plan_m, warps_m = gguf_int8.mmq_tiles(m), gguf_int8.mmq_tiles(m)[2]  # the tensor-core kernel's tile
             t = timed(rotate(lambda w: lambda: mod.matmul(xm, w, qtype, n, k, **kw)), graph_reps,
