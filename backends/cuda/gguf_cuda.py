@@ -27,13 +27,15 @@ from kestrel_core.formats.gguf_quants import check_product
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q6_K)
-MAX_ROWS = 8  # activation rows a launch
 WARPS = (1, 2, 4)
+
+
+TURNED_OFF = "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
 
 
 def _why_not() -> str | None:
     if os.environ.get("KESTREL_GGUF_CUDA", "1") == "0":
-        return "the CUDA GGUF kernel is turned off (KESTREL_GGUF_CUDA=0)"
+        return TURNED_OFF
     if not torch.cuda.is_available() or torch.version.cuda is None:
         return "the CUDA GGUF kernel needs a CUDA GPU and a CUDA build of torch"
     return None
@@ -54,7 +56,7 @@ def takes(x: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> bool:
     if qtype not in TYPES or not x.is_cuda or k % 256:
         return False
     why = usable()
-    if why is not None and not _said and os.environ.get("KESTREL_GGUF_CUDA", "1") != "0":
+    if why is not None and why != TURNED_OFF and not _said:  # the user's own switch needs no note
         _said = True
         warnings.warn(f"{why}; Q4_K and Q6_K run on the slower Triton kernel instead", KestrelNote, stacklevel=2)
     return why is None
