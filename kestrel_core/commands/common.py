@@ -57,8 +57,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
     g.add_argument("--gguf-kernels", help="float (default): a GGUF's blocks dequantized in the kernel; int8: x quantized "
                    "to int8, int8 dot products (prompts and large batches on the tensor cores)")
-    g.add_argument("--layer-ops", help="torch (default): a layer's norms, rotary, residual adds and SiLU in torch's "
-                   "ops; fused: as fused Triton kernels, or an error; auto: those where they run")
+    g.add_argument("--layer-ops", help="auto (default): a layer's norms, rotary, residual adds and SiLU as fused "
+                   "Triton kernels where they run, else torch's ops; fused: those kernels, or an error; torch: torch's ops")
     g.add_argument("--compile", action="store_true", default=None,
                    help="fuse the decode step's layer math with torch.compile (needs Triton on a GPU; the first step compiles)")
     g = p.add_argument_group("cpu_ref")
