@@ -429,6 +429,128 @@ AVX2 void rows_q6_k_avx2(const uint8_t* w, const QRow* x, int64_t nb, float* out
   }
   for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
 }
+
+// ---- AVX-512 (F, BW, VL, VNNI): the K-quants on 512-bit vectors --------------------------------------------------
+// A zmm holds two 32-value groups (Q4_K: a chunk's low nibbles, group 2c, beside its high nibbles, group 2c + 1, against
+// the 64 x bytes of those groups, which lie back to back; Q6_K: two consecutive 32-value runs); maddubs gives int16
+// pairs and VNNI's dpwssd multiplies them by the groups' int16 scales and adds into int32 lanes, without saturation.
+// The block's integer sums are the AVX2 path's exactly (integers, any order), and every float step is that path's, so
+// the bits are the same. Q8_0 and Q4_0 keep their AVX2 functions on this path.
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+AVX512 inline __m512i pair512(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+AVX512 inline __m512i scales512(int a, int b) {  // 16 x int16 a, then 16 x int16 b
+  return pair512(_mm256_set1_epi16((int16_t)a), _mm256_set1_epi16((int16_t)b));
+}
+
+// a Q4_K block's 4 chunks as 4 zmm: chunk c's low nibbles (group 2c) then its high nibbles (group 2c + 1)
+AVX512 inline void q4_k_nibbles512(const uint8_t* qs, __m512i* v) {
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    v[c] = pair512(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+  }
+}
+
+// a Q6_K block's 256 values (0..63) as 4 zmm in value order: h = 0, 1, each two zmm of 64 values (groups of 32 t)
+AVX512 inline void q6_k_values512(const uint8_t* blk, __m512i* v) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+    const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+    const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+    v[2 * h] = pair512(q0, q1);
+    v[2 * h + 1] = pair512(q2, q3);
+  }
+}
+
+// Q6_K's int8 scales of 16 values, for the zmm of values 64 i .. 64 i + 63 (groups 4i .. 4i + 3, 16 lanes of 16 bits a
+// group): the AVX2 path's s[h][c] pairs, two at a time
+AVX512 inline __m512i q6_k_scales512(const int8_t* sc, int i) {
+  const __m256i a = _mm256_set_m128i(_mm_set1_epi16(sc[4 * i + 1]), _mm_set1_epi16(sc[4 * i]));
+  const __m256i b = _mm256_set_m128i(_mm_set1_epi16(sc[4 * i + 3]), _mm_set1_epi16(sc[4 * i + 2]));
+  return pair512(a, b);
+}
+
+AVX512 inline int hsum512(__m512i v) { return _mm512_reduce_add_epi32(v); }
+
+template <int MR>
+AVX512 void rows_q4_k_avx512(const uint8_t* w, const QRow* x, int64_t nb, float* out) {
+  float acc[MR][4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 144;
+    int sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(blk + 4, j, sc[j], mn[j]);
+    __m512i v[4], s[4];
+    q4_k_nibbles512(blk + 16, v);
+    for (int c = 0; c < 4; ++c) s[c] = scales512(sc[2 * c], sc[2 * c + 1]);
+    const float wd = h2f(blk), wdmin = h2f(blk + 2);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xq = x[m].qs + b * 256;
+      const int16_t* bs = x[m].bsums + b * 16;
+      __m512i sumi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xv = _mm512_loadu_si512(xq + 64 * c);
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(v[c], xv), s[c]);
+      }
+      const int S = hsum512(sumi);
+      int Mins = 0;
+      for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
+      const float d = x[m].d[b] * wd, dmin = x[m].d[b] * wdmin;
+      acc[m][b & 3] += d * (float)S - dmin * (float)Mins;
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
+}
+
+template <int MR>
+AVX512 void rows_q6_k_avx512(const uint8_t* w, const QRow* x, int64_t nb, float* out) {
+  float acc[MR][4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    __m512i v[4], s[4];
+    q6_k_values512(blk, v);
+    for (int i = 0; i < 4; ++i) s[i] = q6_k_scales512(sc, i);
+    const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const float wd = h2f(blk + 208);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xq = x[m].qs + b * 256;
+      __m512i sumi = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        const __m512i xv = _mm512_loadu_si512(xq + 64 * i);
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(v[i], xv), s[i]);
+      }
+      const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[m].bsums + b * 16));
+      const int S = hsum512(sumi) - 32 * hsum_i32(_mm256_madd_epi16(bsv, scv));
+      const float d = x[m].d[b] * wd;
+      acc[m][b & 3] += d * (float)S;
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
+}
+
+AVX512 float dot_q4_k_avx512(const uint8_t* w, const QRow& x, int64_t nb) {
+  float y;
+  rows_q4_k_avx512<1>(w, &x, nb, &y);
+  return y;
+}
+
+AVX512 float dot_q6_k_avx512(const uint8_t* w, const QRow& x, int64_t nb) {
+  float y;
+  rows_q6_k_avx512<1>(w, &x, nb, &y);
+  return y;
+}
 #endif  // KESTREL_X86
 
 bool cpu_has_avx2() {
@@ -450,6 +572,8 @@ struct TypeInfo {
   bool k_quant;
   DotFn scalar, avx2;
   RowsFn avx2_rows = nullptr;  // where decoding a block once for several rows pays (the K-quants)
+  DotFn avx512 = nullptr;      // nullptr: the avx2 function serves the avx512 path
+  RowsFn avx512_rows = nullptr;
 };
 
 TypeInfo type_info(int64_t qtype) {
@@ -457,8 +581,10 @@ TypeInfo type_info(int64_t qtype) {
 #if KESTREL_X86
     case QT_Q8_0: return {32, 34, false, dot_q8_0_scalar, dot_32_avx2<34, false>};
     case QT_Q4_0: return {32, 18, false, dot_q4_0_scalar, dot_32_avx2<18, true>};
-    case QT_Q4_K: return {256, 144, true, dot_q4_k_scalar, dot_q4_k_avx2, rows_q4_k_avx2<kRowsAtOnce>};
-    case QT_Q6_K: return {256, 210, true, dot_q6_k_scalar, dot_q6_k_avx2, rows_q6_k_avx2<kRowsAtOnce>};
+    case QT_Q4_K: return {256, 144, true, dot_q4_k_scalar, dot_q4_k_avx2, rows_q4_k_avx2<kRowsAtOnce>,
+                          dot_q4_k_avx512, rows_q4_k_avx512<kRowsAtOnce>};
+    case QT_Q6_K: return {256, 210, true, dot_q6_k_scalar, dot_q6_k_avx2, rows_q6_k_avx2<kRowsAtOnce>,
+                          dot_q6_k_avx512, rows_q6_k_avx512<kRowsAtOnce>};
 #else
     case QT_Q8_0: return {32, 34, false, dot_q8_0_scalar, nullptr};
     case QT_Q4_0: return {32, 18, false, dot_q4_0_scalar, nullptr};
@@ -469,12 +595,23 @@ TypeInfo type_info(int64_t qtype) {
   }
 }
 
-std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
+bool cpu_has_avx512() {
+#if KESTREL_X86 && (defined(__GNUC__) || defined(__clang__))
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+std::string best_isa() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar"; }
 
 std::string resolve_isa(const std::string& isa) {
   if (isa.empty() || isa == "auto") return best_isa();
-  TORCH_CHECK(isa == "scalar" || isa == "avx2", "host_gguf: isa must be auto, scalar or avx2, not ", isa);
-  TORCH_CHECK(isa == "scalar" || cpu_has_avx2(), "host_gguf: this CPU lacks AVX2, FMA or F16C");
+  TORCH_CHECK(isa == "scalar" || isa == "avx2" || isa == "avx512",
+              "host_gguf: isa must be auto, scalar, avx2 or avx512, not ", isa);
+  TORCH_CHECK(isa != "avx2" || cpu_has_avx2(), "host_gguf: this CPU lacks AVX2, FMA or F16C");
+  TORCH_CHECK(isa != "avx512" || cpu_has_avx512(), "host_gguf: this CPU lacks AVX-512 F, BW, VL or VNNI");
   return isa;
 }
 
@@ -504,8 +641,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
   const int64_t nb = k / t.block, row_bytes = nb * t.bytes;
   TORCH_CHECK(w.numel() == n * row_bytes, "host_gguf: the weight holds ", w.numel(), " bytes, not ", n * row_bytes);
   const std::string chosen = resolve_isa(isa);
-  const DotFn dot = chosen == "avx2" ? t.avx2 : t.scalar;
-  const RowsFn many = chosen == "avx2" ? t.avx2_rows : nullptr;
+  const bool wide = chosen == "avx512" && t.avx512 != nullptr;
+  const DotFn dot = wide ? t.avx512 : chosen == "scalar" ? t.scalar : t.avx2;
+  const RowsFn many = wide ? t.avx512_rows : chosen == "scalar" ? nullptr : t.avx2_rows;
   TORCH_CHECK(dot != nullptr, "host_gguf: no ", chosen, " path on this architecture");
   auto q = quantize_x(x, qtype);
   const int64_t M = x.size(0);
@@ -539,11 +677,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kestrel host GGUF GEMV: y = x @ W.T on ggml's blocks (Q8_0, Q4_0, Q4_K, Q6_K), x quantized to 8 bits as "
-            "ggml's vec_dot does, integer dots, float32 terms; AVX2 or scalar";
+            "ggml's vec_dot does, integer dots, float32 terms; AVX-512, AVX2 or scalar";
   m.def("gemv", &gemv, "y [M, n] float32 = x [M, k] float32 @ W.T, W the uint8 blocks of [n, k]", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("k"),
         pybind11::arg("isa") = "auto");
   m.def("quantize_x", &quantize_x, "x's 8-bit blocks as the kernel makes them: [qs int8, d float32, bsums int16]",
         pybind11::arg("x"), pybind11::arg("qtype"));
-  m.def("best_isa", &best_isa, "the path 'auto' takes on this CPU: avx2 or scalar");
+  m.def("best_isa", &best_isa, "the path 'auto' takes on this CPU: avx512, avx2 or scalar");
 }

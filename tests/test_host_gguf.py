@@ -7,7 +7,8 @@ K-quants, and a block count that is not a multiple of 4, so the accumulators' ta
 - the kernel against ``reference`` bitwise: x's quantization is the same float32 steps, the integer dots are exact,
   each block's float32 term is formed by the same products in the same order, and the build fuses no multiply-add
   (-ffp-contract=off), so there is no rounding for the two to differ by; tolerance 0;
-- the scalar path (``isa="scalar"`` and $KESTREL_HOST_GGUF_ISA=scalar) bitwise the AVX2 path, for the same reasons;
+- the scalar path (``isa="scalar"`` and $KESTREL_HOST_GGUF_ISA=scalar) bitwise the AVX2 path, and the AVX-512 one
+  (512-bit maddubs and VNNI's dpwssd for the K-quants) bitwise both, for the same reasons, on every path the CPU has;
 - against ``x @ dequantize(W).T`` in float32 within ``host_gguf.bound`` per output: x's quantization moves each
   value by at most max|x of its block| / 254 (with float16's rounding of q8_0's d, 1.001 of it), times |W|, plus 1e-5
   of sum |x| |W| for the float32 sums (``host_gguf.TOLERANCE``);
@@ -81,6 +82,42 @@ def test_against_the_reference_and_the_float_product(qtype, m):
     assert float((y - want).norm() / want.norm()) < 5e-2
 
 
+BEST = host_gguf.load().best_isa() if why is None else "scalar"
+ORDER = ("scalar", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("qtype", list(host_gguf.TYPES), ids=lambda t: t.name)
+def test_each_vector_path_is_the_scalar_paths_bits(qtype, m, isa):
+    """m = 5 and 8: the K-quants' rows-at-once functions (4 rows a group) and the one-row tail beside them."""
+    if ORDER.index(isa) > ORDER.index(BEST):
+        pytest.skip(f"this CPU's best path is {BEST}")
+    k = K[qtype] * 3  # 15 super-blocks or 39 blocks: the lanes' tail again, over more blocks
+    raw = weight(qtype, k=k, seed=3)
+    x = inputs(m, k, seed=4)
+    y = host_gguf.matmul(x, raw, qtype, N, k, isa=isa)
+    assert torch.equal(y, host_gguf.matmul(x, raw, qtype, N, k, isa="scalar"))
+    assert torch.equal(y, host_gguf.reference(x, raw, qtype, N, k))
+
+
+def test_a_path_the_cpu_lacks_is_refused_in_one_line(monkeypatch):
+    module = host_gguf.load()
+
+    class Lacks:  # the built module, on a CPU whose best is AVX2
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def best_isa(self):
+            return "avx2"
+
+    monkeypatch.setattr(host_gguf, "load", lambda: Lacks())
+    with pytest.raises(ValueError, match="avx512 path needs a CPU with AVX-512 F, BW, VL and VNNI") as info:
+        host_gguf.which_isa("avx512")
+    assert "\n" not in str(info.value)
+    assert host_gguf.which_isa("avx2") == "avx2" and host_gguf.which_isa() == "avx2"
+
+
 def test_random_q8_0_bytes_with_minus_128():
     raw = weight(T.Q8_0, quantized=False)
     assert (raw.numpy()[:, 2:34].view(np.int8) == -128).any()
@@ -129,7 +166,8 @@ def test_the_path_is_told_once(capsys, monkeypatch):
     (lambda raw, x: host_gguf.matmul(x, raw.view(torch.int8), T.Q4_K, N, 1280), "uint8 CPU tensor"),
     (lambda raw, x: host_gguf.matmul(x, raw[:-1], T.Q4_K, N, 1280), f"weight is {N * 5 * 144} bytes"),
     (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N + 1, 1280), "weight is"),
-    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1280, isa="avx512"), "isa is one of auto, scalar, avx2"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1280, isa="avx1024"),
+     "isa is one of auto, scalar, avx2, avx512, not 'avx1024'"),
     (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1280, threads=0), "threads must be a positive int"),
 ])
 def test_bad_input_is_refused_in_one_line(call, message):

@@ -5,10 +5,12 @@ linears of these types with it (``[backend] host_kernels = "auto"``).
 As ggml's CPU ``vec_dot`` does it, each row of x is first quantized to 8 bits a value: q8_0 for Q8_0 and Q4_0 (per
 32 values d = max|x| / 127, kept as float16 as ggml keeps it, q = round-half-even(x * 127 / max|x|)), q8_K for the
 K-quants (per 256 values a float32 d = 1 / (127 / max|x|), the same q, int16 sums per 16). Each weight block is
-combined with x's by exact integer dot products (AVX2 ``maddubs`` / ``madd`` as ggml's, or plain C), then one float32
+combined with x's by exact integer dot products (AVX2 ``maddubs`` / ``madd`` as ggml's; for the K-quants on AVX-512,
+``maddubs`` and VNNI's ``dpwssd`` on 512-bit vectors; or plain C), then one float32
 term a block, added into lane ``b % 4`` of four accumulators; the output is ``(l0 + l1) + (l2 + l3)`` (the source's
-header gives each type's term). The build has no fused multiply-add (``-ffp-contract=off``), so the AVX2 path, the
-scalar path and ``reference`` (numpy, the same steps) give the same bits; the tests hold them bitwise equal.
+header gives each type's term). The build has no fused multiply-add (``-ffp-contract=off``), so the AVX-512 path, the
+AVX2 path, the scalar path and ``reference`` (numpy, the same steps) give the same bits; the tests hold them bitwise
+equal.
 
 Against the float32 product ``x @ dequantize(W).T`` the result differs by the quantization of x: each value of x
 moves by at most half a step, d / 2 = max|x of its block| / 254 (float16 rounding of q8_0's d adds 2^-11
@@ -16,9 +18,10 @@ relative), so ``|y - x @ Wd.T| <= sum_k |Wd[n, k]| * blockmax|x| / 254 * 1.001 +
 states it as that bound (``bound``) plus 1e-5 of ``sum |x| |Wd|`` for the float32 sums.
 
 Built on first use with torch.utils.cpp_extension (C++ only, no GPU needed; torch caches the build). ``usable()``
-says in one line why it cannot run here. The path is AVX2 where the CPU has AVX2, FMA and F16C, else scalar;
-``KESTREL_HOST_GGUF_ISA=scalar`` (or ``avx2``) forces one, as does ``matmul(isa=...)``; the first call says once on
-stderr which path runs.
+says in one line why it cannot run here. The path is AVX-512 where the CPU has AVX-512 F, BW, VL and VNNI (its
+K-quants on 512-bit vectors, Q8_0 and Q4_0 as on AVX2), else AVX2 where it has AVX2, FMA and F16C, else scalar;
+``KESTREL_HOST_GGUF_ISA=scalar`` (or ``avx2``, ``avx512``) forces one, as does ``matmul(isa=...)``; the first call
+says once on stderr which path runs.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kestrel_core.formats.gguf_quants import block_geometry, dequantize, row_nby
 
 T = GGMLQuantizationType
 TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
-ISAS = ("auto", "scalar", "avx2")
+ISAS = ("auto", "scalar", "avx2", "avx512")
 ISA_ENV = "KESTREL_HOST_GGUF_ISA"
 # |y - x @ dequantize(W).T| <= bound(x, W) + FLOAT_SLACK * (|x| @ |W|.T), per output (see the docstring)
 FLOAT_SLACK = 1e-5
@@ -50,8 +53,8 @@ load, usable = EXTENSION.load, EXTENSION.usable  # the built module (RuntimeErro
 
 
 def which_isa(asked: str | None = None) -> str:
-    """The path a call runs: ``asked``, else $KESTREL_HOST_GGUF_ISA, else the best this CPU has ('avx2' or
-    'scalar')."""
+    """The path a call runs: ``asked``, else $KESTREL_HOST_GGUF_ISA, else the best this CPU has ('avx512', 'avx2'
+    or 'scalar')."""
     asked = asked or os.environ.get(ISA_ENV) or "auto"
     if asked not in ISAS:
         raise ValueError(f"the host GGUF kernel's isa is one of {', '.join(ISAS)}, not {asked!r}"
@@ -59,8 +62,11 @@ def which_isa(asked: str | None = None) -> str:
     best = load().best_isa()
     if asked == "auto":
         return best
-    if asked == "avx2" and best != "avx2":
+    if asked == "avx2" and best == "scalar":
         raise ValueError("the host GGUF kernel's avx2 path needs a CPU with AVX2, FMA and F16C; this one lacks one")
+    if asked == "avx512" and best != "avx512":
+        raise ValueError("the host GGUF kernel's avx512 path needs a CPU with AVX-512 F, BW, VL and VNNI (and AVX2, "
+                         "FMA, F16C); this one lacks one: ask for avx2 or auto")
     return asked
 
 
@@ -90,7 +96,7 @@ def check(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: in
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,
            threads: int | None = None, isa: str | None = None) -> torch.Tensor:
     """y [M, n] float32 = x [M, k] @ W.T for W [n, k] held in ``raw`` as ``qtype`` blocks (uint8, ggml's layout),
-    on the host's cores (``threads`` of them for this call, default torch's). ``isa``: 'auto', 'scalar' or 'avx2'."""
+    on the host's cores (``threads`` of them for this call, default torch's). ``isa``: 'auto', 'scalar', 'avx2' or 'avx512'."""
     global _told
     if isinstance(raw, np.ndarray):
         raw = torch.from_numpy(raw)
