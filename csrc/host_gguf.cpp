@@ -604,7 +604,9 @@ bool cpu_has_avx512() {
 #endif
 }
 
-std::string best_isa() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar"; }
+// auto's path: AVX2 where the CPU has it (the AVX-512 path measured no faster on 2 cores of a Xeon with VNNI,
+// bench/results/host-gemv_20261207T172219Z.json: it runs where asked for)
+std::string best_isa() { return cpu_has_avx2() ? "avx2" : "scalar"; }
 
 std::string resolve_isa(const std::string& isa) {
   if (isa.empty() || isa == "auto") return best_isa();
@@ -683,5 +685,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("isa") = "auto");
   m.def("quantize_x", &quantize_x, "x's 8-bit blocks as the kernel makes them: [qs int8, d float32, bsums int16]",
         pybind11::arg("x"), pybind11::arg("qtype"));
-  m.def("best_isa", &best_isa, "the path 'auto' takes on this CPU: avx512, avx2 or scalar");
+  m.def("best_isa", &best_isa, "the path 'auto' takes on this CPU: avx2 or scalar");
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the avx512 path (AVX-512 F, BW, VL, VNNI)");
 }

@@ -18,10 +18,11 @@ relative), so ``|y - x @ Wd.T| <= sum_k |Wd[n, k]| * blockmax|x| / 254 * 1.001 +
 states it as that bound (``bound``) plus 1e-5 of ``sum |x| |Wd|`` for the float32 sums.
 
 Built on first use with torch.utils.cpp_extension (C++ only, no GPU needed; torch caches the build). ``usable()``
-says in one line why it cannot run here. The path is AVX-512 where the CPU has AVX-512 F, BW, VL and VNNI (its
-K-quants on 512-bit vectors, Q8_0 and Q4_0 as on AVX2), else AVX2 where it has AVX2, FMA and F16C, else scalar;
-``KESTREL_HOST_GGUF_ISA=scalar`` (or ``avx2``, ``avx512``) forces one, as does ``matmul(isa=...)``; the first call
-says once on stderr which path runs.
+says in one line why it cannot run here. The path is AVX2 where the CPU has AVX2, FMA and F16C, else scalar;
+``KESTREL_HOST_GGUF_ISA=avx512`` (or ``scalar``, ``avx2``) forces one, as does ``matmul(isa=...)``: the AVX-512 path
+(F, BW, VL and VNNI; the K-quants on 512-bit vectors, Q8_0 and Q4_0 as on AVX2) measured no faster than AVX2 on 2
+cores of a Xeon (``bench/results/host-gemv_20261207T172219Z.json``), so auto does not pick it. The first call says
+once on stderr which path runs.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ load, usable = EXTENSION.load, EXTENSION.usable  # the built module (RuntimeErro
 
 
 def which_isa(asked: str | None = None) -> str:
-    """The path a call runs: ``asked``, else $KESTREL_HOST_GGUF_ISA, else the best this CPU has ('avx512', 'avx2'
-    or 'scalar')."""
+    """The path a call runs: ``asked``, else $KESTREL_HOST_GGUF_ISA, else auto's: 'avx2' where the CPU has it, else
+    'scalar' ('avx512' runs where asked for)."""
     asked = asked or os.environ.get(ISA_ENV) or "auto"
     if asked not in ISAS:
         raise ValueError(f"the host GGUF kernel's isa is one of {', '.join(ISAS)}, not {asked!r}"
@@ -64,7 +65,7 @@ def which_isa(asked: str | None = None) -> str:
         return best
     if asked == "avx2" and best == "scalar":
         raise ValueError("the host GGUF kernel's avx2 path needs a CPU with AVX2, FMA and F16C; this one lacks one")
-    if asked == "avx512" and best != "avx512":
+    if asked == "avx512" and not load().has_avx512():
         raise ValueError("the host GGUF kernel's avx512 path needs a CPU with AVX-512 F, BW, VL and VNNI (and AVX2, "
                          "FMA, F16C); this one lacks one: ask for avx2 or auto")
     return asked

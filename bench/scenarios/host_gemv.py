@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", default="qwen3-30b-a3b,4096x4096",
                    help="comma-separated: 'qwen3-30b-a3b' (its experts), 'qwen3-8b-q_proj' or NxK")
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8], help="the M of each timed call")
-    p.add_argument("--isa", default="auto", help="paths to time, comma-separated: auto, scalar, avx2")
+    p.add_argument("--isa", default="auto", help="paths to time, comma-separated: auto, scalar, avx2, avx512")
     p.add_argument("--threads", type=int, default=0, help="the kernel's threads (0: torch's default)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rotate-mib", type=int, default=1024,
