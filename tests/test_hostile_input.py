@@ -142,17 +142,24 @@ def test_demo_checks_its_settings_before_writing_its_cache(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_a_valid_cache_budget_on_the_cpu_reference_is_noted_not_silently_dropped(tiny_ckpt, monkeypatch, how):
-    from kestrel_core.errors import KestrelNote
+def test_a_valid_cache_budget_on_the_cpu_reference_bounds_its_resident_layers(tiny_ckpt, monkeypatch, how):
+    """Once noted as having no effect on cpu_ref, the budget now bounds its resident layers (issue 59 item 15): keep
+    = auto fits it, named by its source, and a keep whose peak overruns it is refused."""
+    from kestrel_core.errors import BudgetError
 
     monkeypatch.delenv(WCACHE_ENV, raising=False)
     monkeypatch.delenv(HOST_ENV, raising=False)
-    settings = {"budget_mb": 100} if how == "flag" else {}
+    mb, source = (100, "config") if how == "flag" else (1, WCACHE_ENV)
+    settings = {"budget_mb": mb} if how == "flag" else {}
     if how == "env":
-        monkeypatch.setenv(WCACHE_ENV, "100")
-    with pytest.warns(KestrelNote, match="the weight-cache budget bounds the cuda backend's device cache"):
-        with load(tiny_ckpt) as model, model.open(backend="cpu_ref", **settings):
-            pass
+        monkeypatch.setenv(WCACHE_ENV, str(mb))
+    with load(tiny_ckpt) as model:
+        if how == "flag":
+            with model.open(backend="cpu_ref", kv=(1, 8), **settings) as run:
+                assert run.keep_choice.budget == mb * 2**20 and f"budget for resident layers ({source})" in \
+                    run.keep_choice.line
+        with pytest.raises(BudgetError, match=rf"over the host budget for resident layers of 1.0 MiB \({source}\)"):
+            model.open(backend="cpu_ref", keep="off", budget_mb=1)  # the environment's 1 beats this 1, as on cuda
 
 
 @pytest.mark.parametrize("toml, flags, message", [

@@ -394,6 +394,33 @@ def test_devices_starts_the_ranks_itself_and_gives_one_process_ids(models):
     assert got["pipeline"]["ranks"] == 2 and got["token_ids"] == json.loads(one.stdout)["token_ids"]
 
 
+@pytest.mark.parametrize("devices", ["cpu,cpu", "cpu,cpu,cpu"])
+def test_devices_json_gives_each_ranks_part_of_a_step_within_the_whole_step(models, devices):
+    """Issue 59 item 5: ``generate --devices ... --json`` carries each rank's part of a decode step (the ms its
+    layers took, sent to rank 0 at the end), one entry a rank, whose layers cover the model's once and in order; the
+    whole step's time (ms_per_token, rank 0's step to step) is at least each rank's part, step by step."""
+    args = ["generate", "--model", str(models["tiny"]), "--backend", "cpu_ref", "--prompt-ids", "5,17,42,99",
+            "--max-new-tokens", "8", "--json", "--devices", devices]
+    done = subprocess.run([sys.executable, "-m", "kestrel_core.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    ranks, layers = len(devices.split(",")), preset_config("tiny").num_hidden_layers
+    parts = got["pipeline"]["rank_parts"]
+    assert [p["rank"] for p in parts] == list(range(ranks))
+    covered = [layer for p in parts for layer in range(p["layers"][0], p["layers"][1] + 1)]
+    assert covered == list(range(layers))  # every layer once, in rank order
+    assert [list(p) for p in got["pipeline"]["parts"]] == [[p["layers"][0], p["layers"][1] - p["layers"][0] + 1]
+                                                           for p in parts]
+    steps = got["decode_ms"]
+    assert len(steps) == 7 and got["ms_per_token"] > 0
+    for p in parts:
+        assert p["decode_steps"] == len(steps) and len(p["part_ms"]) == len(steps)
+        assert all(ms > 0 for ms in p["part_ms"]) and p["median_ms"] > 0
+        assert all(whole >= part for whole, part in zip(steps, p["part_ms"]))  # a rank's part lies within its step
+        assert got["ms_per_token"] >= p["median_ms"]
+
+
 @pytest.mark.parametrize("devices, says", [
     ("cpu", "--devices 'cpu': give two or more devices, comma-separated"),
     ("cpu,,cpu", "give two or more devices"),

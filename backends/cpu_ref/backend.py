@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kestrel_core.formats import quant
 from kestrel_core.engine.backend import Backend, BackendContext
 from kestrel_core.engine.devices import compute_device
-from kestrel_core.engine.fit import FitFacts, moe_facts
+from kestrel_core.engine.fit import FitFacts, given_budget, moe_facts
 from kestrel_core.engine.host import meminfo
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.landing import landings
@@ -33,7 +33,7 @@ from kestrel_core.engine.plan import Fetch
 from kestrel_core.engine.pipeline import host_ranks, host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
-from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
 from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
 from kestrel_core.engine.model import expert_mlp
 from kestrel_core.formats.gguf_model import BlockTensor, block_tensors
@@ -70,6 +70,23 @@ def block_geometry(t: BlockTensor) -> Geometry:
     return Geometry((t.nbytes,), BLOCKS, t.nbytes, "cpu", (t.qtype, t.n, t.k))
 
 
+def held_blocks(ctx: BackendContext, note: bool) -> dict[str, BlockTensor]:
+    """``host_kernels = "auto"``: the GGUF linears cpu_ref holds as the file's blocks (none where the host kernel cannot
+    build: with ``note``, a note says why, and they dequantize as with "off")."""
+    if ctx.backend.host_kernels != "auto":
+        return {}
+    found = block_tensors(ctx.checkpoint, ctx.model, host_gguf.TYPES)
+    if not found:
+        return {}
+    why = host_gguf.usable()
+    if why is not None:
+        if note:
+            warnings.warn(f"host_kernels = 'auto': the host GGUF kernel cannot run here ({why}); cpu_ref dequantizes "
+                          "this GGUF's blocks to float32 on each fetch instead, as with 'off'", KestrelNote, stacklevel=3)
+        return {}
+    return found
+
+
 class CpuRefBackend(Backend):
     name = "cpu_ref"
     expert_table = True  # a dict: an expert's resident buffers, or (absent) its host copy, the checkpoint mapping
@@ -88,9 +105,6 @@ class CpuRefBackend(Backend):
             warnings.warn("the host budget bounds the cuda backend's pinned staging; cpu_ref pins nothing (it streams "
                           "from the checkpoint mapping, its RSS bounded by keep), so the budget has no effect here",
                           KestrelNote, stacklevel=2)
-        if ctx.residency.budget_mb or os.environ.get(WCACHE_ENV):  # as silent as the host budget was, before
-            warnings.warn("the weight-cache budget bounds the cuda backend's device cache; cpu_ref's resident layers "
-                          "are bounded by keep, so the budget has no effect here", KestrelNote, stacklevel=2)
         if ctx.backend.layer_ops == "fused":
             warnings.warn("layer_ops = 'fused' picks the cuda backend's fused kernels; cpu_ref, the reference, computes "
                           "a layer's steps with torch's ops, so it has no effect here", KestrelNote, stacklevel=2)
@@ -101,9 +115,10 @@ class CpuRefBackend(Backend):
                           KestrelNote, stacklevel=2)
         self.quant = ctx.quant  # read and checked once, when the Model opened
         self._q8 = self.quant.tensors if self.quant else {}
-        self._blocks = self._host_blocks(ctx)  # a GGUF's linears the host kernel computes, held as their blocks
+        self._blocks = held_blocks(ctx, note=True)  # a GGUF's linears the host kernel computes, held as their blocks
         self._q8 = {n: t for n, t in self._q8.items() if n not in self._blocks}  # a Q8_0 unit: blocks, not q8
         self.lay_out_units()
+        self._check_budget(ctx)
         self._live: set[str] = set()  # the tensors whose mapped pages stay touched: resident units, and the globals
         self._table: dict[tuple, dict] = {}  # expert unit -> the weights its slot holds; absent: read the host copy
         self._ring: list | None = None  # the landing ring's slots (buffers), where the run lands misses
@@ -113,20 +128,25 @@ class CpuRefBackend(Backend):
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(ctx.backend.threads or default_threads())  # for this run; close() gives the old count back
 
-    def _host_blocks(self, ctx) -> dict[str, BlockTensor]:
-        """``host_kernels = "auto"``: the GGUF linears held as blocks (none where the kernel cannot build: a note says
-        why, once, and they dequantize as with "off")."""
-        if ctx.backend.host_kernels != "auto":
-            return {}
-        found = block_tensors(self.ckpt, self.cfg, host_gguf.TYPES)
-        if not found:
-            return {}
-        why = host_gguf.usable()
-        if why is not None:
-            warnings.warn(f"host_kernels = 'auto': the host GGUF kernel cannot run here ({why}); cpu_ref dequantizes "
-                          "this GGUF's blocks to float32 on each fetch instead, as with 'off'", KestrelNote, stacklevel=3)
-            return {}
-        return found
+    def _check_budget(self, ctx: BackendContext) -> None:
+        """A budget the user gave (``--budget-mb`` / KESTREL_WCACHE_MB) bounds the resident layers as on cuda: a run
+        whose peak of resident layers (the largest ones, plus the prefetch, plus the globals) is over it is refused."""
+        given = given_budget(ctx.residency.budget_mb)
+        if given is None:
+            return
+        budget, source = given
+        facts = self.fit_facts(ctx)
+        L, mib = self.cfg.num_hidden_layers, 2**20
+        peak = min(L, ctx.peak_layers + self.prefetch_depth) if ctx.residency.windowed else L
+        need = facts.fixed + facts.peak_bytes(peak)
+        if need <= budget:
+            return
+        fits = [n for n in range(1, L + 1) if facts.fixed + facts.peak_bytes(n) <= budget]
+        hint = (f"use keep = auto, or a keep whose peak is at most {fits[-1]} layers" if fits
+                else f"even one layer needs {(facts.fixed + facts.peak_bytes(1)) / mib:,.1f} MiB")
+        raise BudgetError(f"this run peaks at {peak} resident layers = {need / mib:,.1f} MiB, over the host budget "
+                          f"for resident layers of {budget / mib:,.1f} MiB ({source}); {hint}, or raise --budget-mb / "
+                          f"{WCACHE_ENV}")
 
     def close(self):
         super().close()
@@ -134,28 +154,37 @@ class CpuRefBackend(Backend):
 
     @classmethod
     def fit_facts(cls, ctx: BackendContext) -> FitFacts | None:
-        """Half of the host's available memory (less what the KV cache leaves of it), against each layer in the compute
-        dtype (a fetch dequantizes)."""
+        """The host budget for resident layers: the one the user gave (``--budget-mb`` / KESTREL_WCACHE_MB, read as
+        cuda reads it: ``fit.given_budget``), else half of the host's available memory (less what the KV cache leaves
+        of it); against each unit as this backend holds it (``layout``): the file's blocks where the host kernel
+        computes them (``host_kernels = "auto"``), else the compute dtype (a fetch dequantizes). None: no budget
+        given and no available memory to read."""
         available = meminfo().get("MemAvailable", 0)
-        if not available:
+        given = given_budget(ctx.residency.budget_mb)
+        if not available and given is None:
             return None
         dtype = compute_dtype(ctx.backend.dtype or "float32", DTYPES, cls.name)
         item = itemsize(dtype)
+        blocks = held_blocks(ctx, note=False)  # the run's own note says where the kernel cannot run
+
+        def held(name: str, shape) -> int:
+            return blocks[name].nbytes if name in blocks else math.prod(shape) * item
+
         layers: dict[int, int] = {}
         own, experts = [], []
         for spec in ctx.unit_specs:
-            nbytes = sum(math.prod(s) for _, s in spec.tensors.values()) * item
+            nbytes = sum(held(name, s) for name, s in spec.tensors.values())
             layers[spec.layer] = layers.get(spec.layer, 0) + nbytes
             (experts if is_expert(spec.key) else own).append(nbytes)
         cfg = ctx.model
-        fixed = sum(math.prod(s) for _, s in global_specs(cfg).values()) * item
+        fixed = sum(held(name, s) for name, s in global_specs(cfg).values())
         fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item
         biggest = sorted(layers.values(), reverse=True)
         mine, share = host_share(available)  # a pipeline's ranks on this host share its memory
-        return FitFacts(mine // 2, f"half of the host's available memory{share}",
-                        "host budget for resident layers", fixed, cfg.num_hidden_layers,
+        budget, source = given if given is not None else (mine // 2, f"half of the host's available memory{share}")
+        return FitFacts(budget, source, "host budget for resident layers", fixed, cfg.num_hidden_layers,
                         lambda n: sum(biggest[:max(0, n)]), **moe_facts(ctx.residency, cfg, own, experts),
-                        room=mine, room_what=f"of the host's available memory{share}",
+                        room=mine if available else None, room_what=f"of the host's available memory{share}",
                         kv_bytes=lambda slots, positions: kv_bytes(cfg, positions, dtype, slots))
 
     def layout(self, spec):

@@ -153,9 +153,14 @@ class CudaBackend(Backend):
         device = compute_device(ctx.backend.device or "cuda")
         if device.type != "cuda":
             raise ConfigError(f"the cuda backend computes on a GPU, not on {device}; use --device cuda:N or --backend cpu_ref")
+        return cls.fit_facts_at(ctx, dtype, device, torch.cuda.mem_get_info(device)[0])
+
+    @classmethod
+    def fit_facts_at(cls, ctx: BackendContext, dtype: torch.dtype, device: torch.device, free: int) -> FitFacts:
+        """``fit_facts`` on a device of ``free`` bytes free: arithmetic over the layout, no GPU asked (so the fit can be
+        reasoned about, and tested, without one)."""
         lay = DeviceLayout(ctx.checkpoint, ctx.model, ctx.quant, dtype, device, note=False)
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
-        free = torch.cuda.mem_get_info(device)[0]
         budget, source, default = fit_budget(ctx.residency.budget_mb, free)
         own = [u.nbytes for u in units.own()]
         experts = [u.nbytes for u in units.experts()]

@@ -8,8 +8,7 @@ beats the default.
 
 from __future__ import annotations
 
-from kestrel_core.config import WCACHE_ENV as ENV, env_mib
-from kestrel_core.errors import ConfigError
+from kestrel_core.engine.fit import given_budget
 
 CAP = 24 * 2**30
 FLOOR = 256 * 2**20
@@ -27,15 +26,9 @@ def fit_room(free_bytes: int) -> int:
 
 def _resolved(config_mb: int, default: tuple[int, str]) -> tuple[int, str, bool]:
     """(budget bytes, where it came from, whether it is ``default``): KESTREL_WCACHE_MB beats the config, which beats
-    the default."""
-    env = env_mib(ENV)
-    if env is not None:
-        return env, ENV, False
-    if config_mb < 0:
-        raise ConfigError(f"budget_mb must be >= 0 (0 means the default), got {config_mb}")
-    if config_mb:
-        return config_mb * 2**20, "config", False
-    return (*default, True)
+    the default (``fit.given_budget``, the rule cpu_ref reads too)."""
+    given = given_budget(config_mb)
+    return (*given, False) if given is not None else (*default, True)
 
 
 def resolve_budget(config_mb: int, free_bytes: int) -> tuple[int, str]:

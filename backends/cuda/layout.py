@@ -7,13 +7,14 @@ gate_up, down. The window gate counts entries with the same function.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
 from kestrel_core.formats.gguf_quants import QUANT_TYPES
-from kestrel_core.formats.tensor_table import global_specs
+from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.units import EntrySpec, Geometry
 
 from . import blocks, q8
@@ -97,15 +98,19 @@ class DeviceLayout:
             yield EntrySpec(name, geometry, (spec.key, name))
 
     def global_bytes(self) -> int:
-        """Embeddings and lm_head as the device holds them (a quantized lm_head stays quantized; a pipeline rank's
-        part, the ones it uses: ``global_specs``)."""
-        vh_bytes = self.cfg.vocab_size * self.cfg.hidden_size * itemsize(self.dtype)
+        """Embeddings, lm_head and the norms as the device holds them (a quantized lm_head stays quantized; a pipeline
+        rank's part, the ones it uses: ``global_specs``), as cpu_ref counts what it holds for good."""
+        item = itemsize(self.dtype)
+        vh_bytes = self.cfg.vocab_size * self.cfg.hidden_size * item
         specs = global_specs(self.cfg)
         total = vh_bytes if "embed" in specs else 0
         if "lm_head" in specs:
             lm_head = self.q8.get("lm_head.weight") or self.blocks.get("lm_head.weight")
             total += lm_head.nbytes if lm_head is not None else vh_bytes
-        return total
+        if "norm" in specs:
+            total += math.prod(specs["norm"][1]) * item
+        return total + sum(math.prod(s) for layer in range(self.cfg.num_hidden_layers)
+                           for _, s in small_specs(self.cfg, layer).values()) * item
 
 
 def streamed_peak(units, residency, cfg, layers: int) -> int:

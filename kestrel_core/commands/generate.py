@@ -84,6 +84,8 @@ def run(args) -> int:
             policy, expert_policy = r.policy.name, r.expert_policy.name if r.expert_policy else None
             cfg, keep_choice = r.config, r.keep_choice  # keep = "auto" resolved
             pipe = r.pipeline.to_json() if r.pipeline is not None else None
+            if pipe:  # each rank's part of a step, sent to rank 0; the step's whole time is ms_per_token
+                pipe["rank_parts"] = r.runner.rank_parts()
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe
@@ -107,7 +109,10 @@ def run(args) -> int:
           f"prefetch={cfg.backend.prefetch} graphs={cfg.backend.graphs}")
     if pipe:  # the counters below are this rank's, of its part
         print(f"pipeline: {pipe['ranks']} ranks, layers " + ", ".join(f"{a}-{a + n - 1}" for a, n in pipe["parts"])
-              + " (the figures below: rank 0's part)")
+              + " (the ms/token below: the whole step's; the counters: rank 0's part)")
+        print("each rank's part of a decode step (median ms its layers took): " + ", ".join(
+            f"rank {p['rank']} (layers {p['layers'][0]}-{p['layers'][1]}) "
+            + (f"{p['median_ms']:.2f}" if p["median_ms"] is not None else "-") for p in pipe["rank_parts"]))
     if not steps:
         decode = "no decode steps (the first token comes from the prefill)"
     elif result.tokens_per_step:  # speculative: a mean over tokens, not a median over steps

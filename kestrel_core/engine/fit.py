@@ -1,8 +1,11 @@
 """``keep = "auto"``: the window chosen from the backend's budget when a run opens.
 
 A backend states its budget and what its units weigh in its own layout (``Backend.fit_facts``): cuda its device
-weight-cache budget (``--budget-mb``, default free device memory less a stated reserve) and each layer's bytes as it
-streams them (bf16, q8 or the file's blocks); cpu_ref half of the host's available memory and each layer in float32.
+weight-cache budget (default free device memory less a stated reserve) and each layer's bytes as it streams them
+(bf16, q8 or the file's blocks); cpu_ref its host budget for resident layers (default half of the host's available
+memory) and each layer as it holds it (float32, or the file's blocks under ``host_kernels = "auto"``). A budget the
+user gives (``--budget-mb``, or KESTREL_WCACHE_MB over it: ``given_budget``) is read by both alike, so at the same
+budget and the same unit bytes both pick the same keep.
 Each also states the room its weights share with the run's KV cache, and what that cache weighs: the budget is cut
 to the room less the KV cache of the slots and positions the run is opened for (``KVRoom``). ``choose_keep`` keeps
 every layer resident where the model fits, else takes the largest keep whose peak of resident layers (the policy's,
@@ -15,8 +18,21 @@ from typing import Callable
 
 import attrs
 
-from kestrel_core.config import OFF
+from kestrel_core.config import OFF, WCACHE_ENV, env_mib
 from kestrel_core.errors import BudgetError, ConfigError
+
+
+def given_budget(config_mb: int) -> tuple[int, str] | None:
+    """The weights' budget the user gave, (bytes, where it came from), or None (the backend's default): KESTREL_WCACHE_MB
+    beats the config's ``budget_mb`` (``--budget-mb``; 0: the default). Every backend reads it here."""
+    env = env_mib(WCACHE_ENV)
+    if env is not None:
+        return env, WCACHE_ENV
+    if config_mb < 0:
+        raise ConfigError(f"budget_mb must be >= 0 (0 means the default), got {config_mb}")
+    if config_mb:
+        return config_mb * 2**20, "config"
+    return None
 
 
 @attrs.frozen

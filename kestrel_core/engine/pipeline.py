@@ -218,6 +218,15 @@ class Pipeline:
             dist.all_gather_object(everyone, where, group=self.control)
         return next((w for w in everyone if w is not None), None)
 
+    def gather(self, mine: Any) -> list:
+        """Every rank's ``mine``, in rank order (a summary each rank keeps of its part). Every rank calls it."""
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.ranks
+        with self.link():
+            dist.all_gather_object(everyone, mine, group=self.control)
+        return everyone
+
     # --- the start and the end ---------------------------------------------------------------------------------
     @classmethod
     def join(cls, layer_bytes: list[int], device: torch.device, fingerprint: dict[str, Any]) -> "Pipeline | None":

@@ -9,7 +9,9 @@ in once serves them all. The token loop over these passes is the batch's (``batc
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
+from collections import deque
 from collections.abc import Mapping
 from typing import Callable, Iterable
 
@@ -31,6 +33,7 @@ from kestrel_core.engine.residency import Window
 from kestrel_core.engine.step_graphs import StepGraphs
 
 Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
+PART_STEPS = 65536  # a pipeline rank's part of its last this many decode steps is kept (a server runs for days)
 
 
 @attrs.frozen
@@ -232,6 +235,11 @@ class Runner:
         # which make it after it (``follow``) and make none of their own
         self.leads = pipeline is not None and pipeline.first
         self.following = False
+        # In a pipeline, this rank's part of each decode step: the time its layers took, from the step's input in hand
+        # (the embedding, or the rank before's hidden state) to its layers' output (``rank_parts``)
+        self._part: list[tuple] | None = None  # the step being launched: (start, stop) marks around its layer passes
+        self._part_marks: dict[tuple[int, int], list[tuple]] = {}  # (slots, step) launched, not read back yet
+        self.part_ms: deque[float] = deque(maxlen=PART_STEPS)  # the decode steps read back, in order
 
     def tell(self, *op, now: bool = False) -> None:
         """Where this runner leads a pipeline: ``op`` (a call's name and arguments) for the other ranks to make."""
@@ -299,6 +307,7 @@ class Runner:
         self._set_live(s, request.live, rows)
         table = self.reads_table(rows, spans)
         decode_index = self.begin_step() if not spans else -1
+        self._part = [] if self.pipeline is not None and not spans else None  # a decode step's part is timed
         before = counters.snapshot()
         span_logits = []
         if not spans:
@@ -326,6 +335,10 @@ class Runner:
             if token is not None:
                 state.tokens[slot].fill_(token)
         index, s.launched = s.launched, s.launched + 1
+        if self._part is not None:
+            self._part_marks[s.sid, index] = self._part
+            self._part_marks.pop((s.sid, index - 2 * s.RING), None)  # a step never read back: not counted
+            self._part = None
         s.ring[index % s.RING].copy_(state.out, non_blocking=True)
         return Launched(index, mode, before, after, backend.mark(), decode_index, table, span_logits)
 
@@ -335,6 +348,9 @@ class Runner:
         hear = sorted(hear)
         self.tell("read", s.sid, step.index, hear)
         self.backend.wait(step.mark)
+        part = self._part_marks.pop((s.sid, step.index), None)
+        if part:  # done by now: its marks read without a wait for a later step
+            self.part_ms.append(sum(self.elapsed_ms(start, stop) for start, stop in part))
         row = s.ring[step.index % s.RING].tolist()
         n, heard = s.count, {}
         if step.table:
@@ -426,6 +442,8 @@ class Runner:
                         self.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
                     elif name in ("place", "park", "copy_prefix", "nonfinite"):
                         getattr(self, name)(slots[args[0]], *args[1:])
+                    elif name == "parts":
+                        self.pipeline.gather(self.part_summary())
                     else:
                         raise RuntimeError(f"rank 0 told an unknown runner call {name!r}: run one kestrel on every rank")
         finally:
@@ -436,6 +454,22 @@ class Runner:
     def end_following(self) -> None:
         """Rank 0, its run closing: the other ranks' ``follow`` returns."""
         self.tell("stop", now=True)
+
+    def part_summary(self) -> dict:
+        """This pipeline rank's part of the decode steps read back: its layers (the model's numbers, first and last),
+        and the milliseconds its layers took a step, each step's and their median (None: no decode step yet)."""
+        pipe, ms = self.pipeline, list(self.part_ms)
+        return {"rank": pipe.rank, "layers": [pipe.first_layer, pipe.first_layer + pipe.n_layers - 1],
+                "decode_steps": len(ms), "median_ms": round(statistics.median(ms), 3) if ms else None,
+                "part_ms": [round(x, 3) for x in ms]}
+
+    def rank_parts(self) -> list[dict]:
+        """Rank 0 of a pipeline: every rank's ``part_summary``, in rank order (the others send theirs over the
+        channel rank 0 tells its steps on). A step's whole time is rank 0's, from step to step."""
+        if not self.leads:
+            raise ConfigError("rank_parts() is asked of rank 0 of a pipeline, which leads its steps")
+        self.tell("parts", now=True)
+        return self.pipeline.gather(self.part_summary())
 
     def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
@@ -719,7 +753,7 @@ class Runner:
             h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
-        h = self.layers(h, at, cache, boundaries, phase, compiled, table=table)
+        h = self._timed(lambda: self.layers(h, at, cache, boundaries, phase, compiled, table=table))
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
         picked = torch.tensor([*range(rows), *(r for w in wanted for r in w)], device=h.device) if spans else None
@@ -752,11 +786,15 @@ class Runner:
             boundaries = list(boundaries)
             resident = not any(b.plan is not None and (b.plan.evict or b.plan.fetch) for b in boundaries)
         if resident:  # each micro-batch runs the layers as it arrives
-            ran = (self.layers(arriving(lo, hi), attend(lo, hi), cache, boundaries, "decode", layer_fn, table=table,
-                               first_row=lo) for lo, hi in cuts)
+            def run_layers(lo: int, hi: int) -> torch.Tensor:
+                x = arriving(lo, hi)
+                return self._timed(lambda: self.layers(x, attend(lo, hi), cache, boundaries, "decode", layer_fn,
+                                                       table=table, first_row=lo))
+
+            ran = (run_layers(lo, hi) for lo, hi in cuts)
         else:  # one pass over every row once all have arrived: a plan is executed once
             h = torch.cat([arriving(lo, hi) for lo, hi in cuts])
-            h = self.layers(h, attend(0, rows), cache, boundaries, "decode", layer_fn, table=table)
+            h = self._timed(lambda: self.layers(h, attend(0, rows), cache, boundaries, "decode", layer_fn, table=table))
             ran = iter([h[lo:hi] for lo, hi in cuts])
         sending, logits = [], []
         for h in ran:  # each micro-batch goes on (or, on the last rank, its logits to rank 0) as soon as it is done
@@ -775,6 +813,15 @@ class Runner:
         elif not pipe.last:
             return torch.zeros((rows, vocab), dtype=torch.float32, device=backend.device)
         return torch.cat(logits)
+
+    def _timed(self, run_layers: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run_layers()``, its marks kept where the step being launched times this rank's part (``_part``)."""
+        if self._part is None:
+            return run_layers()
+        start = self.backend.mark()
+        h = run_layers()
+        self._part.append((start, self.backend.mark()))
+        return h
 
     def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
         """The step's input to this run's layers: the tokens' embeddings, or, past a pipeline's first rank, the
