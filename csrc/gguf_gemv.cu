@@ -17,27 +17,9 @@ int default_warps(int64_t k) {
 }
 
 // Weight rows a block for a chunk of m activation rows, as ``launch`` picks them: as many as the registers hold without
-// spilling (the rows of a block share their activation loads; a row's bits do not depend on it).
-int rows_per_block(int m, int qtype) { return m == 1 ? 4 : (m <= 4 || qtype == kQ4K) ? 2 : 1; }
-
-// Q4_K for a chunk of 2 to 8 rows: x widened and summed once (x_prep into ws), then every block reads those
-template <int M, typename XT, typename YT>
-static void launch_q4k_summed(const XT* x, const uint8_t* w, YT* out, int64_t ldo, int n, int k, int64_t row_bytes,
-                              int mrows, int warps, bool aligned, float* ws, cudaStream_t stream) {
-  constexpr int R = 2;
-  const int64_t groups = static_cast<int64_t>(mrows) * (k / 32);
-  float* xf = ws;
-  float* xs = ws + static_cast<int64_t>(mrows) * k;
-  x_prep<XT><<<static_cast<unsigned>((groups + 127) / 128), 128, 0, stream>>>(x, xf, xs, groups);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const dim3 grid((n + R - 1) / R), block(warps * kWarp);
-  if (aligned) {
-    q4k_rows<M, R, true, float, YT, true><<<grid, block, 0, stream>>>(xf, w, out, ldo, n, k, row_bytes, mrows, xs);
-  } else {
-    q4k_rows<M, R, false, float, YT, true><<<grid, block, 0, stream>>>(xf, w, out, ldo, n, k, row_bytes, mrows, xs);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+// spilling (the rows of a block share their activation loads; a row's bits do not depend on it); Q4_K's chunks of 5
+// to 8 rows run as one-row launches.
+int rows_per_block(int m, int qtype) { return m == 1 || (qtype == kQ4K && m > 4) ? 4 : m <= 4 ? 2 : 1; }
 
 template <int M, int R, typename XT, typename YT>
 static void launch_chunk(int qtype, const XT* x, const uint8_t* w, YT* out, int64_t ldo, int n, int k,
@@ -65,31 +47,23 @@ static void launch(int qtype, const at::Tensor& x, const at::Tensor& w, at::Tens
   const XT* xp = reinterpret_cast<const XT*>(x.data_ptr());
   YT* op = reinterpret_cast<YT*>(out.data_ptr());
   const int64_t ldo = out.stride(0);
-  // Q4_K's chunks of 2 to 8 rows: x as float32 and its 32-value sums, made once a chunk (x_prep)
-  at::Tensor ws;
-  if (qtype == kQ4K && rows > 1) {
-    const int64_t most = std::min(kMaxRows, rows);
-    ws = at::empty({most * k + most * (k / 32)}, x.options().dtype(at::kFloat));
-  }
-  float* wsp = ws.defined() ? ws.data_ptr<float>() : nullptr;
   for (int at = 0; at < rows; at += kMaxRows) {
     const int mr = std::min(kMaxRows, rows - at);
     const XT* xa = xp + static_cast<int64_t>(at) * k;
     YT* oa = op + static_cast<int64_t>(at) * ldo;
     if (mr == 1) {
       launch_chunk<1, 4, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
-    } else if (qtype == kQ4K) {
-      if (mr == 2) {
-        launch_q4k_summed<2, XT, YT>(xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, wsp, stream);
-      } else if (mr <= 4) {
-        launch_q4k_summed<4, XT, YT>(xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, wsp, stream);
-      } else {
-        launch_q4k_summed<8, XT, YT>(xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, wsp, stream);
-      }
     } else if (mr == 2) {
       launch_chunk<2, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     } else if (mr <= 4) {
       launch_chunk<4, 2, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
+    } else if (qtype == kQ4K) {
+      // Q4_K's 8-row kernel (one weight row a block) measured slower than 8 one-row launches on an H100
+      // (gguf-gemv_20261207T150648Z: 209.6 us against 18.3 a row at 12288 x 4096): a row's bits are the same either way
+      for (int r = 0; r < mr; ++r) {
+        launch_chunk<1, 4, XT, YT>(qtype, xa + static_cast<int64_t>(r) * k, wp, oa + static_cast<int64_t>(r) * ldo,
+                                   ldo, n, k, row_bytes, 1, warps, aligned, stream);
+      }
     } else {
       launch_chunk<8, 1, XT, YT>(qtype, xa, wp, oa, ldo, n, k, row_bytes, mr, warps, aligned, stream);
     }

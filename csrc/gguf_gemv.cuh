@@ -90,22 +90,6 @@ template <> __device__ __forceinline__ void load_x8<__half>(const __half* p, flo
   }
 }
 
-// 4 consecutive activation values as float32 (8- or 16-byte aligned: a row is 16-byte aligned, p a multiple of 4 in)
-template <typename XT> __device__ __forceinline__ void load_x4(const XT* p, float* v);
-template <> __device__ __forceinline__ void load_x4<float>(const float* p, float* v) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-}
-template <> __device__ __forceinline__ void load_x4<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
-  const uint2 a = __ldg(reinterpret_cast<const uint2*>(p));
-  v[0] = __uint_as_float(a.x << 16); v[1] = __uint_as_float(a.x & 0xffff0000u);
-  v[2] = __uint_as_float(a.y << 16); v[3] = __uint_as_float(a.y & 0xffff0000u);
-}
-template <> __device__ __forceinline__ void load_x4<__half>(const __half* p, float* v) {
-  const uint2 a = __ldg(reinterpret_cast<const uint2*>(p));
-  v[0] = half_lo(a.x); v[1] = half_lo(a.x >> 16); v[2] = half_lo(a.y); v[3] = half_lo(a.y >> 16);
-}
-
 template <int M, int R>
 __device__ __forceinline__ void zero(float (&acc)[M][R]) {
 #pragma unroll
@@ -144,33 +128,12 @@ __device__ __forceinline__ void store_rows(float (&acc)[M][R], YT* __restrict__ 
   }
 }
 
-// x [rows, k] as float32 into xf and each 32 values' sum into xs [rows, k / 32], summed in value order from zero as
-// q4k_rows sums them (the same bits): done once a call, where every block of q4k_rows would otherwise do it again.
-template <typename XT>
-__global__ void __launch_bounds__(128) x_prep(const XT* __restrict__ x, float* __restrict__ xf, float* __restrict__ xs,
-                                               int64_t groups) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
-  float s = 0.f;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    float v[4];
-    load_x4<XT>(x + 32 * g + 4 * c, v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s += v[i];
-    reinterpret_cast<float4*>(xf + 32 * g)[c] = make_float4(v[0], v[1], v[2], v[3]);
-  }
-  xs[g] = s;
-}
-
 // Q4_K: out[m * ldo + row] = sum_k x[m, k] W[row, k] for rows [blockIdx.x * R, + R) and m < mrows (M >= mrows, a compiled
 // size; rows past mrows read row mrows - 1 of x and are not stored).
-// SUMS: x is x_prep's float32 copy and xs its 32-value sums (the same bits the kernel's own sums give), so a block
-// neither widens x nor sums it again; without it xs is unused.
-template <int M, int R, bool ALIGNED, typename XT, typename YT, bool SUMS = false>
+template <int M, int R, bool ALIGNED, typename XT, typename YT>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
 q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict__ out, int64_t ldo, int n, int k,
-         int64_t row_bytes, int mrows, const float* __restrict__ xs = nullptr) {
+         int64_t row_bytes, int mrows) {
   const int row0 = blockIdx.x * R;
   const int units = (k / 256) * 4;
   float acc[M][R];
@@ -211,66 +174,45 @@ q4k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict
       dh[r] = (d * byte_float(sch, 0)) * 0.0625f;  // the high nibbles stay 16 q
       mh[r] = dmin * byte_float(mnh, 0);
     }
-    // each weight byte becomes a float once, for every activation row: 4 values of each half at a time (bytes
-    // 8c + 4e .. + 3), every row's x loaded and summed first; each chain keeps the value order of one row alone
-    float sl[M][R], sh[M][R], xl[M], xh[M];
-    zero(sl);
-    zero(sh);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      if constexpr (SUMS) {
-        const float* g = xs + static_cast<int64_t>(min(m, mrows - 1)) * (k / 32) + sb * 8 + 2 * j;
-        xl[m] = g[0];
-        xh[m] = g[1];
-      } else {
-        xl[m] = xh[m] = 0.f;
-      }
-    }
+      const XT* xp = x + static_cast<int64_t>(min(m, mrows - 1)) * k + sb * 256 + 64 * j;
+      float sl[R], sh[R], xl = 0.f, xh = 0.f;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+      for (int r = 0; r < R; ++r) sl[r] = sh[r] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float vl[M][4], vh[M][4];
+      for (int c = 0; c < 4; ++c) {  // 8 values of each half at a time: bytes 8c .. 8c + 7
+        float vl[8], vh[8];
+        load_x8<XT>(xp + 8 * c, vl);
+        load_x8<XT>(xp + 32 + 8 * c, vh);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const XT* xp = x + static_cast<int64_t>(min(m, mrows - 1)) * k + sb * 256 + 64 * j + 8 * c + 4 * e;
-          load_x4<XT>(xp, vl[m]);
-          load_x4<XT>(xp + 32, vh[m]);
-          if constexpr (!SUMS) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) xl[m] += vl[m][i];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) xh[m] += vh[m][i];
-          }
+        for (int i = 0; i < 8; ++i) {
+          xl += vl[i];
+          xh += vh[i];
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          const uint32_t wd = word_of(c < 2 ? qa[r] : qb[r], (2 * c) % 4 + e);
-          const uint32_t lo = wd & 0x0f0f0f0fu, hi = wd & 0xf0f0f0f0u;
-          float fl[4], fh[4];
+          const uint32_t w0 = word_of(c < 2 ? qa[r] : qb[r], (2 * c) % 4);
+          const uint32_t w1 = word_of(c < 2 ? qa[r] : qb[r], (2 * c) % 4 + 1);
+          const uint32_t lo0 = w0 & 0x0f0f0f0fu, lo1 = w1 & 0x0f0f0f0fu;
+          const uint32_t hi0 = w0 & 0xf0f0f0f0u, hi1 = w1 & 0xf0f0f0f0u;
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            fl[b] = byte_float(lo, b);
-            fh[b] = byte_float(hi, b);
-          }
+          for (int b = 0; b < 4; ++b) sl[r] = fmaf(byte_float(lo0, b), vl[b], sl[r]);
 #pragma unroll
-          for (int m = 0; m < M; ++m) {
+          for (int b = 0; b < 4; ++b) sl[r] = fmaf(byte_float(lo1, b), vl[4 + b], sl[r]);
 #pragma unroll
-            for (int b = 0; b < 4; ++b) sl[m][r] = fmaf(fl[b], vl[m][b], sl[m][r]);
+          for (int b = 0; b < 4; ++b) sh[r] = fmaf(byte_float(hi0, b), vh[b], sh[r]);
 #pragma unroll
-            for (int b = 0; b < 4; ++b) sh[m][r] = fmaf(fh[b], vh[m][b], sh[m][r]);
-          }
+          for (int b = 0; b < 4; ++b) sh[r] = fmaf(byte_float(hi1, b), vh[4 + b], sh[r]);
         }
       }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float lo = __fsub_rn(__fmul_rn(dl[r], sl[m][r]), __fmul_rn(ml[r], xl[m]));
-        const float hi = __fsub_rn(__fmul_rn(dh[r], sh[m][r]), __fmul_rn(mh[r], xh[m]));
+        const float lo = __fsub_rn(__fmul_rn(dl[r], sl[r]), __fmul_rn(ml[r], xl));
+        const float hi = __fsub_rn(__fmul_rn(dh[r], sh[r]), __fmul_rn(mh[r], xh));
         acc[m][r] = __fadd_rn(acc[m][r], __fadd_rn(lo, hi));
       }
+    }
   }
   store_rows<M, R, YT>(acc, out, ldo, n, row0, mrows);
 }
@@ -306,54 +248,44 @@ q6k_rows(const XT* __restrict__ x, const uint8_t* __restrict__ w, YT* __restrict
         dg[r][t] = d * static_cast<float>(sc);
       }
     }
-    // each quant becomes a float once, for every activation row (each row's x loaded first); a chain keeps the value
-    // order of one row alone
-    float st[M][R][4];
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < M; ++m) {
+      const XT* xp = x + static_cast<int64_t>(min(m, mrows - 1)) * k + sb * 256 + 128 * h + 16 * s;
+      float st[R][4];
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int t = 0; t < 4; ++t) st[m][r][t] = 0.f;
+        for (int t = 0; t < 4; ++t) st[r][t] = 0.f;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {  // values 128h + 32t + 16s + l, l = 0..15
+      for (int t = 0; t < 4; ++t) {  // values 128h + 32t + 16s + l, l = 0..15
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float v[M][8];
+        for (int c = 0; c < 2; ++c) {
+          float v[8];
+          load_x8<XT>(xp + 32 * t + 8 * c, v);
 #pragma unroll
-        for (int m = 0; m < M; ++m)
-          load_x8<XT>(x + static_cast<int64_t>(min(m, mrows - 1)) * k + sb * 256 + 128 * h + 16 * s + 32 * t + 8 * c,
-                      v[m]);
+          for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+            for (int e = 0; e < 2; ++e) {
+              const int wi = 2 * c + e;  // word of the 16 bytes: l = 4 wi .. 4 wi + 3
+              const uint32_t lw = word_of(t % 2 == 0 ? la[r] : lb[r], wi);
+              const uint32_t hw = word_of(qh[r], wi);
+              // t = 0: la's low nibbles, qh bits 0-1; t = 1: lb's low, bits 2-3; t = 2: la's high, 4-5; t = 3: lb's high, 6-7
+              const uint32_t low = t < 2 ? (lw & 0x0f0f0f0fu) : ((lw >> 4) & 0x0f0f0f0fu);
+              const uint32_t q = low | (((hw >> (2 * t)) & 0x03030303u) << 4);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int wi = 2 * c + e;  // word of the 16 bytes: l = 4 wi .. 4 wi + 3
-            const uint32_t lw = word_of(t % 2 == 0 ? la[r] : lb[r], wi);
-            const uint32_t hw = word_of(qh[r], wi);
-            // t = 0: la's low nibbles, qh bits 0-1; t = 1: lb's low, bits 2-3; t = 2: la's high, 4-5; t = 3: lb's high, 6-7
-            const uint32_t low = t < 2 ? (lw & 0x0f0f0f0fu) : ((lw >> 4) & 0x0f0f0f0fu);
-            const uint32_t q = low | (((hw >> (2 * t)) & 0x03030303u) << 4);
-            float f[4];
-#pragma unroll
-            for (int b = 0; b < 4; ++b) f[b] = byte_float<32>(q, b);  // q - 32
-#pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-              for (int b = 0; b < 4; ++b) st[m][r][t] = fmaf(f[b], v[m][4 * e + b], st[m][r][t]);
+              for (int b = 0; b < 4; ++b) st[r][t] = fmaf(byte_float<32>(q, b), v[4 * e + b], st[r][t]);  // q - 32
+            }
           }
         }
       }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float term = 0.f;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) term = __fadd_rn(term, __fmul_rn(dg[r][t], st[m][r][t]));
+        for (int t = 0; t < 4; ++t) term = __fadd_rn(term, __fmul_rn(dg[r][t], st[r][t]));
         acc[m][r] = __fadd_rn(acc[m][r], term);
       }
+    }
   }
   store_rows<M, R, YT>(acc, out, ldo, n, row0, mrows);
 }

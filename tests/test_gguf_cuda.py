@@ -211,4 +211,4 @@ def test_the_plan_follows_the_shape_and_the_chunk(built):
     """Warps from K alone (a row's bits depend on them); rows a block by the chunk (they change no bits)."""
     assert [gguf_cuda.plan(k)[0] for k in (2048, 4096, 12288, 16384)] == [1, 1, 2, 4]
     assert [gguf_cuda.plan(4096, m, T.Q6_K)[1] for m in (1, 2, 4, 8)] == [4, 2, 2, 1]
-    assert [gguf_cuda.plan(4096, m, T.Q4_K)[1] for m in (1, 2, 4, 8)] == [4, 2, 2, 2]  # 2-8 rows: x summed once
+    assert [gguf_cuda.plan(4096, m, T.Q4_K)[1] for m in (1, 2, 4, 8)] == [4, 2, 2, 4]  # 5-8 rows: one-row launches

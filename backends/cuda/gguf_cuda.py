@@ -6,8 +6,7 @@ the Triton kernel's 21 to 28% (``bench/results/gguf-gemv_20261207T150648Z.json``
 Same contract as ``gguf_kernels.matmul``: y [M, N] float32 = x [M, K] @ W.T on the file's own blocks, float32
 arithmetic on ggml's values (no activation quantization), and row m of any batch bitwise that row alone (every
 order of the sum comes from the weight's shape; the rows a block shares, chosen by M, change no row's bits). Rows run
-as launches of up to 8; Q4_K's chunks of 2 to 8 rows first widen x to float32 and sum its 32-value groups once
-(``x_prep``: the bits each block's own sums would give), so the blocks do the products alone. Any weight address works: a 16-byte aligned Q4_K weight is read with vector loads, the rest
+as launches of up to 8 (Q4_K's chunks of 5 to 8 rows as one-row launches: its 8-row kernel measured slower). Any weight address works: a 16-byte aligned Q4_K weight is read with vector loads, the rest
 (Q6_K's 210-byte blocks always) as aligned words shifted together, the same bytes into the same arithmetic.
 
 Built on first use with torch.utils.cpp_extension (``csrc.build``); ``usable()`` says why not where it
