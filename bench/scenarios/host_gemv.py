@@ -16,6 +16,13 @@ speed. One run measures, side by side:
 
 Each shape's result is checked once against ``host_gguf.reference`` (bitwise) and against the float32 product of the
 dequantized weight (relative error, beside the stated bound's verdict).
+
+**The gate for computing a missed expert on the host** (``result["expert_gate"]``, where the rows hold the 30B-A3B
+expert shapes at M = 1): a missed expert either crosses the link (its stored bytes over the pinned host-to-device
+rate) or is computed here (gate, up and down at one row, their p50s summed, plus its activation row down and its
+output row back over the link). A step's misses split between the two so both finish together, so the miss phase
+can shrink at most to t_link * t_host / (t_link + t_host): the bound on its speed-up is 1 + t_link / t_host. The link
+rate is measured in this run where a GPU is here, else taken from ``--link-gbps`` (a record's figure: say which).
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rotate-mib", type=int, default=1024,
                    help="MiB of weight copies each shape's calls rotate over (and the copy's size)")
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="the pinned host-to-device GB/s for the expert gate where no GPU is here (a record's figure); "
+                        "with a GPU it is measured")
 
 
 def needs_gpu(args) -> str | None:
@@ -169,6 +179,8 @@ def run(args, record) -> dict:
             raise BenchError(f"--isa: {exc}") from None
     if args.threads < 0:
         raise BenchError("--threads: 0 (torch's default) or more")
+    if not (math.isfinite(args.link_gbps) and args.link_gbps >= 0):
+        raise BenchError(f"--link-gbps: a GB/s of 0 (none) or more, got {args.link_gbps}")
     threads = args.threads or None
     shapes = parse_shapes(args.shapes)
     rotate = args.rotate_mib * MIB
@@ -182,10 +194,42 @@ def run(args, record) -> dict:
         for label, (n, k) in shapes.items():
             result["rows"] += shape_rows(qtype, label, n, k, args.rows, isas, threads, ceiling, args.reps, rotate)
             record.save_partial(result)
+    link = args.link_gbps
+    if torch.cuda.is_available():
+        from bench.timing import copy_rates
+
+        link = copy_rates()["pinned_h2d"]["GBps"]
+        log(f"pinned h2d {link:.1f} GB/s (measured)")
+    if link > 0:
+        result["expert_gate"] = expert_gate(result["rows"], link, measured=torch.cuda.is_available())
     result["verdict"] = {t.name: {f"{r['layers']} M={r['m']} {r['isa']}": round(r["fraction_of_copy"], 4)
                                   for r in result["rows"] if r["type"] == t.name} for t in types}
     result["all_checks_pass"] = all(r["equals_reference"] and r["within_bound"] for r in result["rows"])
     return result
+
+
+def expert_gate(rows: list[dict], link_gbps: float, measured: bool) -> dict:
+    """Per type and path, a 30B-A3B expert's time on the host (gate + up + down at one row) against its bytes over the
+    link, and the bound 1 + t_link / t_host on how much a step's miss phase can shrink by splitting the misses."""
+    gate_up, down = SHAPE_SETS["qwen3-30b-a3b"]["expert gate,up"], SHAPE_SETS["qwen3-30b-a3b"]["expert down"]
+    out = {"link_GBps": link_gbps, "link_measured_here": measured, "rows": []}
+    for (qtype, isa) in dict.fromkeys((r["type"], r["isa"]) for r in rows):
+        def one(shape):
+            return next((r for r in rows if (r["type"], r["isa"], r["m"], r["n"], r["k"]) == (qtype, isa, 1, *shape)),
+                        None)
+        gu, dn = one(gate_up), one(down)
+        if gu is None or dn is None:
+            continue
+        nbytes = 2 * gu["stored_bytes"] + dn["stored_bytes"]
+        crossing = (gate_up[1] * 2 + gate_up[1] * 4)  # its x row down (bf16) and its output row back (float32)
+        t_host = (2 * gu["summary"]["p50"] + dn["summary"]["p50"]) * 1e3 + crossing / link_gbps / 1e3  # us
+        t_link = nbytes / link_gbps / 1e3  # us
+        bound = 1 + t_link / t_host
+        out["rows"].append({"type": qtype, "isa": isa, "expert_bytes": nbytes, "host_us": round(t_host, 2),
+                            "link_us": round(t_link, 2), "miss_phase_speedup_bound": round(bound, 4)})
+        log(f"expert gate {qtype} {isa}: host {t_host:.1f} us, link {t_link:.1f} us ({link_gbps:.1f} GB/s"
+            f"{'' if measured else ', given'}): the miss phase can shrink at most {bound:.2f}x")
+    return out
 
 
 def cpu_facts() -> dict:
