@@ -170,10 +170,11 @@ def test_qwen3_30b_a3b_preset_slot_and_entries_come_from_the_runners_config(tmp_
     doc = _gate_json(capsys, "kv-paging", "--model", str(d), "--max-seq", "8192")
     # The int8 mirror slot: layers x max_seq x (2 kv_dim + 8 kv heads), kv_dim = kv heads x head_dim = 4 x 128.
     assert _q(doc, "mirror_slot")["value"] == 48 * 8192 * (2 * 4 * 128 + 8 * 4) == 415_236_096
-    # The reference row is the runner's own KVCache, sized without allocating it (the meta device).
-    kv = KVCache.allocate(read_model_config(d), 8192, torch.bfloat16, "meta")
+    # The reference row is the runner's own KVCache at full reach, its positions and the spare row a parked slot writes
+    # (Slots: allocate_cache(..., spare=1)), sized without allocating it (the meta device).
+    kv = KVCache.allocate(read_model_config(d), 8192 + 1, torch.bfloat16, "meta")
     assert len(kv) == 48
-    assert _q(doc, "runner_slot")["value"] == sum(c.k.nbytes + c.v.nbytes for c in kv) == 48 * 8192 * 2 * 512 * 2
+    assert _q(doc, "runner_slot")["value"] == sum(c.k.nbytes + c.v.nbytes for c in kv) == 48 * 8193 * 2 * 512 * 2
     # Resident, counted by hand: embed, final norm, untied lm_head; per layer input/post norms and Qwen3's q/k norms.
     resident = 3 + 48 * 4
     want = _independent_entries(layers=48, dense_layers=0, experts=128, resident=resident)
@@ -237,7 +238,8 @@ def test_measured_cpu_run_sampled_peak_is_bounded(tiny_dir, capsys):
     assert mem["sampled_peak_bytes"] <= _meminfo_total()
     assert mem["peak_used_bytes"] <= mem["total_bytes"] <= _meminfo_total()
     assert mem["exact_peak_bytes"] >= mem["sampled_peak_bytes"] - MiB
-    assert doc["measurements"][0]["kv_bytes"] == 2 * 6 * (8 + 8) * 32 * 4  # layers x tokens x 2 kv_dim x f32
+    # layers x (tokens and the spare row) x 2 kv_dim x f32: the cache the run held
+    assert doc["measurements"][0]["kv_bytes"] == 2 * 6 * (8 + 8 + 1) * 32 * 4
     assert doc["verdict"] == DONT_BUILD  # a 0.2 MiB mirror on a whole machine
 
 

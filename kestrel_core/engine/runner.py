@@ -130,6 +130,14 @@ def first_capacity(max_seq: int, device: torch.device) -> int:
     return max_seq if device.type == "cpu" else key_bound(1, max_seq)
 
 
+def held_positions(need: int, max_seq: int, device: torch.device) -> int:
+    """The positions a KV slot of ``max_seq`` holds once its sequences reached ``need`` (``first_capacity``, then
+    ``Slots.reach``'s key bound), and the spare row past them (the park): what a run's cache is sized by, which a
+    gate counts with ``kvcache.kv_bytes``."""
+    first = first_capacity(max_seq, device)
+    return (first if need <= first else key_bound(need, max_seq)) + 1
+
+
 class Slots:
     """A batch's side on the compute device: ``slots`` KV slots of ``max_seq`` positions, the decode state, the ring
     its steps are read back through and the captured steps, one a row count. Made by ``Runner.open_slots``; only the

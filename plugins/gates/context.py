@@ -11,7 +11,7 @@ import attrs
 from kestrel_core.errors import ConfigError
 from kestrel_core.formats.modelconfig import ModelConfig, read_model_config
 
-from .figures import (ASSUMED, ASSUMED_TOTAL_MIB, DEFAULT_H2D_GBPS, DEFAULT_MAX_SEQ, GIVEN, ITEMSIZE, KV_LAYOUTS,
+from .figures import (ASSUMED, ASSUMED_TOTAL_MIB, DEFAULT_H2D_GBPS, DEFAULT_MAX_SEQ, GIVEN, KV_LAYOUTS,
                       MEASURED, WEIGHT_BYTES, MiB, Quantity)
 
 
@@ -77,7 +77,7 @@ class Workload:
     memory: Any  # MemReport
     compute_dtype: str
     budget_bytes: int | None
-    kv_bytes: int  # the runner's KV cache for this run: 2 x layers x tokens x kv_dim x itemsize
+    kv_bytes: int  # the runner's KV cache for this run: kvcache.kv_bytes of the positions its slot held (held_positions)
     error: str | None = None
 
 
@@ -198,6 +198,8 @@ class GateContext:
 
         from kestrel_core import load
         from kestrel_core.config import KestrelConfig
+        from kestrel_core.engine.kvcache import kv_bytes
+        from kestrel_core.engine.runner import held_positions
         from kestrel_core.errors import BudgetError
 
         from .memsampler import MemSampler
@@ -225,9 +227,9 @@ class GateContext:
             finally:
                 if on_gpu:
                     torch.cuda.empty_cache()  # the next run starts from the same free memory
-        tokens = len(o.prompt_ids) + o.max_new_tokens
-        c = self.config
-        kv = 0 if result is None else 2 * c.num_hidden_layers * tokens * c.kv_dim * ITEMSIZE.get(dtype, 4)
+        tokens = len(o.prompt_ids) + o.max_new_tokens  # a generate of one request: a slot of this many positions
+        kv = 0 if result is None else kv_bytes(self.config, held_positions(tokens, tokens, torch.device(device)),
+                                                getattr(torch, dtype))
         w = Workload(backend, keep, result, sampler.report, dtype, budget, kv, error)
         if free_before is not None and self.gpu_free is None:
             self.gpu_free = free_before  # the first run's: the budget a fresh process would get

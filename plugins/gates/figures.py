@@ -29,7 +29,6 @@ DEFAULT_H2D_GBPS = 55.0
 # (one f32 scale per 32 weights); int4 approximates Q4_K (about 4.5 bits), the seed's q4.
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.125, "int4": 0.5625}
 KV_LAYOUTS = ("int8", "bfloat16", "float16", "float32", "runner")
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def fmt_mib(n: float) -> str:

@@ -7,7 +7,7 @@ they could save by the mirror and compare it with the headroom a real workload l
 from __future__ import annotations
 
 from .context import GateContext
-from .figures import (ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, ITEMSIZE, MEASURED, REMEASURE, WEIGHT_BYTES, MiB,
+from .figures import (ASSUMED, BUILD, COMPUTED, DONT_BUILD, GIVEN, MEASURED, REMEASURE, WEIGHT_BYTES, MiB,
                       fmt_mib, fmt_ratio)
 from .framework import STANDARD_AXES, Evaluation, Gate, Needs, Quantity
 from .shapes import param_count
@@ -39,13 +39,17 @@ class _KvMirrorGate(Gate):
     # --- shared ---
     def _per_token(self, ctx: GateContext) -> tuple[int, str]:
         """(bytes per token per layer, layout label) of the chosen mirror layout."""
+        import torch
+
+        from kestrel_core.engine.kvcache import kv_bytes
+
         c, layout = ctx.config, ctx.options.kv_layout
         if layout == "int8":
             return 2 * c.kv_dim + 8 * c.num_key_value_heads, "int8 + f32 scale per kv head"
         if layout == "runner":
             backend, dtype = self._runner(ctx)
-            return 2 * c.kv_dim * ITEMSIZE.get(dtype, 4), f"kestrel KVCache ({backend}, {dtype})"
-        return 2 * c.kv_dim * ITEMSIZE[layout], f"{layout} K/V"
+            return kv_bytes(c, 1, getattr(torch, dtype)) // c.num_hidden_layers, f"kestrel KVCache ({backend}, {dtype})"
+        return kv_bytes(c, 1, getattr(torch, layout)) // c.num_hidden_layers, f"{layout} K/V"
 
     def _runner(self, ctx: GateContext) -> tuple[str, str]:
         """(backend, compute dtype) of kestrel's own KV cache: the measured run's, else the device question's (cuda)."""
@@ -80,10 +84,17 @@ class _KvMirrorGate(Gate):
                      f"{L} x {max_seq.value} x ({per_token_formula})"),
         ]
         if o.kv_layout != "runner":
+            import torch
+
+            from kestrel_core.engine.kvcache import kv_bytes
+            from kestrel_core.engine.runner import held_positions
+
             backend, dtype = self._runner(ctx)
-            runner = L * max_seq.value * 2 * f.kv_dim * ITEMSIZE.get(dtype, 4)
+            held = held_positions(max_seq.value, max_seq.value, torch.device("cuda" if backend == "cuda" else "cpu"))
+            runner = kv_bytes(f, held, getattr(torch, dtype))
             q.append(Quantity("runner_slot", f"for reference: kestrel KVCache slot ({backend}, {dtype})", runner, "B",
-                              COMPUTED, f"{L} x {max_seq.value} x 2*{f.kv_dim}*{ITEMSIZE.get(dtype, 4)}"))
+                              COMPUTED, f"kv_bytes: {L} x {held} positions ({max_seq.value} and the spare row) x "
+                              f"{runner // (L * held)}"))
         q.append(Quantity("mirror", "KV mirror, all slots", mirror, "B", COMPUTED, f"{o.slots} x slot"))
         if self.uses_fill:
             q.append(Quantity("fill", "context fill", o.fill, "ratio", GIVEN if o.fill else ASSUMED,
