@@ -37,7 +37,8 @@ def register_expert_policies(register):
 @hookspec
 def register_drafters(register):
     """Register speculative-decoding drafters: ``register(name, factory)``; ``factory(arg=, run=)`` returns a
-    ``contracts.Drafter`` (``--draft NAME`` or ``--draft NAME:ARG``)."""
+    ``contracts.Drafter`` (``--draft NAME`` or ``--draft NAME:ARG``); a factory with ``drafts_with_a_model = True``
+    is also given ``draft_run=``, the model ``arg`` names, opened by the engine (``engine.draft_run.DraftRun``)."""
 
 
 @hookspec

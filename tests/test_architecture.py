@@ -148,3 +148,53 @@ def test_nothing_calls_a_private_token_loop():
             if path.name != "test_architecture.py":
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+RUNNER_STEPS = {"step", "read", "place", "park", "open_slots"}  # what only the token loop (batch.py) asks a runner
+
+
+def runner_calls(path: Path) -> list[str]:
+    """Calls in ``path`` of a runner's step methods (``runner.step(...)``, ``self.run.runner.read(...)``)."""
+    return [ast.unparse(n) for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in RUNNER_STEPS
+            and "runner" in ast.unparse(n.func.value)]
+
+
+ENGINE_DOORS = ("kestrel_core.load", "kestrel_core.engine.run", "kestrel_core.engine.runner", "kestrel_core.engine.batch")
+
+
+def opens_a_run(path: Path) -> list[str]:
+    """What in ``path`` loads a model or opens a run: an import of ``load`` or the runner, or a call of ``.open(...)``."""
+    tree, found = ast.parse(path.read_text()), []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            found += [m for m in [n.module, *(f"{n.module}.{a.name}" for a in n.names)] if m in ENGINE_DOORS]
+        elif isinstance(n, ast.Import):
+            found += [a.name for a in n.names if a.name in ENGINE_DOORS]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "open":
+            found.append(ast.unparse(n))
+    return found
+
+
+def test_no_plugin_steps_a_runner_or_opens_a_run():
+    """A drafter drafts through the draft run the engine opens for it (``engine/draft_run.py``), whose proposals go
+    through a Batch: no plugin calls Runner.step or Runner.read, nor opens a run of its own behind the engine's back."""
+    plugin_files = sorted((ROOT / "plugins").rglob("*.py"))
+    assert ROOT / "plugins" / "drafters.py" in plugin_files
+    calls = {str(p.relative_to(ROOT)): runner_calls(p) for p in plugin_files}
+    assert not any(calls.values()), {k: v for k, v in calls.items() if v}
+    opens = opens_a_run(ROOT / "plugins" / "drafters.py")
+    assert not opens, opens
+
+
+def test_the_runner_check_finds_what_the_old_drafter_did(tmp_path):
+    """The checks above catch a drafter that steps its own runner and opens its own run (as plugins/drafters.py did)."""
+    old = tmp_path / "old_drafter.py"
+    old.write_text("from kestrel_core import load\nfrom kestrel_core.engine.runner import StepRequest\n"
+                   "def propose(self):\n    runner = self.run.runner\n    self.run = load('x').open(keep='off')\n"
+                   "    launched = runner.step(self.slots, StepRequest(1))\n"
+                   "    return self.run.runner.read(self.slots, launched, hear=(0,))\n")
+    assert runner_calls(old) == ["runner.step(self.slots, StepRequest(1))",
+                                 "self.run.runner.read(self.slots, launched, hear=(0,))"]
+    assert "kestrel_core.load" in opens_a_run(old) and "kestrel_core.engine.runner" in opens_a_run(old)
+    assert any(".open(" in x for x in opens_a_run(old))

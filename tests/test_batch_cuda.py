@@ -63,6 +63,6 @@ def test_a_cuda_draft_models_steps_are_replayed_and_its_own_greedy(tiny_ckpt, tm
         for c in contexts:  # each a token past the last: its drafts rolled back
             seq.accepted(c)
             got.append(seq.propose(c, 6)[0])
-        assert run.drafter.slots.graphs[1].graph is not None  # its repeating one-token step was captured
+        assert run.draft_run.batch.dev.graphs[1].graph is not None  # its batch's one-token step was captured
     # bf16: a captured step may round otherwise than the eager one, so only the lead tokens must agree
     assert [g[:2] for g in got] == [w[:2] for w in want]

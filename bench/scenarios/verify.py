@@ -136,10 +136,13 @@ def verify_row(k: int, reps: list[dict], tokens: int, step_p50: float | None) ->
 
 
 def draft_row(run, path: Path, prompt: list[int], answer: list[int], proposals: int) -> dict:
-    """The draft model as ``--draft MODEL`` opens it, asked for proposals directly: each one's time at K = 4 and 16."""
-    from kestrel_core import plugins
+    """The draft model as ``--draft MODEL`` opens it (the engine's draft run, handed to the ``model`` drafter), asked
+    for proposals directly: each one's time at K = 4 and 16."""
+    import attrs
 
-    drafter = plugins.lookup("drafters", "model").factory(arg=str(path), run=run)
+    from kestrel_core.engine.run import make_drafter
+
+    drafter, draft_run = make_drafter(attrs.evolve(run.config.speculative, draft=str(path)), run)
     out: dict = {"path": str(path), "weight_bytes": models.weight_bytes(path), "rows": []}
     try:
         for k in DRAFT_KS:
@@ -163,6 +166,7 @@ def draft_row(run, path: Path, prompt: list[int], answer: list[int], proposals: 
                 f"{row['ms_per_drafted_token_p50']:8.3f} ms a drafted token")
     finally:
         drafter.close()
+        draft_run.close()
     return out
 
 

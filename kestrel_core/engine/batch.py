@@ -28,7 +28,7 @@ import torch
 
 from kestrel_core.config import GenerationConfig
 from kestrel_core.engine.contracts import Drafter, Drafting
-from kestrel_core.errors import BudgetError, ConfigError
+from kestrel_core.errors import BudgetError, ConfigError, KestrelError
 from kestrel_core.engine.limits import RequestLimits
 from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
@@ -95,11 +95,18 @@ class Request:
     constraint: Callable[[], Constraint] | None = None  # makes each sequence's constraint (a grammar's state)
     # each prompt token's log-probability after the first, and this many alternatives (0..20); None: not computed
     prompt_logprobs: int | None = None
+    sampler: Sampler | None = None  # draws its tokens (None: one made from ``gen``); a caller drawing on across requests
+    # prompt tokens already in the KV slot it takes, left there by the sequence before it in a batch of one slot (a
+    # draft run's, ``engine.draft_run``): it prefills from there
+    cached: int = 0
 
     def check(self) -> None:
         """What it asks beside its tokens is in range (a ConfigError naming it)."""
         check_logprobs(self.logprobs)
         check_logprobs(self.prompt_logprobs)
+        if not 0 <= self.cached < len(self.prompt_ids):
+            raise ConfigError(f"cached must be in 0..{len(self.prompt_ids) - 1} (prompt tokens already in the slot; at "
+                              f"least the last goes through), got {self.cached}")
 
 
 @attrs.define(eq=False)
@@ -194,6 +201,7 @@ class Batch:
         self.passes: list[_Pass] = []
         self.unread: deque[int] = deque()  # steps launched whose row is not read back yet
         self.ids = 0
+        self.fixed_resident_bytes = runner.resident_bytes
 
     # --- sequences ---------------------------------------------------------------------------------------
     def add(self, request: Request, seq: Sequence | None = None) -> Sequence:
@@ -201,10 +209,14 @@ class Batch:
         that has a free slot for it."""
         RequestLimits(self.max_seq, "this batch").budget(request.gen.max_new_tokens, len(request.prompt_ids))
         request.check()
+        if request.cached and self.slots != 1:
+            raise ConfigError(f"a request with cached prompt tokens needs a batch of one slot (the slot its last "
+                              f"sequence wrote), and this one has {self.slots}")
         if seq is None:
             seq = Sequence(request)
-        seq.id, seq.sampler = self.ids, Sampler(request.gen, request.constraint() if request.constraint else None,
-                                                self.runner.masks_on_device)
+        seq.id, seq.prefilled = self.ids, request.cached
+        seq.sampler = request.sampler or Sampler(request.gen, request.constraint() if request.constraint else None,
+                                                 self.runner.masks_on_device)
         if request.drafter is not None:
             seq.drafting, seq.spec = begin_drafting(request.drafter, request.prompt_ids), SpecStats()
         self.ids += 1
@@ -218,6 +230,13 @@ class Batch:
     def run_until_done(self) -> None:
         while self.busy:
             self.step()
+
+    def forget(self) -> None:
+        """Drop the records of the steps taken so far, the batch idle (one that lives across many requests, a draft
+        run's, keeps no step of a sequence done)."""
+        if self.busy:
+            raise KestrelError("a batch forgets its steps only when idle: no sequence waiting, running or unread")
+        self.passes.clear()
 
     # --- one step: schedule, run, read -----------------------------------------------------------------------
     def step(self) -> None:
@@ -576,7 +595,6 @@ class Batch:
 
     # --- the batch's life --------------------------------------------------------------------------------
     def __enter__(self) -> "Batch":
-        self.fixed_resident_bytes = self.runner.resident_bytes
         self._torch_mode = torch.inference_mode()
         self._torch_mode.__enter__()
         return self

@@ -126,7 +126,10 @@ class Drafting(Protocol):
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes tokens for speculative decoding. A factory is called ``factory(arg=, run=)`` (``arg``: what follows
-    the name in ``--draft NAME:ARG``, or the model of ``--draft MODEL``; ``run``: the target's run, read-only)."""
+    the name in ``--draft NAME:ARG``, or the model of ``--draft MODEL``; ``run``: the target's run, read-only). A
+    factory that says ``drafts_with_a_model = True`` drafts with the model ``arg`` names: the engine loads, checks and
+    opens it and calls ``factory(arg=, run=, draft_run=)``; ``draft_run`` (``engine.draft_run.DraftRun``) proposes
+    through its own batch (``draft_run.sequence()``: what drafts for a sequence), and the engine closes it."""
 
     name: str
 

@@ -27,6 +27,7 @@ import torch
 from kestrel_core import plugins
 from kestrel_core.engine.backend import BackendContext
 from kestrel_core.engine.batch import Batch, Request, check_batch, generate_one
+from kestrel_core.engine.draft_run import DraftRun, check_draft_model
 from kestrel_core.engine.limits import RequestLimits
 from kestrel_core.config import AUTO, OFF, KestrelConfig, check_environment, with_settings
 from kestrel_core.engine.contracts import (
@@ -177,21 +178,59 @@ def make_expert_policy(res, model: "Model", units: UnitTable) -> ExpertPolicy | 
     return _checked("expert policy", res.expert_policy, factory(budget=budget), ExpertPolicy)
 
 
-def make_drafter(spec, run: "Run") -> Drafter | None:
-    """The run's drafter for speculative decoding, or None: ``spec.draft`` names a registered drafter (``ngram`` or
-    ``ngram:N``, a plugin's ``NAME:ARG``), or else a draft model (the ``model`` drafter)."""
+def make_drafter(spec, run: "Run") -> tuple[Drafter | None, DraftRun | None]:
+    """The run's drafter for speculative decoding and, where it drafts with a model, the draft run this opened for it;
+    (None, None) without ``spec.draft``. ``spec.draft`` names a registered drafter (``ngram`` or ``ngram:N``, a
+    plugin's ``NAME:ARG``), or else a draft model (the ``model`` drafter's). A factory that says
+    ``drafts_with_a_model`` gets ``draft_run=``: the model its ``arg`` names, loaded, checked and opened here."""
     if not spec.draft:
-        return None
+        return None, None
     name, _, arg = spec.draft.partition(":")
     drafters = plugins.registry("drafters")
-    if name in drafters:
-        return _checked("drafter", name, drafters[name].factory(arg=arg or None, run=run), Drafter)
+    named = name in drafters
+    if named:
+        factory, arg = drafters[name].factory, arg or None
+    else:
+        factory, name, arg = plugins.lookup("drafters", "model").factory, "model", spec.draft
+    if not getattr(factory, "drafts_with_a_model", False):
+        return _checked("drafter", name, factory(arg=arg, run=run), Drafter), None
     try:
-        draft = plugins.lookup("drafters", "model").factory(arg=spec.draft, run=run)
+        draft_run = open_draft_run(arg, run, name)
     except NotCachedError as exc:
+        if named:
+            raise
         names = ", ".join(sorted(n for n in drafters if n != "model"))
         raise ConfigError(f"draft {spec.draft!r} names no registered drafter ({names}) and no model: {exc}") from None
-    return _checked("drafter", "model", draft, Drafter)
+    try:
+        return _checked("drafter", name, factory(arg=arg, run=run, draft_run=draft_run), Drafter), draft_run
+    except BaseException:
+        draft_run.close()
+        raise
+
+
+def open_draft_run(arg: str | None, run: "Run", name: str = "model") -> DraftRun:
+    """The draft model ``arg`` names, loaded, checked against the run's model (``draft_run.check_draft_model``) and
+    opened whole and resident on the run's device, beside it: a ``DraftRun``."""
+    if not arg:
+        raise ConfigError(f"--draft {name} needs the draft model: --draft DIR (or a name in the Hugging Face cache)")
+    draft = load(arg)
+    try:
+        check_draft_model(draft, run.model)
+        backend = run.config.backend
+        try:
+            opened = draft.open(backend={"name": backend.name, "dtype": backend.dtype, "device": backend.device,
+                                         "graphs": backend.graphs}, keep="off",
+                                alone=True)  # beside a pipeline's rank 0: whole, on its device
+        except BudgetError as exc:
+            raise BudgetError(f"the draft model {draft.dir} does not fit on the device beside the target: {exc}") from None
+        try:
+            return DraftRun(opened, run.model, run.config.generation)
+        except BaseException:
+            opened.close()
+            raise
+    except BaseException:
+        draft.close()
+        raise
 
 
 def expert_table(res, model: "Model", backend: Backend) -> bool:
@@ -416,8 +455,10 @@ class Run:
                                           micro_batches=micro_batched(config.backend.micro_batches, self.backend)),
                              guard=getattr(model.checkpoint, "check_unchanged", lambda: None), pipeline=self.pipeline)
         self._open = True
+        self.drafter = self.draft_run = None
         try:  # a pipeline's later ranks follow rank 0's steps: the drafts are rank 0's
-            self.drafter = None if self.follows else make_drafter(config.speculative, self)
+            if not self.follows:
+                self.drafter, self.draft_run = make_drafter(config.speculative, self)
         except BaseException:
             self.close()
             raise
@@ -565,6 +606,8 @@ class Run:
                     self.runner.end_following()
             if getattr(self, "drafter", None) is not None:
                 self.drafter.close()
+            if getattr(self, "draft_run", None) is not None:
+                self.draft_run.close()  # opened by this run for its drafter, so closed by it
             self.runner.release_all()
             self.allocator.drain()
         finally:
