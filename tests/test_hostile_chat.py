@@ -211,3 +211,25 @@ def test_a_message_that_cannot_fit_is_refused_before_the_template_renders_it(tin
         rendered.append(sum(len(m["content"]) for m in messages)), real(self, messages, *a, **k))[1])
     chat_fails(monkeypatch, capsys, d, "x" * 100_000 + "\n", "this message alone is over 2,048 tokens")
     assert max(rendered) < 100  # only the empty frame was rendered, to count the template's own tokens
+
+
+def test_max_seq_bounds_the_conversation_and_is_checked(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """chat takes --max-seq as generate and serve do: the conversation's context, fewer positions than the model's;
+    past it the message is refused naming --max-seq, with the way to start over; a bound out of range is refused
+    before a reply."""
+    d = with_template(tiny_ckpt, tmp_path, QWEN)
+    frame = len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n".encode())
+    # the same three messages fit the model's 512 positions (a reply of one token each)
+    monkeypatch.setattr("sys.stdin", io.StringIO(("x" * 20 + "\n") * 3))
+    from kestrel_core.cli import main
+
+    assert main(["chat", "--model", str(d), "--max-new-tokens", "1", "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    # within --max-seq 128: the third message is past it
+    chat_fails(monkeypatch, capsys, d, ("x" * 20 + "\n") * 3, "the conversation is over 127 tokens",
+               "--max-seq gives 128 positions", "/reset", flags=["--max-new-tokens", "1", "--max-seq", "128"])
+    err = chat_fails(monkeypatch, capsys, d, "x" * 100 + "\n", "this message alone is 100 tokens",
+                     f"--max-seq's 96 positions leave at most {96 - 1 - frame}", flags=["--max-seq", "96"])
+    assert "the model's" not in err
+    chat_fails(monkeypatch, capsys, d, "hi\n", "--max-seq must be at least 2 positions, got 1", flags=["--max-seq", "1"])
+    chat_fails(monkeypatch, capsys, d, "hi\n", "--max-seq 513 is past", "512 positions", flags=["--max-seq", "513"])

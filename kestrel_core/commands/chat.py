@@ -19,6 +19,7 @@ from kestrel_core.engine.results import GenerationResult
 from kestrel_core.formats.tokenizer import check_utf8
 from kestrel_core.io.jsonout import finite
 from kestrel_core.commands.common import add_run_flags, config_from_args
+from kestrel_core.engine.limits import check_max_seq
 
 HELP = "chat with a model: one message a line on stdin (until EOF or /exit), each reply streamed as it is generated"
 
@@ -30,6 +31,9 @@ REPLY_TOKENS = 512  # a reply's cap where neither --max-new-tokens nor kestrel.t
 def add_arguments(p):
     add_run_flags(p)
     p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument("--max-seq", type=int, help="the context: positions the conversation may use, its replies "
+                   "included, at least 2 and at most the model's (default: the model's); past it a message is refused "
+                   "with the way to start over")
     p.add_argument("--template-var", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable for the chat template, VALUE as JSON where it parses (e.g. enable_thinking=false "
                         "for Qwen3); repeatable")
@@ -43,6 +47,7 @@ def run(args) -> int:
         raise ConfigError("standard input is closed, and kestrel chat reads its messages from it: type them, or pipe "
                           "them in, one a line")
     variables = template_vars(args.template_var)
+    check_max_seq(args.max_seq)  # before the model loads
     cfg = config_from_args(args)
     if not cfg.was_given("generation", "max_new_tokens"):  # kestrel.toml's 16, given, is taken
         cfg = cfg.override(generation__max_new_tokens=REPLY_TOKENS)
@@ -52,11 +57,12 @@ def run(args) -> int:
                               "without a tokenizer cannot chat; use `kestrel generate --prompt-ids 1,2,3`")
         template = model.chat_template()
         ends = end_ids(model, template)
+        check_max_seq(args.max_seq, model.config.max_position_embeddings, str(model.dir))
         with model.open(cfg) as r:
             if r.follows:  # a pipeline's later rank: rank 0 reads the messages and answers, this one makes its steps
                 r.follow()
                 return 0
-            chat = Chat(r, template, ends, variables, args.system)
+            chat = Chat(r, template, ends, variables, args.system, positions=args.max_seq)
             prompt = "> " if sys.stdin.isatty() and not args.json else ""
             if prompt:
                 import readline  # noqa: F401  (line editing and history for input())
@@ -101,8 +107,11 @@ class Chat:
     """The conversation on one open run: each reply is generated from the whole conversation, rendered again."""
 
     def __init__(self, run, template: ChatTemplate, ends: frozenset[int], variables: dict | None = None,
-                 system: str | None = None):
+                 system: str | None = None, positions: int | None = None):
         self.run, self.template, self.ends = run, template, ends
+        # the conversation's context: the model's positions, or fewer (--max-seq)
+        self.positions = positions or run.model.config.max_position_embeddings
+        self.whose = "the model's" if positions is None else "--max-seq's"
         self.variables = dict(variables or {})
         self.system = system
         self.tokenizer = run.model.tokenizer
@@ -120,7 +129,7 @@ class Chat:
         own = self.tokenizer.encode_at_most(frame, positions - 2)  # a fresh chat: the template's (and system's) tokens
         if own is None:
             what = "the chat template and the system message alone take" if self.system else "the chat template alone takes"
-            return ConfigError(f"{what} more than the model's {positions:,} positions, leaving no room for "
+            return ConfigError(f"{what} more than {self.whose} {positions:,} positions, leaving no room for "
                                f"a message; {'shorten --system, or ' if self.system else ''}replace the template "
                                "with the model's own")
         most = positions - 1 - len(own)  # and one position for the reply
@@ -128,17 +137,18 @@ class Chat:
         alone = self.tokenizer.encode_at_most(message, counted)
         if alone is None or len(alone) > most:
             size = f"over {counted:,}" if alone is None else f"{len(alone):,}"
-            return ConfigError(f"this message alone is {size} tokens, and the model's {positions:,} positions leave at "
+            return ConfigError(f"this message alone is {size} tokens, and {self.whose} {positions:,} positions leave at "
                                f"most {most:,} for one message (the chat template takes the rest, and the reply "
                                "needs one); send a shorter message")
-        return ConfigError(f"the conversation is over {positions - 1:,} tokens, and the model has {positions:,} "
+        has = f"the model has {positions:,}" if self.whose == "the model's" else f"--max-seq gives {positions:,}"
+        return ConfigError(f"the conversation is over {positions - 1:,} tokens, and {has} "
                            f"positions: no room for a reply; start a new chat ({RESET} starts over in one)")
 
     def reply(self, message: str, write=None) -> Reply:
         """The model's reply to ``message``, its text given to ``write`` as it grows; both join the conversation."""
         check_utf8(message)  # here, so that the error counts characters in the message, not in the rendered prompt
         gen = self.run.config.generation
-        positions = self.run.model.config.max_position_embeddings
+        positions = self.positions
         if self.tokenizer.encode_at_most(message, positions) is None:  # before rendering: it cannot fit at all
             raise self._too_long(message, positions)
         messages = self.messages + [{"role": "user", "content": message}]
