@@ -129,13 +129,19 @@ def kestrel_rows(model, settings: dict, batches: tuple[int, ...] = (1, 8, 64), p
     """kestrel's figures at llama.cpp's lengths on one open model: decode at each B (B sequences of ``prompt`` ids,
     ``gen`` new tokens each, one batch: tokens/s over the steps where all B decode, B over the step's median time) and a
     prefill of ``prefill`` ids (its median over ``prefill_reps`` runs). Each decode row's ids are checked against B = 1's
-    for its first sequence. Warmed first (graphs captured, kernels compiled) at every B."""
+    for its first sequence. Warmed first (graphs captured, kernels compiled) at every B. Each row says which layer ops
+    ran (``layer_ops``: the setting; ``layer_ops_ran``: torch's or the backend's fused ones)."""
     from bench.stats import summary
 
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 13 * s + 3) % vocab for i in range(prompt)] for s in range(max(batches))]
+    from kestrel_core.engine.model import TORCH_OPS
+
     out = []
     with model.open(**settings) as run:
+        # the steps between the linears these rows ran: what was asked, and torch's ops or the backend's fused ones
+        ops = {"layer_ops": run.config.backend.layer_ops,
+               "layer_ops_ran": "torch" if getattr(run.backend, "layer_ops", TORCH_OPS) is TORCH_OPS else "fused"}
         for b in batches:  # warm-up: not timed
             run.generate_batch([dict(prompt_ids=p, max_new_tokens=4, stop_at_eos=False) for p in prompts[:b]],
                                max_batch=b)
@@ -153,7 +159,7 @@ def kestrel_rows(model, settings: dict, batches: tuple[int, ...] = (1, 8, 64), p
             solo = solo or list(got[0].token_ids)
             out.append({"program": "kestrel", "phase": "decode", "rows": b, "n_prompt": prompt, "n_gen": gen,
                         "tokens_per_s": b * 1e3 / s["p50"], "step_ms": [float(v) for v in steps], "step": s,
-                        "first_ids_equal_solo": list(got[0].token_ids) == solo})
+                        "first_ids_equal_solo": list(got[0].token_ids) == solo, **ops})
         pp_ids = [(11 * i + 5) % vocab for i in range(prefill)]
         times = []
         for _ in range(prefill_reps + 1):
@@ -161,7 +167,7 @@ def kestrel_rows(model, settings: dict, batches: tuple[int, ...] = (1, 8, 64), p
             times.append(float(r.prefill_ms))
         times = times[1:]  # the first: warm-up (a prompt this long compiles its own shapes)
         out.append({"program": "kestrel", "phase": "prefill", "rows": 1, "n_prompt": prefill, "n_gen": 0,
-                    "tokens_per_s": prefill * 1e3 / statistics.median(times), "prefill_ms": times})
+                    "tokens_per_s": prefill * 1e3 / statistics.median(times), "prefill_ms": times, **ops})
     return out
 
 

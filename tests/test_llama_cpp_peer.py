@@ -124,6 +124,8 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     assert set(ours) == {("decode", 1), ("decode", 2), ("prefill", 1)}
     assert ours["decode", 2]["first_ids_equal_solo"] and len(ours["decode", 1]["step_ms"]) >= 5
     assert ours["prefill", 1]["n_prompt"] == 32 and len(ours["prefill", 1]["prefill_ms"]) == 3
+    # the layer ops they ran: the default setting, torch's ops on cpu_ref (the fused ones are cuda's)
+    assert {(r["layer_ops"], r["layer_ops_ran"]) for r in ours.values()} == {("auto", "torch")}
     vs = {(r["phase"], r["rows"]): r for r in res["vs_llama_cpp"]}
     assert set(vs) == set(ours)
     assert vs["decode", 2]["llama_cpp_tokens_per_s"] == 2000.0
