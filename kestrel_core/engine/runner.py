@@ -12,7 +12,6 @@ import functools
 import statistics
 import threading
 from collections import deque
-from collections.abc import Mapping
 from typing import Callable, Iterable
 
 import attrs
@@ -20,16 +19,18 @@ import torch
 
 from kestrel_core.engine.contracts import Backend
 from kestrel_core.errors import ConfigError, NonFiniteError
+from kestrel_core.engine.expert_landing import (follow_plan, hear_routing, host_experts, land, refill, replayed,
+                                                 table_experts)
 from kestrel_core.engine.expert_schedule import ExpertSchedule
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
-from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound, route
+from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.plan import Boundary, Plan, delta
 from kestrel_core.engine.pipeline import Pipeline, micro_batches
 from kestrel_core.engine.residency import Window
-from kestrel_core.engine.slots import Slots
+from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.engine.step_graphs import StepGraphs
 
 Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
@@ -54,31 +55,6 @@ def _compiled_layer():
 def layer_math(compile: bool):
     """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
     return _compiled_layer() if compile else decoder_layer
-
-
-class DecodeState:
-    """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
-    addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
-    not finite, then (on a run with an expert table) each sparse layer's routed experts of each slot's row, of a step
-    that read it: ``routed`` [sparse layers, slots, k], then (where the step lands its misses) the landing ring's head
-    and each of its ``landing`` slots' owner: ``landed`` [1 + landing]."""
-
-    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, vocab: int,
-                 routed: tuple[int, int] = (0, 0), landing: int = 0):
-        self.slots = slots
-        n = routed[0] * slots * routed[1]
-        self.out = torch.zeros(2 * slots + n + (1 + landing if landing else 0), dtype=torch.long, device=device)
-        self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
-        self.bad = self.out[slots : 2 * slots]
-        self.routed = self.out[2 * slots : 2 * slots + n].view(routed[0], slots, routed[1])
-        self.landed = self.out[2 * slots + n :]
-        self.allowed = torch.ones((slots, vocab), dtype=torch.bool, device=device)  # the ids each row's argmax may take
-        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
-        self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
-        self.slot_ids = torch.arange(slots, device=device)
-        self.key_positions = torch.arange(max_seq, device=device)
-        self.rope = rope
-        self.logits: torch.Tensor | None = None  # the last step's [rows, vocab] float32
 
 
 @attrs.frozen
@@ -226,7 +202,7 @@ class Runner:
             graphs = s.graphs.get(rows)
             if graphs is None:
                 graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
-                                                     on_replay=self.replayed)
+                                                     on_replay=functools.partial(replayed, self))
             bound = self._bound(s, furthest)
             mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows, bound=bound), bound)
             if mode == "captured":  # a replay writes its logits where the capture's went
@@ -272,35 +248,12 @@ class Runner:
             landed = self.landing.consumed(row[end], row[end + 1:]) if self.landing is not None else None
             if hear:
                 before = self.counters.snapshot()
-                self.hear(step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
-                                              for layer in routed], landed)
+                hear_routing(self, step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
+                                                      for layer in routed], landed)
                 heard = delta(self.counters.snapshot(), before)
             elif landed:
-                self._land(step.decode_index, landed)
+                land(self, step.decode_index, landed)
         return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
-
-    def _land(self, step: int, landed: list[tuple]) -> frozenset[int]:
-        """Experts decode step ``step`` (or a step before it not read back) landed in the ring, (key, buffers) each:
-        resident from here, read from their slots from the next step; one admitted meanwhile gives its slot's buffers
-        back. The experts made resident."""
-        window, out = self.window, set()
-        for key, buffers in landed:
-            if window.land(key, buffers):
-                self.schedule.landed(key, step)
-                out.add(key[1])
-            else:
-                window.free_slot(self._slot_like, buffers)
-        return frozenset(out)
-
-    def _refill(self) -> None:
-        """Before a decode step is launched: the landing ring's free slots, up to its size ahead of the head heard."""
-        landing, filled = self.landing, []
-        for position in landing.room():
-            buffers = self.window.slot(self._slot_like)
-            landing.filled(position, buffers)
-            filled.append((position, buffers))
-        if filled:
-            self.backend.landing_fill(filled, landing.tail)
 
     def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
         """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
@@ -460,59 +413,14 @@ class Runner:
         if plan is None or not (plan.evict or plan.fetch):
             return
         self.backend.execute(plan)
-        self._follow(plan)
-
-    def _follow(self, plan: Plan) -> None:
-        """The expert table, where there is one, follows a plan the backend has executed."""
-        if self.schedule is not None:
-            host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
-            slots = [(f.unit.key, f.buffers) for f in plan.fetch if is_expert(f.unit.key)]
-            if host or slots:
-                self.schedule.evict_now(host, plan.layer)
-                self.schedule.admit_now((key for key, _ in slots), plan.layer)
-                self.backend.point_experts(host, slots)
-
-    def replayed(self, plans: list[Plan]) -> None:
-        """A replayed step's plans: its graph carried them out, table writes included; the expert schedule records them
-        as ``execute`` would have."""
-        if self.schedule is None:
-            return
-        for plan in plans:
-            self.schedule.evict_now([r.unit.key for r in plan.evict if is_expert(r.unit.key)], plan.layer)
-            self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
-
-    def hear(self, step: int, routed: list[list[int]], landed: list[tuple] | None = None) -> None:
-        """Decode step ``step``'s routing, read back (each sparse layer's experts over the rows heard): the window plans
-        on their union a step behind (the expert policy hears it, and the experts the step read from their host copies
-        are its misses); the plan's uploads start at once on the side stream, and the table follows them on the
-        schedule. ``landed``: where the step lands its misses, the (key, buffers) it landed, which become resident
-        layer by layer as each is heard (so that no layer's hearing evicts a later layer's landed experts); the misses
-        it could not land are not admitted."""
-        window, schedule = self.window, self.schedule
-        by_layer: dict[int, list] = {}
-        for key, buffers in landed or ():
-            by_layer.setdefault(key[0], []).append((key, buffers))
-        for layer, chosen in zip(self.sparse, routed):
-            experts = sorted(set(chosen))
-            missed = {e for e in experts if schedule.read_host((layer, e), step)}
-            here = None if landed is None else self._land(step, by_layer.pop(layer, ()))
-            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed, landed=here)
-            if plan.evict or plan.fetch:
-                self.backend.execute(plan)
-                host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
-                schedule.evict_heard(host)
-                for f in plan.fetch:
-                    if is_expert(f.unit.key):
-                        schedule.admit_heard(f.unit.key, f.buffers)
-                if host:
-                    self.backend.point_experts(host, [])
+        follow_plan(self, plan)
 
     def begin_step(self) -> int:
         """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
         decode steps."""
         index, self.decode_steps = self.decode_steps, self.decode_steps + 1
         if self.landing is not None:
-            self._refill()
+            refill(self)
         if self.schedule is not None:
             slots = self.schedule.begin_step()
             if slots:
@@ -544,61 +452,13 @@ class Runner:
             backend.before_use(b.key)
             experts = None
             if self.window.sparse[layer]:
-                experts = (self._table_experts(layer, table, first_row) if table is not None
-                           else self._host_experts(layer, phase))
+                experts = (table_experts(self, layer, table, first_row) if table is not None
+                           else host_experts(self, layer, phase))
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts, *ops)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
         return h
-
-    def _table_experts(self, layer: int, state: DecodeState, first_row: int = 0):
-        """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
-        Each row's routed ids go to the step's output row (from ``first_row``: a micro-batch's), which the host reads
-        back a step late."""
-        backend, rows = self.backend, state.routed[self.sparse.index(layer)]
-
-        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            rows[first_row:first_row + chosen.shape[0]].copy_(chosen)
-            return backend.routed_experts(layer, x, weights, chosen)
-
-        return experts
-
-    def _host_experts(self, layer: int, phase: str):
-        """A sparse layer's experts routed on the host: at its decision point the host learns the routed experts (the
-        one sync a sparse layer needs), the window plans their fetch (the union of the rows'), and the layer reads them
-        from their buffers.
-
-        With speculative prefetch, a one-row decode step also applies the next layer's router to this layer's hidden
-        state ``x`` and learns its guess in the same sync; their fetch runs on the side stream.
-        """
-        window, backend, cfg = self.window, self.backend, self.cfg
-        n = cfg.num_experts
-
-        def decide(chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict, Plan]:
-            """``used``: one token's experts in slot order (``sparse_mlp`` reads its weights by slot), else the distinct ones."""
-            ids = chosen[0] if chosen.shape[0] == 1 else torch.unique(chosen)  # one token's k experts are distinct
-            guess = window.guess_router(layer) if phase == "decode" and chosen.shape[0] == 1 else None
-            if guess is None:
-                used = ids.tolist()
-                plan, weights = window.route(layer, sorted(used), phase)
-            else:
-                key, router = guess
-                backend.before_use(key)
-                guessed = route(x, router, cfg, backend.linear)[1]
-                both = torch.cat((ids, torch.unique(guessed) + n)).tolist()
-                used = [e for e in both if e < n]
-                plan, weights = window.route(layer, sorted(used), phase, guess=[e - n for e in both if e >= n])
-            backend.execute(plan)
-            return used, weights, plan
-
-        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            used, routed, plan = decide(chosen, x)
-            out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use))
-            self._follow(plan)  # after the layer read its experts: pointing the table waits for their uploads
-            return out
-
-        return experts
 
     # --- passes -----------------------------------------------------------------------------------------
     def forward(self, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
@@ -778,26 +638,6 @@ class Runner:
             f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
             f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
         )
-
-
-class WaitedWeights(Mapping):
-    """A sparse layer's fetched experts' weights (expert -> buffers), each read after ``before_use`` of its unit: the
-    compute of an expert is ordered after its own upload alone, so a backend that streams a prompt chunk's experts on a
-    side stream computes those already there (and each one landed) while the rest still cross."""
-
-    def __init__(self, weights: dict, layer: int, before_use: Callable) -> None:
-        self._weights, self._layer, self._before_use = weights, layer, before_use
-
-    def __getitem__(self, e: int) -> dict:
-        w = self._weights[e]
-        self._before_use((self._layer, e))
-        return w
-
-    def __iter__(self):
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
 
 
 def _sliced(backend) -> bool:

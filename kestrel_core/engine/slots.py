@@ -13,6 +13,31 @@ from kestrel_core.engine.step_graphs import StepGraphs
 from kestrel_core.errors import BudgetError
 
 
+class DecodeState:
+    """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
+    addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
+    not finite, then (on a run with an expert table) each sparse layer's routed experts of each slot's row, of a step
+    that read it: ``routed`` [sparse layers, slots, k], then (where the step lands its misses) the landing ring's head
+    and each of its ``landing`` slots' owner: ``landed`` [1 + landing]."""
+
+    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, vocab: int,
+                 routed: tuple[int, int] = (0, 0), landing: int = 0):
+        self.slots = slots
+        n = routed[0] * slots * routed[1]
+        self.out = torch.zeros(2 * slots + n + (1 + landing if landing else 0), dtype=torch.long, device=device)
+        self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
+        self.bad = self.out[slots : 2 * slots]
+        self.routed = self.out[2 * slots : 2 * slots + n].view(routed[0], slots, routed[1])
+        self.landed = self.out[2 * slots + n :]
+        self.allowed = torch.ones((slots, vocab), dtype=torch.bool, device=device)  # the ids each row's argmax may take
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
+        self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
+        self.slot_ids = torch.arange(slots, device=device)
+        self.key_positions = torch.arange(max_seq, device=device)
+        self.rope = rope
+        self.logits: torch.Tensor | None = None  # the last step's [rows, vocab] float32
+
+
 def first_capacity(max_seq: int, device: torch.device) -> int:
     """The positions each KV slot holds when a batch opens: in host memory all ``max_seq`` (zero pages the kernel maps
     as they are written: the memory follows the writes by itself), on a device the fewest a bounded step reads
