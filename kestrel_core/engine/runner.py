@@ -9,7 +9,6 @@ in once serves them all. The token loop over these passes is the batch's (``batc
 from __future__ import annotations
 
 import functools
-import statistics
 import threading
 from collections import deque
 from typing import Callable, Iterable
@@ -22,13 +21,14 @@ from kestrel_core.errors import ConfigError, NonFiniteError
 from kestrel_core.engine.expert_landing import (follow_plan, hear_routing, host_experts, land, refill, replayed,
                                                  table_experts)
 from kestrel_core.engine.expert_schedule import ExpertSchedule
+from kestrel_core.engine.follower import micro_batched, timed
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
 from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.plan import Boundary, Plan, delta
-from kestrel_core.engine.pipeline import Pipeline, micro_batches
+from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.engine.step_graphs import StepGraphs
@@ -281,61 +281,6 @@ class Runner:
             layer.v[dst, :n].copy_(layer.v[src, :n])
 
     # --- a pipeline's other ranks ------------------------------------------------------------------------------
-    def follow(self) -> None:
-        """A rank past the first: make rank 0's calls after it, as it tells them, until it ends (``stop``). The
-        steps' tokens are rank 0's to choose (it embeds them); a rank past the first runs its layers on the hidden
-        state it gets."""
-        slots: dict[int, Slots] = {}
-        steps: dict[tuple[int, int], Launched] = {}
-        self.following = True
-        try:
-            while True:
-                for name, *args in self.pipeline.hear():
-                    if name == "stop":
-                        return
-                    if name == "open":
-                        s = self.open_slots(*args)
-                        slots[s.sid] = s
-                    elif name == "close":
-                        slots.pop(args[0]).close()
-                    elif name == "step":
-                        s = slots[args[0]]
-                        step = self.step(s, args[1], lambda slot, logits: None)
-                        steps[s.sid, step.index] = step
-                        steps.pop((s.sid, step.index - 2 * s.RING), None)  # a step rank 0 never read back
-                    elif name == "read":
-                        self.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
-                    elif name in ("place", "park", "copy_prefix", "nonfinite"):
-                        getattr(self, name)(slots[args[0]], *args[1:])
-                    elif name == "parts":
-                        self.pipeline.gather(self.part_summary())
-                    else:
-                        raise RuntimeError(f"rank 0 told an unknown runner call {name!r}: run one kestrel on every rank")
-        finally:
-            self.following = False
-            for s in slots.values():
-                s.close()
-
-    def end_following(self) -> None:
-        """Rank 0, its run closing: the other ranks' ``follow`` returns."""
-        self.tell("stop", now=True)
-
-    def part_summary(self) -> dict:
-        """This pipeline rank's part of the decode steps read back: its layers (the model's numbers, first and last),
-        and the milliseconds its layers took a step, each step's and their median (None: no decode step yet)."""
-        pipe, ms = self.pipeline, list(self.part_ms)
-        return {"rank": pipe.rank, "layers": [pipe.first_layer, pipe.first_layer + pipe.n_layers - 1],
-                "decode_steps": len(ms), "median_ms": round(statistics.median(ms), 3) if ms else None,
-                "part_ms": [round(x, 3) for x in ms]}
-
-    def rank_parts(self) -> list[dict]:
-        """Rank 0 of a pipeline: every rank's ``part_summary``, in rank order (the others send theirs over the
-        channel rank 0 tells its steps on). A step's whole time is rank 0's, from step to step."""
-        if not self.leads:
-            raise ConfigError("rank_parts() is asked of rank 0 of a pipeline, which leads its steps")
-        self.tell("parts", now=True)
-        return self.pipeline.gather(self.part_summary())
-
     def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
         return s.state.logits[slot]
@@ -482,14 +427,14 @@ class Runner:
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
-        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``).
+        with micro-batches, a step of several decode rows goes through the ranks in pieces (``follower.micro_batched``).
         ``bound``: the rows read only the first ``bound`` keys of each slot (a decode step's key bound,
         ``Runner._bound``; a step with spans, what the cache holds, ``Slots.capacity``)."""
         table = state if self.reads_table(rows, spans) else None
         wanted: list[range] = []
         if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
-            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table,
-                                         bound)
+            logits = micro_batched(self, state, cache, boundaries, rows, layer_math(self.settings.compile), table,
+                                   bound, _sliced(self.backend))
         else:
             logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table, bound)
         if table is not None and self.landing is not None:
@@ -525,75 +470,11 @@ class Runner:
             h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
-        h = self._timed(lambda: self.layers(h, at, cache, boundaries, phase, compiled, table=table))
+        h = timed(self, lambda: self.layers(h, at, cache, boundaries, phase, compiled, table=table))
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
         picked = torch.tensor([*range(rows), *(r for w in wanted for r in w)], device=h.device) if spans else None
         return self._logits(h, picked), wanted
-
-    def _micro_batched(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                       layer_fn, table: DecodeState | None, bound: int | None = None) -> torch.Tensor:
-        """A pipeline's decode step in micro-batches (``pipeline.micro_batches``), so that the ranks work at once: a
-        rank sends each micro-batch's hidden state on as soon as it has run its layers over it, and the next rank starts
-        on it while this one runs the next. A rank whose layers are all resident runs its layers once a micro-batch;
-        one whose window streams them runs every row in one pass (a second pass would stream them again), then sends
-        the micro-batches in order. Rows are row-exact, so the cut changes no bit. The step's logits, [rows, vocab]
-        float32 (zeros past rank 0, which alone chooses tokens)."""
-        pipe, backend, cfg = self.pipeline, self.backend, self.cfg
-        cuts = micro_batches(rows, pipe.ranks)
-        sliced = _sliced(backend)
-
-        def attend(lo: int, hi: int) -> Attend:
-            return Attend.static(state.rope, state.positions[lo:hi], state.slot_ids[lo:hi], state.key_positions,
-                                 row_exact=backend.row_exact, live=state.live[lo:hi] if sliced else None,
-                                 sliced=sliced, first_slot=lo, bound=bound)
-
-        def arriving(lo: int, hi: int) -> torch.Tensor:
-            if pipe.first:
-                return backend.embed(state.tokens[lo:hi])
-            return pipe.hidden_in(hi - lo, cfg.hidden_size, backend.dtype, backend.device)
-
-        resident = not self.window.policy.windowed
-        if resident:  # no window: the whole token's plans at once (empty, unless an observer asked for something)
-            boundaries = list(boundaries)
-            resident = not any(b.plan is not None and (b.plan.evict or b.plan.fetch) for b in boundaries)
-        if resident:  # each micro-batch runs the layers as it arrives
-            def run_layers(lo: int, hi: int) -> torch.Tensor:
-                x = arriving(lo, hi)
-                return self._timed(lambda: self.layers(x, attend(lo, hi), cache, boundaries, "decode", layer_fn,
-                                                       table=table, first_row=lo))
-
-            ran = (run_layers(lo, hi) for lo, hi in cuts)
-        else:  # one pass over every row once all have arrived: a plan is executed once
-            h = torch.cat([arriving(lo, hi) for lo, hi in cuts])
-            h = self._timed(lambda: self.layers(h, attend(0, rows), cache, boundaries, "decode", layer_fn, table=table))
-            ran = iter([h[lo:hi] for lo, hi in cuts])
-        sending, logits = [], []
-        for h in ran:  # each micro-batch goes on (or, on the last rank, its logits to rank 0) as soon as it is done
-            if not pipe.last:
-                h = h.contiguous()
-                sending.append((h, pipe.send_on(h)))
-            else:
-                out = backend.logits(h).float().contiguous()
-                logits.append(out)
-                if not pipe.first:
-                    sending.append((out, pipe.logits_to_first(out)))
-        pipe.sent([work for _, work in sending])
-        vocab = cfg.vocab_size
-        if pipe.first and not pipe.last:
-            logits = [pipe.logits_from_last(hi - lo, vocab, backend.device) for lo, hi in cuts]
-        elif not pipe.last:
-            return torch.zeros((rows, vocab), dtype=torch.float32, device=backend.device)
-        return torch.cat(logits)
-
-    def _timed(self, run_layers: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``run_layers()``, its marks kept where the step being launched times this rank's part (``_part``)."""
-        if self._part is None:
-            return run_layers()
-        start = self.backend.mark()
-        h = run_layers()
-        self._part.append((start, self.backend.mark()))
-        return h
 
     def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
         """The step's input to this run's layers: the tokens' embeddings, or, past a pipeline's first rank, the
