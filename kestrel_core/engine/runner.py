@@ -30,6 +30,7 @@ from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.plan import Boundary, Plan, delta
 from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
+from kestrel_core.engine.sampling import pick_masked
 from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.engine.step_graphs import StepGraphs
 
@@ -178,8 +179,9 @@ class Runner:
         ``masks()`` is asked once the pass is launched, so the host's work for it runs while the device computes the
         pass: it gives (slot, [vocab] bool) for the decode rows whose token is their argmax among the ids a grammar
         allows (``Sampler.masks_on_device``). A grammar's next mask needs the token before, so the batch reads its
-        earlier steps back in there; the step's argmax is then taken again on the device under the masks (``_pick``),
-        before the output row is copied: the mask costs no wait and no host round trip a token."""
+        earlier steps back in there; the step's argmax is then taken again on the device under the masks
+        (``sampling.pick_masked``), before the output row is copied: the mask costs no wait and no host round trip a
+        token."""
         window, backend, counters, state = self.window, self.backend, self.counters, s.state
         self.guard()  # a file truncated under its mapping would fault the process (SIGBUS) at the next touch
         self.tell("step", s.sid, request, now=True)
@@ -217,7 +219,7 @@ class Runner:
             s.positions[slot] += 1
         after = counters.snapshot()
         if masks is not None:
-            self._pick(s, masks(), rows)
+            pick_masked(s, masks(), rows, self.backend)
         for slot in request.sample:
             token = sample(slot, state.logits[slot])
             if token is not None:
@@ -312,29 +314,6 @@ class Runner:
         """Whether a step can hold a greedy row to a grammar's mask before its argmax (not across a pipeline's ranks,
         where the mask would have to travel: there the host chooses such a row's token)."""
         return self.pipeline is None
-
-    def _pick(self, s: Slots, masks: tuple[tuple[int, torch.Tensor], ...], rows: int) -> None:
-        """The step's decode rows' argmax again, each masked row's among the ids its mask allows (every id elsewhere:
-        the same argmax), in stream order after the pass. A mask goes up from a host row (pinned on cuda, so the
-        upload does not wait for the pass); the rows are written again only once the last pick's uploads ran."""
-        now, state, backend = dict(masks), s.state, self.backend
-        if not now and not s.masked:
-            return
-        if s.mask_mark is not None:
-            backend.wait(s.mask_mark)
-        if s.mask_rows is None:
-            s.mask_rows = torch.empty(state.allowed.shape, dtype=torch.bool,
-                                      pin_memory=backend.device.type == "cuda")
-        for slot in s.masked - now.keys():
-            state.allowed[slot].fill_(True)
-        for slot, allowed in now.items():
-            s.mask_rows[slot].copy_(allowed)
-            state.allowed[slot].copy_(s.mask_rows[slot], non_blocking=True)
-        s.masked = set(now)
-        if now:
-            state.tokens[:rows].copy_(torch.argmax(state.logits.masked_fill(~state.allowed[:rows], float("-inf")),
-                                                   dim=-1))
-        s.mask_mark = backend.mark()
 
     def _bound(self, s: Slots, furthest: int) -> int | None:
         """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
@@ -440,7 +419,7 @@ class Runner:
         if table is not None and self.landing is not None:
             state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
-            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))  # a grammar's rows: ``Runner._pick``
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))  # a grammar's rows: ``pick_masked``
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
