@@ -14,6 +14,7 @@ from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.model import Attend
 from kestrel_core.engine.pipeline import micro_batches
 from kestrel_core.engine.plan import Boundary
+from kestrel_core.engine.probe import nonfinite
 from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.errors import ConfigError
 
@@ -42,8 +43,10 @@ def follow(runner) -> None:
                     steps.pop((s.sid, step.index - 2 * s.RING), None)  # a step rank 0 never read back
                 elif name == "read":
                     runner.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
-                elif name in ("place", "park", "copy_prefix", "nonfinite"):
+                elif name in ("place", "park", "copy_prefix"):
                     getattr(runner, name)(slots[args[0]], *args[1:])
+                elif name == "nonfinite":
+                    nonfinite(runner, slots[args[0]], *args[1:])
                 elif name == "parts":
                     runner.pipeline.gather(part_summary(runner))
                 else:

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from kestrel_core.engine.contracts import Backend
-from kestrel_core.errors import ConfigError, NonFiniteError
+from kestrel_core.errors import ConfigError
 from kestrel_core.engine.expert_landing import (follow_plan, hear_routing, host_experts, land, refill, replayed,
                                                  table_experts)
 from kestrel_core.engine.expert_schedule import ExpertSchedule
@@ -28,13 +28,13 @@ from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, ke
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.units import is_expert
 from kestrel_core.engine.plan import Boundary, Plan, delta
+from kestrel_core.engine.probe import Probe
 from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.sampling import pick_masked
 from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.engine.step_graphs import StepGraphs
 
-Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
 PART_STEPS = 65536  # a pipeline rank's part of its last this many decode steps is kept (a server runs for days)
 
 
@@ -473,31 +473,6 @@ class Runner:
             return pipe.logits(None, n, self.cfg.vocab_size, backend.device)
         logits = backend.logits(h if rows is None else h.index_select(0, rows))
         return logits if pipe is None else pipe.logits(logits, logits.shape[0], self.cfg.vocab_size, backend.device)
-
-    # --- NaN and inf ------------------------------------------------------------------------------
-    def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:
-        """The error for non-finite logits at this step, naming the first part of the model whose output went non-finite.
-
-        The search runs the step again through the same layer loop with a probe: on the error path only.
-        """
-        self.tell("nonfinite", s.sid, list(ids), start, phase, slot, now=True)
-        found: list[str] = []
-
-        def probe(where: str, h: torch.Tensor) -> None:
-            if not found and not bool(torch.isfinite(h).all()):
-                found.append(where)
-
-        self.forward(ids, start, s.cache, s.rope, phase, probe, slot)  # rewrites this step's K/V with the same values
-        where = found[0] if found else None
-        if self.pipeline is not None:  # every rank probed its part: the earliest rank's finding
-            where = self.pipeline.first_found(where)
-        where = where or "the final norm and lm_head"
-        dtype = str(self.backend.dtype).replace("torch.", "")
-        wider = ", or compute in float32 (--dtype float32)" if self.backend.dtype in (torch.float16, torch.bfloat16) else ""
-        return NonFiniteError(
-            f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
-            f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
-        )
 
 
 def _sliced(backend) -> bool:
