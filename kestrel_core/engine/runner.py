@@ -4,6 +4,11 @@ NaN probe, and the runner executes every plan the window makes, through the back
 A pass over the layers carries rows: first the decode rows (row b: the next token of the sequence in KV slot b), then
 spans of prompt tokens (a sequence's prompt, or a chunk of one). Every row of a pass shares its plans: a layer brought
 in once serves them all. The token loop over these passes is the batch's (``batch.Batch``).
+
+Here: a step's launch and read-back (``Runner.step``, ``Runner.read``), the passes and the one layer loop
+(``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots and their growth
+(``slots``), the expert table's side of a step (``expert_landing``), a pipeline's ranks (``follower``), a grammar's
+masks (``sampling.pick_masked``) and the NaN probe (``probe``).
 """
 
 from __future__ import annotations
@@ -121,11 +126,11 @@ class Runner:
         self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
         self.opened = 0  # slots opened on this run
         # In a pipeline rank 0 leads: every call below that changes the device's state is told to the other ranks,
-        # which make it after it (``follow``) and make none of their own
+        # which make it after it (``follower.follow``) and make none of their own
         self.leads = pipeline is not None and pipeline.first
         self.following = False
         # In a pipeline, this rank's part of each decode step: the time its layers took, from the step's input in hand
-        # (the embedding, or the rank before's hidden state) to its layers' output (``rank_parts``)
+        # (the embedding, or the rank before's hidden state) to its layers' output (``follower.rank_parts``)
         self._part: list[tuple] | None = None  # the step being launched: (start, stop) marks around its layer passes
         self._part_marks: dict[tuple[int, int], list[tuple]] = {}  # (slots, step) launched, not read back yet
         self.part_ms: deque[float] = deque(maxlen=PART_STEPS)  # the decode steps read back, in order
