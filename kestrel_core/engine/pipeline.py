@@ -171,7 +171,7 @@ class Pipeline:
 
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------
     def tell(self, op: tuple, now: bool = False) -> None:
-        """Rank 0: a runner call the other ranks make after it (``runner.follow``), sent with the ones before it once a
+        """Rank 0: a runner call the other ranks make after it (``follower.follow``), sent with the ones before it once a
         call that communicates (``now``: a step, the NaN probe, the end) comes."""
         self.told.append(op)
         if now:
