@@ -8,7 +8,7 @@ every rank writes
 ``<path>.rank<R>.json`` with its expert counters and the same counts.
 
 With ``GROW_FLOOR`` in the environment, every rank's KV cache opens at the key bound of one position with that floor
-and grows as on a device (``runner.Slots.reach``), and every rank writes the capacities its cache held, in order, to
+and grows as on a device (``slots.Slots.reach``), and every rank writes the capacities its cache held, in order, to
 ``<path>.rank<R>.grown.json``."""
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def growing(floor: int, held: list[int]) -> None:
     """Each rank's cache opens at one position's key bound (``floor`` the bound's floor) and grows; ``held`` gets the
     capacities it held, in order."""
     from kestrel_core.engine import model as model_math
-    from kestrel_core.engine import runner as runner_mod
+    from kestrel_core.engine import slots as slots_mod
 
-    reach = runner_mod.Slots.reach
+    reach = slots_mod.Slots.reach
 
     def recorded(self, need):
         reach(self, need)
@@ -65,8 +65,8 @@ def growing(floor: int, held: list[int]) -> None:
             held.append(self.capacity)
 
     model_math.BOUND_FLOOR = floor
-    runner_mod.first_capacity = lambda max_seq, device: model_math.key_bound(1, max_seq)
-    runner_mod.Slots.reach = recorded
+    slots_mod.first_capacity = lambda max_seq, device: model_math.key_bound(1, max_seq)
+    slots_mod.Slots.reach = recorded
 
 
 def counting(counts: dict) -> None:

@@ -13,6 +13,7 @@ import torch
 from kestrel_core import load
 from kestrel_core.engine import model as model_math
 from kestrel_core.engine import runner as runner_mod
+from kestrel_core.engine import slots as slots_mod
 from kestrel_core.engine.model import Attend, key_bound
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 
@@ -129,21 +130,21 @@ def test_a_captured_step_is_captured_again_as_its_bound_grows(tiny_ckpt, monkeyp
 
 @pytest.mark.parametrize("on_a_device", [False, True])
 def test_held_positions_is_what_a_slot_holds_as_its_sequences_reach(tiny_ckpt, monkeypatch, on_a_device):
-    """``runner.held_positions``, the rule a gate sizes a run's KV cache by (``kvcache.kv_bytes`` of it), against the
+    """``slots.held_positions``, the rule a gate sizes a run's KV cache by (``kvcache.kv_bytes`` of it), against the
     bytes a batch's slots hold at each reach: on the host all ``max_seq`` and the spare row from the start; on a device
     (its first capacity, with the floor lowered so the cache grows) the key bound over the need and the spare row."""
     from kestrel_core.engine.kvcache import kv_bytes
 
     monkeypatch.setattr(model_math, "BOUND_FLOOR", 4)
     if on_a_device:
-        monkeypatch.setattr(runner_mod, "first_capacity", lambda max_seq, device: key_bound(1, max_seq))
+        monkeypatch.setattr(slots_mod, "first_capacity", lambda max_seq, device: key_bound(1, max_seq))
     with load(tiny_ckpt) as model, model.open(dtype="float32") as run:
         slots = run.runner.open_slots(2, 40)
         try:
             seen = []
             for need in (1, 4, 5, 9, 17, 33, 40):
                 slots.reach(need)
-                held = runner_mod.held_positions(need, 40, torch.device("cpu"))
+                held = slots_mod.held_positions(need, 40, torch.device("cpu"))
                 assert slots.cache_bytes == kv_bytes(model.config, held, torch.float32, slots=2), need
                 seen.append(held)
         finally:

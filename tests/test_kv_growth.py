@@ -1,6 +1,6 @@
 """A KV cache on a device holds the positions its sequences reach, not every slot x max_seq: it opens at the fewest a
 bounded step reads and grows, as the sequences reach further, to the next key bound, its written keys and values
-copied over and every captured step captured again (``runner.Slots.reach``). In host memory the cache holds every
+copied over and every captured step captured again (``slots.Slots.reach``). In host memory the cache holds every
 position from the start (zero pages: its memory follows the writes by itself), so here cpu_ref is made to grow as a
 device does: a grown cache that lost a key, kept a stale graph or misplaced a slot would change the ids or logits."""
 
@@ -11,7 +11,7 @@ import torch
 
 from kestrel_core import load
 from kestrel_core.engine import model as model_math
-from kestrel_core.engine import runner as runner_mod
+from kestrel_core.engine import slots as slots_mod
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.errors import BudgetError
 from test_graphs import replaying  # noqa: F401  (the fixture: cpu_ref whose steps are captured and replayed)
@@ -24,7 +24,7 @@ def growing(monkeypatch, floor: int) -> list[int]:
     """Every KV cache opens at the key bound of one position with ``BOUND_FLOOR`` ``floor`` and grows from there, as
     on a device; the capacities each batch's cache held, in order."""
     held: list[int] = []
-    real = runner_mod.Slots.reach
+    real = slots_mod.Slots.reach
 
     def reach(self, need):
         real(self, need)
@@ -32,8 +32,8 @@ def growing(monkeypatch, floor: int) -> list[int]:
             held.append(self.capacity)
 
     monkeypatch.setattr(model_math, "BOUND_FLOOR", floor)
-    monkeypatch.setattr(runner_mod, "first_capacity", lambda max_seq, device: model_math.key_bound(1, max_seq))
-    monkeypatch.setattr(runner_mod.Slots, "reach", reach)
+    monkeypatch.setattr(slots_mod, "first_capacity", lambda max_seq, device: model_math.key_bound(1, max_seq))
+    monkeypatch.setattr(slots_mod.Slots, "reach", reach)
     return held
 
 
@@ -86,7 +86,7 @@ def test_a_grown_cache_drops_its_captured_steps(tiny_ckpt, replaying, monkeypatc
             got = late_joiner(run, modes)
         with monkeypatch.context() as m:
             growing(m, 4)
-            m.setattr(runner_mod.Slots, "drop_graphs", lambda self: None)
+            m.setattr(slots_mod.Slots, "drop_graphs", lambda self: None)
             stale = late_joiner(run)
     assert got == want and held == [8, 16, 29]
     assert stale[0] != want[0]
@@ -94,7 +94,7 @@ def test_a_grown_cache_drops_its_captured_steps(tiny_ckpt, replaying, monkeypatc
 
 
 def test_a_cache_that_cannot_grow_names_the_callers_fix(tiny_ckpt, monkeypatch):
-    real = runner_mod.allocate_cache
+    real = slots_mod.allocate_cache
 
     def allocate(cfg, positions, dtype, device, slots=1, spare=0):
         if positions > 8:
@@ -103,7 +103,7 @@ def test_a_cache_that_cannot_grow_names_the_callers_fix(tiny_ckpt, monkeypatch):
 
     with load(tiny_ckpt) as model, model.open(dtype="float32") as run:
         growing(monkeypatch, 4)
-        monkeypatch.setattr(runner_mod, "allocate_cache", allocate)
+        monkeypatch.setattr(slots_mod, "allocate_cache", allocate)
         with pytest.raises(BudgetError) as err:
             run.generate(prompt_ids=PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
     line = str(err.value)
@@ -112,9 +112,9 @@ def test_a_cache_that_cannot_grow_names_the_callers_fix(tiny_ckpt, monkeypatch):
 
 
 def test_the_cache_opens_whole_in_host_memory_and_at_the_floor_on_a_device():
-    assert runner_mod.first_capacity(4096, torch.device("cpu")) == 4096
-    assert runner_mod.first_capacity(4096, torch.device("cuda")) == model_math.BOUND_FLOOR
-    assert runner_mod.first_capacity(100, torch.device("cuda")) == 100
+    assert slots_mod.first_capacity(4096, torch.device("cpu")) == 4096
+    assert slots_mod.first_capacity(4096, torch.device("cuda")) == model_math.BOUND_FLOOR
+    assert slots_mod.first_capacity(100, torch.device("cuda")) == 100
 
 
 @pytest.mark.cuda
@@ -126,7 +126,7 @@ def test_a_cuda_cache_opens_at_the_floor_and_grows_under_captured_steps(tiny_ckp
     from kestrel_core.engine.batch import Batch
 
     held = []
-    real = runner_mod.Slots.reach
+    real = slots_mod.Slots.reach
 
     def reach(self, need):
         real(self, need)
@@ -142,7 +142,7 @@ def test_a_cuda_cache_opens_at_the_floor_and_grows_under_captured_steps(tiny_ckp
             assert opened.dev.capacity == 256 and opened.dev.cache[0].k.shape[1] == 256 + 1  # and the park
         assert kv_bytes(cfg, 256, torch.float32, 8) <= taken < kv_bytes(cfg, 4096, torch.float32, 8) / 4
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(runner_mod.Slots, "reach", reach)
+            m.setattr(slots_mod.Slots, "reach", reach)
             got = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=300, stop_at_eos=False)
     with load(tiny_ckpt) as model, model.open(dtype="float32") as run:
         want = run.generate(prompt_ids=PROMPTS[0], max_new_tokens=300, stop_at_eos=False)

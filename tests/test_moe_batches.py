@@ -48,24 +48,23 @@ def test_generate_batch_with_the_long_request_in_slot_0_is_each_solo_run(run, ma
     assert [r.token_ids for r in got] == solo(run)
 
 
-def test_every_decode_step_of_a_batch_reads_the_table_and_the_policy_hears_the_union_of_its_rows(run):
+def test_every_decode_step_of_a_batch_reads_the_table_and_the_policy_hears_the_union_of_its_rows(run, monkeypatch):
     from kestrel_core.config import GenerationConfig
     from kestrel_core.engine.batch import Request
 
+    from kestrel_core.engine import runner as runner_mod
+
     heard = []
-    real = run.runner.hear
+    real = runner_mod.hear_routing
 
-    def hear(step, routed, landed=None):
+    def hear(runner, step, routed, landed=None):
         heard.append([len(set(chosen)) for chosen in routed])
-        return real(step, routed, landed)
+        return real(runner, step, routed, landed)
 
-    run.runner.hear = hear
-    try:
-        with Batch(run.runner, slots=4, max_seq=64) as b:
-            seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]
-            b.run_until_done()
-    finally:
-        del run.runner.hear
+    monkeypatch.setattr(runner_mod, "hear_routing", hear)
+    with Batch(run.runner, slots=4, max_seq=64) as b:
+        seqs = [b.add(Request(p, GenerationConfig(max_new_tokens=n, stop_at_eos=False))) for p, n in LONG_FIRST]
+        b.run_until_done()
     assert [s.tokens for s in seqs] == solo(run)
     decode = [p for p in b.passes if p.decode_index >= 0]
     assert decode and all(p.table for p in decode)  # one row or three: every decode step reads the table

@@ -64,16 +64,16 @@ def test_ids_are_the_host_paths_at_every_budget_and_policy(tiny_moe, tiny_moe_q8
 
 def test_a_step_never_routes_on_the_host(tiny_moe, monkeypatch):
     """In a table step the decision point is never reached: the routing comes back with the token."""
-    from kestrel_core.engine.runner import Runner
+    from kestrel_core.engine import runner as runner_mod
 
     calls = []
-    real = Runner._host_experts
+    real = runner_mod.host_experts
 
-    def counting(self, layer, phase):
+    def counting(runner, layer, phase):
         calls.append(phase)
-        return real(self, layer, phase)
+        return real(runner, layer, phase)
 
-    monkeypatch.setattr(Runner, "_host_experts", counting)
+    monkeypatch.setattr(runner_mod, "host_experts", counting)
     result, table = generate(tiny_moe, expert_policy="expert_lru", expert_budget_mb=4 * EXPERT / 2**20)
     assert table and set(calls) == {"prefill"} and len(calls) == 3  # the prefill's three sparse layers, once
     assert sum(p["expert_hits"] + p["expert_misses"] for p in result.per_token) == 13 * 3 * 2  # every step heard
@@ -259,7 +259,7 @@ def test_the_expert_decode_flag(tiny_moe, capsys):
 
 
 def test_waited_weights_wait_for_an_expert_as_it_is_read():
-    from kestrel_core.engine.runner import WaitedWeights
+    from kestrel_core.engine.expert_landing import WaitedWeights
 
     used = []
     weights = {3: {"w": 1}, 5: {"w": 2}}

@@ -8,6 +8,7 @@ from kestrel_core.tools import traces
 from kestrel_core.config import model_dir
 from kestrel_core.engine.batch import SOLO_KV_FIX
 from kestrel_core.engine.fit import KVRoom
+from kestrel_core.engine.follower import rank_parts
 from kestrel_core.engine.limits import RequestLimits, check_max_seq
 from kestrel_core.engine.pipeline import launched_rank
 from kestrel_core.engine.run import load
@@ -85,7 +86,7 @@ def run(args) -> int:
             cfg, keep_choice = r.config, r.keep_choice  # keep = "auto" resolved
             pipe = r.pipeline.to_json() if r.pipeline is not None else None
             if pipe:  # each rank's part of a step, sent to rank 0; the step's whole time is ms_per_token
-                pipe["rank_parts"] = r.runner.rank_parts()
+                pipe["rank_parts"] = rank_parts(r.runner)
             if recorder is not None:
                 traces.write_new(args.trace, traces.trace_record(traces.model_info(r), recorder.events))
         moe = model.config.is_moe

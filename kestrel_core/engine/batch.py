@@ -33,6 +33,7 @@ from kestrel_core.engine.limits import RequestLimits
 from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
 from kestrel_core.engine.results import MODES, GenerationResult, TokenLogprobs
+from kestrel_core.engine.probe import nonfinite
 from kestrel_core.engine.runner import Launched, Runner, StepRequest
 from kestrel_core.engine.sampling import Constraint, Sampler, check_logprobs, token_logprobs
 from kestrel_core.engine.speculative import SpecStats, accept, begin_drafting, check_draft
@@ -341,7 +342,7 @@ class Batch:
         bad = ~torch.isfinite(logits).all(dim=-1)
         if bool(bad.any()):
             row = int(bad.nonzero()[0])
-            self._fail(seq, self.runner.nonfinite(self.dev, list(ids[: row + 1]), span.start, "decode", seq.slot))
+            self._fail(seq, nonfinite(self.runner, self.dev, list(ids[: row + 1]), span.start, "decode", seq.slot))
             return
         try:
             n, own = accept(logits, draft, probs, seq.sampler, seq.request.gen.temperature == 0)
@@ -387,7 +388,7 @@ class Batch:
         seq = self.active[slot]
         if not bool(torch.isfinite(logits).all()):
             pos = len(seq.request.prompt_ids) + len(seq.tokens) - 1
-            self._fail(seq, self.runner.nonfinite(self.dev, [seq.tokens[-1]], pos, "decode", slot))
+            self._fail(seq, nonfinite(self.runner, self.dev, [seq.tokens[-1]], pos, "decode", slot))
             return None
         return self._sample(seq, logits)
 
@@ -423,7 +424,7 @@ class Batch:
             return
         if not bool(torch.isfinite(logits).all()):
             start = span.start
-            error = self.runner.nonfinite(self.dev, prompt[start:], start, "prefill", seq.slot)
+            error = nonfinite(self.runner, self.dev, prompt[start:], start, "prefill", seq.slot)
             for one in (seq, *seq.followers):
                 if not one.done:  # a follower cancelled while it waited has ended already
                     self._fail(one, error)
@@ -464,7 +465,7 @@ class Batch:
                 continue  # a step launched past its end: dropped
             if back.bad[slot]:
                 pos = len(seq.request.prompt_ids) + len(seq.tokens) - 1
-                self._fail(seq, self.runner.nonfinite(self.dev, [seq.tokens[-1]], pos, "decode", slot))
+                self._fail(seq, nonfinite(self.runner, self.dev, [seq.tokens[-1]], pos, "decode", slot))
                 continue
             seq.passes.append(k)
             seq.kept.append(1)

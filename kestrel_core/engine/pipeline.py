@@ -4,7 +4,7 @@ model's layers in its own window, on its own device.
 Launched by ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), every rank runs
 the same command and opens the same run; rank 0 then leads: its token loop (a generation, a batch job, the server's
 scheduler) decides every step, and its runner tells the other ranks each call it makes (``tell``), which they make
-after it (``Runner.follow``). In a step, the first rank embeds the step's tokens, each rank runs its layers on the
+after it (``follower.follow``). In a step, the first rank embeds the step's tokens, each rank runs its layers on the
 hidden state it got and sends the result on, and the last rank computes the logits and sends them to rank 0. Greedy ids
 are those of one rank.
 
@@ -171,7 +171,7 @@ class Pipeline:
 
     # --- rank 0 leads, the others follow ------------------------------------------------------------------------
     def tell(self, op: tuple, now: bool = False) -> None:
-        """Rank 0: a runner call the other ranks make after it (``runner.follow``), sent with the ones before it once a
+        """Rank 0: a runner call the other ranks make after it (``follower.follow``), sent with the ones before it once a
         call that communicates (``now``: a step, the NaN probe, the end) comes."""
         self.told.append(op)
         if now:

@@ -56,6 +56,7 @@ from kestrel_core.engine.plan import Counters, Observers
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.results import GenerationResult, text_ids
 from kestrel_core.engine.sampling import processes
+from kestrel_core.engine.follower import end_following, follow
 from kestrel_core.engine.runner import Runner, StepSettings
 from kestrel_core.formats.units import UnitTable
 
@@ -594,7 +595,7 @@ class Run:
         if not self.follows:
             what = "one process" if self.pipeline is None else "rank 0 of the pipeline"
             raise ConfigError(f"run.follow() is for a pipeline's ranks past the first, and this is {what}: generate here")
-        self.runner.follow()
+        follow(self.runner)
 
     def close(self) -> None:
         if not self._open:
@@ -603,7 +604,7 @@ class Run:
         try:
             if self.runner.leads:
                 with contextlib.suppress(RuntimeError):  # a rank already gone: nobody is left to tell
-                    self.runner.end_following()
+                    end_following(self.runner)
             if getattr(self, "drafter", None) is not None:
                 self.drafter.close()
             if getattr(self, "draft_run", None) is not None:

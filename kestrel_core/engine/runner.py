@@ -4,35 +4,42 @@ NaN probe, and the runner executes every plan the window makes, through the back
 A pass over the layers carries rows: first the decode rows (row b: the next token of the sequence in KV slot b), then
 spans of prompt tokens (a sequence's prompt, or a chunk of one). Every row of a pass shares its plans: a layer brought
 in once serves them all. The token loop over these passes is the batch's (``batch.Batch``).
+
+Here: a step's launch and read-back (``Runner.step``, ``Runner.read``), the passes and the one layer loop
+(``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots and their growth
+(``slots``), the expert table's side of a step (``expert_landing``), a pipeline's ranks (``follower``), a grammar's
+masks (``sampling.pick_masked``) and the NaN probe (``probe``).
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 import threading
 from collections import deque
-from collections.abc import Mapping
 from typing import Callable, Iterable
 
 import attrs
 import torch
 
 from kestrel_core.engine.contracts import Backend
-from kestrel_core.errors import BudgetError, ConfigError, NonFiniteError
+from kestrel_core.errors import ConfigError
+from kestrel_core.engine.expert_landing import (follow_plan, hear_routing, host_experts, land, refill, replayed,
+                                                 table_experts)
 from kestrel_core.engine.expert_schedule import ExpertSchedule
+from kestrel_core.engine.follower import micro_batched, timed
 from kestrel_core.engine.kvcache import KVCache
 from kestrel_core.engine.landing import Landing
-from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound, route
+from kestrel_core.engine.model import Attend, RopeTable, Span, decoder_layer, key_bound
 from kestrel_core.formats.modelconfig import ModelConfig
 from kestrel_core.formats.units import is_expert
-from kestrel_core.engine.kvcache import allocate_cache
 from kestrel_core.engine.plan import Boundary, Plan, delta
-from kestrel_core.engine.pipeline import Pipeline, micro_batches
+from kestrel_core.engine.probe import Probe
+from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
+from kestrel_core.engine.sampling import pick_masked
+from kestrel_core.engine.slots import DecodeState, Slots
 from kestrel_core.engine.step_graphs import StepGraphs
 
-Probe = Callable[[str, torch.Tensor], None]  # (where, hidden state): sees each layer's output on the error path
 PART_STEPS = 65536  # a pipeline rank's part of its last this many decode steps is kept (a server runs for days)
 
 
@@ -54,31 +61,6 @@ def _compiled_layer():
 def layer_math(compile: bool):
     """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
     return _compiled_layer() if compile else decoder_layer
-
-
-class DecodeState:
-    """What a decode step reads and writes on the compute device, one row a KV slot; a captured graph keeps these
-    addresses. ``out`` is the row the host reads back a step late: each slot's next token, whether its logits were
-    not finite, then (on a run with an expert table) each sparse layer's routed experts of each slot's row, of a step
-    that read it: ``routed`` [sparse layers, slots, k], then (where the step lands its misses) the landing ring's head
-    and each of its ``landing`` slots' owner: ``landed`` [1 + landing]."""
-
-    def __init__(self, device: torch.device, rope: RopeTable, slots: int, max_seq: int, vocab: int,
-                 routed: tuple[int, int] = (0, 0), landing: int = 0):
-        self.slots = slots
-        n = routed[0] * slots * routed[1]
-        self.out = torch.zeros(2 * slots + n + (1 + landing if landing else 0), dtype=torch.long, device=device)
-        self.tokens = self.out[:slots]  # each slot's token: the one its next step reads, then the one it wrote
-        self.bad = self.out[slots : 2 * slots]
-        self.routed = self.out[2 * slots : 2 * slots + n].view(routed[0], slots, routed[1])
-        self.landed = self.out[2 * slots + n :]
-        self.allowed = torch.ones((slots, vocab), dtype=torch.bool, device=device)  # the ids each row's argmax may take
-        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
-        self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1 where a slot's sequence decodes: it moves on
-        self.slot_ids = torch.arange(slots, device=device)
-        self.key_positions = torch.arange(max_seq, device=device)
-        self.rope = rope
-        self.logits: torch.Tensor | None = None  # the last step's [rows, vocab] float32
 
 
 @attrs.frozen
@@ -122,102 +104,6 @@ class Readback:
     heard: dict[str, int]
 
 
-def first_capacity(max_seq: int, device: torch.device) -> int:
-    """The positions each KV slot holds when a batch opens: in host memory all ``max_seq`` (zero pages the kernel maps
-    as they are written: the memory follows the writes by itself), on a device the fewest a bounded step reads
-    (``key_bound``), grown as the sequences reach further (``Slots.reach``), so the memory follows the positions in
-    use, not ``max_seq``."""
-    return max_seq if device.type == "cpu" else key_bound(1, max_seq)
-
-
-def held_positions(need: int, max_seq: int, device: torch.device) -> int:
-    """The positions a KV slot of ``max_seq`` holds once its sequences reached ``need`` (``first_capacity``, then
-    ``Slots.reach``'s key bound), and the spare row past them (the park): what a run's cache is sized by, which a
-    gate counts with ``kvcache.kv_bytes``."""
-    first = first_capacity(max_seq, device)
-    return (first if need <= first else key_bound(need, max_seq)) + 1
-
-
-class Slots:
-    """A batch's side on the compute device: ``slots`` KV slots of ``max_seq`` positions, the decode state, the ring
-    its steps are read back through and the captured steps, one a row count. Made by ``Runner.open_slots``; only the
-    runner reads or writes it."""
-
-    RING = 4  # steps a read may lag behind (greedy reads one late)
-
-    def __init__(self, runner: "Runner", slots: int, max_seq: int, fix: str = ""):
-        backend, cfg = runner.backend, runner.cfg
-        self.runner = runner
-        self.count, self.max_seq, self.fix = slots, max_seq, fix
-        self.capacity = first_capacity(max_seq, backend.device)  # the positions a slot's cache holds now (``reach``)
-        # one row past them, where a parked slot's decode row writes (``park``)
-        self.cache = allocate_cache(cfg, self.capacity, backend.dtype, backend.device, slots, spare=1)
-        self.rope = RopeTable(cfg, max_seq + 1, backend.dtype, backend.device)
-        self.state = runner.decode_state(self.rope, slots, max_seq)
-        self.ring = torch.zeros((self.RING, self.state.out.numel()), dtype=torch.long,
-                                pin_memory=backend.device.type == "cuda")
-        self.graphs: dict[int, StepGraphs] = {}
-        self.graph_logits: dict[int, torch.Tensor] = {}  # by row count: where its captured step's logits go
-        self.live: dict[int, int] = {}  # what the device's live flags hold, by slot
-        self.masked: set[int] = set()  # the slots whose allowed ids are a grammar's mask, not every id
-        self.mask_rows: torch.Tensor | None = None  # host rows the masks go up from (pinned on cuda), made at a first mask
-        self.mask_mark = None  # after the last pick's uploads from them
-        self.positions = [0] * slots  # the host's copy of each slot's position: placed, then moved on where live
-        self.parked: set[int] = set()  # the slots placed at the park (``Runner.park``)
-        self.launched = 0
-        self.t0 = None  # the mark before its first step
-        self.sid = runner.opened  # its number among the run's slots (a pipeline's ranks number them alike)
-
-    def reach(self, need: int) -> None:
-        """Hold at least ``need`` positions a slot. A cache that holds fewer grows to the key bound over them (a power
-        of two from ``BOUND_FLOOR``, at most ``max_seq``: ``key_bound``), its written keys and values copied over, so
-        it grows a few times a run at most; every captured step baked the old buffers' addresses in, so each is
-        dropped and captured again; a parked slot moves to the new park. One that cannot be had is a BudgetError
-        naming the caller's fix."""
-        if need <= self.capacity:
-            return
-        runner = self.runner
-        backend, cfg = runner.backend, runner.cfg
-        size = key_bound(need, self.max_seq)
-        try:
-            grown = allocate_cache(cfg, size, backend.dtype, backend.device, self.count, spare=1)
-        except BudgetError as exc:
-            raise BudgetError(f"{exc} (the cache grows as its sequences reach further){'; ' + self.fix if self.fix else ''}"
-                              ) from None
-        for old, new in zip(self.cache, grown):
-            new.k[:, :self.capacity].copy_(old.k[:, :self.capacity])
-            new.v[:, :self.capacity].copy_(old.v[:, :self.capacity])
-        self.drop_graphs()
-        self.cache, self.capacity = grown, size
-        for slot in self.parked:
-            self.state.positions[slot].fill_(self.park)
-            self.positions[slot] = self.park
-
-    @property
-    def cache_bytes(self) -> int:
-        """The bytes the KV cache holds now (every slot's ``capacity`` positions and the spare row, keys and values)."""
-        return sum(c.k.nbytes + c.v.nbytes for c in self.cache)
-
-    @property
-    def park(self) -> int:
-        """Where a parked slot's decode row writes (a prompt in chunks, a verify span, a slot with no sequence yet): the
-        cache's row past the positions it holds, which no step reads."""
-        return self.capacity
-
-    def drop_graphs(self) -> None:
-        for graphs in self.graphs.values():
-            graphs.close()
-        self.graphs.clear()
-        self.graph_logits.clear()
-
-    def close(self) -> None:
-        self.drop_graphs()
-        if self.runner is not None:  # the run may step another batch now
-            self.runner, runner = None, self.runner
-            runner.tell("close", self.sid)
-            runner._busy.release()
-
-
 class Runner:
     """Owns each step of a run on ``window`` and ``backend``: it plans through the window, executes every plan through
     the backend, and runs the layers."""
@@ -240,11 +126,11 @@ class Runner:
         self._busy = threading.Lock()  # held by the one batch (its slots) stepping this run
         self.opened = 0  # slots opened on this run
         # In a pipeline rank 0 leads: every call below that changes the device's state is told to the other ranks,
-        # which make it after it (``follow``) and make none of their own
+        # which make it after it (``follower.follow``) and make none of their own
         self.leads = pipeline is not None and pipeline.first
         self.following = False
         # In a pipeline, this rank's part of each decode step: the time its layers took, from the step's input in hand
-        # (the embedding, or the rank before's hidden state) to its layers' output (``rank_parts``)
+        # (the embedding, or the rank before's hidden state) to its layers' output (``follower.rank_parts``)
         self._part: list[tuple] | None = None  # the step being launched: (start, stop) marks around its layer passes
         self._part_marks: dict[tuple[int, int], list[tuple]] = {}  # (slots, step) launched, not read back yet
         self.part_ms: deque[float] = deque(maxlen=PART_STEPS)  # the decode steps read back, in order
@@ -298,8 +184,9 @@ class Runner:
         ``masks()`` is asked once the pass is launched, so the host's work for it runs while the device computes the
         pass: it gives (slot, [vocab] bool) for the decode rows whose token is their argmax among the ids a grammar
         allows (``Sampler.masks_on_device``). A grammar's next mask needs the token before, so the batch reads its
-        earlier steps back in there; the step's argmax is then taken again on the device under the masks (``_pick``),
-        before the output row is copied: the mask costs no wait and no host round trip a token."""
+        earlier steps back in there; the step's argmax is then taken again on the device under the masks
+        (``sampling.pick_masked``), before the output row is copied: the mask costs no wait and no host round trip a
+        token."""
         window, backend, counters, state = self.window, self.backend, self.counters, s.state
         self.guard()  # a file truncated under its mapping would fault the process (SIGBUS) at the next touch
         self.tell("step", s.sid, request, now=True)
@@ -322,7 +209,7 @@ class Runner:
             graphs = s.graphs.get(rows)
             if graphs is None:
                 graphs = s.graphs[rows] = StepGraphs(window, backend, self.settings.graphs, experts_in_step=table,
-                                                     on_replay=self.replayed)
+                                                     on_replay=functools.partial(replayed, self))
             bound = self._bound(s, furthest)
             mode = graphs(lambda boundaries: self.decode_step(state, s.cache, boundaries, rows, bound=bound), bound)
             if mode == "captured":  # a replay writes its logits where the capture's went
@@ -337,7 +224,7 @@ class Runner:
             s.positions[slot] += 1
         after = counters.snapshot()
         if masks is not None:
-            self._pick(s, masks(), rows)
+            pick_masked(s, masks(), rows, self.backend)
         for slot in request.sample:
             token = sample(slot, state.logits[slot])
             if token is not None:
@@ -368,35 +255,12 @@ class Runner:
             landed = self.landing.consumed(row[end], row[end + 1:]) if self.landing is not None else None
             if hear:
                 before = self.counters.snapshot()
-                self.hear(step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
-                                              for layer in routed], landed)
+                hear_routing(self, step.decode_index, [[e for slot in hear for e in layer[slot * k:(slot + 1) * k]]
+                                                      for layer in routed], landed)
                 heard = delta(self.counters.snapshot(), before)
             elif landed:
-                self._land(step.decode_index, landed)
+                land(self, step.decode_index, landed)
         return Readback(row[:n], [bool(b) for b in row[n:2 * n]], heard)
-
-    def _land(self, step: int, landed: list[tuple]) -> frozenset[int]:
-        """Experts decode step ``step`` (or a step before it not read back) landed in the ring, (key, buffers) each:
-        resident from here, read from their slots from the next step; one admitted meanwhile gives its slot's buffers
-        back. The experts made resident."""
-        window, out = self.window, set()
-        for key, buffers in landed:
-            if window.land(key, buffers):
-                self.schedule.landed(key, step)
-                out.add(key[1])
-            else:
-                window.free_slot(self._slot_like, buffers)
-        return frozenset(out)
-
-    def _refill(self) -> None:
-        """Before a decode step is launched: the landing ring's free slots, up to its size ahead of the head heard."""
-        landing, filled = self.landing, []
-        for position in landing.room():
-            buffers = self.window.slot(self._slot_like)
-            landing.filled(position, buffers)
-            filled.append((position, buffers))
-        if filled:
-            self.backend.landing_fill(filled, landing.tail)
 
     def place(self, s: Slots, slot: int, position: int, token: int | None = None) -> None:
         """Where ``slot``'s next decode row writes (and, given, the token it reads)."""
@@ -424,61 +288,6 @@ class Runner:
             layer.v[dst, :n].copy_(layer.v[src, :n])
 
     # --- a pipeline's other ranks ------------------------------------------------------------------------------
-    def follow(self) -> None:
-        """A rank past the first: make rank 0's calls after it, as it tells them, until it ends (``stop``). The
-        steps' tokens are rank 0's to choose (it embeds them); a rank past the first runs its layers on the hidden
-        state it gets."""
-        slots: dict[int, Slots] = {}
-        steps: dict[tuple[int, int], Launched] = {}
-        self.following = True
-        try:
-            while True:
-                for name, *args in self.pipeline.hear():
-                    if name == "stop":
-                        return
-                    if name == "open":
-                        s = self.open_slots(*args)
-                        slots[s.sid] = s
-                    elif name == "close":
-                        slots.pop(args[0]).close()
-                    elif name == "step":
-                        s = slots[args[0]]
-                        step = self.step(s, args[1], lambda slot, logits: None)
-                        steps[s.sid, step.index] = step
-                        steps.pop((s.sid, step.index - 2 * s.RING), None)  # a step rank 0 never read back
-                    elif name == "read":
-                        self.read(slots[args[0]], steps.pop((args[0], args[1])), args[2])
-                    elif name in ("place", "park", "copy_prefix", "nonfinite"):
-                        getattr(self, name)(slots[args[0]], *args[1:])
-                    elif name == "parts":
-                        self.pipeline.gather(self.part_summary())
-                    else:
-                        raise RuntimeError(f"rank 0 told an unknown runner call {name!r}: run one kestrel on every rank")
-        finally:
-            self.following = False
-            for s in slots.values():
-                s.close()
-
-    def end_following(self) -> None:
-        """Rank 0, its run closing: the other ranks' ``follow`` returns."""
-        self.tell("stop", now=True)
-
-    def part_summary(self) -> dict:
-        """This pipeline rank's part of the decode steps read back: its layers (the model's numbers, first and last),
-        and the milliseconds its layers took a step, each step's and their median (None: no decode step yet)."""
-        pipe, ms = self.pipeline, list(self.part_ms)
-        return {"rank": pipe.rank, "layers": [pipe.first_layer, pipe.first_layer + pipe.n_layers - 1],
-                "decode_steps": len(ms), "median_ms": round(statistics.median(ms), 3) if ms else None,
-                "part_ms": [round(x, 3) for x in ms]}
-
-    def rank_parts(self) -> list[dict]:
-        """Rank 0 of a pipeline: every rank's ``part_summary``, in rank order (the others send theirs over the
-        channel rank 0 tells its steps on). A step's whole time is rank 0's, from step to step."""
-        if not self.leads:
-            raise ConfigError("rank_parts() is asked of rank 0 of a pipeline, which leads its steps")
-        self.tell("parts", now=True)
-        return self.pipeline.gather(self.part_summary())
-
     def decode_logits(self, s: Slots, slot: int) -> torch.Tensor:
         """The last step's logits of ``slot``'s decode row, [vocab] float32, on the device."""
         return s.state.logits[slot]
@@ -511,29 +320,6 @@ class Runner:
         where the mask would have to travel: there the host chooses such a row's token)."""
         return self.pipeline is None
 
-    def _pick(self, s: Slots, masks: tuple[tuple[int, torch.Tensor], ...], rows: int) -> None:
-        """The step's decode rows' argmax again, each masked row's among the ids its mask allows (every id elsewhere:
-        the same argmax), in stream order after the pass. A mask goes up from a host row (pinned on cuda, so the
-        upload does not wait for the pass); the rows are written again only once the last pick's uploads ran."""
-        now, state, backend = dict(masks), s.state, self.backend
-        if not now and not s.masked:
-            return
-        if s.mask_mark is not None:
-            backend.wait(s.mask_mark)
-        if s.mask_rows is None:
-            s.mask_rows = torch.empty(state.allowed.shape, dtype=torch.bool,
-                                      pin_memory=backend.device.type == "cuda")
-        for slot in s.masked - now.keys():
-            state.allowed[slot].fill_(True)
-        for slot, allowed in now.items():
-            s.mask_rows[slot].copy_(allowed)
-            state.allowed[slot].copy_(s.mask_rows[slot], non_blocking=True)
-        s.masked = set(now)
-        if now:
-            state.tokens[:rows].copy_(torch.argmax(state.logits.masked_fill(~state.allowed[:rows], float("-inf")),
-                                                   dim=-1))
-        s.mask_mark = backend.mark()
-
     def _bound(self, s: Slots, furthest: int) -> int | None:
         """The keys a decode step's rows attend over where the backend reads whole slots under a mask (``key_bound``):
         the first ``furthest``, past every live row's position, rounded up. None where each row reads its own keys on
@@ -556,59 +342,14 @@ class Runner:
         if plan is None or not (plan.evict or plan.fetch):
             return
         self.backend.execute(plan)
-        self._follow(plan)
-
-    def _follow(self, plan: Plan) -> None:
-        """The expert table, where there is one, follows a plan the backend has executed."""
-        if self.schedule is not None:
-            host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
-            slots = [(f.unit.key, f.buffers) for f in plan.fetch if is_expert(f.unit.key)]
-            if host or slots:
-                self.schedule.evict_now(host, plan.layer)
-                self.schedule.admit_now((key for key, _ in slots), plan.layer)
-                self.backend.point_experts(host, slots)
-
-    def replayed(self, plans: list[Plan]) -> None:
-        """A replayed step's plans: its graph carried them out, table writes included; the expert schedule records them
-        as ``execute`` would have."""
-        if self.schedule is None:
-            return
-        for plan in plans:
-            self.schedule.evict_now([r.unit.key for r in plan.evict if is_expert(r.unit.key)], plan.layer)
-            self.schedule.admit_now([f.unit.key for f in plan.fetch if is_expert(f.unit.key)], plan.layer)
-
-    def hear(self, step: int, routed: list[list[int]], landed: list[tuple] | None = None) -> None:
-        """Decode step ``step``'s routing, read back (each sparse layer's experts over the rows heard): the window plans
-        on their union a step behind (the expert policy hears it, and the experts the step read from their host copies
-        are its misses); the plan's uploads start at once on the side stream, and the table follows them on the
-        schedule. ``landed``: where the step lands its misses, the (key, buffers) it landed, which become resident
-        layer by layer as each is heard (so that no layer's hearing evicts a later layer's landed experts); the misses
-        it could not land are not admitted."""
-        window, schedule = self.window, self.schedule
-        by_layer: dict[int, list] = {}
-        for key, buffers in landed or ():
-            by_layer.setdefault(key[0], []).append((key, buffers))
-        for layer, chosen in zip(self.sparse, routed):
-            experts = sorted(set(chosen))
-            missed = {e for e in experts if schedule.read_host((layer, e), step)}
-            here = None if landed is None else self._land(step, by_layer.pop(layer, ()))
-            plan = window.hear(layer, experts, "decode", token=step + 1, missed=missed, landed=here)
-            if plan.evict or plan.fetch:
-                self.backend.execute(plan)
-                host = [r.unit.key for r in plan.evict if is_expert(r.unit.key)]
-                schedule.evict_heard(host)
-                for f in plan.fetch:
-                    if is_expert(f.unit.key):
-                        schedule.admit_heard(f.unit.key, f.buffers)
-                if host:
-                    self.backend.point_experts(host, [])
+        follow_plan(self, plan)
 
     def begin_step(self) -> int:
         """Before a decode step is launched: the admissions it reads from their slots. Its number among the run's
         decode steps."""
         index, self.decode_steps = self.decode_steps, self.decode_steps + 1
         if self.landing is not None:
-            self._refill()
+            refill(self)
         if self.schedule is not None:
             slots = self.schedule.begin_step()
             if slots:
@@ -640,61 +381,13 @@ class Runner:
             backend.before_use(b.key)
             experts = None
             if self.window.sparse[layer]:
-                experts = (self._table_experts(layer, table, first_row) if table is not None
-                           else self._host_experts(layer, phase))
+                experts = (table_experts(self, layer, table, first_row) if table is not None
+                           else host_experts(self, layer, phase))
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts, *ops)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
         return h
-
-    def _table_experts(self, layer: int, state: DecodeState, first_row: int = 0):
-        """A sparse layer's experts in a decode step that reads them through the expert table: no host in the loop.
-        Each row's routed ids go to the step's output row (from ``first_row``: a micro-batch's), which the host reads
-        back a step late."""
-        backend, rows = self.backend, state.routed[self.sparse.index(layer)]
-
-        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            rows[first_row:first_row + chosen.shape[0]].copy_(chosen)
-            return backend.routed_experts(layer, x, weights, chosen)
-
-        return experts
-
-    def _host_experts(self, layer: int, phase: str):
-        """A sparse layer's experts routed on the host: at its decision point the host learns the routed experts (the
-        one sync a sparse layer needs), the window plans their fetch (the union of the rows'), and the layer reads them
-        from their buffers.
-
-        With speculative prefetch, a one-row decode step also applies the next layer's router to this layer's hidden
-        state ``x`` and learns its guess in the same sync; their fetch runs on the side stream.
-        """
-        window, backend, cfg = self.window, self.backend, self.cfg
-        n = cfg.num_experts
-
-        def decide(chosen: torch.Tensor, x: torch.Tensor) -> tuple[list[int], dict, Plan]:
-            """``used``: one token's experts in slot order (``sparse_mlp`` reads its weights by slot), else the distinct ones."""
-            ids = chosen[0] if chosen.shape[0] == 1 else torch.unique(chosen)  # one token's k experts are distinct
-            guess = window.guess_router(layer) if phase == "decode" and chosen.shape[0] == 1 else None
-            if guess is None:
-                used = ids.tolist()
-                plan, weights = window.route(layer, sorted(used), phase)
-            else:
-                key, router = guess
-                backend.before_use(key)
-                guessed = route(x, router, cfg, backend.linear)[1]
-                both = torch.cat((ids, torch.unique(guessed) + n)).tolist()
-                used = [e for e in both if e < n]
-                plan, weights = window.route(layer, sorted(used), phase, guess=[e - n for e in both if e >= n])
-            backend.execute(plan)
-            return used, weights, plan
-
-        def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-            used, routed, plan = decide(chosen, x)
-            out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use))
-            self._follow(plan)  # after the layer read its experts: pointing the table waits for their uploads
-            return out
-
-        return experts
 
     # --- passes -----------------------------------------------------------------------------------------
     def forward(self, ids: list[int], start: int, cache: list[KVCache], rope: RopeTable, phase: str,
@@ -718,20 +411,20 @@ class Runner:
         the device, and its position moves on), then optionally spans of tokens, each a sequence's (a prompt or a chunk
         of one, or a token and its drafts). Returns each span's logits: its last row ([1, vocab]), or for the spans in
         ``every_row`` each of its rows' ([T, vocab]). The decode rows' logits stay in ``state.logits``; in a pipeline
-        with micro-batches, a step of several decode rows goes through the ranks in pieces (``_micro_batched``).
+        with micro-batches, a step of several decode rows goes through the ranks in pieces (``follower.micro_batched``).
         ``bound``: the rows read only the first ``bound`` keys of each slot (a decode step's key bound,
         ``Runner._bound``; a step with spans, what the cache holds, ``Slots.capacity``)."""
         table = state if self.reads_table(rows, spans) else None
         wanted: list[range] = []
         if not spans and self.pipeline is not None and rows > 1 and self.settings.micro_batches:
-            logits = self._micro_batched(state, cache, boundaries, rows, layer_math(self.settings.compile), table,
-                                         bound)
+            logits = micro_batched(self, state, cache, boundaries, rows, layer_math(self.settings.compile), table,
+                                   bound, _sliced(self.backend))
         else:
             logits, wanted = self._one_pass(state, cache, boundaries, rows, spans, every_row, table, bound)
         if table is not None and self.landing is not None:
             state.landed.copy_(self.backend.landing_state())  # read back with the tokens: what the step landed
         if rows:
-            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))  # a grammar's rows: ``Runner._pick``
+            state.tokens[:rows].copy_(torch.argmax(logits[:rows], dim=-1))  # a grammar's rows: ``pick_masked``
             state.bad[:rows].copy_(~torch.isfinite(logits[:rows]).all(dim=-1))
             state.positions[:rows].add_(state.live[:rows])
         state.logits = logits[:rows]
@@ -761,75 +454,11 @@ class Runner:
             h = self._embedded(torch.cat((state.tokens[:rows], torch.tensor(ids, device=device))))
         phase = "decode" if not spans else "prefill"
         compiled = layer_math(self.settings.compile) if not spans else decoder_layer
-        h = self._timed(lambda: self.layers(h, at, cache, boundaries, phase, compiled, table=table))
+        h = timed(self, lambda: self.layers(h, at, cache, boundaries, phase, compiled, table=table))
         wanted = [range(s.row, s.row + s.T) if i in every_row else range(s.row + s.T - 1, s.row + s.T)
                   for i, (s, _) in enumerate(spans)]
         picked = torch.tensor([*range(rows), *(r for w in wanted for r in w)], device=h.device) if spans else None
         return self._logits(h, picked), wanted
-
-    def _micro_batched(self, state: DecodeState, cache: list[KVCache], boundaries: Iterable[Boundary], rows: int,
-                       layer_fn, table: DecodeState | None, bound: int | None = None) -> torch.Tensor:
-        """A pipeline's decode step in micro-batches (``pipeline.micro_batches``), so that the ranks work at once: a
-        rank sends each micro-batch's hidden state on as soon as it has run its layers over it, and the next rank starts
-        on it while this one runs the next. A rank whose layers are all resident runs its layers once a micro-batch;
-        one whose window streams them runs every row in one pass (a second pass would stream them again), then sends
-        the micro-batches in order. Rows are row-exact, so the cut changes no bit. The step's logits, [rows, vocab]
-        float32 (zeros past rank 0, which alone chooses tokens)."""
-        pipe, backend, cfg = self.pipeline, self.backend, self.cfg
-        cuts = micro_batches(rows, pipe.ranks)
-        sliced = _sliced(backend)
-
-        def attend(lo: int, hi: int) -> Attend:
-            return Attend.static(state.rope, state.positions[lo:hi], state.slot_ids[lo:hi], state.key_positions,
-                                 row_exact=backend.row_exact, live=state.live[lo:hi] if sliced else None,
-                                 sliced=sliced, first_slot=lo, bound=bound)
-
-        def arriving(lo: int, hi: int) -> torch.Tensor:
-            if pipe.first:
-                return backend.embed(state.tokens[lo:hi])
-            return pipe.hidden_in(hi - lo, cfg.hidden_size, backend.dtype, backend.device)
-
-        resident = not self.window.policy.windowed
-        if resident:  # no window: the whole token's plans at once (empty, unless an observer asked for something)
-            boundaries = list(boundaries)
-            resident = not any(b.plan is not None and (b.plan.evict or b.plan.fetch) for b in boundaries)
-        if resident:  # each micro-batch runs the layers as it arrives
-            def run_layers(lo: int, hi: int) -> torch.Tensor:
-                x = arriving(lo, hi)
-                return self._timed(lambda: self.layers(x, attend(lo, hi), cache, boundaries, "decode", layer_fn,
-                                                       table=table, first_row=lo))
-
-            ran = (run_layers(lo, hi) for lo, hi in cuts)
-        else:  # one pass over every row once all have arrived: a plan is executed once
-            h = torch.cat([arriving(lo, hi) for lo, hi in cuts])
-            h = self._timed(lambda: self.layers(h, attend(0, rows), cache, boundaries, "decode", layer_fn, table=table))
-            ran = iter([h[lo:hi] for lo, hi in cuts])
-        sending, logits = [], []
-        for h in ran:  # each micro-batch goes on (or, on the last rank, its logits to rank 0) as soon as it is done
-            if not pipe.last:
-                h = h.contiguous()
-                sending.append((h, pipe.send_on(h)))
-            else:
-                out = backend.logits(h).float().contiguous()
-                logits.append(out)
-                if not pipe.first:
-                    sending.append((out, pipe.logits_to_first(out)))
-        pipe.sent([work for _, work in sending])
-        vocab = cfg.vocab_size
-        if pipe.first and not pipe.last:
-            logits = [pipe.logits_from_last(hi - lo, vocab, backend.device) for lo, hi in cuts]
-        elif not pipe.last:
-            return torch.zeros((rows, vocab), dtype=torch.float32, device=backend.device)
-        return torch.cat(logits)
-
-    def _timed(self, run_layers: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``run_layers()``, its marks kept where the step being launched times this rank's part (``_part``)."""
-        if self._part is None:
-            return run_layers()
-        start = self.backend.mark()
-        h = run_layers()
-        self._part.append((start, self.backend.mark()))
-        return h
 
     def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
         """The step's input to this run's layers: the tokens' embeddings, or, past a pipeline's first rank, the
@@ -849,51 +478,6 @@ class Runner:
             return pipe.logits(None, n, self.cfg.vocab_size, backend.device)
         logits = backend.logits(h if rows is None else h.index_select(0, rows))
         return logits if pipe is None else pipe.logits(logits, logits.shape[0], self.cfg.vocab_size, backend.device)
-
-    # --- NaN and inf ------------------------------------------------------------------------------
-    def nonfinite(self, s: Slots, ids: list[int], start: int, phase: str, slot: int = 0) -> NonFiniteError:
-        """The error for non-finite logits at this step, naming the first part of the model whose output went non-finite.
-
-        The search runs the step again through the same layer loop with a probe: on the error path only.
-        """
-        self.tell("nonfinite", s.sid, list(ids), start, phase, slot, now=True)
-        found: list[str] = []
-
-        def probe(where: str, h: torch.Tensor) -> None:
-            if not found and not bool(torch.isfinite(h).all()):
-                found.append(where)
-
-        self.forward(ids, start, s.cache, s.rope, phase, probe, slot)  # rewrites this step's K/V with the same values
-        where = found[0] if found else None
-        if self.pipeline is not None:  # every rank probed its part: the earliest rank's finding
-            where = self.pipeline.first_found(where)
-        where = where or "the final norm and lm_head"
-        dtype = str(self.backend.dtype).replace("torch.", "")
-        wider = ", or compute in float32 (--dtype float32)" if self.backend.dtype in (torch.float16, torch.bfloat16) else ""
-        return NonFiniteError(
-            f"the logits at position {start + len(ids) - 1} hold NaN or inf, first in the output of {where}: "
-            f"the weights there hold NaN/inf, or {dtype} overflowed; re-create or re-download the checkpoint{wider}"
-        )
-
-
-class WaitedWeights(Mapping):
-    """A sparse layer's fetched experts' weights (expert -> buffers), each read after ``before_use`` of its unit: the
-    compute of an expert is ordered after its own upload alone, so a backend that streams a prompt chunk's experts on a
-    side stream computes those already there (and each one landed) while the rest still cross."""
-
-    def __init__(self, weights: dict, layer: int, before_use: Callable) -> None:
-        self._weights, self._layer, self._before_use = weights, layer, before_use
-
-    def __getitem__(self, e: int) -> dict:
-        w = self._weights[e]
-        self._before_use((self._layer, e))
-        return w
-
-    def __iter__(self):
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
 
 
 def _sliced(backend) -> bool:

@@ -131,6 +131,31 @@ class Sampler:
         return float(torch.rand(1, generator=self.rng))
 
 
+def pick_masked(s, masks: tuple[tuple[int, torch.Tensor], ...], rows: int, backend) -> None:
+    """The step's decode rows' argmax again, each masked row's among the ids its mask allows (every id elsewhere:
+    the same argmax), in stream order after the pass. A mask goes up from a host row (pinned on cuda, so the
+    upload does not wait for the pass); the rows are written again only once the last pick's uploads ran. ``s``: the
+    batch's ``slots.Slots`` (its decode state, masks and mark), ``backend``: the run's."""
+    now, state = dict(masks), s.state
+    if not now and not s.masked:
+        return
+    if s.mask_mark is not None:
+        backend.wait(s.mask_mark)
+    if s.mask_rows is None:
+        s.mask_rows = torch.empty(state.allowed.shape, dtype=torch.bool,
+                                  pin_memory=backend.device.type == "cuda")
+    for slot in s.masked - now.keys():
+        state.allowed[slot].fill_(True)
+    for slot, allowed in now.items():
+        s.mask_rows[slot].copy_(allowed)
+        state.allowed[slot].copy_(s.mask_rows[slot], non_blocking=True)
+    s.masked = set(now)
+    if now:
+        state.tokens[:rows].copy_(torch.argmax(state.logits.masked_fill(~state.allowed[:rows], float("-inf")),
+                                               dim=-1))
+    s.mask_mark = backend.mark()
+
+
 MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities may list (OpenAI's bound for chat)
 
 

@@ -188,7 +188,7 @@ class Service:
         c = run.counters.snapshot()
         kv = kv_bytes(model.config, self.max_seq, run.backend.dtype, self.limits.max_batch)
         # In host memory the KV cache's pages become resident as positions are written (kvcache._zeros); on a device
-        # the cache grows in steps as the sequences reach further (runner.Slots.reach)
+        # the cache grows in steps as the sequences reach further (slots.Slots.reach)
         kv_what = f"KV cache {_mib(kv)} at most, " + ("resident as written" if run.backend.device.type == "cpu"
                                                       else "grown in steps as the sequences reach further")
         memory = [f"weights resident at peak {_mib(c['peak_resident_bytes'])}", kv_what]

@@ -199,7 +199,7 @@ class GateContext:
         from kestrel_core import load
         from kestrel_core.config import KestrelConfig
         from kestrel_core.engine.kvcache import kv_bytes
-        from kestrel_core.engine.runner import held_positions
+        from kestrel_core.engine.slots import held_positions
         from kestrel_core.errors import BudgetError
 
         from .memsampler import MemSampler

@@ -87,7 +87,7 @@ class _KvMirrorGate(Gate):
             import torch
 
             from kestrel_core.engine.kvcache import kv_bytes
-            from kestrel_core.engine.runner import held_positions
+            from kestrel_core.engine.slots import held_positions
 
             backend, dtype = self._runner(ctx)
             held = held_positions(max_seq.value, max_seq.value, torch.device("cuda" if backend == "cuda" else "cpu"))
