@@ -166,9 +166,22 @@ void q4_k_ints(const uint8_t* blk, const int8_t* xq, const int16_t* bs, int& S, 
   }
 }
 
-inline float q4_k_term(const uint8_t* blk, float dx, int S, int Mins) {
-  const float d = dx * fp16_to_fp32(load_u16(blk)), dmin = dx * fp16_to_fp32(load_u16(blk + 2));
+// A Q4_K block's float32 term, every path's: (dx * d) * float(S) - (dx * dmin) * float(Mins), d and dmin the block's
+// two f16 scales as floats
+inline float q4_k_term_of(float dx, float wd, float wdmin, int S, int Mins) {
+  const float d = dx * wd, dmin = dx * wdmin;
   return d * (float)S - dmin * (float)Mins;
+}
+
+inline float q4_k_term(const uint8_t* blk, float dx, int S, int Mins) {
+  return q4_k_term_of(dx, fp16_to_fp32(load_u16(blk)), fp16_to_fp32(load_u16(blk + 2)), S, Mins);
+}
+
+// Mins of a Q4_K block from its eight decoded mins and x's int16 sums of 16 (the vector paths; exact)
+inline int q4_k_mins(const int* mn, const int16_t* bs) {
+  int mins = 0;
+  for (int j = 0; j < 8; ++j) mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
+  return mins;
 }
 
 float dot_q4_k_scalar(const uint8_t* w, const QRow& x, int64_t nb) {
@@ -300,11 +313,7 @@ AVX2 float dot_q4_k_avx2(const uint8_t* w, const QRow& x, int64_t nb) {
       const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16((int16_t)sc[2 * c + 1]));
       sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
     }
-    const int S = hsum_i32(sumi);
-    int Mins = 0;
-    for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
-    const float d = x.d[b] * h2f(blk), dmin = x.d[b] * h2f(blk + 2);
-    acc[b & 3] += d * (float)S - dmin * (float)Mins;
+    acc[b & 3] += q4_k_term_of(x.d[b], h2f(blk), h2f(blk + 2), hsum_i32(sumi), q4_k_mins(mn, bs));
   }
   return finish(acc);
 }
@@ -377,11 +386,7 @@ AVX2 void rows_q4_k_avx2(const uint8_t* w, const QRow* x, int64_t nb, float* out
         const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[c], x1), _mm256_set1_epi16((int16_t)sc[2 * c + 1]));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
       }
-      const int S = hsum_i32(sumi);
-      int Mins = 0;
-      for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
-      const float d = x[m].d[b] * wd, dmin = x[m].d[b] * wdmin;
-      acc[m][b & 3] += d * (float)S - dmin * (float)Mins;
+      acc[m][b & 3] += q4_k_term_of(x[m].d[b], wd, wdmin, hsum_i32(sumi), q4_k_mins(mn, bs));
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
@@ -503,11 +508,7 @@ AVX512 void rows_q4_k_avx512(const uint8_t* w, const QRow* x, int64_t nb, float*
         const __m512i xv = _mm512_loadu_si512(xq + 64 * c);
         sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(v[c], xv), s[c]);
       }
-      const int S = hsum512(sumi);
-      int Mins = 0;
-      for (int j = 0; j < 8; ++j) Mins += mn[j] * ((int)bs[2 * j] + bs[2 * j + 1]);
-      const float d = x[m].d[b] * wd, dmin = x[m].d[b] * wdmin;
-      acc[m][b & 3] += d * (float)S - dmin * (float)Mins;
+      acc[m][b & 3] += q4_k_term_of(x[m].d[b], wd, wdmin, hsum512(sumi), q4_k_mins(mn, bs));
     }
   }
   for (int m = 0; m < MR; ++m) out[m] = finish(acc[m]);
