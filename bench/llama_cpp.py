@@ -195,9 +195,10 @@ def add_argument(p) -> None:
                    help="also llama.cpp's llama-bench and llama-batched-bench from BIN_DIR on the same GGUF file, in "
                         "this run (needs --gguf); the comparison goes in the record's vs_llama_cpp")
     p.add_argument("--llama-cpp-batches", default="1,8,64", help="the batches B of that comparison")
-    p.add_argument("--llama-cpp-kernels", default="float", metavar="KERNELS",
-                   help="kestrel's GGUF kernels for its side of that comparison, comma-separated: float (the weights' "
-                        "blocks dequantized in the kernel), int8 (x quantized, integer dot products); each a row set")
+    p.add_argument("--llama-cpp-kernels", default="auto", metavar="KERNELS",
+                   help="kestrel's GGUF kernels for its side of that comparison, comma-separated: auto (float for decode "
+                        "rows, int8 for a prompt's), float (the weights' blocks dequantized in the kernel), int8 (x "
+                        "quantized, integer dot products); each a row set")
     p.add_argument("--llama-cpp-lengths", default="128:128:512", metavar="PROMPT:GEN:PREFILL",
                    help="the batched rows' prompt and new tokens a sequence (llama-batched-bench's -npp, -ntg; "
                         "llama-bench's tg is GEN) and the prefill row's prompt (llama-bench's pp)")

@@ -26,7 +26,7 @@ WCACHE_ENV = "KESTREL_WCACHE_MB"  # [residency] budget_mb
 HOST_ENV = "KESTREL_HOST_MB"  # [backend] host_budget_mb
 GRAPHS = ("auto", "off")
 MICRO_BATCHES = ("auto", "on", "off")
-GGUF_KERNELS = ("float", "int8")
+GGUF_KERNELS = ("auto", "float", "int8")
 LAYER_OPS = ("auto", "fused", "torch")
 HOST_KERNELS = ("auto", "off")
 TOML_LIMIT = 2**20  # kestrel.toml holds a few settings
@@ -184,9 +184,11 @@ class BackendConfig:
     # ranks: a decode step of several rows goes through the pipeline in micro-batches, so the ranks work at once; "auto":
     # on for cuda (a device a rank), off for cpu_ref (the ranks of one host share its cores and memory bandwidth)
     micro_batches: str = attrs.field(default="auto")
-    # cuda: the kernels a GGUF's blocks run through: "float" (dequantized in the kernel, float32 sums) or "int8" (x
-    # quantized to two int8 digits a value, int8 dot products; many rows on the tensor cores)
-    gguf_kernels: str = attrs.field(default="float")
+    # cuda: the kernels a GGUF's blocks run through: "float" (dequantized in the kernel, float32 sums), "int8" (x
+    # quantized to two int8 digits a value, int8 dot products; from 16 rows on the tensor cores), or "auto": decode
+    # rows and verify spans through the float kernels, a prompt's rows through the int8 ones (each row's bits then
+    # follow its kind alone: ``Attend.prompt_from``)
+    gguf_kernels: str = attrs.field(default="auto")
     # the steps between a layer's linears (norms, rotary, residual adds, SiLU): "auto" (the backend's fused kernels
     # where it has them: cuda with Triton; 8B Q4_K_M off on an H100, 5.86 -> 3.62 ms a token, stream_20261207T165140Z),
     # "fused" (those, or an error), "torch" (torch's ops)

@@ -43,7 +43,7 @@ def test_segments_run_the_int8_kernels_where_asked_and_their_address_is_whole_wo
         blocks.block_linear(torch.zeros(m, 256), w, int8=True)
         assert [c[:2] for c in calls] == [("gguf_int8", "Q4_K"), ("gguf_int8", "Q8_0"), ("gguf_int8", "Q6_K")]
         calls.clear()
-        blocks.block_linear(torch.zeros(m, 256), w)  # [backend] gguf_kernels = "float", the default
+        blocks.block_linear(torch.zeros(m, 256), w)  # [backend] gguf_kernels = "float" (and "auto"'s decode rows)
         assert [c[:2] for c in calls] == [("gguf_kernels", "Q4_K"), ("gguf_kernels", "Q8_0"), ("gguf_kernels", "Q6_K")]
     odd = blocks.BlockWeight.empty(256, (("Q6_K", 1), ("Q4_K", 2)))  # Q6_K's 210 bytes put Q4_K's at 2 mod 4
     for m in (1, 5):
@@ -60,13 +60,13 @@ def test_a_buffer_refuses_another_row_width():
             a.copy_(other)
 
 
-def test_gguf_kernels_is_float_or_int8(tiny_ckpt, tmp_path, capsys):
-    """[backend] gguf_kernels and --gguf-kernels: a value it does not know is one line naming both it takes."""
+def test_gguf_kernels_is_auto_float_or_int8(tiny_ckpt, tmp_path, capsys):
+    """[backend] gguf_kernels and --gguf-kernels: a value it does not know is one line naming those it takes."""
     from cli_helpers import fails, gen
     from kestrel_core.config import BackendConfig
 
-    assert BackendConfig().gguf_kernels == "float" and BackendConfig(gguf_kernels="int8").gguf_kernels == "int8"
-    fails(gen(tiny_ckpt, "--gguf-kernels", "fp8"), capsys, "gguf_kernels must be one of float, int8, got 'fp8'")
+    assert BackendConfig().gguf_kernels == "auto" and BackendConfig(gguf_kernels="int8").gguf_kernels == "int8"
+    fails(gen(tiny_ckpt, "--gguf-kernels", "fp8"), capsys, "gguf_kernels must be one of auto, float, int8, got 'fp8'")
     toml = tmp_path / "kestrel.toml"
     toml.write_text('[backend]\ngguf_kernels = "int4"\n')
-    fails(gen(tiny_ckpt, "--config", str(toml)), capsys, "gguf_kernels must be one of float, int8, got 'int4'")
+    fails(gen(tiny_ckpt, "--config", str(toml)), capsys, "gguf_kernels must be one of auto, float, int8, got 'int4'")

@@ -132,7 +132,7 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     assert vs["decode", 2]["ratio"] == pytest.approx(ours["decode", 2]["tokens_per_s"] / 2000.0)
     assert vs["decode", 1]["llama_cpp_tokens_per_s"] == 2881.9  # llama-bench's tg median, not batched's B=1
     assert all(r["file_type"] == "Q4_K_M" and r["card"].startswith("CPU") for r in vs.values())
-    assert all(r["kestrel_kernels"] == "float" for r in vs.values())
+    assert all(r["kestrel_kernels"] == "auto" for r in vs.values())  # the default: kestrel as a user runs it
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -140,7 +140,7 @@ def test_stream_sets_kestrels_gguf_rows_beside_the_peers_on_the_same_file(models
     (["--gguf", "q4_k_m", "--llama-cpp", "/nonexistent"], "no executable llama-bench or llama-batched-bench"),
     (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-batches", "8,64"], "batches from 1"),
     (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-lengths", "128:0:512"], "PROMPT:GEN:PREFILL"),
-    (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-kernels", "float,fp4"], "each one of float, int8"),
+    (["--gguf", "q4_k_m", "--llama-cpp", "/x", "--llama-cpp-kernels", "float,fp4"], "each one of auto, float, int8"),
     (["--rows", "none"], "give --gguf TYPE"),
     (["--gguf", "q4_k_m", "--layer-ops", "torch,fast"], "--layer-ops: fast: each one of auto, fused, torch"),
     (["--layer-ops", "torch"], "give --gguf TYPE too"),

@@ -19,6 +19,7 @@ import math
 import os
 import warnings
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +35,7 @@ from kestrel_core.engine.pipeline import host_ranks, host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
-from kestrel_core.config import HOST_ENV, WCACHE_ENV, check_environment
+from kestrel_core.config import HOST_ENV, WCACHE_ENV, BackendConfig, check_environment
 from kestrel_core.engine.model import expert_mlp
 from kestrel_core.formats.gguf_model import BlockTensor, block_tensors
 from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
@@ -108,7 +109,7 @@ class CpuRefBackend(Backend):
         if ctx.backend.layer_ops == "fused":
             warnings.warn("layer_ops = 'fused' picks the cuda backend's fused kernels; cpu_ref, the reference, computes "
                           "a layer's steps with torch's ops, so it has no effect here", KestrelNote, stacklevel=2)
-        if ctx.backend.gguf_kernels != "float":
+        if ctx.backend.gguf_kernels != attrs.fields(BackendConfig).gguf_kernels.default:
             warnings.warn(f"gguf_kernels = {ctx.backend.gguf_kernels!r} picks the cuda backend's GGUF kernels; cpu_ref "
                           "computes a GGUF's blocks with its host kernel or from their float32 dequantization "
                           "(host_kernels), so it has no effect here",

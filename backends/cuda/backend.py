@@ -13,6 +13,7 @@ replayed (``replay``): uploads, prefetch, events, every layer and the argmax.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import attrs
@@ -76,7 +77,8 @@ class CudaBackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self.prefetch_depth = ctx.backend.prefetch
-        self.gguf_int8 = ctx.backend.gguf_kernels == "int8"  # [backend] gguf_kernels: which kernels run GGUF blocks
+        kernels = ctx.backend.gguf_kernels  # [backend] gguf_kernels: which kernels run GGUF blocks, decode and prompt
+        self.gguf_int8, self.gguf_prompt_int8 = kernels == "int8", kernels in ("int8", "auto")
         self.layer_ops = layer_ops.layer_ops(ctx.backend.layer_ops)  # between a layer's linears: fused where Triton runs
         if ctx.backend.threads:
             warnings.warn("threads sets cpu_ref's torch threads; the cuda backend computes on the GPU, so it has no "
@@ -556,6 +558,18 @@ class CudaBackend(Backend):
         if isinstance(w, blocks.BlockWeight):
             return blocks.block_linear(x, w, self.gguf_int8)
         return F.linear(x, w)
+
+    def prompt_linear(self, prompt_from):
+        if self.gguf_prompt_int8 == self.gguf_int8:
+            return self.linear
+        return functools.partial(self._linear_by_kind, prompt_from=prompt_from)
+
+    def _linear_by_kind(self, x, w, prompt_from):
+        """A pass's rows before ``prompt_from`` through the decode rows' GGUF kernels, the rest (a prompt's) through
+        the prompt's (``gguf_kernels = "auto"``: float, then int8 on the tensor cores)."""
+        if not isinstance(w, blocks.BlockWeight):
+            return self.linear(x, w)
+        return blocks.block_linear(x, w, self.gguf_int8, prompt_from=prompt_from, prompt_int8=self.gguf_prompt_int8)
 
     def synchronize(self):
         torch.cuda.synchronize(self.device)

@@ -14,8 +14,9 @@ and writes each segment's columns of the output, through the float kernels (``gg
 is Q4_K or Q6_K and the CUDA C++ kernel runs, ``gguf_cuda`` writes each segment's columns straight into the output in
 x's dtype, launches of up to 8 rows, no padding and no concatenation), or with ``[backend]
 gguf_kernels = "int8"`` the int8 kernels (``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's
-decode GEMV) where a segment's address is whole words of its type; the choice follows the setting and the segment's
-type and address, never the rows. The kernel reduces each row in one order whatever the number of
+decode GEMV) where a segment's address is whole words of its type. With ``gguf_kernels = "auto"`` (the default) a
+pass's decode rows and verify spans take the float kernels and a prompt's rows the int8 ones (from 16 rows on the
+tensor cores). The choice follows the setting, the segment's type and address and the row's kind, never the rows. The kernel reduces each row in one order whatever the number of
 rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
 pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
 """
@@ -188,12 +189,20 @@ def load_resident_blocks(ckpt, t: BlockTensor, device) -> BlockWeight:
 
 
 # --- the product -------------------------------------------------------------------------------
-def block_linear(x: torch.Tensor, w: BlockWeight, int8: bool = False) -> torch.Tensor:
+def block_linear(x: torch.Tensor, w: BlockWeight, int8: bool = False, prompt_from: int | None = None,
+                 prompt_int8: bool | None = None) -> torch.Tensor:
     """``x [..., k] -> [..., n]`` in x's dtype: each segment's columns by the block kernel, summed in float32; ``int8``:
-    the int8 kernels where a segment's address allows (``[backend] gguf_kernels``)."""
+    the int8 kernels where a segment's address allows (``[backend] gguf_kernels``). With ``prompt_from``, the rows
+    from there on (a prompt's: ``Attend.prompt_from``) run through the int8 kernels if ``prompt_int8`` (from 16 rows
+    on the tensor cores), else the float ones: each row's bits follow its kind and its values, never the rows beside
+    it, as every kernel here reduces a row in one order for any number of rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     m = x2.shape[0]
+    if m and prompt_from is not None and prompt_int8 is not None and prompt_int8 != int8:
+        at = min(max(prompt_from, 0), m)
+        parts = [block_linear(rows, w, kind) for rows, kind in ((x2[:at], int8), (x2[at:], prompt_int8)) if len(rows)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*lead, w.n)
     if m and not int8 and all(gguf_cuda.takes(x2, s.qtype, w.k) for s in w.segments):
         # every segment on the CUDA kernel: each writes its columns of the output in x's dtype, no padding, no cat
         y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)

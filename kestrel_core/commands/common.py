@@ -56,8 +56,9 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--host-budget-mb", type=float, help="MiB of pinned host memory for streamed weights "
                    "(also KESTREL_HOST_MB); default: every layer where half the available RAM holds them, else a ring")
     g.add_argument("--graphs", help="auto (default): replay a repeating decode step as a captured CUDA graph; off: eager")
-    g.add_argument("--gguf-kernels", help="float (default): a GGUF's blocks dequantized in the kernel; int8: x quantized "
-                   "to int8, int8 dot products (prompts and large batches on the tensor cores)")
+    g.add_argument("--gguf-kernels", help="auto (default): a GGUF's blocks through the float kernels for decode rows and "
+                   "the int8 ones for a prompt's rows; float: dequantized in the kernel; int8: x quantized to int8, int8 "
+                   "dot products (from 16 rows on the tensor cores)")
     g.add_argument("--layer-ops", help="auto (default): a layer's norms, rotary, residual adds and SiLU as fused "
                    "Triton kernels where they run, else torch's ops; fused: those kernels, or an error; torch: torch's ops")
     g.add_argument("--compile", action="store_true", default=None,

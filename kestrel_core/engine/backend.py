@@ -185,6 +185,13 @@ class Backend:
         """``x @ w.T`` for a buffer of this backend (a plain function: torch.compile sees the same one every run)."""
         return F.linear(x, w)
 
+    def prompt_linear(self, prompt_from: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+        """The linear of a pass whose rows from ``prompt_from`` on are a prompt's (``Attend.prompt_from``; the rows
+        before: decode rows and verify spans): ``linear`` itself here. A backend that computes a prompt's rows by
+        other kernels than a decode row's (cuda's GGUF blocks: ``gguf_kernels``) routes each row by its kind, so a
+        row's bits follow its kind and its values alone, never the rows beside it."""
+        return self.linear
+
     # --- shared flow -------------------------------------------------------------
     def lay_out_units(self) -> None:
         """The run's unit table in this backend's layout (call once dtype and device are set)."""

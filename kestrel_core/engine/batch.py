@@ -264,7 +264,8 @@ class Batch:
         for slot, (draft, _) in verify.items():  # the last token and its drafts, each row's logits back
             seq = self.active[slot]
             ids = (seq.tokens[-1], *draft)
-            spans.append((seq, Span(slot, row, len(seq.request.prompt_ids) + len(seq.tokens) - 1, len(ids)), ids))
+            start = len(seq.request.prompt_ids) + len(seq.tokens) - 1
+            spans.append((seq, Span(slot, row, start, len(ids), verify=True), ids))
             row += len(ids)
         # Every waiting prompt rides this step, in the order they came, up to prefill_chunk tokens in all: a streamed
         # layer serves them all at once.

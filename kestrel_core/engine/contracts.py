@@ -187,6 +187,9 @@ class Backend(Protocol):
     @staticmethod
     def linear(x: torch.Tensor, w: Any) -> torch.Tensor: ...
 
+    def prompt_linear(self, prompt_from: int) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+        """The linear of a pass whose rows from ``prompt_from`` on are a prompt's."""
+
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
     def synchronize(self) -> None: ...

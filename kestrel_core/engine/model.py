@@ -48,12 +48,13 @@ def key_bound(need: int, max_seq: int) -> int:
 @attrs.frozen
 class Span:
     """One sequence's rows of a pass beyond the decode rows: ``T`` rows from ``row``, at positions ``start``.. of KV
-    slot ``slot`` (a prompt, or a chunk of one)."""
+    slot ``slot``: a prompt, or a chunk of one; or, ``verify``, a token and its drafts, which stand for decode steps."""
 
     slot: int
     row: int
     start: int
     T: int
+    verify: bool = False
 
 
 @attrs.frozen
@@ -83,6 +84,16 @@ class Attend:
     # then each reads the whole cache under a mask made on the device, in one formula for decode rows and spans alike.
     sliced: bool = False
     first_slot: int = 0
+
+    @property
+    def prompt_from(self) -> int | None:
+        """The pass's first prompt row (None: it has none): a prompt's rows, and its chunks', come after every decode
+        row and verify span, so a backend may compute them by other kernels than a decode row's (``Backend.
+        prompt_linear``), each row's bits then following its kind and its values alone."""
+        last = max((i for i, s in enumerate(self.spans) if s.verify), default=-1)  # the last verify span
+        if last > 0 and any(not s.verify for s in self.spans[:last]):
+            raise ValueError("a pass's prompt spans come after its verify spans, so that its prompt rows are its last")
+        return self.spans[last + 1].row if last + 1 < len(self.spans) else None
 
     @classmethod
     def prefill(cls, rope: RopeTable, start: int, T: int, device, slot: int = 0,

@@ -376,6 +376,8 @@ class Runner:
         them)."""
         backend, cfg = self.backend, self.cfg
         ops = (backend.layer_ops,) if layer_fn is decoder_layer else ()  # a compiled layer: torch's, which it fuses
+        prompt_from = at.prompt_from
+        linear = backend.linear if prompt_from is None else backend.prompt_linear(prompt_from)
         for layer, b in enumerate(boundaries):
             self.execute(b.plan)
             backend.before_use(b.key)
@@ -383,7 +385,7 @@ class Runner:
             if self.window.sparse[layer]:
                 experts = (table_experts(self, layer, table, first_row) if table is not None
                            else host_experts(self, layer, phase))
-            h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, backend.linear, experts, *ops)
+            h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, linear, experts, *ops)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
             del b  # a buffer its plan freed dies here, not at the end of the token
