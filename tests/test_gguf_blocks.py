@@ -154,3 +154,26 @@ def test_a_buffer_takes_only_its_own_layout():
     a.raw.random_(0, 255)
     assert torch.equal(c.copy_(a).raw, a.raw)
 
+
+
+@needs_triton
+def test_a_pass_s_rows_take_the_kernels_of_their_kind(k_model):
+    """``gguf_kernels = "auto"``: the rows before ``prompt_from`` (decode rows, verify spans) are bitwise the float
+    kernels' rows, the rest (a prompt's) the int8 kernels', from 16 of them on the tensor cores: each row's bits
+    follow its kind, whatever rows of either kind stand beside it."""
+    gen = torch.Generator().manual_seed(1)
+    entries = [e for e in _entries(k_model) if e[1] == "qkv"][:1]  # Q4_K, Q5_K and Q6_K segments
+    assert entries
+    for _, name, w, _, _ in entries:
+        w = w.to(DEVICE)
+        x = torch.randn(19, w.k, generator=gen).to(DEVICE)
+        y = blocks.block_linear(x, w, False, prompt_from=3, prompt_int8=True)
+        assert torch.equal(y[:3], blocks.block_linear(x[:3], w, False)), name
+        prompt = blocks.block_linear(x[3:], w, True)  # 16 prompt rows: the tensor cores where the type has them
+        assert torch.equal(y[3:], prompt), name
+        assert not torch.equal(prompt, blocks.block_linear(x[3:], w, False)), name  # the two kinds do differ
+        for m in (0, 1, 15):  # a prompt row alone, or beside fewer: the same bits
+            assert torch.equal(blocks.block_linear(x[3 + m:4 + m], w, False, prompt_from=0, prompt_int8=True)[0],
+                               prompt[m]), (name, m)
+        assert torch.equal(blocks.block_linear(x, w, False, prompt_from=19, prompt_int8=True),
+                           blocks.block_linear(x, w, False)), name  # no prompt row: the decode kernels alone
