@@ -117,3 +117,31 @@ def test_block_experts_run_through_the_expert_table_with_the_ids_of_every_path(t
                 assert {e.geometry.dtype for u in run.backend.units.units.values() for e in u.entries
                         if e.name != "router"} == {"gguf-blocks"}
     assert ids["table"] == ids["host"] == ids["off"]
+
+
+def test_a_prompts_block_experts_run_every_expert_at_once_and_ids_hold(tmp_path, monkeypatch):
+    """gguf_kernels = "auto": a prompt's routed experts (blocks of the tensor-core types) run through
+    ``prompt_experts``, every expert of a layer in one launch a projection; the ids equal every expert resident's
+    with an expert budget (the experts then fetched a chunk at a time), and the first logits stay within the int8
+    kernels' tolerance of the float kernels' run."""
+    from backends.cuda import prompt_experts
+
+    path = write_model(tmp_path / "moe.gguf", arch="qwen3moe", dims={**K_DIMS, "expert_ff": 256}, types=K_TYPES)[0]
+    rows, real = [], prompt_experts.prompt_experts
+    monkeypatch.setattr(prompt_experts, "prompt_experts", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    ids, logits = {}, {}
+    with load(path) as model:
+        for kernels in ("auto", "float"):
+            with model.open(backend={"name": "cuda", "dtype": "float32", "gguf_kernels": kernels}, keep="off") as run:
+                res = run.generate(prompt_ids=PROMPTS[4], max_new_tokens=8, stop_at_eos=False, keep_logits=True)
+                ids[kernels], logits[kernels] = res.token_ids, res.logits[0].float().cpu()
+                budget = 3 * max(u.nbytes for u in run.backend.units.experts()) / 2**20  # 3 of a layer's 4 experts
+            if kernels == "auto":
+                assert rows and rows[0] == len(PROMPTS[4])  # the prompt's rows, every sparse layer
+                rows.clear()
+        with model.open(backend={"name": "cuda", "dtype": "float32"}, keep=1, expert_policy="expert_lru",
+                        expert_budget_mb=budget, expert_decode="host") as run:
+            assert run.generate(prompt_ids=PROMPTS[4], max_new_tokens=8, stop_at_eos=False).token_ids == ids["auto"]
+    assert rows  # the budgeted run's prompt took them too
+    ref = logits["float"]
+    assert (logits["auto"] - ref).abs().max() <= LOGIT_TOLERANCE["auto"] * ref.abs().max()

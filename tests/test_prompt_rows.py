@@ -12,7 +12,6 @@ import torch
 from backends.cpu_ref.backend import CpuRefBackend
 from kestrel_core import load
 from kestrel_core.engine.model import Attend, Span
-from kestrel_core.engine.runner import Runner
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 

@@ -36,7 +36,7 @@ from kestrel_core.engine.fit import FitFacts, moe_facts
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.formats.units import Unit, UnitTable, is_expert
 
-from . import blocks, grouped_experts, layer_ops, q8
+from . import blocks, grouped_experts, layer_ops, prompt_experts, q8
 from .expert_table import DeviceExpertTable
 from .layout import DeviceLayout, fusion, slot_entries, streamed_peak
 from .rawcuda import RawBlock, raw_empty
@@ -251,8 +251,20 @@ class CudaBackend(Backend):
                                               self.dtype, self.device, q8_params, blocks=held == {True},
                                               int8=self.gguf_int8)
 
-    def fetched_experts(self, x, weights, chosen, used, weights_of):
-        if self._grouped is None or x.shape[0] != 1:
+    def fetched_experts(self, x, weights, chosen, used, weights_of, prompt_from=None):
+        rows = x.shape[0]
+        at = rows if prompt_from is None or not self.gguf_prompt_int8 else max(0, prompt_from)
+        if at < rows and self._grouped is not None and self._grouped.blocks:
+            # a prompt's rows: every routed expert at once on the tensor cores, where the experts' types allow
+            mine = used if at == 0 and rows > 1 else torch.unique(chosen[at:]).tolist()
+            buffers = [(weights_of[e]["gate_up"], weights_of[e]["down"]) for e in mine]
+            if prompt_experts.takes(buffers):
+                tail = prompt_experts.prompt_experts(x[at:], weights[at:], chosen[at:], mine, buffers)
+                if at == 0:
+                    return tail
+                head = chosen[0].tolist() if at == 1 else torch.unique(chosen[:at]).tolist()
+                return torch.cat((self.fetched_experts(x[:at], weights[:at], chosen[:at], head, weights_of), tail))
+        if self._grouped is None or rows != 1:
             return super().fetched_experts(x, weights, chosen, used, weights_of)
         return self._grouped.fetched(x, weights, [(weights_of[e]["gate_up"], weights_of[e]["down"]) for e in used])
 

@@ -432,21 +432,35 @@ def _kernels():
     globals().update(digit_dot=digit_dot)
 
     @triton.jit
-    def kquant_mmq(w, xq, xd, xs, out, N, M, K, ROW_BYTES, NSB, SPS, QT: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, DIGITS: tl.constexpr):
+    def kquant_mmq(w, xq, xd, xs, out, N, M, K, ROW_BYTES, NSB, SPS, tiles, rows_of, QT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, DIGITS: tl.constexpr, GROUPED: tl.constexpr = False):
         """Rows of x times Q4_K, Q5_K or Q6_K rows (uint8 [N, ROW_BYTES]) on the tensor cores, for a batch or a
         prompt: each 16- or 32-value group's integer sum an int8 ``tl.dot`` (exact), then the one-row kernels' float
         terms added in their order (a run of 64 values after another for Q4_K/Q5_K, a unit for Q6_K:
         ``q4k_rows``/``q6k_rows`` at one super-block a step): each row bitwise the one-row kernels' result.
-        out[s, m, n] over the super-blocks of slice s (SPS each)."""
+        out[s, m, n] over the super-blocks of slice s (SPS each).
+
+        ``GROUPED`` (a prompt's routed experts, ``expert_mmq``): the output rows are a layer's routed pairs in expert
+        order, and program row-tile t covers rows ``tiles[t, 0]``..``tiles[t, 1]`` of one expert, whose weight starts
+        at address ``tiles[t, 2]`` (``w`` unused); output row r reads x's row ``rows_of[r]``."""
         pm, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        m = pm * BM + tl.arange(0, BM)
         n = pn * BN + tl.arange(0, BN)
-        mc, nr = m[:, None], n[None, :]  # [BM, 1], [1, BN]
+        nr = n[None, :]  # [1, BN]
+        if GROUPED:
+            first, end = tl.load(tiles + pm * 3), tl.load(tiles + pm * 3 + 1)
+            m = first + tl.arange(0, BM)
+            w = tl.load(tiles + pm * 3 + 2).to(tl.pointer_type(tl.uint8))
+            xr = tl.load(rows_of + m, mask=m < end, other=0)[:, None]  # [BM, 1]: each output row's row of x
+            mok = m[:, None] < end
+        else:
+            m = pm * BM + tl.arange(0, BM)
+            xr = m[:, None]
+            mok = xr < M
+        mc = m[:, None]  # [BM, 1]: the output rows
         l_k = tl.arange(0, 32)[:, None]  # a 32-value group's values, along K of the weight tile
         l_x = tl.arange(0, 32)[None, :]  # ... along K of the x tile
         wrow = w + nr.to(tl.int64) * ROW_BYTES
-        nok, mok = nr < N, mc < M
+        nok = nr < N
         XR = DIGITS * K  # int8 digits a row of xq
         NB = NSB * 8
         acc = tl.zeros((BM, BN), dtype=tl.float32)  # the one-row kernels' order: group terms in turn
@@ -463,12 +477,12 @@ def _kernels():
                 half = (l_k >= 16 * jh) & (l_k < 16 * jh + 16)  # the 16-value group: the rest are zeros
                 qa = tl.where(half, ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)).to(tl.int32) - 32, 0)
                 qb = tl.where(half, ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)).to(tl.int32) - 32, 0)
-                ia = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * p + l_x, mok, qa.to(tl.int8), K, DIGITS)
-                ib = digit_dot(xq, mc * XR + c * 256 + 128 * h + 32 * (p + 2) + l_x, mok, qb.to(tl.int8), K, DIGITS)
+                ia = digit_dot(xq, xr * XR + c * 256 + 128 * h + 32 * p + l_x, mok, qa.to(tl.int8), K, DIGITS)
+                ib = digit_dot(xq, xr * XR + c * 256 + 128 * h + 32 * (p + 2) + l_x, mok, qb.to(tl.int8), K, DIGITS)
                 sa = tl.load(blk + 192 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
                 sb_ = tl.load(blk + 196 + 8 * h + 2 * p + jh, mask=nok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-                dxa = tl.load(xd + mc * NB + c * 8 + 4 * h + p, mask=mok, other=0.0)
-                dxb = tl.load(xd + mc * NB + c * 8 + 4 * h + p + 2, mask=mok, other=0.0)
+                dxa = tl.load(xd + xr * NB + c * 8 + 4 * h + p, mask=mok, other=0.0)
+                dxb = tl.load(xd + xr * NB + c * 8 + 4 * h + p + 2, mask=mok, other=0.0)
                 term = (d * sa.to(tl.float32)) * dxa * ia.to(tl.float32)
                 term = term + (d * sb_.to(tl.float32)) * dxb * ib.to(tl.float32)
                 acc = acc + term
@@ -487,8 +501,8 @@ def _kernels():
                     qh = tl.load(blk + 16 + l_k, mask=nok, other=0)  # value l's fifth bits, one a group
                     qlo = qlo | (((qh >> (2 * r)) & 1) << 4)
                     qhi = qhi | (((qh >> (2 * r + 1)) & 1) << 4)
-                ilo = digit_dot(xq, mc * XR + c * 256 + 64 * r + l_x, mok, qlo.to(tl.int8), K, DIGITS)
-                ihi = digit_dot(xq, mc * XR + c * 256 + 64 * r + 32 + l_x, mok, qhi.to(tl.int8), K, DIGITS)
+                ilo = digit_dot(xq, xr * XR + c * 256 + 64 * r + l_x, mok, qlo.to(tl.int8), K, DIGITS)
+                ihi = digit_dot(xq, xr * XR + c * 256 + 64 * r + 32 + l_x, mok, qhi.to(tl.int8), K, DIGITS)
                 j = (2 * r) % 4  # groups 2r and 2r + 1: bytes j and j + 1 of each scale array
                 sa0 = tl.load(blk + 4 + j, mask=nok, other=0).to(tl.int32)
                 sa1 = tl.load(blk + 5 + j, mask=nok, other=0).to(tl.int32)
@@ -501,7 +515,7 @@ def _kernels():
                 mn0 = tl.where(low, sb0 & 63, (se0 >> 4) | ((sb0 >> 6) << 4))
                 sc1 = tl.where(low, sa1 & 63, (se1 & 15) | ((sa1 >> 6) << 4))
                 mn1 = tl.where(low, sb1 & 63, (se1 >> 4) | ((sb1 >> 6) << 4))
-                xb = mc * NB + c * 8 + 2 * r
+                xb = xr * NB + c * 8 + 2 * r
                 dx0 = tl.load(xd + xb, mask=mok, other=0.0)
                 dx1 = tl.load(xd + xb + 1, mask=mok, other=0.0)
                 sx0 = tl.load(xs + xb, mask=mok, other=0.0)
@@ -536,6 +550,34 @@ def plan(qtype: GGMLQuantizationType, n: int, k: int, block_n: int | None = None
     want = split if split is not None else -(-(programs or want_programs) // -(-n // bn))
     per = -(-steps // max(1, min(want, steps))) * step  # super-blocks a slice: whole steps
     return bn, step, -(-nsb // per), per
+
+
+def expert_mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, rows_of: torch.Tensor, tiles: torch.Tensor,
+               tile_rows: int, qtype: GGMLQuantizationType, n: int, k: int, rows: int,
+               digits: int = DIGITS) -> torch.Tensor:
+    """A prompt's routed experts on the tensor cores, every expert of a layer in one launch: y [rows, n] float32, its
+    row r = x[rows_of[r]] @ W.T for the expert whose tile holds r. ``xq, xd, xs``: x as ``quantize`` gives it;
+    ``tiles`` int64 [T, 3]: (first row, end row, the expert's weight address) a tile of at most ``tile_rows`` (16 or
+    32) rows of one expert, the rows being the layer's routed pairs in expert order. The weight's plan (K slices) comes from (type, n, k) as
+    ``matmul``'s, so each row is bitwise ``matmul`` of that x row against that expert alone."""
+    if qtype not in MMQ_TYPES:
+        raise ValueError(f"no tensor-core kernel for {qtype.name}; these run: {', '.join(t.name for t in MMQ_TYPES)}")
+    bn, step, slices, per = plan(qtype, n, k)
+    if step != 1:
+        raise ValueError(f"{qtype.name} at {n} x {k}: the tensor-core kernel takes one super-block a step, plan has {step}")
+    y = torch.empty((rows, n), dtype=torch.float32, device=xq.device)
+    if not rows or not tiles.shape[0]:
+        return y
+    part = y if slices == 1 else torch.empty((slices, rows, n), dtype=torch.float32, device=xq.device)
+    if tile_rows not in (16, 32):
+        raise ValueError(f"tile_rows must be 16 or 32, got {tile_rows}")
+    bm, bn_t, warps, stages = mmq_tiles(tile_rows)
+    _kernels()[4][(tiles.shape[0], -(-n // bn_t), slices)](
+        xq, xq.view(torch.int8), xd, xs, part, n, rows, k, row_nbytes(qtype, k), k // 256, per, tiles, rows_of,
+        QT=qtype.name, BM=bm, BN=bn_t, DIGITS=digits, GROUPED=True, num_warps=warps, num_stages=stages)
+    if slices > 1:
+        add_slices_kernel()[(-(-(rows * n) // 1024),)](part, y, rows * n, SPLIT=slices, BLOCK=1024, num_warps=4)
+    return y
 
 
 def quantize(x: torch.Tensor, digits: int = DIGITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -605,7 +647,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n
         part = y if slices == 1 else torch.empty((slices, m_all, n), dtype=torch.float32, device=x.device)
         bm, bn_t, warps, stages = mmq_plan or mmq_tiles(m_all)  # no bit follows them: each output adds its own terms
         _kernels()[4][(-(-m_all // bm), -(-n // bn_t), slices)](
-            weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, row_nbytes(qtype, k), k // 256, per,
+            weight, xq.view(torch.int8), xd, xs, part, n, m_all, k, row_nbytes(qtype, k), k // 256, per, weight, weight,
             QT=qtype.name, BM=bm, BN=bn_t, DIGITS=digits, num_warps=warps, num_stages=stages)
         if slices > 1:
             add_slices_kernel()[(-(-(m_all * n) // 1024),)](part, y, m_all * n, SPLIT=slices, BLOCK=1024, num_warps=4)

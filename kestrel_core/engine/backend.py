@@ -153,10 +153,12 @@ class Backend:
         raise NotImplementedError(f"{self.name} has no expert table")
 
     def fetched_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, used: list[int],
-                        weights_of: dict) -> torch.Tensor:
+                        weights_of: dict, prompt_from: int | None = None) -> torch.Tensor:
         """A sparse layer's routed experts the host routed and fetched: ``weights_of[e]`` holds expert e's buffers,
         ``used`` the experts (one token's in routing order). A backend whose table path runs its own kernel runs
-        the same one here, so that where the experts were read from never changes a result."""
+        the same one here, so that where the experts were read from never changes a result. ``prompt_from``: the
+        pass's first prompt row (``Attend.prompt_from``), for a backend that computes a prompt's experts by other
+        kernels (as its ``prompt_linear``); here every row takes ``linear``."""
         return sparse_mlp(x, weights, chosen, weights_of.__getitem__, self.linear, used)
 
     def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

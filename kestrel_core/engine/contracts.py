@@ -214,8 +214,9 @@ class Backend(Protocol):
         buffers of ``slots`` ((key, buffers), each after its upload)."""
 
     def fetched_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, used: list[int],
-                        weights_of: dict) -> torch.Tensor:
-        """A sparse layer's routed experts, routed on the host and fetched: ``weights_of[e]`` holds expert e's buffers."""
+                        weights_of: dict, prompt_from: int | None = None) -> torch.Tensor:
+        """A sparse layer's routed experts, routed on the host and fetched: ``weights_of[e]`` holds expert e's buffers;
+        rows from ``prompt_from`` on are a prompt's."""
 
     def routed_experts(self, layer: int, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Where ``expert_table``: one token's routed experts of ``layer``, each read where the table points."""

@@ -102,10 +102,10 @@ def table_experts(runner, layer: int, state: DecodeState, first_row: int = 0):
     return experts
 
 
-def host_experts(runner, layer: int, phase: str):
+def host_experts(runner, layer: int, phase: str, prompt_from: int | None = None):
     """A sparse layer's experts routed on the host: at its decision point the host learns the routed experts (the
     one sync a sparse layer needs), the window plans their fetch (the union of the rows'), and the layer reads them
-    from their buffers.
+    from their buffers (rows from ``prompt_from`` on a prompt's: ``Backend.fetched_experts``).
 
     With speculative prefetch, a one-row decode step also applies the next layer's router to this layer's hidden
     state ``x`` and learns its guess in the same sync; their fetch runs on the side stream.
@@ -132,7 +132,8 @@ def host_experts(runner, layer: int, phase: str):
 
     def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         used, routed, plan = decide(chosen, x)
-        out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use))
+        out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use),
+                                      prompt_from)
         follow_plan(runner, plan)  # after the layer read its experts: pointing the table waits for their uploads
         return out
 

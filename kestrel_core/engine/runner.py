@@ -384,7 +384,7 @@ class Runner:
             experts = None
             if self.window.sparse[layer]:
                 experts = (table_experts(self, layer, table, first_row) if table is not None
-                           else host_experts(self, layer, phase))
+                           else host_experts(self, layer, phase, prompt_from))
             h = layer_fn(h, b.weights, backend.small[layer], cache[layer], at, cfg, linear, experts, *ops)
             if probe:
                 probe(f"layer {layer + cfg.first_layer}", h)  # the model's number (a pipeline's part counts from 0)
