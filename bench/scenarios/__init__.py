@@ -43,9 +43,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "rss-window": ("rss_window", "cpu_ref's mapping RSS per keep against the policy's peak (from rss_window.py)"),
     "rss-experts": ("rss_experts", "cpu_ref's mapping RSS under expert budgets against the resident bytes "
                                    "(from rss_experts.py)"),
-    "window-overhead": ("window_overhead", "the window's own cost per layer boundary, keep=L against off, on the CPU "
-                                           "(from window_overhead.py)"),
-    "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
     "real-model": ("real_model", "the real trained model (SmolLM2-135M from its GGUF) on cpu_ref: ms/token and peak "
                                  "RSS by keep, each row a fresh process"),
     "batch": ("batch", "batched decoding at B = 1, 4, 16 (bytes streamed a generated token, tokens/s, ids against "
