@@ -9,8 +9,8 @@ or computed from the record's own step times by ``bench.stats`` (the function ne
   (the captured step did not exist yet); that median is the figure, with its n.
 - ``host_tier_*`` (host_tier_bench.py): every decode step's time and the step counts, as decode_graphs.
 
-A retired scenario (``RETIRED``) is one whose question is settled and whose figures no page quotes: its module is gone
-from ``python -m bench``, its records stay in bench/results/, listed by ``python -m bench render`` as any other, and
+A retired scenario (``RETIRED``) is one whose question is settled and whose figures no page quotes, or one folded
+into the scenarios that share its harness: its module is gone from ``python -m bench``, its records stay in bench/results/, listed by ``python -m bench render`` as any other, and
 the harness names it as retired, with what settled it, rather than as unknown.
 """
 
@@ -33,6 +33,8 @@ SCENARIO_OF = {"stream_bench.py": "stream", "decode_graphs.py": "stream", "moe_b
 RETIRED = {
     "window-overhead": "the window's bookkeeping was 0.67 us a layer boundary over off's on the CPU "
                        "(window_overhead_20261203T114827Z.json), against decode steps of milliseconds",
+    "peers": "never recorded, and folded: the same peers run beside kestrel's rows, through bench.peers.beside, in "
+             "stream --peers, moe --peers and host-tier --rows peers",
     "profile": "the profile of a qwen3-1.7b decode step at keep=off (profile_qwen3-1.7b_off_20261202T1340Z.txt) led "
                "to the captured decode step, which docs/decode-graphs.md measures; moe-host-cost profiles a MoE step",
 }

@@ -22,8 +22,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                    "beside the bytes it streamed over the pinned rate, and the prompt chunk swept"),
     "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
                                        "host functions of a decode step (from moe_host_cost.py)"),
-    "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "
-                       "kestrel off on the same weights (from airllm_peer.py, moe_peers.py)"),
     "host-tier": ("host_tier", "the cuda host tier at keep=1: all pinned against rings, pages hot and dropped, "
                                "against the copy and O_DIRECT ceilings (from host_tier_bench.py)"),
     "host-fill": ("host_fill", "the host ring's hot path alone: staging from the page cache by mapping, pread or "
