@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 from bench.errors import BenchError, Said
+from bench.legacy import RETIRED
 from bench.scenarios import SCENARIOS, TOOLS, module
 from bench.stamp import RESULTS
 from kestrel_core.errors import KestrelError
@@ -63,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         print(overview())
         return 0 if argv else 2
     name = argv[0]
+    if name in RETIRED:
+        print(f"python -m bench: {name} is retired ({RETIRED[name]}); its records stay in bench/results/",
+              file=sys.stderr)
+        return 2
     if name not in SCENARIOS and name not in TOOLS:
         print(f"python -m bench: unknown scenario {name!r}; `python -m bench --help` lists them", file=sys.stderr)
         return 2

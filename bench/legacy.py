@@ -8,6 +8,10 @@ or computed from the record's own step times by ``bench.stats`` (the function ne
 - ``stream_*`` (stream_bench.py): a row kept only its median over every decode step (the first included), eager
   (the captured step did not exist yet); that median is the figure, with its n.
 - ``host_tier_*`` (host_tier_bench.py): every decode step's time and the step counts, as decode_graphs.
+
+A retired scenario (``RETIRED``) is one whose question is settled and whose figures no page quotes, or one folded
+into the scenarios that share its harness: its module is gone from ``python -m bench``, its records stay in bench/results/, listed by ``python -m bench render`` as any other, and
+the harness names it as retired, with what settled it, rather than as unknown.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ SCENARIO_OF = {"stream_bench.py": "stream", "decode_graphs.py": "stream", "moe_b
                "ring_copy_bench.py": "ring-copy", "q8_gemv_bench.py": "q8-gemv", "rss_window.py": "rss-window",
                "rss_experts.py": "rss-experts", "window_overhead.py": "window-overhead",
                "profile_decode.py": "profile", "demo_record.py": "demo", "plot_cost_curve.py": "plot"}
+# Retired scenarios, and what settled each; their records stay, read as they are (every figure is the record's own).
+RETIRED = {
+    "window-overhead": "the window's bookkeeping was 0.67 us a layer boundary over off's on the CPU "
+                       "(window_overhead_20261203T114827Z.json), against decode steps of milliseconds",
+    "peers": "never recorded, and folded: the same peers run beside kestrel's rows, through bench.peers.beside, in "
+             "stream --peers, moe --peers and host-tier --rows peers",
+    "profile": "the profile of a qwen3-1.7b decode step at keep=off (profile_qwen3-1.7b_off_20261202T1340Z.txt) led "
+               "to the captured decode step, which docs/decode-graphs.md measures; moe-host-cost profiles a MoE step",
+}
 _SETTING = re.compile(r"^(?P<policy>\w+) keep=(?P<keep>\d+)(?: pf=(?P<pf>\d))?(?P<free> free)?$")
 
 
@@ -65,6 +78,13 @@ def scenario_of(command: str) -> str | None:
     """The scenario that replaced the script a legacy record's command ran, or None."""
     m = re.match(r"(?:python )?bench/(\w+\.py)", command)
     return SCENARIO_OF.get(m[1]) if m else None
+
+
+def now_of(scenario: str | None) -> str:
+    """What runs a legacy script's measurement now: its command, or that its scenario is retired."""
+    if scenario is None:
+        return ""
+    return "retired (bench/legacy.py)" if scenario in RETIRED else f"`python -m bench {scenario}`"
 
 
 def label_of(s: dict) -> str:

@@ -563,6 +563,29 @@ def peer(name: str, path, prompt: list[int], n_new: int, *, device: str = "cuda"
         _free(device)
 
 
+FAST = ("transformers", "transformers-static")  # resident: as many tokens as kestrel's rows; the rest are slow
+
+
+def beside(names: list[str], path, prompt: list[int], tokens: int, slow_tokens: int, off: dict | None, *,
+           device: str, scratch_root, fuse_experts: bool = False, done=lambda rows: None) -> dict:
+    """The peers ``names`` on ``path``'s weights and ``prompt``, each row's ids compared with kestrel's ``off`` row
+    where given: the resident peers (FAST) generate ``tokens``, the others ``slow_tokens``. The rows by name beside
+    the peers' versions; ``done(rows)`` after each, for a partial record."""
+    from bench.log import log
+    from bench.rows import compare_ids
+
+    out: dict = {"versions": versions()}
+    for name in names:
+        r = peer(name, path, prompt, tokens if name in FAST else slow_tokens, device=device,
+                 scratch_root=scratch_root, fuse_experts=fuse_experts)
+        if off is not None and "token_ids" in r:
+            r.update(compare_ids(r, off))
+        log(f"peer {name}: {(r.get('summary') or {}).get('p50')} ms/tok {r.get('error', '')}")
+        out[name] = r
+        done(out)
+    return out
+
+
 def parse_names(text: str) -> list[str]:
     names = [n for n in (text or "").split(",") if n]
     bad = [n for n in names if n not in NAMES]

@@ -28,6 +28,14 @@ def fault_granule(directory: str | os.PathLike) -> int:
         path.unlink()
 
 
+def tensor_table(path) -> tuple[Checkpoint, list[str]]:
+    """A checkpoint's tensor table and its files' resolved paths; the table is read and unmapped again (a mapping of
+    ours would add to the RSS measured)."""
+    ckpt = Checkpoint(path)
+    ckpt.close()
+    return ckpt, [str(f.path.resolve()) for f in ckpt.files.values()]
+
+
 class ResidentRuns:
     """The stretches of a checkpoint's files that a window's record says are mapped: each file's header, every
     tensor in no unit (never evicted), and the tensors of the resident units, merged where they touch."""

@@ -80,7 +80,7 @@ def source_line(name: str, rec: dict) -> str:
     now = legacy.scenario_of(cmd)
     return (f"`bench/results/{name}` (a record of the older bench scripts, read through `bench/legacy.py`; commit "
             f"{short(rec.get('commit'))}, {gpu_of(rec)}), produced by `{cmd}`"
-            + (f" (that script is now `python -m bench {now}`)" if now else ""))
+            + (f" (that script is now {legacy.now_of(now)})" if now else ""))
 
 
 # --- the stream records -------------------------------------------------------------------------------------------
@@ -553,8 +553,7 @@ def every_record(recs: Records) -> str:
                 commit = short(rec.get("commit"))
             dev = gpu_of(rec)
         now = legacy.scenario_of(cmd)
-        out.append([f"`{name}`", f"`{cmd}`" if cmd != "not recorded" else cmd, f"`python -m bench {now}`" if now else "",
-                    commit, dev])
+        out.append([f"`{name}`", f"`{cmd}`" if cmd != "not recorded" else cmd, legacy.now_of(now), commit, dev])
     return table(["record", "command (as recorded)", "that script now", "commit (as recorded)", "device"], out)
 
 

@@ -22,8 +22,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                                    "beside the bytes it streamed over the pinned rate, and the prompt chunk swept"),
     "moe-host-cost": ("moe_host_cost", "uniform against skewed routing interleaved, device-busy time and kestrel's "
                                        "host functions of a decode step (from moe_host_cost.py)"),
-    "peers": ("peers", "transformers (resident, StaticCache + compile), accelerate CPU offload and AirLLM beside "
-                       "kestrel off on the same weights (from airllm_peer.py, moe_peers.py)"),
     "host-tier": ("host_tier", "the cuda host tier at keep=1: all pinned against rings, pages hot and dropped, "
                                "against the copy and O_DIRECT ceilings (from host_tier_bench.py)"),
     "host-fill": ("host_fill", "the host ring's hot path alone: staging from the page cache by mapping, pread or "
@@ -43,9 +41,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "rss-window": ("rss_window", "cpu_ref's mapping RSS per keep against the policy's peak (from rss_window.py)"),
     "rss-experts": ("rss_experts", "cpu_ref's mapping RSS under expert budgets against the resident bytes "
                                    "(from rss_experts.py)"),
-    "window-overhead": ("window_overhead", "the window's own cost per layer boundary, keep=L against off, on the CPU "
-                                           "(from window_overhead.py)"),
-    "profile": ("profile", "where a decode step's time goes: torch.profiler over one generate (from profile_decode.py)"),
     "real-model": ("real_model", "the real trained model (SmolLM2-135M from its GGUF) on cpu_ref: ms/token and peak "
                                  "RSS by keep, each row a fresh process"),
     "batch": ("batch", "batched decoding at B = 1, 4, 16 (bytes streamed a generated token, tokens/s, ids against "

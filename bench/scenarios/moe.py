@@ -370,17 +370,10 @@ def run(args, record) -> dict:
         result["q8"] = q8_section(path, args, scale)
         record.save_partial(result)
     if names:  # last: a peer may leave threads behind that would slow kestrel's rows
-        device = "cuda" if args.backend == "cuda" else "cpu"
-        off = result["uniform"]["rows"][0]
-        result["peers"] = {"versions": peers.versions()}
-        for name in names:
-            r = peers.peer(name, path, result["prompt_ids"], args.tokens if name == "transformers" else args.slow_tokens,
-                           device=device, scratch_root=args.models, fuse_experts=True)
-            if "token_ids" in r:
-                r.update(compare_ids(r, off))
-            log(f"peer {name}: {(r.get('summary') or {}).get('p50')} ms/tok {r.get('error', '')}")
-            result["peers"][name] = r
-            record.save_partial(result)
+        result["peers"] = peers.beside(names, path, result["prompt_ids"], args.tokens, args.slow_tokens,
+                                       result["uniform"]["rows"][0], device="cuda" if args.backend == "cuda" else "cpu",
+                                       scratch_root=args.models, fuse_experts=True,
+                                       done=lambda rows: record.save_partial({**result, "peers": rows}))
     pinned = (result.get("ceilings") or {}).get("pinned_h2d", {}).get("GBps")
     for sec in ("uniform", "skewed", "q8"):
         for r in result.get(sec, {}).get("rows", []):

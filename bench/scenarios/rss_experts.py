@@ -29,7 +29,7 @@ from bench.log import log
 from bench.observe import observing
 from bench.prompt import prompt_for
 from bench.rows import row
-from bench.rss import ResidentRuns, fault_granule
+from bench.rss import ResidentRuns, fault_granule, tensor_table
 from kestrel_core.formats.units import is_expert
 from kestrel_core.hookspecs import hookimpl
 
@@ -133,7 +133,6 @@ def run_one(model, sampler_args, tokens: int, settings: dict) -> dict:
 
 def run(args, record) -> dict:
     from kestrel_core import load
-    from kestrel_core.formats.checkpoint import Checkpoint
     from kestrel_core.formats.tensor_table import unit_specs
 
     fractions = args.fractions
@@ -145,9 +144,7 @@ def run(args, record) -> dict:
         write_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(dir=Path(path).parent) as tmp:
         granule = fault_granule(Path(tmp))  # the model's file system
-    table = Checkpoint(path)
-    table.close()  # the tensor table only: a mapping of ours would add to the RSS measured
-    files = [str(f.path.resolve()) for f in table.files.values()]
+    table, files = tensor_table(path)
     rows = []
     with load(path) as model:
         cfg = model.config

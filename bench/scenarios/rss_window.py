@@ -15,6 +15,7 @@ from bench.log import log
 from bench.observe import observing
 from bench.prompt import prompt_for
 from bench.rows import row
+from bench.rss import tensor_table
 from kestrel_core.hookspecs import hookimpl
 
 
@@ -42,22 +43,12 @@ class RssPeak:
         self.sample()
 
 
-def checkpoint_table(path):
-    """The checkpoint's tensor table, read and unmapped again (a mapping of ours would add to the RSS measured)."""
-    from kestrel_core.formats.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(path)
-    ckpt.close()
-    return ckpt
-
-
 def run(args, record) -> dict:
     from kestrel_core import load
     from kestrel_core.formats.tensor_table import unit_specs
 
     path = models.ensure_preset(args.models, args.preset)
-    table = checkpoint_table(path)
-    files = [str(f.path.resolve()) for f in table.files.values()]
+    table, files = tensor_table(path)
     rows = []
     with load(path) as model:
         cfg = model.config

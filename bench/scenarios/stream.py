@@ -313,7 +313,9 @@ def run(args, record) -> dict:
         result["vs_llama_cpp"] = result["gguf"].get("llama_cpp", {}).get("rows")
         record.save_partial(result)
     if peer_names:
-        result["peers"] = peer_rows(path, args, prompt, peer_names, rows.baselines.get("plain"))
+        result["peers"] = peers.beside(peer_names, path, prompt, args.tokens, args.peer_tokens,
+                                       rows.baselines.get("plain"), device="cuda" if args.backend == "cuda" else "cpu",
+                                       scratch_root=args.models)
     return result
 
 
@@ -393,16 +395,3 @@ def gguf_section(args, pinned, bf16_off: dict, bins: llama_cpp.Binaries | None =
     return out
 
 
-def peer_rows(path, args, prompt: list[int], names: list[str], kestrel_off: dict | None) -> dict:
-    device = "cuda" if args.backend == "cuda" else "cpu"
-    out: dict = {"versions": peers.versions()}
-    for name in names:
-        slow = name in ("accelerate", "accelerate-experts", "accelerate-disk", "airllm")
-        log(f"peer {name}")
-        r = peers.peer(name, path, prompt, args.peer_tokens if slow else args.tokens, device=device,
-                       scratch_root=args.models)
-        if kestrel_off is not None and "token_ids" in r:
-            r.update(compare_ids(r, kestrel_off))
-        log(f"peer {name}: {r.get('summary', {}).get('p50')} ms/tok {r.get('error', '')}")
-        out[name] = r
-    return out
