@@ -29,6 +29,8 @@ from tests.gguf_files import K_DIMS, K_TYPES, LLAMA_TYPES, T, write_model  # noq
 BLOCK_TYPES = {**K_TYPES}
 # 32-value types, attn_v and ffn_up float: qkv and gate_up mix blocks and floats
 MIXED = {**LLAMA_TYPES, "attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_output": T.Q4_0, "ffn_down": T.Q8_0}
+# the low-bit types of large MoE files: q Q3_K, k Q2_K, v IQ4_XS (qkv three segments), gate IQ4_XS beside up Q2_K
+LOW = {**BLOCK_TYPES, "attn_q": T.Q3_K, "attn_k": T.Q2_K, "attn_v": T.IQ4_XS, "ffn_gate": T.IQ4_XS, "ffn_up": T.Q2_K}
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +106,25 @@ def _entries(path):
 
 
 @needs_triton
-@pytest.mark.parametrize("int8", [False, True], ids=["float kernels", "int8 kernels"])
-@pytest.mark.parametrize("which", ["k", "mixed"])
+@pytest.mark.parametrize("which, int8", [("k", False), ("k", True), ("mixed", False), ("mixed", True), ("low", False)],
+                         ids=["k-float", "k-int8", "mixed-float", "mixed-int8", "low-float"])  # low: no int8 kernel
 def test_each_entry_computes_its_dequantized_product_and_rows_are_batch_invariant(which, int8, k_model, tmp_path):
     """On a GPU the kernels run compiled, which may fuse a dequantization's multiply-add: the bound holds there too.
     The int8 kernels' columns are held to their own arithmetic (x quantized), the float kernels' to x's product."""
-    path = k_model if which == "k" else write_model(tmp_path / "m.gguf", types=MIXED)[0]
+    if which == "low":
+        path = write_model(tmp_path / "low.gguf", dims=K_DIMS, types=LOW)[0]
+    else:
+        path = k_model if which == "k" else write_model(tmp_path / "m.gguf", types=MIXED)[0]
     entries = _entries(path)
     assert entries
     if which == "k":  # qkv is three types, gate_up two: segments, not one kernel call
         layouts = {name: w.layout for _, name, w, _, _ in entries}
         assert layouts["qkv"] == (("Q4_K", 64 * 4), ("Q5_K", 64 * 2), ("Q6_K", 64 * 2))
         assert layouts["gate_up"] == (("Q5_K", K_DIMS["ff"]), ("Q6_K", K_DIMS["ff"]))
+    if which == "low":  # held as their blocks: three types in qkv, two in gate_up
+        layouts = {name: w.layout for _, name, w, _, _ in entries}
+        assert layouts["qkv"] == (("Q3_K", 64 * 4), ("Q2_K", 64 * 2), ("IQ4_XS", 64 * 2))
+        assert layouts["gate_up"] == (("IQ4_XS", K_DIMS["ff"]), ("Q2_K", K_DIMS["ff"]))
     gen = torch.Generator().manual_seed(0)
     for key, name, w, want, parts in entries:
         assert w.geometry("cpu") == blocks.fused_geometry(parts, "cpu")

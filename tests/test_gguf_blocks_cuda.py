@@ -59,8 +59,9 @@ def test_a_batch_of_block_weights_is_its_solo_runs(k_model, dtype, kernels):
 
 # one model a type: every linear stored in it (rows of 256 for the k-quants, 64 for the 32-value types)
 TYPE_MODELS = {t: ({k: (T.F32 if k in ("token_embd", "output") else getattr(T, t)) for k in K_TYPES},
-                   K_DIMS if t.endswith("_K") else DIMS)
-               for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+                   K_DIMS if t.endswith("_K") or t == "IQ4_XS" else DIMS)
+               for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL",
+                         "IQ4_XS")}
 
 
 @pytest.mark.parametrize("kernels", ["float", "int8", "auto"])

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="ne
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 N = 37  # odd: the last program's outputs are part masked
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS)  # 256-value super-blocks
 QUANTIZED_BY_GGUF = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 TOL = 1e-6  # of sum |x| |w|, each output
 TOL_NORM = 5e-6  # ||y - ref|| / ||ref||
@@ -55,7 +55,8 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray
     """Valid ``qtype`` blocks for [n, k]: random bytes, with each f16 scale a finite value of either sign."""
     values, nbytes = gguf_quants.block_geometry(qtype)
     blocks = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
-    f16_at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]  # d (and dmin)
+    f16_at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,), T.IQ4_NL: (0,),
+              T.IQ4_XS: (0,)}[qtype]  # d (and dmin)
     for at in f16_at:
         d = rng.uniform(1e-3, 1e-2, len(blocks)) * rng.choice([-1.0, 1.0], len(blocks))
         blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)

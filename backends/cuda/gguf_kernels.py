@@ -1,4 +1,5 @@
-"""Activations times a weight held as the file's own GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0),
+"""Activations times a weight held as the file's own GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0, and
+the large MoE files' Q2_K, Q3_K, IQ4_NL and IQ4_XS),
 dequantized inside the kernel and summed in float32, so the device reads the file's bytes (4.5 to 8.5 bits a weight)
 and never a dequantized copy.
 
@@ -37,7 +38,7 @@ from backends.cuda.triton_check import available  # noqa: F401 - one rule for wh
 from kestrel_core.formats.gguf_quants import block_geometry, check_product
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS)
 MAX_ROWS = 64  # rows a launch: the per-row loop is unrolled, so each M up to this is its own compiled kernel
 BLOCK_N = 16  # outputs a program
 NUM_WARPS = 4
@@ -45,7 +46,8 @@ MIN_PROGRAMS = 512  # K is sliced until about this many programs cover the weigh
 
 # qtype -> (G, L): a chunk is a [G, L] tile of values, G groups of L sharing a scale (one super-block for the K-types,
 # eight 32-value blocks for the others)
-_CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q5_0: (8, 32), T.Q5_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32), T.Q5_K: (8, 32), T.Q6_K: (16, 16)}
+_CHUNK = {T.Q4_0: (8, 32), T.Q4_1: (8, 32), T.Q5_0: (8, 32), T.Q5_1: (8, 32), T.Q8_0: (8, 32), T.Q4_K: (8, 32),
+          T.Q5_K: (8, 32), T.Q6_K: (16, 16), T.Q2_K: (16, 16), T.Q3_K: (16, 16), T.IQ4_NL: (8, 32), T.IQ4_XS: (8, 32)}
 
 
 @functools.cache
@@ -66,13 +68,23 @@ def _kernels():
         return tl.load(p, mask=mask, other=0).to(tl.int32)
 
     @triton.jit
+    def iq4_level(q):
+        """IQ4_NL's and IQ4_XS's level of 4-bit ``q`` (ggml's kvalues_iq4nl), as float32: the 16 levels plus 127 are
+        bytes of four words, picked by arithmetic (a kernel here takes no table)."""
+        q = q.to(tl.int64)
+        word = tl.where(q < 4, 0x3E2C1700, tl.where(q < 8, 0x75695C4E, tl.where(q < 12, 0xA5988C80, 0xF0D8C4B4)))
+        return (((word >> (8 * (q % 4))) & 255) - 127).to(tl.float32)
+
+    globals().update(iq4_level=iq4_level)
+
+    @triton.jit
     def weight_tile(wrow, rows_ok, c, NB, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, EVEN: tl.constexpr):
         """Chunk ``c`` of each row as float32 [BLOCK_N, G, L]: value (g, l) is the row's value c * G * L + g * L + l.
         ``wrow`` [BLOCK_N, 1, 1] points at each row's first byte; a row past N reads as zeros. Each product and sum
         is ggml's, in its order (d * q, then + m or - dmin * m)."""
         g = tl.arange(0, G)[None, :, None]
         l = tl.arange(0, L)[None, None, :]  # noqa: E741
-        if QT == "Q8_0" or QT == "Q4_0" or QT == "Q4_1" or QT == "Q5_0" or QT == "Q5_1":
+        if QT == "Q8_0" or QT == "Q4_0" or QT == "Q4_1" or QT == "Q5_0" or QT == "Q5_1" or QT == "IQ4_NL":
             blk = c * G + g  # a block of 32 values a group
             if EVEN:
                 ok = rows_ok & (g < G)
@@ -86,6 +98,10 @@ def _kernels():
                 p = wrow + blk * 18
                 q = (byte_at(p + 2 + (l % 16), ok) >> ((l // 16) * 4)) & 15
                 wt = (q - 8).to(tl.float32) * f16_at(p, ok)
+            elif QT == "IQ4_NL":  # d f16, then Q4_0's nibbles, each a level
+                p = wrow + blk * 18
+                q = (byte_at(p + 2 + (l % 16), ok) >> ((l // 16) * 4)) & 15
+                wt = f16_at(p, ok) * iq4_level(q)
             elif QT == "Q4_1":  # d f16, m f16, then Q4_0's nibbles
                 p = wrow + blk * 20
                 q = (byte_at(p + 4 + (l % 16), ok) >> ((l // 16) * 4)) & 15
@@ -119,6 +135,38 @@ def _kernels():
                 q = (byte_at(p + 48 + (g // 2) * 32 + l, ok) >> ((g % 2) * 4)) & 15
                 q = q | (((byte_at(p + 16 + l, ok) >> g) & 1) << 4)
             wt = d1 * q.to(tl.float32) - m1
+        elif QT == "IQ4_XS":
+            # d f16, scales_h (2 bits a 32-value group), scales_l[4] (a nibble a group), then 16 bytes a group: its
+            # values' low nibbles, then their high ones, each a level times d * (scale - 32)
+            p = wrow + c * 136
+            ok = rows_ok & (g < G)
+            sh = byte_at(p + 2, rows_ok) | (byte_at(p + 3, rows_ok) << 8)
+            ls = ((byte_at(p + 4 + g // 2, ok) >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)
+            dl = f16_at(p, rows_ok) * (ls - 32).to(tl.float32)
+            q = (byte_at(p + 8 + 16 * g + (l % 16), ok) >> ((l // 16) * 4)) & 15
+            wt = dl * iq4_level(q)
+        elif QT == "Q2_K" or QT == "Q3_K":
+            # 16 groups of 16: value l of group g is 2 bits (shift 2j) of byte 16 (g % 2) + l of the half's 32 quant
+            # bytes, h = g // 8 the half and j = (g % 8) // 2 its pass (as dequantize_row_q2_K / q3_K walk them)
+            ok = rows_ok & (g < G)
+            h = g // 8
+            shift = 2 * ((g % 8) // 2)
+            at = 32 * h + 16 * (g % 2) + l
+            if QT == "Q2_K":  # scales[16] (low nibble a scale, high a min), qs[64], d, dmin
+                p = wrow + c * 84
+                sc = byte_at(p + g, ok)
+                q = (byte_at(p + 16 + at, ok) >> shift) & 3
+                dl = f16_at(p + 80, rows_ok) * (sc & 15).to(tl.float32)
+                ml = f16_at(p + 82, rows_ok) * (sc >> 4).to(tl.float32)
+                wt = dl * q.to(tl.float32) - ml
+            else:  # Q3_K: hmask[32] (bit 4h + j of byte 16 (g % 2) + l: no - 4), qs[64], 12 bytes of 6-bit scales, d
+                p = wrow + c * 110
+                q = (byte_at(p + 32 + at, ok) >> shift) & 3
+                hbit = (byte_at(p + 16 * (g % 2) + l, ok) >> (4 * h + shift // 2)) & 1
+                sc = ((byte_at(p + 96 + g % 8, ok) >> (4 * (g // 8))) & 15) | (((byte_at(p + 104 + g % 4, ok)
+                                                                                >> (2 * (g // 4))) & 3) << 4)
+                dl = f16_at(p + 108, rows_ok) * (sc - 32).to(tl.float32)
+                wt = dl * (q - 4 * (1 - hbit)).to(tl.float32)
         else:  # Q6_K: ql[128], qh[64], 16 int8 scales, d f16; two halves of 128 values, each four quarters of 32
             p = wrow + c * 210
             ok = rows_ok & (g < G)

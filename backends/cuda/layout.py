@@ -13,7 +13,6 @@ import warnings
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
-from kestrel_core.formats.gguf_quants import QUANT_TYPES
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.units import EntrySpec, Geometry
 
@@ -56,12 +55,6 @@ class DeviceLayout:
         self.q8 = quant.tensors if quant else {}
         self.blocks = block_tensors(ckpt, cfg, blocks.TYPES, skip=self.q8)  # a GGUF's quantized linears
         self.dequantized_entries: list[str] = []
-        others = block_tensors(ckpt, cfg, [t for t in QUANT_TYPES if t not in blocks.TYPES], skip=self.q8)
-        if others and note:
-            kinds = sorted({t.qtype.name for t in others.values()})
-            warnings.warn(f"{len(others)} linear(s) of {', '.join(kinds)} are dequantized to {dtype} on the host and "
-                          f"stream at its width: cuda computes {', '.join(t.name for t in blocks.TYPES)} as the file's "
-                          "blocks, not yet these", KestrelNote, stacklevel=3)
 
     def block_parts(self, spec, name, roles):
         """The entry's parts as blocks, or None where it is served as floats."""
