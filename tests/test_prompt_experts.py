@@ -1,6 +1,7 @@
 """A prompt's routed experts on the tensor cores (``backends/cuda/prompt_experts.py``), in Triton's interpreter on the
 CPU: every expert of a layer in one launch a projection, and each token's result bitwise its own routing through its
-experts one row at a time (``gguf_int8.matmul``, the one-row kernels), whatever tokens share the pass."""
+experts one row at a time (``gguf_int8.matmul`` with K unsliced, the one-row kernels), whatever tokens share the
+pass."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from backends.cuda import blocks, gguf_int8, gguf_kernels, prompt_experts  # noq
 from tests.test_gguf_kernels import DEVICE, inputs, weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gguf_kernels.available() is not None, reason="needs Triton")
-H = I = 256  # noqa: E741 - hidden and an expert's intermediate size: one super-block each
+H, I = 512, 256  # noqa: E741 - hidden (two super-blocks: a default plan would slice K) and an expert's intermediate
 
 
 def experts(n: int, down=T.Q6_K):
@@ -34,17 +35,19 @@ def experts(n: int, down=T.Q6_K):
 
 
 def alone(x, weights, chosen, buffers, dtype):
-    """One token at a time, each routed expert by itself through the one-row kernels: expert_mlp's ops, then the
-    routing weights' sum in routing order in float32."""
+    """One token at a time, each routed expert by itself through the one-row kernels (K unsliced, as the tiles run):
+    expert_mlp's ops, then the routing weights' sum in routing order in float32."""
     out = []
     for t in range(x.shape[0]):
         acc = None
         for j, e in enumerate(chosen[t].tolist()):
             gu, dn = buffers[e]
-            g = gguf_int8.matmul(x[t:t + 1], gu.segment(gu.segments[0])[: len(gu.raw) // 2], T.Q4_K, I, H).to(dtype)
-            u = gguf_int8.matmul(x[t:t + 1], gu.segment(gu.segments[0])[len(gu.raw) // 2:], T.Q4_K, I, H).to(dtype)
+            g = gguf_int8.matmul(x[t:t + 1], gu.segment(gu.segments[0])[: len(gu.raw) // 2], T.Q4_K, I, H,
+                                 split=1).to(dtype)
+            u = gguf_int8.matmul(x[t:t + 1], gu.segment(gu.segments[0])[len(gu.raw) // 2:], T.Q4_K, I, H,
+                                 split=1).to(dtype)
             seg = dn.segments[0]
-            y = gguf_int8.matmul(F.silu(g) * u, dn.segment(seg), seg.qtype, H, I).to(dtype)
+            y = gguf_int8.matmul(F.silu(g) * u, dn.segment(seg), seg.qtype, H, I, split=1).to(dtype)
             term = (y * weights[t, j]).float()
             acc = term if acc is None else acc + term
         out.append(acc.to(dtype))

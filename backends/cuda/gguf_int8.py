@@ -558,11 +558,11 @@ def expert_mmq(xq: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, rows_of: to
     """A prompt's routed experts on the tensor cores, every expert of a layer in one launch: y [rows, n] float32, its
     row r = x[rows_of[r]] @ W.T for the expert whose tile holds r. ``xq, xd, xs``: x as ``quantize`` gives it;
     ``tiles`` int64 [T, 3]: (first row, end row, the expert's weight address) a tile of at most ``tile_rows`` (16 or
-    32) rows of one expert, the rows being the layer's routed pairs in expert order. The weight's plan (K slices) comes from (type, n, k) as
-    ``matmul``'s, so each row is bitwise ``matmul`` of that x row against that expert alone."""
+    32) rows of one expert, the rows being the layer's routed pairs in expert order. K is not sliced (the tiles give
+    the programs), so each row is bitwise ``matmul(..., split=1)`` of that x row against that expert alone."""
     if qtype not in MMQ_TYPES:
         raise ValueError(f"no tensor-core kernel for {qtype.name}; these run: {', '.join(t.name for t in MMQ_TYPES)}")
-    bn, step, slices, per = plan(qtype, n, k)
+    bn, step, slices, per = plan(qtype, n, k, split=1)
     if step != 1:
         raise ValueError(f"{qtype.name} at {n} x {k}: the tensor-core kernel takes one super-block a step, plan has {step}")
     y = torch.empty((rows, n), dtype=torch.float32, device=xq.device)
