@@ -123,7 +123,7 @@ def test_an_explicit_keep_over_the_budget_is_refused_naming_both(demo_ckpt):
             model.open(backend="cpu_ref", keep=4, budget_mb=15)  # asymmetric keep 4: 8 layers at its peak
         msg = str(exc.value)
         assert "this run peaks at 8 resident layers" in msg and "15.0 MiB (config)" in msg and "\n" not in msg
-        assert "use keep = auto, or a keep whose peak is at most 4 layers" in msg
+        assert "use keep = auto, or keep <= 2 (4 layers resident at most)" in msg
         with model.open(backend="cpu_ref", keep=2, budget_mb=15) as run:  # 4 layers: within it
             assert run.config.residency.keep == 2
 

@@ -89,8 +89,9 @@ def _ends(req: Request | None) -> frozenset[int]:
 def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters,
               kv: KVRoom) -> tuple[KestrelConfig, KeepChoice]:
     """``keep = "auto"`` resolved against the backend's budget beside ``kv``'s KV cache (``engine.fit``): the config
-    with the chosen keep (and no prefetch where every layer is resident; the budget where it was the backend's
-    default), and the choice. A window chosen is said on stderr as a note."""
+    with the chosen keep (and no prefetch where every layer is resident), and the choice, whose budget the run hands
+    its backend (``KeepChoice.fitted_budget``; the config's ``budget_mb`` stays the user's). A window chosen is said
+    on stderr as a note."""
     res, n = config.residency, model.n_layers
     if res.policy != OFF:
         make_policy(res.policy, 1, n)  # an unknown policy is named before any budget is read
@@ -105,8 +106,6 @@ def _fit_keep(model: "Model", config: KestrelConfig, factory, counters: Counters
                              res.policy, kv.resolve(model.config.max_position_embeddings))
     backend = config.backend if choice.keep != OFF else attrs.evolve(config.backend, prefetch=0)
     residency = attrs.evolve(res, keep=choice.keep)
-    if facts is not None and facts.sets_budget and choice.budget:  # the backend's own check holds the fit's budget
-        residency = attrs.evolve(residency, budget_mb=max(1, choice.budget // 2**20))
     if choice.expert_budget:
         residency = attrs.evolve(residency, expert_policy=EXPERT_POLICY, expert_budget_mb=choice.expert_budget / 2**20)
     if choice.keep == OFF and config.backend.prefetch:  # the user's prefetch is not dropped without a word
@@ -424,7 +423,9 @@ class Run:
         self.allocator = make_allocator(res.allocator, self.counters, res.pool_slots)
         watchers = Observers(**plugins.observers(observers))  # resolved once: a plugin registered later sees the next run
         ctx = BackendContext(model.checkpoint, model.config, config.backend, res, self.counters,
-                             self.policy.peak_layers(), model.host, model.units, model.quant)
+                             self.policy.peak_layers(), model.host, model.units, model.quant,
+                             keep_peak=lambda k: make_policy(res.policy, k, model.n_layers).peak_layers(),
+                             fitted_budget=self.keep_choice.fitted_budget if self.keep_choice else None)
         try:
             backend = backend_reg.factory(ctx)
         except MemoryError:
