@@ -179,13 +179,13 @@ def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_
 
 def test_a_prefetch_asked_of_a_model_that_fits_whole_is_said_to_be_off(tiny_ckpt):
     """cpu_ref refuses any prefetch; a plugin-free check of the rule itself, through the fit alone."""
-    from kestrel_core.engine.run import _fit_keep
+    from kestrel_core.engine.assemble import fit_keep
     from kestrel_core.engine.plan import Counters
 
     with load(tiny_ckpt) as model:
         config = KestrelConfig().override(backend__prefetch=1)
         with pytest.warns(KestrelNote, match="every layer resident .*, so prefetch = 1 has nothing to fetch ahead"):
-            got, choice = _fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters(), KVRoom())
+            got, choice = fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters(), KVRoom())
     assert choice.keep == "off" and got.backend.prefetch == 0 and got.residency.keep == "off"
 
 

@@ -22,7 +22,7 @@ from kestrel_core.config import WCACHE_ENV, KestrelConfig, with_settings
 from kestrel_core.engine.backend import BackendContext
 from kestrel_core.engine.fit import KVRoom, choose_keep
 from kestrel_core.engine.plan import Counters
-from kestrel_core.engine.run import make_policy
+from kestrel_core.engine.assemble import make_policy
 from kestrel_core.errors import BudgetError, KestrelNote
 from kestrel_core.formats.gguf_model import block_tensors
 from tests.gguf_files import K_DIMS, T, write_model
