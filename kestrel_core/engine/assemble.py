@@ -34,6 +34,7 @@ from kestrel_core.formats.hub import NotCachedError
 from kestrel_core.formats.units import UnitTable
 
 def checked(kind: str, name: str, obj: Any, protocol: type) -> Any:
+    """``obj``, a plugin's ``kind`` named ``name``, once it has every member of ``protocol``; else a PluginError."""
     missing = missing_members(protocol, obj)
     if missing:
         raise PluginError(f"{kind} {name!r} ({type(obj).__name__}) lacks {', '.join(missing)}; "
@@ -51,8 +52,7 @@ def make_policy(name: str, keep, n_layers: int) -> Policy:
     return checked("policy", name, reg.factory(n_layers=n_layers, keep=keep), Policy)
 
 
-def fit_keep(model, config: KestrelConfig, factory, counters: Counters,
-              kv: KVRoom) -> tuple[KestrelConfig, KeepChoice]:
+def fit_keep(model, config: KestrelConfig, factory, counters: Counters, kv: KVRoom) -> tuple[KestrelConfig, KeepChoice]:
     """``keep = "auto"`` resolved against the backend's budget beside ``kv``'s KV cache (``engine.fit``): the config
     with the chosen keep (and no prefetch where every layer is resident), and the choice, whose budget the run hands
     its backend (``KeepChoice.fitted_budget``; the config's ``budget_mb`` stays the user's). A window chosen is said
