@@ -87,7 +87,7 @@ def test_window_off_over_budget_suggests_a_keep(model, monkeypatch):
     monkeypatch.setattr(backend_mod, "resolve_budget", lambda mb, free: (250_000, "test"))
     with pytest.raises(BudgetError) as exc:
         run(model, residency__keep="off")
-    assert "turn the window on" in str(exc.value)
+    assert "use keep = auto, or keep <= 1 (2 layers resident at most)" in str(exc.value)
     run(model, residency__keep=1)  # the same budget holds a keep=1 window
 
 

@@ -179,13 +179,13 @@ def test_a_moe_model_that_does_not_fit_gets_an_expert_cache_of_what_is_left(tmp_
 
 def test_a_prefetch_asked_of_a_model_that_fits_whole_is_said_to_be_off(tiny_ckpt):
     """cpu_ref refuses any prefetch; a plugin-free check of the rule itself, through the fit alone."""
-    from kestrel_core.engine.run import _fit_keep
+    from kestrel_core.engine.assemble import fit_keep
     from kestrel_core.engine.plan import Counters
 
     with load(tiny_ckpt) as model:
         config = KestrelConfig().override(backend__prefetch=1)
         with pytest.warns(KestrelNote, match="every layer resident .*, so prefetch = 1 has nothing to fetch ahead"):
-            got, choice = _fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters(), KVRoom())
+            got, choice = fit_keep(model, config, cpu_ref_backend.CpuRefBackend, Counters(), KVRoom())
     assert choice.keep == "off" and got.backend.prefetch == 0 and got.residency.keep == "off"
 
 
@@ -264,21 +264,24 @@ def test_the_server_fits_beside_its_whole_batch_of_kv(tiny_ckpt):
         service.close()
 
 
-def test_a_default_budget_chosen_by_the_fit_is_the_one_the_backend_holds(tiny_ckpt, monkeypatch):
-    """Where the budget is the backend's default (cuda's free memory less its reserve), the run's backend is told the
-    budget the fit chose, so its own check agrees; a budget the user gave stays theirs."""
-    import attrs
-
-    stated = cpu_ref_backend.CpuRefBackend.fit_facts
-    monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "fit_facts",
-                        classmethod(lambda cls, ctx: attrs.evolve(stated(ctx), sets_budget=True)))
+def test_the_budget_chosen_by_the_fit_is_the_one_the_backend_holds(tiny_ckpt, monkeypatch):
+    """The run's backend is handed the budget the fit chose (``BackendContext.fitted_budget``), whether it was the
+    backend's default or the user's: its own check holds that one, and nothing is written into the run's config."""
+    held = []
+    checked = cpu_ref_backend.CpuRefBackend._check_budget
+    monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "_check_budget",
+                        lambda self, ctx: (held.append(ctx.fitted_budget), checked(self, ctx))[1])
     with load(tiny_ckpt) as model, warnings.catch_warnings():
         warnings.simplefilter("error")  # the budget bounds cpu_ref's resident layers too: no note that it does nothing
         with model.open(backend="cpu_ref", kv=(1, 8)) as run:
-            assert run.config.residency.budget_mb == run.keep_choice.budget // MIB > 0
-    monkeypatch.setattr(cpu_ref_backend.CpuRefBackend, "fit_facts", classmethod(lambda cls, ctx: stated(ctx)))
-    with load(tiny_ckpt) as model, model.open(backend="cpu_ref", kv=(1, 8)) as run:
-        assert run.config.residency.budget_mb == KestrelConfig().residency.budget_mb
+            choice = run.keep_choice
+            assert held[-1] == (choice.budget, choice.source) and choice.budget > 0
+            assert choice.source.startswith("half of the host's available memory")
+            assert run.config.residency.budget_mb == KestrelConfig().residency.budget_mb  # the user's, untouched
+        with model.open(backend="cpu_ref", kv=(1, 8), budget_mb=100) as run:
+            assert held[-1] == (100 * MIB, "config") and run.config.residency.budget_mb == 100
+        with model.open(backend="cpu_ref", keep=2, budget_mb=100) as run:  # a keep given: its own budget
+            assert held[-1] is None and run.keep_choice is None
 
 
 def test_cpu_ref_ranks_of_one_host_fit_their_share_of_its_memory(tiny_ckpt, monkeypatch):

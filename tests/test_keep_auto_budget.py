@@ -22,7 +22,7 @@ from kestrel_core.config import WCACHE_ENV, KestrelConfig, with_settings
 from kestrel_core.engine.backend import BackendContext
 from kestrel_core.engine.fit import KVRoom, choose_keep
 from kestrel_core.engine.plan import Counters
-from kestrel_core.engine.run import make_policy
+from kestrel_core.engine.assemble import make_policy
 from kestrel_core.errors import BudgetError, KestrelNote
 from kestrel_core.formats.gguf_model import block_tensors
 from tests.gguf_files import K_DIMS, T, write_model
@@ -123,7 +123,7 @@ def test_an_explicit_keep_over_the_budget_is_refused_naming_both(demo_ckpt):
             model.open(backend="cpu_ref", keep=4, budget_mb=15)  # asymmetric keep 4: 8 layers at its peak
         msg = str(exc.value)
         assert "this run peaks at 8 resident layers" in msg and "15.0 MiB (config)" in msg and "\n" not in msg
-        assert "use keep = auto, or a keep whose peak is at most 4 layers" in msg
+        assert "use keep = auto, or keep <= 2 (4 layers resident at most)" in msg
         with model.open(backend="cpu_ref", keep=2, budget_mb=15) as run:  # 4 layers: within it
             assert run.config.residency.keep == 2
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kestrel_core.formats import quant
 from kestrel_core.engine.backend import Backend, BackendContext
 from kestrel_core.engine.devices import compute_device
-from kestrel_core.engine.fit import FitFacts, given_budget, moe_facts
+from kestrel_core.engine.fit import FitFacts, given_budget, layers_peak, moe_facts, refuse_over_budget
 from kestrel_core.engine.host import meminfo
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.engine.landing import landings
@@ -34,8 +34,8 @@ from kestrel_core.engine.plan import Fetch
 from kestrel_core.engine.pipeline import host_ranks, host_share
 from kestrel_core.formats.tensor_table import global_specs, small_specs
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
-from kestrel_core.errors import BudgetError, ConfigError, KestrelNote
-from kestrel_core.config import HOST_ENV, WCACHE_ENV, BackendConfig, check_environment
+from kestrel_core.errors import ConfigError, KestrelNote
+from kestrel_core.config import HOST_ENV, BackendConfig, check_environment
 from kestrel_core.engine.model import expert_mlp
 from kestrel_core.formats.gguf_model import BlockTensor, block_tensors
 from kestrel_core.formats.units import EntrySpec, Geometry, is_expert
@@ -130,24 +130,14 @@ class CpuRefBackend(Backend):
         torch.set_num_threads(ctx.backend.threads or default_threads())  # for this run; close() gives the old count back
 
     def _check_budget(self, ctx: BackendContext) -> None:
-        """A budget the user gave (``--budget-mb`` / KESTREL_WCACHE_MB) bounds the resident layers as on cuda: a run
-        whose peak of resident layers (the largest ones, plus the prefetch, plus the globals) is over it is refused."""
-        given = given_budget(ctx.residency.budget_mb)
+        """A budget the user gave (``--budget-mb`` / KESTREL_WCACHE_MB), or the one keep = "auto" fitted the run to,
+        bounds the resident layers as on cuda: ``fit.refuse_over_budget``."""
+        given = ctx.fitted_budget or given_budget(ctx.residency.budget_mb)
         if given is None:
             return
-        budget, source = given
         facts = self.fit_facts(ctx)
-        L, mib = self.cfg.num_hidden_layers, 2**20
-        peak = min(L, ctx.peak_layers + self.prefetch_depth) if ctx.residency.windowed else L
-        need = facts.fixed + facts.peak_bytes(peak)
-        if need <= budget:
-            return
-        fits = [n for n in range(1, L + 1) if facts.fixed + facts.peak_bytes(n) <= budget]
-        hint = (f"use keep = auto, or a keep whose peak is at most {fits[-1]} layers" if fits
-                else f"even one layer needs {(facts.fixed + facts.peak_bytes(1)) / mib:,.1f} MiB")
-        raise BudgetError(f"this run peaks at {peak} resident layers = {need / mib:,.1f} MiB, over the host budget "
-                          f"for resident layers of {budget / mib:,.1f} MiB ({source}); {hint}, or raise --budget-mb / "
-                          f"{WCACHE_ENV}")
+        refuse_over_budget(*given, facts.what, facts.fixed, facts.peak_bytes, self.cfg.num_hidden_layers,
+                           ctx.residency.windowed, ctx.peak_layers, ctx.keep_peak, self.prefetch_depth)
 
     def close(self):
         super().close()
@@ -180,11 +170,11 @@ class CpuRefBackend(Backend):
         cfg = ctx.model
         fixed = sum(held(name, s) for name, s in global_specs(cfg).values())
         fixed += sum(math.prod(s) for layer in range(cfg.num_hidden_layers) for _, s in small_specs(cfg, layer).values()) * item
-        biggest = sorted(layers.values(), reverse=True)
         mine, share = host_share(available)  # a pipeline's ranks on this host share its memory
         budget, source = given if given is not None else (mine // 2, f"half of the host's available memory{share}")
         return FitFacts(budget, source, "host budget for resident layers", fixed, cfg.num_hidden_layers,
-                        lambda n: sum(biggest[:max(0, n)]), **moe_facts(ctx.residency, cfg, own, experts),
+                        layers_peak(list(layers.values()), own, experts, ctx.residency, cfg),
+                        **moe_facts(ctx.residency, cfg, own, experts),
                         room=mine if available else None, room_what=f"of the host's available memory{share}",
                         kv_bytes=lambda slots, positions: kv_bytes(cfg, positions, dtype, slots))
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kestrel_core.io import progress
 from kestrel_core.config import BackendConfig
 from kestrel_core.engine.backend import Backend, BackendContext
-from backends.cuda.budget import RESERVE, fit_budget, fit_room, resolve_budget
+from backends.cuda.budget import RESERVE, fit_room, resolve_budget
 from kestrel_core.engine.devices import compute_device
 from kestrel_core.formats.dtypes import compute_dtype, itemsize
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote
@@ -32,7 +32,7 @@ from backends.cuda.host.diskread import round_up
 from backends.cuda.host.tier import PinnedRing, resolve_host_budget, ring_slots, slot_bytes
 from backends.cuda.host.pinned_arena import PinnedArena, arena_bytes, release_cached_pinned
 from backends.cuda.host.staging import Filler, Stager
-from kestrel_core.engine.fit import FitFacts, moe_facts
+from kestrel_core.engine.fit import FitFacts, moe_facts, refuse_over_budget
 from kestrel_core.engine.kvcache import kv_bytes
 from kestrel_core.formats.units import Unit, UnitTable, is_expert
 
@@ -65,14 +65,21 @@ class CudaBackend(Backend):
     def weight_budget(cls, config_mb: int, free_bytes: int) -> tuple[int, str]:
         return resolve_budget(config_mb, free_bytes)
 
-    def __init__(self, ctx: BackendContext):
+    @classmethod
+    def dtype_and_device(cls, ctx: BackendContext) -> tuple[torch.dtype, torch.device]:
+        """The run's compute dtype and GPU, checked (a GPU there, a dtype cuda computes in, a cuda device): what a run
+        and its fit both read."""
         if not torch.cuda.is_available():
             raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
+        dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, cls.name)
+        device = compute_device(ctx.backend.device or "cuda")
+        if device.type != "cuda":
+            raise ConfigError(f"the cuda backend computes on a GPU, not on {device}; use --device cuda:N or --backend cpu_ref")
+        return dtype, device
+
+    def __init__(self, ctx: BackendContext):
+        self.dtype, self.device = self.dtype_and_device(ctx)
         super().__init__(ctx)
-        self.dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, self.name)
-        self.device = compute_device(ctx.backend.device or "cuda")
-        if self.device.type != "cuda":
-            raise ConfigError(f"the cuda backend computes on a GPU, not on {self.device}; use --device cuda:N or --backend cpu_ref")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
@@ -137,24 +144,16 @@ class CudaBackend(Backend):
     def _global_bytes(self) -> int:
         return self._layout.global_bytes()
 
-    def _streamed_peak(self, layers: int) -> int:
-        return streamed_peak(self.units, self.ctx.residency, self.cfg, layers)
-
     @property
     def dequantized_entries(self) -> list[str]:
         return self._layout.dequantized_entries
 
     @classmethod
     def fit_facts(cls, ctx: BackendContext) -> FitFacts:
-        """The weight-cache budget (``--budget-mb``, default free device memory less ``budget.RESERVE``) and the KV
-        cache beside it, against each layer's bytes as this backend streams them (``DeviceLayout``), read before
-        anything loads."""
-        if not torch.cuda.is_available():
-            raise KestrelError("the cuda backend needs an NVIDIA GPU and a CUDA build of torch; use --backend cpu_ref")
-        dtype = compute_dtype(ctx.backend.dtype or "bfloat16", DTYPES, cls.name)
-        device = compute_device(ctx.backend.device or "cuda")
-        if device.type != "cuda":
-            raise ConfigError(f"the cuda backend computes on a GPU, not on {device}; use --device cuda:N or --backend cpu_ref")
+        """The weight-cache budget (``budget.resolve_budget``: ``--budget-mb``, default free device memory less
+        ``budget.RESERVE``) and the KV cache beside it, against each layer's bytes as this backend streams them
+        (``DeviceLayout``), read before anything loads."""
+        dtype, device = cls.dtype_and_device(ctx)
         return cls.fit_facts_at(ctx, dtype, device, torch.cuda.mem_get_info(device)[0])
 
     @classmethod
@@ -163,22 +162,21 @@ class CudaBackend(Backend):
         reasoned about, and tested, without one)."""
         lay = DeviceLayout(ctx.checkpoint, ctx.model, ctx.quant, dtype, device, note=False)
         units = UnitTable(Unit.of(spec, lay.entries(spec)) for spec in ctx.unit_specs)
-        budget, source, default = fit_budget(ctx.residency.budget_mb, free)
+        budget, source = resolve_budget(ctx.residency.budget_mb, free)
         own = [u.nbytes for u in units.own()]
         experts = [u.nbytes for u in units.experts()]
         return FitFacts(budget, source, "device weight-cache budget", lay.global_bytes(), ctx.model.num_hidden_layers,
-                        lambda n: streamed_peak(units, ctx.residency, ctx.model, n),
+                        streamed_peak(units, ctx.residency, ctx.model),
                         **moe_facts(ctx.residency, ctx.model, own, experts),
                         room=fit_room(free), room_what=f"free on {device} less the {RESERVE >> 30} GiB reserve",
-                        kv_bytes=lambda slots, positions: kv_bytes(ctx.model, positions, dtype, slots),
-                        sets_budget=default)
+                        kv_bytes=lambda slots, positions: kv_bytes(ctx.model, positions, dtype, slots))
 
     def _check_budget(self, ctx: BackendContext) -> None:
         """In bytes over units: the run's peak of resident layers (the largest ones), plus the prefetch, plus the globals."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        self.budget, self.budget_source = resolve_budget(ctx.residency.budget_mb, free)
-        glob, mib = self._global_bytes(), 2**20
-        largest = self._streamed_peak(1)
+        self.budget, self.budget_source = ctx.fitted_budget or resolve_budget(ctx.residency.budget_mb,
+                                                                              torch.cuda.mem_get_info(self.device)[0])
+        glob, mib, peak_bytes = self._global_bytes(), 2**20, streamed_peak(self.units, ctx.residency, self.cfg)
+        largest = peak_bytes(1)
         if self.budget < glob + largest:
             raise BudgetError(
                 f"weight-cache budget {self.budget // mib} MiB ({self.budget_source}) is below one layer's working set: "
@@ -186,19 +184,11 @@ class CudaBackend(Backend):
                 f"{' and its experts' if self.cfg.is_moe else ''} + {glob // mib} MiB resident); "
                 "raise --budget-mb or KESTREL_WCACHE_MB"
             )
-        L = self.cfg.num_hidden_layers
-        windowed = ctx.residency.windowed
-        peak = L if not windowed else min(L, ctx.peak_layers + self.prefetch_depth)
-        need = glob + self._streamed_peak(peak)
-        if need > self.budget:
-            fit = max(n for n in range(1, L + 1) if glob + self._streamed_peak(n) <= self.budget)
-            hint = f"use keep <= {max(1, (fit - self.prefetch_depth) // 2)}" if windowed else f"turn the window on (e.g. --keep {max(1, fit // 2)})"
-            if self.cfg.is_moe and not ctx.residency.expert_policy:
-                hint += ", bound the experts with --expert-policy expert_lru --expert-budget-mb N"
-            raise BudgetError(
-                f"this run peaks at {peak} resident layers = {need // mib} MiB, over the weight-cache budget of "
-                f"{self.budget // mib} MiB ({self.budget_source}); {hint}, or raise --budget-mb / KESTREL_WCACHE_MB"
-            )
+        experts = self.cfg.is_moe and not ctx.residency.expert_policy
+        refuse_over_budget(self.budget, self.budget_source, "weight-cache budget", glob, peak_bytes,
+                           self.cfg.num_hidden_layers, ctx.residency.windowed, ctx.peak_layers, ctx.keep_peak,
+                           self.prefetch_depth,
+                           ", bound the experts with --expert-policy expert_lru --expert-budget-mb N" if experts else "")
 
     def _oom(self, what: str) -> BudgetError:
         mib = 2**20

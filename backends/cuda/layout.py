@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable
 
+from kestrel_core.engine.fit import layers_peak
 from kestrel_core.errors import ConfigError, KestrelNote
 from kestrel_core.formats.dtypes import itemsize
 from kestrel_core.formats.gguf_model import block_tensors
@@ -106,14 +108,7 @@ class DeviceLayout:
                            for _, s in small_specs(self.cfg, layer).values()) * item
 
 
-def streamed_peak(units, residency, cfg, layers: int) -> int:
-    """The most streamed bytes ``layers`` resident layers can hold. With an expert policy a sparse layer's experts live
-    in its budget (plus one layer's guesses where prefetch is speculative), not in the layer's."""
-    experts = [u.nbytes for u in units.experts()]
-    if not experts or not residency.expert_policy:
-        return units.peak_bytes(layers)
-    own = sorted((u.nbytes for u in units.own()), reverse=True)
-    spare = int(residency.expert_budget_mb * 2**20)
-    if residency.expert_prefetch:
-        spare += cfg.num_experts_per_tok * max(experts)
-    return sum(own[:max(0, layers)]) + min(spare, sum(experts))
+def streamed_peak(units, residency, cfg) -> Callable[[int], int]:
+    """The most streamed bytes n resident layers can hold (``fit.layers_peak``, over this layout's units)."""
+    return layers_peak(list(units.layer_bytes.values()), [u.nbytes for u in units.own()],
+                       [u.nbytes for u in units.experts()], residency, cfg)

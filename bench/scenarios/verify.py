@@ -140,7 +140,7 @@ def draft_row(run, path: Path, prompt: list[int], answer: list[int], proposals: 
     for proposals directly: each one's time at K = 4 and 16."""
     import attrs
 
-    from kestrel_core.engine.run import make_drafter
+    from kestrel_core.engine.assemble import make_drafter
 
     drafter, draft_run = make_drafter(attrs.evolve(run.config.speculative, draft=str(path)), run)
     out: dict = {"path": str(path), "weight_bytes": models.weight_bytes(path), "rows": []}

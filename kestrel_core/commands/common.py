@@ -41,9 +41,9 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--allocator", help=f"weight-buffer allocator{many}: {_names('allocators')} (default {r.allocator})")
     g.add_argument("--prefetch", help=f"layers uploaded ahead on a side stream{many} (default {b.prefetch}; cuda)")
     g.add_argument("--budget-mb", type=int, help="MiB the resident weights may take: cuda's device weight cache, "
-                   "cpu_ref's resident layers (also KESTREL_WCACHE_MB; default with keep auto: free device memory "
-                   "less 2 GiB and the KV cache on cuda, half the host's available memory on cpu_ref; with a keep "
-                   "given: half of free device memory, 256 MiB..24 GiB, on cuda, none on cpu_ref)")
+                   "cpu_ref's resident layers (also KESTREL_WCACHE_MB; default on cuda: free device memory less "
+                   "2 GiB, for any keep, keep auto leaving the KV cache room; on cpu_ref: with keep auto, half the "
+                   "host's available memory less the KV cache, with a keep given, none)")
     g.add_argument("--pool-slots", type=int, help=f"buffers the pool may hold (default {r.pool_slots})")
     g = p.add_argument_group("device (every backend)")
     g.add_argument("--dtype", help="compute dtype (cpu_ref: float32 (default) | float64; cuda: bfloat16 (default) | "

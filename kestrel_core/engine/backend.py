@@ -34,6 +34,11 @@ class BackendContext:
     host: HostStore  # lives as long as the opened Model: host copies reused across runs
     unit_specs: tuple[UnitSpec, ...]  # the model's residency units
     quant: Any = None  # the checkpoint's kestrel_core.formats.quant.QuantInfo, None for a float checkpoint
+    # The policy's peak of resident layers at keep k (a refusal names the largest keep that fits: ``fit.refuse_over_budget``)
+    keep_peak: Callable[[int], int] = attrs.field(default=lambda k: k, eq=False)
+    # The weights' budget keep = "auto" fitted the run to, (bytes, where it came from), which the backend holds; None:
+    # a keep given, held to the backend's own budget (``fit.given_budget``, else its default)
+    fitted_budget: tuple[int, str] | None = None
 
 
 class Backend:

@@ -1,6 +1,6 @@
 """A draft model's run beside the target's: what a drafter that drafts with a model proposes through.
 
-The engine opens it (``run.make_drafter``, for a drafter factory that says ``drafts_with_a_model``) and hands it to
+The engine opens it (``assemble.make_drafter``, for a drafter factory that says ``drafts_with_a_model``) and hands it to
 the drafter, which asks it for each sequence's proposals. It proposes through a ``Batch`` of its own on the draft
 model's runner: its steps go through the one token loop (schedule, run, read; a greedy step read a step late) as the
 target's do. Its one KV slot keeps the tokens of the sequence that drafted last, so a sequence drafting again feeds

@@ -9,7 +9,10 @@ budget and the same unit bytes both pick the same keep.
 Each also states the room its weights share with the run's KV cache, and what that cache weighs: the budget is cut
 to the room less the KV cache of the slots and positions the run is opened for (``KVRoom``). ``choose_keep`` keeps
 every layer resident where the model fits, else takes the largest keep whose peak of resident layers (the policy's,
-plus the prefetch) fits, else refuses with the numbers. A backend that states no budget runs resident.
+plus the prefetch) fits, else refuses with the numbers. A backend that states no budget runs resident. The budget
+chosen goes to the run's backend (``KeepChoice.fitted_budget``), never into the config.
+A keep given is held to the budget by the same rule on every backend (``refuse_over_budget``), its peak weighed as the
+window holds layers (``layers_peak``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ class FitFacts:
     room: int | None = None
     room_what: str = ""
     kv_bytes: Callable[[int, int], int] = attrs.field(default=lambda slots, positions: 0, eq=False)
-    sets_budget: bool = False  # the budget is the backend's default: the run's backend is told the one chosen
 
 
 @attrs.frozen
@@ -99,6 +101,13 @@ class KeepChoice:
     line: str  # what was chosen and why, one line
     expert_budget: int = 0  # bytes of an expert cache (EXPERT_POLICY) chosen with it; 0: none
     kv: int = 0  # bytes of the KV cache counted beside the weights
+    source: str = ""  # where ``budget`` came from: the backend's (``FitFacts.source``), or its room less the KV cache
+
+    @property
+    def fitted_budget(self) -> tuple[int, str] | None:
+        """The budget the run's backend holds, (bytes, where it came from) (``BackendContext.fitted_budget``); None
+        where nothing was fitted (no budget stated)."""
+        return (self.budget, self.source) if self.budget else None
 
     def to_json(self) -> dict:
         return {"keep": self.keep, "peak_layers": self.peak_layers, "need_bytes": self.need,
@@ -111,12 +120,13 @@ def _size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def _budget(facts: FitFacts, kv: KVRoom | None) -> tuple[int, int, str]:
-    """(the weights' budget, the KV cache's bytes, the budget in words): ``facts.budget``, cut to the room the weights
-    share with the KV cache less that cache; a KV cache that leaves nothing is a BudgetError with the numbers."""
+def _budget(facts: FitFacts, kv: KVRoom | None) -> tuple[int, int, str, str]:
+    """(the weights' budget, the KV cache's bytes, the budget in words, where it came from): ``facts.budget``, cut to
+    the room the weights share with the KV cache less that cache; a KV cache that leaves nothing is a BudgetError
+    with the numbers."""
     where = f"the {_size(facts.budget)} {facts.what} ({facts.source})"
     if facts.room is None or kv is None:
-        return facts.budget, 0, where
+        return facts.budget, 0, where, facts.source
     kv_bytes = facts.kv_bytes(kv.slots, kv.positions)
     left = facts.room - kv_bytes
     kv_what = f"a KV cache of {_size(kv_bytes)} ({kv.slots} x {kv.positions:,} positions)"
@@ -125,8 +135,9 @@ def _budget(facts: FitFacts, kv: KVRoom | None) -> tuple[int, int, str]:
                           f"{facts.room_what}, under the {_size(facts.fixed)} resident for good; {kv.fix}, free "
                           "memory, or run a smaller model")
     if left < facts.budget:
-        return left, kv_bytes, f"the {_size(left)} left of the {_size(facts.room)} {facts.room_what} beside {kv_what}"
-    return facts.budget, kv_bytes, f"{where}, beside {kv_what}"
+        return (left, kv_bytes, f"the {_size(left)} left of the {_size(facts.room)} {facts.room_what} beside {kv_what}",
+                f"keep = auto: {facts.room_what} less the KV cache")
+    return facts.budget, kv_bytes, f"{where}, beside {kv_what}", facts.source
 
 
 def choose_keep(facts: FitFacts, policy_peak: Callable[[int], int], prefetch: int, policy: str,
@@ -135,16 +146,17 @@ def choose_keep(facts: FitFacts, policy_peak: Callable[[int], int], prefetch: in
     else the largest keep k whose peak (``policy_peak(k)`` layers, plus ``prefetch``) fits; else a BudgetError with
     the numbers."""
     L = facts.n_layers
-    budget, kv_bytes, where = _budget(facts, kv)
+    budget, kv_bytes, where, source = _budget(facts, kv)
     facts = attrs.evolve(facts, budget=budget)
     fix = ("raise --budget-mb or KESTREL_WCACHE_MB, " + (f"{kv.fix}, " if kv_bytes else "")
            + "free memory, or run a smaller or quantized model")
     total = facts.fixed + facts.peak_bytes(L)
     if total <= budget:
         return KeepChoice(OFF, L, total, budget, f"keep = auto: every layer resident ({_size(total)} within {where})",
-                          kv=kv_bytes)
+                          kv=kv_bytes, source=source)
     if facts.own_peak_bytes is not None:
-        return attrs.evolve(_experts_cached(facts, policy_peak, prefetch, policy, where, total, fix), kv=kv_bytes)
+        return attrs.evolve(_experts_cached(facts, policy_peak, prefetch, policy, where, total, fix), kv=kv_bytes,
+                           source=source)
     need = total
     for k in range(L - 1, 0, -1):
         peak = min(L, policy_peak(k) + prefetch)
@@ -152,7 +164,7 @@ def choose_keep(facts: FitFacts, policy_peak: Callable[[int], int], prefetch: in
         if need <= budget:
             return KeepChoice(k, peak, need, budget,
                               f"keep = auto: keep = {k} with {policy} ({peak} layers resident at most, {_size(need)} "
-                              f"within {where}; every layer would need {_size(total)})", kv=kv_bytes)
+                              f"within {where}; every layer would need {_size(total)})", kv=kv_bytes, source=source)
     raise BudgetError(f"keep = auto: even keep = 1 needs {need / 2**20:,.0f} MiB ({facts.fixed / 2**20:,.0f} MiB of it "
                       f"resident for good), over {where}; {fix}")
 
@@ -177,6 +189,45 @@ def _experts_cached(facts: FitFacts, policy_peak, prefetch: int, policy: str, wh
                                    f"MiB, {_size(own + experts)} within {where}; every layer would need {_size(total)}")
     raise BudgetError(f"keep = auto: even keep = 1 with one token's routed experts needs {need / 2**20:,.0f} MiB "
                       f"({facts.fixed / 2**20:,.0f} MiB of it resident for good), over {where}; {fix}")
+
+
+def layers_peak(layers: list[int], own: list[int], experts: list[int], res, cfg) -> Callable[[int], int]:
+    """The most bytes n resident layers hold, in a backend's layout (``layers``: each layer's bytes; ``own``: each
+    layer unit's apart from the experts; ``experts``: each expert's): the largest n layers, or under an expert policy
+    the largest n layers' own units, with the experts in the policy's budget (plus one layer's guesses where
+    ``expert_prefetch``), as the window holds them."""
+    if not experts or not res.expert_policy:
+        biggest = sorted(layers, reverse=True)
+        return lambda n: sum(biggest[:max(0, n)])
+    biggest = sorted(own, reverse=True)
+    spare = int(res.expert_budget_mb * 2**20)
+    if res.expert_prefetch:
+        spare += cfg.num_experts_per_tok * max(experts)
+    spare = min(spare, sum(experts))
+    return lambda n: sum(biggest[:max(0, n)]) + spare
+
+
+def refuse_over_budget(budget: int, source: str, what: str, fixed: int, peak_bytes: Callable[[int], int],
+                       n_layers: int, windowed: bool, peak_layers: int, keep_peak: Callable[[int], int],
+                       prefetch: int, also: str = "") -> None:
+    """The rule every backend holds a given keep to: where the run's peak of resident layers (``peak_layers``, the
+    policy's, plus ``prefetch``; every layer without a window) with the ``fixed`` bytes is over ``budget``, a one-line
+    BudgetError naming both, the largest keep that fits (``keep_peak(k)``: the policy's peak at keep k) and the fix
+    (``also``: a backend's own further one, after a comma)."""
+    peak = min(n_layers, peak_layers + prefetch) if windowed else n_layers
+    need = fixed + peak_bytes(peak)
+    if need <= budget:
+        return
+    mib = 2**20
+
+    def peak_at(k: int) -> int:
+        return min(n_layers, keep_peak(k) + prefetch)
+
+    fits = [k for k in range(1, n_layers) if fixed + peak_bytes(peak_at(k)) <= budget]
+    fix = (f"use keep = auto, or keep <= {fits[-1]} ({peak_at(fits[-1])} layers resident at most)" if fits
+           else f"even keep = 1 needs {(fixed + peak_bytes(peak_at(1))) / mib:,.1f} MiB")
+    raise BudgetError(f"this run peaks at {peak} resident layers = {need / mib:,.1f} MiB, over the {what} of "
+                      f"{budget / mib:,.1f} MiB ({source}); {fix}{also}, or raise --budget-mb / {WCACHE_ENV}")
 
 
 def moe_facts(res, cfg, own: list[int], experts: list[int]) -> dict:

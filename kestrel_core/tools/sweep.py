@@ -12,7 +12,8 @@ from kestrel_core.io import newfile
 
 from kestrel_core.io import progress
 from kestrel_core.config import OFF, KestrelConfig
-from kestrel_core.engine.run import Model, make_policy
+from kestrel_core.engine.assemble import make_policy
+from kestrel_core.engine.run import Model
 from kestrel_core.errors import ConfigError, KestrelError
 from kestrel_core.engine.results import GenerationResult
 from kestrel_core.tools.optimum import min_bytes_by_pass

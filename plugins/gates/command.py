@@ -32,7 +32,7 @@ def add_arguments(p):
                         "or runner (kestrel's KVCache in the backend's compute dtype)")
     p.add_argument("--total-mb", type=float, help="total device memory in MiB (default: measured, a visible GPU, or 32,607)")
     p.add_argument("--peak-mb", type=float, help="peak used in MiB, measured elsewhere (e.g. the seed's 19,625)")
-    p.add_argument("--budget-mb", type=int, help="weight-cache budget in MiB (else half of free memory; KESTREL_WCACHE_MB wins)")
+    p.add_argument("--budget-mb", type=int, help="weight-cache budget in MiB (else free memory less a 2 GiB reserve; KESTREL_WCACHE_MB wins)")
     p.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), help="bytes per weight in the device cache (default bfloat16)")
     p.add_argument("--threshold", type=float, help="the gate's threshold (default 0.10, the 10%% rule)")
     p.add_argument("--h2d-gbps", type=float, default=55.0, help="host->device bandwidth for the window's cost (default 55)")

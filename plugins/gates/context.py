@@ -169,7 +169,7 @@ class GateContext:
         return Quantity("total", "total memory", int(total), "B", MEASURED, f"torch.cuda.mem_get_info({dev})")
 
     def free_memory(self) -> Quantity:
-        """Free device memory the weight-cache budget is half of."""
+        """Free device memory, which the weight-cache budget is read from (``weight_cache_budget``)."""
         total = self.total_memory()
         free = self.gpu_free
         if free is not None and total.kind == MEASURED:

@@ -38,11 +38,11 @@ class WindowGate(Gate):
     name = "window"
     title = "the residency window itself: is streaming needed at all?"
     formula = "weight-cache bytes = parameters x bytes per weight, against the weight-cache budget"
-    against = "the weight-cache budget: half of free device memory, 256 MiB..24 GiB, or KESTREL_WCACHE_MB / --budget-mb"
+    against = "the weight-cache budget: free device memory less a 2 GiB reserve, or KESTREL_WCACHE_MB / --budget-mb"
     flip_axes = (CARD_GB, WEIGHT_DTYPE)
     needs = (
         Needs("weight bytes", "config or run", "shapes x torch_dtype from config.json; safetensors headers when present"),
-        Needs("free device memory", "run or flag", "the budget is half of it"),
+        Needs("free device memory", "run or flag", "the budget is it less a 2 GiB reserve"),
         Needs("weight-cache entries", "run", "--measure counts the entries a keep=off run creates"),
     )
     actions = {BUILD: "turn the window on", DONT_BUILD: "don't turn the window on",
