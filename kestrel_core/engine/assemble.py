@@ -28,7 +28,8 @@ from kestrel_core.engine.fit import EXPERT_POLICY, KeepChoice, KVRoom, choose_ke
 from kestrel_core.engine.pipeline import Pipeline, kestrel_version, launched_rank
 from kestrel_core.engine.plan import Counters, Observers
 from kestrel_core.engine.residency import Window
-from kestrel_core.engine.runner import Runner, StepSettings
+from kestrel_core.engine.runner import Runner
+from kestrel_core.engine.step import StepSettings
 from kestrel_core.errors import BudgetError, ConfigError, KestrelError, KestrelNote, PluginError
 from kestrel_core.formats.hub import NotCachedError
 from kestrel_core.formats.units import UnitTable

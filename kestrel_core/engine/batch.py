@@ -34,7 +34,8 @@ from kestrel_core.engine.model import Span
 from kestrel_core.engine.plan import delta
 from kestrel_core.engine.results import MODES, GenerationResult, TokenLogprobs
 from kestrel_core.engine.probe import nonfinite
-from kestrel_core.engine.runner import Launched, Runner, StepRequest
+from kestrel_core.engine.runner import Runner
+from kestrel_core.engine.step import Launched, StepRequest
 from kestrel_core.engine.sampling import Constraint, Sampler, check_logprobs, token_logprobs
 from kestrel_core.engine.speculative import SpecStats, accept, begin_drafting, check_draft
 

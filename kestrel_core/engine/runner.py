@@ -5,8 +5,8 @@ A pass over the layers carries rows: first the decode rows (row b: the next toke
 spans of prompt tokens (a sequence's prompt, or a chunk of one). Every row of a pass shares its plans: a layer brought
 in once serves them all. The token loop over these passes is the batch's (``batch.Batch``).
 
-Here: a step's launch and read-back (``Runner.step``, ``Runner.read``), the passes and the one layer loop
-(``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots and their growth
+Here: a step's launch and read-back (``Runner.step``, ``Runner.read``; what they take and give: ``step``), the passes
+and the one layer loop (``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots and their growth
 (``slots``), the expert table's side of a step (``expert_landing``), a pipeline's ranks (``follower``), a grammar's
 masks (``sampling.pick_masked``) and the NaN probe (``probe``).
 """
@@ -18,7 +18,6 @@ import threading
 from collections import deque
 from typing import Callable, Iterable
 
-import attrs
 import torch
 
 from kestrel_core.engine.contracts import Backend
@@ -38,19 +37,10 @@ from kestrel_core.engine.pipeline import Pipeline
 from kestrel_core.engine.residency import Window
 from kestrel_core.engine.sampling import pick_masked
 from kestrel_core.engine.slots import DecodeState, Slots
+from kestrel_core.engine.step import Launched, Readback, StepRequest, StepSettings
 from kestrel_core.engine.step_graphs import StepGraphs
 
 PART_STEPS = 65536  # a pipeline rank's part of its last this many decode steps is kept (a server runs for days)
-
-
-@attrs.frozen
-class StepSettings:
-    graphs: bool  # replay a repeating decode step as a captured graph, where the backend can
-    compile: bool  # the decode step's layer math through torch.compile
-    expert_table: bool = False  # a decode step reads its routed experts through the backend's expert table
-    micro_batches: bool = False  # in a pipeline, a decode step of several rows goes through the ranks in micro-batches
-    landing: int = 0  # slots of the ring a table-read decode step lands its misses in (``engine.landing``); 0: none
-    staged: int = 0  # slots beside the ring a backend may copy the misses it cannot land into (``landing.ring_size``)
 
 
 @functools.cache
@@ -61,47 +51,6 @@ def _compiled_layer():
 def layer_math(compile: bool):
     """``decoder_layer``, or its torch.compile'd twin (one per process: its kernels are reused across runs)."""
     return _compiled_layer() if compile else decoder_layer
-
-
-@attrs.frozen
-class StepRequest:
-    """One step as a batch asks for it: the next token of each of the first ``rows`` slots (those in ``live`` decode:
-    their positions move on), then ``spans``, each a sequence's tokens with their ids (a prompt chunk, or a verify
-    pass: the last token and its drafts). ``every_row``: the spans whose every row's logits come back (a verify pass);
-    the others give their last row. ``sample``: the slots whose next token the host draws from their logits (the rest
-    take their argmax on the device; a grammar's row among the ids its mask allows, ``Runner.step``'s ``masks``)."""
-
-    rows: int
-    live: frozenset[int] = frozenset()
-    spans: tuple[tuple[Span, tuple[int, ...]], ...] = ()
-    every_row: frozenset[int] = frozenset()
-    sample: tuple[int, ...] = ()
-
-
-@attrs.define(eq=False)
-class Launched:
-    """A step as it was launched: its number in its slots, how it ran (one of ``results.MODES``), the counters around
-    its plans, its mark, its number among the decode steps (-1 where it had spans), whether it read the expert table,
-    and each span's logits rows ([1 or T, vocab] each, as the request asked, on the device)."""
-
-    index: int
-    mode: str
-    before: dict[str, int]
-    after: dict[str, int]
-    mark: object
-    decode_index: int
-    table: bool
-    span_logits: list[torch.Tensor]
-
-
-@attrs.frozen
-class Readback:
-    """A step read back: each slot's token and whether its logits were not finite, and the counters of the plans made
-    on hearing its routing (where it read the expert table)."""
-
-    tokens: list[int]
-    bad: list[bool]
-    heard: dict[str, int]
 
 
 class Runner:
