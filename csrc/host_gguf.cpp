@@ -561,9 +561,10 @@ AVX2 void rows_q6_k_avx2(const uint8_t* w, const QRow* x, int64_t nb, float* out
 // ---- AVX-512 (F, BW, VL, VNNI): the K-quants on 512-bit vectors --------------------------------------------------
 // A zmm holds two 32-value groups (Q4_K, Q5_K: a chunk's low nibbles, group 2c, beside its high nibbles, group 2c + 1,
 // against the 64 x bytes of those groups, which lie back to back; Q6_K: two consecutive 32-value runs); maddubs gives
-// int16 pairs and VNNI's dpwssd multiplies them by the groups' int16 scales and adds into int32 lanes, without saturation.
-// The block's integer sums are the AVX2 path's exactly (integers, any order), and every float step is that path's, so
-// the bits are the same. The 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) keep their AVX2 functions on this path.
+// int16 pairs and VNNI's dpwssd multiplies them by the groups' int16 scales and adds into int32 lanes, without
+// saturation (Q5_K's values reach 31: 2 * 31 * 127 fits int16). The block's integer sums are the AVX2 path's exactly
+// (integers, any order), and every float step is that path's, so the bits are the same. The 32-value types (Q8_0,
+// Q4_0, Q4_1, Q5_0, Q5_1) keep their AVX2 functions on this path.
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 AVX512 inline __m512i pair512(__m256i lo, __m256i hi) {

@@ -1,8 +1,8 @@
 """The host GGUF GEMV (backends/cpu_ref/host_gguf.py, csrc/host_gguf.cpp) against its numpy reference and against
 the float32 product of kestrel's dequantized weight.
 
-Every type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), M = 1, 3, 8, an odd N, a K of several blocks (several super-blocks for the
-K-quants, and a block count that is not a multiple of 4, so the accumulators' tail runs):
+Every type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), M = 1, 3, 8, an odd N, a K of several blocks (several
+super-blocks for the K-quants, and a block count that is not a multiple of 4, so the accumulators' tail runs):
 
 - the kernel against ``reference`` bitwise: x's quantization is the same float32 steps, the integer dots are exact,
   each block's float32 term is formed by the same products in the same order, and the build fuses no multiply-add
