@@ -1,8 +1,8 @@
 """The host GGUF GEMV (backends/cpu_ref/host_gguf.py, csrc/host_gguf.cpp) against its numpy reference and against
 the float32 product of kestrel's dequantized weight.
 
-Every type (Q8_0, Q4_0, Q4_K, Q6_K), M = 1, 3, 8, an odd N, a K of several blocks (several super-blocks for the
-K-quants, and a block count that is not a multiple of 4, so the accumulators' tail runs):
+Every type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), M = 1, 3, 8, an odd N, a K of several blocks (several
+super-blocks for the K-quants, and a block count that is not a multiple of 4, so the accumulators' tail runs):
 
 - the kernel against ``reference`` bitwise: x's quantization is the same float32 steps, the integer dots are exact,
   each block's float32 term is formed by the same products in the same order, and the build fuses no multiply-add
@@ -11,11 +11,13 @@ K-quants, and a block count that is not a multiple of 4, so the accumulators' ta
   (512-bit maddubs and VNNI's dpwssd for the K-quants) bitwise both, for the same reasons, on every path the CPU has;
 - against ``x @ dequantize(W).T`` in float32 within ``host_gguf.bound`` per output: x's quantization moves each
   value by at most max|x of its block| / 254 (with float16's rounding of q8_0's d, 1.001 of it), times |W|, plus 1e-5
-  of sum |x| |W| for the float32 sums (``host_gguf.TOLERANCE``);
+  of sum |x| |W| for the float32 sums, plus for Q4_1/Q5_1 the float16 rounding of x's block sum s times |m|
+  (``host_gguf.TOLERANCE``);
 - bad input refused with one line, and a machine where the build fails says why.
 
-Weights come from real quantization (``gguf.quants.quantize``) for Q8_0 and Q4_0, else from random valid blocks;
-Q8_0 also from random bytes (int8 -128, which quantization never writes, goes through maddubs' sign trick).
+Weights come from real quantization (``gguf.quants.quantize``) for the 32-value types, else from random valid blocks;
+each type also from random valid blocks (every fifth bit, Q8_0's int8 -128, which quantization never writes and which
+goes through maddubs' sign trick).
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ why = host_gguf.usable()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
 
 N = 37  # odd
-K = {T.Q8_0: 32 * 13, T.Q4_0: 32 * 13, T.Q4_K: 256 * 5, T.Q6_K: 256 * 5}  # 13 and 5 blocks: a tail past the 4 lanes
+# 13 and 5 blocks: a tail past the 4 lanes
+K = {t: 256 * 5 if t in host_gguf.K_QUANTS else 32 * 13 for t in host_gguf.TYPES}
+QUANTIZED = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # the types gguf.quants quantizes
 
 
 def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Valid ``qtype`` blocks for [n, k]: random bytes, with each f16 scale a finite value of either sign."""
     values, nbytes = block_geometry(qtype)
     blocks = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
-    f16_at = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,)}[qtype]
+    f16_at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2),
+              T.Q5_0: (0,), T.Q5_1: (0, 2)}[qtype]
     for at in f16_at:
         d = rng.uniform(1e-3, 1e-2, len(blocks)) * rng.choice([-1.0, 1.0], len(blocks))
         blocks[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -50,7 +55,7 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator) -> np.ndarray
 def weight(qtype, n: int = N, k: int | None = None, seed: int = 0, quantized: bool = True) -> torch.Tensor:
     k = k or K[qtype]
     rng = np.random.default_rng([int(qtype), n, k, seed])
-    if quantized and qtype in (T.Q8_0, T.Q4_0):
+    if quantized and qtype in QUANTIZED:
         raw = gguf_np.quantize(rng.standard_normal((n, k)).astype(np.float32) / k**0.5, qtype)
     else:
         raw = random_blocks(qtype, n, k, rng)
@@ -130,6 +135,21 @@ def test_random_q8_0_bytes_with_minus_128():
     assert torch.equal(y, host_gguf.matmul(x, raw, T.Q8_0, N, K[T.Q8_0], isa="scalar"))
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("qtype", [t for t in QUANTIZED if t != T.Q8_0], ids=lambda t: t.name)
+def test_random_blocks_of_the_quantized_types(qtype, isa):
+    """Random bytes (every qh bit pattern, any m) where the other tests use quantize's blocks: each path, M = 5."""
+    if isa != "scalar" and not HAS[isa]:
+        pytest.skip(f"this CPU has no {isa} path")
+    k = K[qtype] * 3
+    raw = weight(qtype, k=k, seed=5, quantized=False)
+    x = inputs(5, k, seed=6)
+    y = host_gguf.matmul(x, raw, qtype, N, k, isa=isa)
+    assert torch.equal(y, host_gguf.reference(x, raw, qtype, N, k))
+    want = x @ dequantize(raw.reshape(-1), qtype, (N, k)).T
+    assert ((y - want).abs() <= host_gguf.bound(x, raw, qtype, N, k)).all()
+
+
 @pytest.mark.parametrize("qtype", list(host_gguf.TYPES), ids=lambda t: t.name)
 def test_the_env_forces_the_scalar_path_and_each_row_is_its_own(qtype, monkeypatch):
     k = K[qtype]
@@ -161,7 +181,8 @@ def test_the_path_is_told_once(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda raw, x: host_gguf.matmul(x, raw, T.Q5_K, N, 1280), "computes Q8_0, Q4_0, Q4_K, Q6_K, not Q5_K"),
+    (lambda raw, x: host_gguf.matmul(x, raw, T.Q3_K, N, 1280),
+     "computes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, not Q3_K"),
     (lambda raw, x: host_gguf.matmul(x, raw, T.Q4_K, N, 1000), "k a positive multiple of 256"),
     (lambda raw, x: host_gguf.matmul(x[:, :256], raw, T.Q4_K, N, 1280), "x must be a [M, 1280] tensor"),
     (lambda raw, x: host_gguf.matmul(x[0], raw, T.Q4_K, N, 1280), "x must be a [M, 1280] tensor"),

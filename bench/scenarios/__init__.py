@@ -36,8 +36,9 @@ SCENARIOS: dict[str, tuple[str, str]] = {
                            "(from q8_gemv_bench.py)"),
     "gguf-gemv": ("gguf_gemv", "the GGUF block kernels (Q4_0 .. Q8_0) at Qwen3-8B and 30B-A3B expert shapes, M = 1, 8 "
                                "and 64, against the device copy and dequantize-then-linear"),
-    "host-gemv": ("host_gemv", "the host GGUF GEMV (Q8_0, Q4_0, Q4_K, Q6_K) on the CPU's cores at Qwen3-30B-A3B expert "
-                               "and 8B shapes, M = 1 and 8, against the host copy rate"),
+    "host-gemv": ("host_gemv", "the host GGUF GEMV (Q8_0, Q4_0, Q4_K, Q6_K; Q4_1, Q5_0, Q5_1, Q5_K by --types) on the "
+                               "CPU's cores at Qwen3-30B-A3B expert and 8B shapes, M = 1 and 8, against the host copy "
+                               "rate"),
     "rss-window": ("rss_window", "cpu_ref's mapping RSS per keep against the policy's peak (from rss_window.py)"),
     "rss-experts": ("rss_experts", "cpu_ref's mapping RSS under expert budgets against the resident bytes "
                                    "(from rss_experts.py)"),

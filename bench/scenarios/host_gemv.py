@@ -36,14 +36,16 @@ from bench.log import log
 from bench.options import names, numbers
 from bench.stats import summary
 
-TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # the kernel's
+DEFAULT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")  # a run without --types: the four the records so far hold
 SHAPE_SETS = {"qwen3-30b-a3b": {"expert gate,up": (768, 2048), "expert down": (2048, 768)},
               "qwen3-8b-q_proj": {"q_proj,o_proj": (4096, 4096)}}
 MIB = 2**20
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--types", type=names(TYPES), default=set(TYPES), help=f"comma-separated, of {','.join(TYPES)}")
+    p.add_argument("--types", type=names(TYPES), default=set(DEFAULT_TYPES),
+                   help=f"comma-separated, of {','.join(TYPES)} (default {','.join(DEFAULT_TYPES)})")
     p.add_argument("--shapes", default="qwen3-30b-a3b,4096x4096",
                    help="comma-separated: 'qwen3-30b-a3b' (its experts), 'qwen3-8b-q_proj' or NxK")
     p.add_argument("--rows", type=numbers(int, 1), default=[1, 8], help="the M of each timed call")
@@ -110,12 +112,12 @@ def random_weight(qtype, n: int, k: int, seed: int):
     from kestrel_core.formats.gguf_quants import block_geometry
 
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q8_0, T.Q4_0):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32) / k**0.5, qtype)
     else:
         values, nbytes = block_geometry(qtype)
         raw = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
-        for at in {T.Q4_K: (0, 2), T.Q6_K: (208,)}[qtype]:
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]:
             d = rng.uniform(1e-3, 1e-2, len(raw)) * rng.choice([-1.0, 1.0], len(raw))
             raw[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1))
