@@ -138,3 +138,10 @@ def test_every_script_the_docs_name_exists_or_names_its_scenario():
                 continue
             assert f"python -m bench {SCENARIO_OF[script]}" in text, \
                 f"{page.name} names bench/{script} without its scenario, python -m bench {SCENARIO_OF[script]}"
+
+
+def test_the_picture_names_the_models_depth_not_its_largest_keep():
+    """A sweep that stops at keep = 4 of 36 layers is still a 36-layer model; a legacy record names only its preset."""
+    assert plot.depth({"preset": "qwen3-8b", "model": {"layers": 36}, "rows": []}) == 36
+    assert plot.depth({"preset": "qwen3-8b", "model": {"preset": "qwen3-8b"}}) == 36
+    assert plot.depth({"preset": "tiny", "model": {"layers": 2}}) == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kestrel_core.tools.presets import PRESETS
 from bench import legacy, tables
 from bench.records import Records, is_new
 from bench.stamp import REPO
@@ -51,6 +52,11 @@ def curves(rows: list[dict], graphs: str) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["settings"]["keep"]) for k, v in groups.items()}
 
 
+def depth(result: dict) -> int | str:
+    """The plotted model's layers: its record's, else its preset's (a legacy record names only the preset)."""
+    return (result.get("model") or {}).get("layers") or PRESETS.get(result["preset"], {}).get("num_hidden_layers", "?")
+
+
 def plot(name: str, rec: dict, result: dict, out: Path) -> None:
     import matplotlib
 
@@ -83,8 +89,7 @@ def plot(name: str, rec: dict, result: dict, out: Path) -> None:
     ax.set_xlabel("keep (layers the window keeps resident)")
     steps = "replayed steps (CUDA graph)" if graphs == "auto" else "eager steps"
     ax.set_ylabel(f"decode ms/token (p50 of {steps})")
-    layers = max((r["settings"]["keep"] for rs in groups.values() for r in rs), default="?")
-    ax.set_title(f"{result['preset']} shape, {layers} layers, one {tables.gpu_of(rec)}: labels are peak device GB",
+    ax.set_title(f"{result['preset']} shape, {depth(result)} layers, one {tables.gpu_of(rec)}: labels are peak device GB",
                  fontsize=9)
     ax.set_ylim(0, None)
     ax.legend(fontsize=7, loc="upper right")
