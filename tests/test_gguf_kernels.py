@@ -182,6 +182,6 @@ def test_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="x must be"):
         gguf_kernels.matmul(x[:, :32], raw, T.Q4_0, N, k)
     with pytest.raises(ValueError, match="no GGUF kernel"):
-        gguf_kernels.matmul(x, raw, T.Q2_K, N, k)
+        gguf_kernels.matmul(x, raw, T.IQ2_XXS, N, k)
     with pytest.raises(ValueError, match="whole"):
         gguf_kernels.matmul(x[:, :k - 16], raw, T.Q4_0, N, k - 16)
