@@ -208,6 +208,17 @@ def test_waiting_prompts_share_a_pass_up_to_the_chunk(tiny_ckpt):
         assert [r.token_ids for r in got] == alone
 
 
+def test_a_prompt_that_no_token_of_a_step_went_to_does_not_count_that_step(tiny_ckpt):
+    """A chunk of 4 tokens, prompts of 4 and 3: the first takes the whole first step, the second rides only the next,
+    so that is its one prefill pass (its prefill time runs from the step before it)."""
+    gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+    with load(tiny_ckpt) as model, model.open(keep=1) as run:
+        with Batch(run.runner, slots=2, max_seq=16, prefill_chunk=4) as batch:
+            first, second = batch.add(Request([10, 20, 30, 40], gen)), batch.add(Request([11, 21, 31], gen))
+            batch.run_until_done()
+    assert first.prefill_passes == [0] and second.prefill_passes == [1]
+
+
 @pytest.mark.parametrize("flags, toml, needle", [
     (["--draft-tokens", "3"], None, "--draft-tokens sets how many tokens a drafter proposes, and no draft is set"),
     (["--draft", " "], None, "--draft is empty"),

@@ -4,6 +4,7 @@ the drafter, and its proposals go through a Batch of its own, so only batch.py s
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import attrs
@@ -14,7 +15,7 @@ from kestrel_core.config import GenerationConfig
 from kestrel_core.engine.batch import Batch, Request
 from kestrel_core.engine.draft_run import DraftRun
 from kestrel_core.engine.runner import Runner
-from kestrel_core.errors import ConfigError, KestrelError
+from kestrel_core.errors import ConfigError, KestrelError, KestrelNote
 from kestrel_core.hookspecs import hookimpl
 from kestrel_core.tools.presets import preset_config, write_checkpoint
 
@@ -146,3 +147,39 @@ def test_cached_prompt_tokens_need_a_one_slot_batch_and_leave_the_last_to_go_thr
         whole = run.generate(prompt_ids=[1, 2, 3], max_new_tokens=2, stop_at_eos=False)
     assert first.result.token_ids == whole.token_ids
     assert again.result.token_ids == whole.token_ids[1:] and again.prefill_passes == [0]
+
+
+def test_a_sequence_drafting_again_feeds_only_what_is_new_and_proposes_as_if_fed_anew(tiny_ckpt, draft_ckpt,
+                                                                                        monkeypatch):
+    """Every draft kept and the target's own token after them: the slot holds the context and the drafts but the last,
+    so the next proposal's request caches those and feeds two tokens; its drafts are a fresh sequence's."""
+    cached = []
+    real = Batch.add
+    monkeypatch.setattr(Batch, "add",
+                        lambda self, request, seq=None: cached.append(request.cached) or real(self, request, seq))
+    with load(tiny_ckpt) as model, model.open(keep=1, draft=str(draft_ckpt), draft_tokens=4) as run:
+        seq = run.drafter.begin(REPEATING)
+        tokens, _ = seq.propose(REPEATING, 4)
+        context = REPEATING + tokens + [7]
+        again, _ = seq.propose(context, 4)
+        fresh, _ = run.drafter.begin(context).propose(context, 4)
+    assert cached[:2] == [0, len(REPEATING) + 3] and cached[2] == 0
+    assert again == fresh
+
+
+def test_a_draft_is_the_draft_models_own_greedy_guess_without_the_targets_penalties(tiny_ckpt, draft_ckpt):
+    penalties = dict(repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0)
+    with load(tiny_ckpt) as model, model.open(keep=1, draft=str(draft_ckpt), draft_tokens=4,
+                                              generation=penalties) as run:
+        tokens, _ = run.drafter.begin(REPEATING).propose(REPEATING, 4)
+    with load(draft_ckpt) as small, small.open(keep=1) as plain:
+        own = plain.generate(prompt_ids=REPEATING, max_new_tokens=4, stop_at_eos=False).token_ids
+        penalised = plain.generate(prompt_ids=REPEATING, max_new_tokens=4, stop_at_eos=False, **penalties).token_ids
+    assert tokens == own != penalised  # the penalties would change the guess
+
+
+def test_a_draft_model_of_as_many_positions_as_the_target_opens_without_a_note(tiny_ckpt, draft_ckpt):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KestrelNote)
+        with load(tiny_ckpt) as model, model.open(keep=1, draft=str(draft_ckpt), draft_tokens=4) as run:
+            assert run.draft_run.max_seq == model.config.max_position_embeddings

@@ -150,3 +150,27 @@ def test_held_positions_is_what_a_slot_holds_as_its_sequences_reach(tiny_ckpt, m
         finally:
             slots.close()
     assert seen == ([5, 5, 9, 17, 33, 41, 41] if on_a_device else [41] * 7)
+
+
+def test_a_cache_that_grows_under_a_batch_gives_the_whole_caches_ids_and_logits(tiny_ckpt, monkeypatch):
+    """A cache that starts at a device's first capacity (floor 4) and grows several times under a batch whose slots are
+    parked (chunked prompts, verify spans) and placed again: each sequence's ids and logits are those of a cache that
+    held every position from the start (the written keys and values copied over, a parked slot moved to the new park,
+    a placed one left where it decodes)."""
+    with load(tiny_ckpt) as model, model.open(dtype="float32", draft="ngram:2", draft_tokens=3) as run:
+        reqs = [dict(prompt_ids=p * 3, max_new_tokens=20, stop_at_eos=False, keep_logits=True) for p in PROMPTS]
+        with monkeypatch.context() as m:
+            masked(m, 1 << 20)
+            want = run.generate_batch(reqs, max_batch=4, prefill_chunk=8)
+        with monkeypatch.context() as m:
+            masked(m, 4)
+            m.setattr(slots_mod, "first_capacity", lambda max_seq, device: key_bound(1, max_seq))
+            sizes, real = [], slots_mod.allocate_cache
+            m.setattr(slots_mod, "allocate_cache",
+                      lambda cfg, size, *a, **kw: sizes.append(size) or real(cfg, size, *a, **kw))
+            got = run.generate_batch(reqs, max_batch=4, prefill_chunk=8)
+    assert sizes[:2] == [4, 8] and len(sizes) >= 4  # grown at least three times
+    assert any(r.speculative["accepted"] for r in got)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), rtol=1e-5, atol=1e-5)

@@ -110,6 +110,10 @@ def test_a_draft_with_another_vocabulary_or_larger_is_refused(tiny_ckpt, demo_ck
     with load(draft_ckpt) as small:
         with pytest.raises(ConfigError, match="is not smaller than the target"):
             small.open(draft=str(tiny_ckpt))
+    same = shutil.copytree(tiny_ckpt, tmp_path / "same-size")  # no smaller either: refused
+    with load(tiny_ckpt) as model:
+        with pytest.raises(ConfigError, match="is not smaller than the target"):
+            model.open(draft=str(same))
 
 
 def test_generate_prints_and_records_the_drafts(tiny_ckpt, capsys):
@@ -228,3 +232,14 @@ def test_the_summary_line_says_what_its_figure_is(tiny_ckpt, capsys):
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", ids, "--max-new-tokens", "8", "--ignore-eos"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("prefill:"))
     assert "ms/token (median of 7 decode steps)" in line, line
+
+
+def test_a_draft_drawn_from_the_targets_own_distribution_is_always_kept():
+    """A draft d with its distribution q is kept with probability min(1, p(d) / q(d)): where q is p, every time (a
+    draft taken as one-hot would be kept only p(d) of the time)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 6, generator=g)
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=2))
+    p = sampler.probs(logits[0])
+    drafts = [int(torch.multinomial(p, 1, generator=g)) for _ in range(300)]
+    assert all(accept(logits, [d], [p], sampler, greedy=False)[0] == 1 for d in drafts)
