@@ -69,9 +69,9 @@ def test_a_step_never_routes_on_the_host(tiny_moe, monkeypatch):
     calls = []
     real = runner_mod.host_experts
 
-    def counting(runner, layer, phase):
+    def counting(runner, layer, phase, *rest):
         calls.append(phase)
-        return real(runner, layer, phase)
+        return real(runner, layer, phase, *rest)
 
     monkeypatch.setattr(runner_mod, "host_experts", counting)
     result, table = generate(tiny_moe, expert_policy="expert_lru", expert_budget_mb=4 * EXPERT / 2**20)
