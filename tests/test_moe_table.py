@@ -91,9 +91,9 @@ def test_a_prompt_chunk_waits_for_each_expert_as_it_reads_it_and_the_table_follo
         events.append(("use", key))
         return real_use(self, key)
 
-    def fetched_experts(self, x, weights, chosen, used, weights_of):
+    def fetched_experts(self, x, weights, chosen, used, weights_of, prompt_from=None):
         events.append(("compute", x.shape[0]))
-        out = real_fetched(self, x, weights, chosen, used, weights_of)
+        out = real_fetched(self, x, weights, chosen, used, weights_of, prompt_from=prompt_from)
         events.append(("computed", sorted(set(chosen.flatten().tolist()))))
         return out
 

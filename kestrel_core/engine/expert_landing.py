@@ -133,7 +133,7 @@ def host_experts(runner, layer: int, phase: str, prompt_from: int | None = None)
     def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         used, routed, plan = decide(chosen, x)
         out = backend.fetched_experts(x, weights, chosen, used, WaitedWeights(routed, layer, backend.before_use),
-                                      prompt_from)
+                                      prompt_from=prompt_from)
         follow_plan(runner, plan)  # after the layer read its experts: pointing the table waits for their uploads
         return out
 
