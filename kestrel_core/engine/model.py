@@ -87,9 +87,9 @@ class Attend:
 
     @property
     def prompt_from(self) -> int | None:
-        """The pass's first prompt row (None: it has none): a prompt's rows, and its chunks', come after every decode
-        row and verify span, so a backend may compute them by other kernels than a decode row's (``Backend.
-        prompt_linear``), each row's bits then following its kind and its values alone."""
+        """The pass's first prompt row (None: it has none). A prompt's rows, and its chunks', come after every decode
+        row and verify span, so a backend may compute them by other kernels than a decode row's
+        (``Backend.prompt_linear``), each row's bits then following its kind and its values alone."""
         last = max((i for i, s in enumerate(self.spans) if s.verify), default=-1)  # the last verify span
         if last > 0 and any(not s.verify for s in self.spans[:last]):
             raise ValueError("a pass's prompt spans come after its verify spans, so that its prompt rows are its last")

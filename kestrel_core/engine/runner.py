@@ -2,13 +2,14 @@
 NaN probe, and the runner executes every plan the window makes, through the backend.
 
 A pass over the layers carries rows: first the decode rows (row b: the next token of the sequence in KV slot b), then
-spans of prompt tokens (a sequence's prompt, or a chunk of one). Every row of a pass shares its plans: a layer brought
-in once serves them all. The token loop over these passes is the batch's (``batch.Batch``).
+spans: verify spans (a token and its drafts), then a prompt's tokens (a sequence's prompt, or a chunk of one). Every
+row of a pass shares its plans: a layer brought in once serves them all. The token loop over these passes is the
+batch's (``batch.Batch``).
 
 Here: a step's launch and read-back (``Runner.step``, ``Runner.read``; what they take and give: ``step``), the passes
-and the one layer loop (``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots and their growth
-(``slots``), the expert table's side of a step (``expert_landing``), a pipeline's ranks (``follower``), a grammar's
-masks (``sampling.pick_masked``) and the NaN probe (``probe``).
+and the one layer loop (``Runner.layers``). Beside it, each a function of the runner where it needs one: the KV slots
+and their growth (``slots``), the expert table's side of a step (``expert_landing``), a pipeline's ranks
+(``follower``), a grammar's masks (``sampling.pick_masked``) and the NaN probe (``probe``).
 """
 
 from __future__ import annotations
