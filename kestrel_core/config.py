@@ -193,9 +193,9 @@ class BackendConfig:
     # where it has them: cuda with Triton; 8B Q4_K_M off on an H100, 5.86 -> 3.62 ms a token, stream_20261207T165140Z),
     # "fused" (those, or an error), "torch" (torch's ops)
     layer_ops: str = attrs.field(default="auto")
-    # cpu_ref: a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linears: "auto" (held as the file's blocks
-    # and computed by the host GGUF kernel, x quantized to 8 bits a value; float32 dequantization where the kernel
-    # cannot build), "off" (each fetch dequantizes them to the compute dtype)
+    # cpu_ref: a GGUF's Q8_0, Q4_0, Q4_K and Q6_K linears: "auto" (held as the file's blocks and computed by the host
+    # GGUF kernel, x quantized to 8 bits a value; float32 dequantization where the kernel cannot build), "off" (each
+    # fetch dequantizes them to the compute dtype)
     host_kernels: str = attrs.field(default="auto")
 
     @host_kernels.validator

@@ -76,7 +76,7 @@ def held_blocks(ctx: BackendContext, note: bool) -> dict[str, BlockTensor]:
     build: with ``note``, a note says why, and they dequantize as with "off")."""
     if ctx.backend.host_kernels != "auto":
         return {}
-    found = block_tensors(ctx.checkpoint, ctx.model, host_gguf.TYPES)
+    found = block_tensors(ctx.checkpoint, ctx.model, host_gguf.HELD)
     if not found:
         return {}
     why = host_gguf.usable()

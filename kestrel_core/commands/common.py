@@ -66,9 +66,8 @@ def add_run_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("cpu_ref")
     g.add_argument("--threads", type=int, help="the torch threads it computes on (default: the cores this process may "
                    "use, shared among the ranks of a pipeline on this host; on a busy machine fewer are faster)")
-    g.add_argument("--host-kernels", help="auto (default): a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K "
-                   "linears held as their blocks and computed by the host GGUF kernel; off: dequantized to float32 on "
-                   "each fetch")
+    g.add_argument("--host-kernels", help="auto (default): a GGUF's Q8_0, Q4_0, Q4_K and Q6_K linears held as their "
+                   "blocks and computed by the host GGUF kernel; off: dequantized to float32 on each fetch")
     g = p.add_argument_group("Mixture-of-Experts")
     g.add_argument("--expert-policy", help=f"the expert policy: {_names('expert_policies')} (default: none, an expert "
                    "stays until its layer goes)")
