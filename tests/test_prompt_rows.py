@@ -26,7 +26,7 @@ def test_a_pass_names_its_first_prompt_row():
     assert _attend().prompt_from is None  # decode rows alone
     assert _attend(verify).prompt_from is None
     assert _attend(prompt).prompt_from == 5
-    assert _attend(verify, Span(1, 5, 0, 4), Span(2, 9, 4, 2)).prompt_from == 5
+    assert _attend(verify, prompt, chunk).prompt_from == 5
     assert _attend(verify, Span(3, 5, 9, 2, verify=True), chunk).prompt_from == 9
     with pytest.raises(ValueError, match="prompt spans come after its verify spans"):
         _attend(prompt, verify).prompt_from

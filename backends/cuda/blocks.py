@@ -16,9 +16,10 @@ x's dtype, launches of up to 8 rows, no padding and no concatenation), or with `
 gguf_kernels = "int8"`` the int8 kernels (``gguf_int8``: x quantized per 32 values, int8 dot products, as llama.cpp's
 decode GEMV) where a segment's address is whole words of its type. With ``gguf_kernels = "auto"`` (the default) a
 pass's decode rows and verify spans take the float kernels and a prompt's rows the int8 ones (from 16 rows on the
-tensor cores). The choice follows the setting, the segment's type and address and the row's kind, never the rows. The kernel reduces each row in one order whatever the number of
-rows, and rows are padded to a power of two, or to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify
-pass or a prompt chunk gives the bits it gives alone, so ids are invariant across batch companions and keeps.
+tensor cores). The choice follows the setting, the segment's type and address and the row's kind, never the rows.
+The kernel reduces each row in one order whatever the number of rows, and rows are padded to a power of two, or
+to whole launches past 64 (at most 7 compiled variants a type): a row of a batch, a verify pass or a prompt chunk
+gives the bits it gives alone, so ids are invariant across batch companions and keeps.
 """
 
 from __future__ import annotations
